@@ -1,0 +1,201 @@
+"""Load `Settings` from a config file, the environment and CLI overrides.
+
+Precedence, lowest first: defaults < config file < environment < CLI flags. Every problem
+is reported with the dotted key, where the value came from (the file, an environment
+variable, a CLI flag or a missing required key) and the reason; `ConfigError` carries all
+of them at once so an operator fixes a file in one pass.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+
+from config.settings import ENV_NESTED_DELIMITER, ENV_PREFIX, Settings
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigProblem:
+    """One invalid or missing setting."""
+
+    key: str
+    origin: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.key or '<root>'} ({self.origin}): {self.reason}"
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; `problems` lists every offending key."""
+
+    def __init__(self, problems: list[ConfigProblem]) -> None:
+        self.problems = problems
+        super().__init__("invalid configuration:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+class _MappingSource(PydanticBaseSettingsSource):
+    """A settings source backed by an already-parsed mapping (the config file)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], data: Mapping[str, Any]) -> None:
+        super().__init__(settings_cls)
+        self._data = dict(data)
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self._data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return self._data
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Parse a TOML (.toml) or YAML (.yaml/.yml) config file into a mapping.
+
+    Raises:
+        ConfigError: the file is missing, unreadable, not parseable, or not a mapping.
+    """
+    origin = f"file {path}"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([ConfigProblem("", origin, f"cannot read: {exc.strerror}")]) from exc
+    try:
+        if path.suffix in {".yaml", ".yml"}:
+            data = yaml.safe_load(text) or {}
+        else:
+            data = tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError([ConfigProblem("", origin, f"cannot parse: {exc}")]) from exc
+    if not isinstance(data, dict):
+        raise ConfigError([ConfigProblem("", origin, "the top level must be a mapping")])
+    return data
+
+
+def parse_override(assignment: str) -> tuple[list[str], Any]:
+    """Parse a CLI override `section.key=value`; the value is read as a TOML value if it
+    parses as one (numbers, booleans, arrays, quoted strings), else as a bare string.
+
+    Raises:
+        ConfigError: the assignment has no `=` or no key.
+    """
+    key, sep, raw = assignment.partition("=")
+    path = [p for p in key.strip().split(".") if p]
+    if not sep or not path:
+        raise ConfigError(
+            [ConfigProblem(key, f"flag --set {assignment}", "expected section.key=value")]
+        )
+    try:
+        value: Any = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return path, value
+
+
+def load_settings(
+    path: Path | None = None,
+    overrides: list[str] | None = None,
+) -> Settings:
+    """Build the settings from `path`, `os.environ` and `--set` overrides.
+
+    Args:
+        path: config file (TOML or YAML); None = environment and overrides only.
+        overrides: `section.key=value` assignments from the command line.
+
+    Raises:
+        ConfigError: with one `ConfigProblem` per invalid or missing key.
+    """
+    file_data = read_config_file(path) if path is not None else {}
+    cli_data: dict[str, Any] = {}
+    for assignment in overrides or []:
+        keys, value = parse_override(assignment)
+        node = cli_data
+        for part in keys[:-1]:
+            node = node.setdefault(part, {})
+        node[keys[-1]] = value
+
+    class _Loaded(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            # First wins: CLI flags, then environment, then the file.
+            return init_settings, env_settings, _MappingSource(settings_cls, file_data)
+
+    try:
+        return _Loaded(**cli_data)
+    except ValidationError as exc:
+        raise ConfigError(_problems(exc, path, file_data, cli_data, os.environ)) from exc
+
+
+def _problems(
+    exc: ValidationError,
+    path: Path | None,
+    file_data: Mapping[str, Any],
+    cli_data: Mapping[str, Any],
+    env: Mapping[str, str],
+) -> list[ConfigProblem]:
+    problems = []
+    env_upper = {k.upper() for k in env}
+    for err in exc.errors(include_url=False):
+        loc = [str(p) for p in err["loc"]]
+        key = ".".join(loc)
+        reason = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing":
+            reason = "required key is missing"
+        problems.append(
+            ConfigProblem(key, _origin(loc, path, file_data, cli_data, env_upper), reason)
+        )
+    return problems
+
+
+def _origin(
+    loc: list[str],
+    path: Path | None,
+    file_data: Mapping[str, Any],
+    cli_data: Mapping[str, Any],
+    env_upper: set[str],
+) -> str:
+    """Say which source supplied the value at `loc` (highest precedence first)."""
+    if _has(cli_data, loc):
+        return "flag --set " + ".".join(loc)
+    var = ENV_PREFIX + ENV_NESTED_DELIMITER.join(p.upper() for p in loc)
+    if var in env_upper or (
+        len(loc) > 1 and any(v.startswith(var + ENV_NESTED_DELIMITER) for v in env_upper)
+    ):
+        return f"environment {var}"
+    if path is not None and _has(file_data, loc):
+        return f"file {path}"
+    if path is not None:
+        return f"not set in file {path}"
+    return "not set"
+
+
+def _has(data: Mapping[str, Any], loc: list[str]) -> bool:
+    node: Any = data
+    for part in loc:
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    return True
+
+
+def redacted(settings: Settings) -> dict[str, Any]:
+    """The effective configuration as plain data with every secret masked."""
+    return settings.model_dump(mode="json")

@@ -1,0 +1,568 @@
+"""The one typed, frozen settings tree of lance-sink.
+
+Every tunable of the sink lives here, grouped by concern into sub-models. The loader
+(`config.loader`) fills the tree from four sources with this precedence, lowest first:
+
+    defaults  <  config file (TOML or YAML)  <  environment  <  CLI flags (``--set``)
+
+Environment variables use the prefix ``LANCE_SINK__`` and ``__`` for nesting, e.g.
+``LANCE_SINK__KAFKA__GROUP_ID`` or ``LANCE_SINK__TABLE__STORAGE_OPTIONS__AWS_SECRET_ACCESS_KEY``.
+
+Secrets are `SecretStr`: they print as ``**********`` in every dump of the model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Annotated, Any, Literal
+from urllib.parse import urlparse
+
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "LANCE_SINK__"
+ENV_NESTED_DELIMITER = "__"
+
+PositiveBytes = Annotated[ByteSize, Field(gt=0)]
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+Port = Annotated[int, Field(ge=0, le=65535)]
+
+#: Table URI schemes the storage layer can open.
+SUPPORTED_URI_SCHEMES = frozenset({"", "file", "s3"})
+
+#: librdkafka properties the sink sets itself (from typed settings or because the
+#: commit protocol depends on them). Pass-through must not override them.
+SINK_OWNED_LIBRDKAFKA_KEYS: dict[str, str] = {
+    "bootstrap.servers": "kafka.bootstrap_servers",
+    "group.id": "kafka.group_id",
+    "group.instance.id": "kafka.group_instance_id",
+    "client.id": "kafka.client_id",
+    "auto.offset.reset": "kafka.auto_offset_reset",
+    "session.timeout.ms": "kafka.session_timeout_ms",
+    "max.poll.interval.ms": "kafka.max_poll_interval_ms",
+    "security.protocol": "kafka.security_protocol",
+    "sasl.mechanism": "kafka.sasl_mechanism",
+    "sasl.mechanisms": "kafka.sasl_mechanism",
+    "sasl.username": "kafka.sasl_username",
+    "sasl.password": "kafka.sasl_password",
+    "ssl.ca.location": "kafka.ssl_ca_location",
+    "ssl.certificate.location": "kafka.ssl_certificate_location",
+    "ssl.key.location": "kafka.ssl_key_location",
+    "ssl.key.password": "kafka.ssl_key_password",
+    "statistics.interval.ms": "observability.kafka_statistics_interval_ms",
+    "enable.auto.commit": "(owned by the sink: offsets are committed only once durable)",
+    "enable.auto.offset.store": "(owned by the sink: offsets are stored only once durable)",
+    "partition.assignment.strategy": "(owned by the sink: cooperative-sticky)",
+    "enable.partition.eof": "(owned by the sink)",
+    "isolation.level": "kafka.isolation_level",
+}
+
+
+class _Section(BaseModel):
+    """Base for every sub-model: frozen, unknown keys rejected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def check_librdkafka_keys(conf: dict[str, str | int | float | bool], role: str) -> None:
+    """Check pass-through keys against librdkafka itself.
+
+    Builds (and immediately discards) a client of the given role with the properties, so
+    unknown keys and invalid values are rejected by the same code that would use them.
+
+    Raises:
+        ValueError: naming the first offending key and librdkafka's reason.
+    """
+    for key in conf:
+        if key in SINK_OWNED_LIBRDKAFKA_KEYS:
+            owner = SINK_OWNED_LIBRDKAFKA_KEYS[key]
+            hint = owner if owner.startswith("(") else f"(set {owner} instead)"
+            raise ValueError(f"librdkafka property {key!r} cannot be passed through {hint}")
+    ck = importlib.import_module("confluent_kafka")
+    for key, value in conf.items():
+        # One probe per key so the error names the key librdkafka objects to.
+        probe: dict[str, Any] = {key: value}
+        try:
+            if role == "producer":
+                ck.Producer(probe)
+            else:
+                probe["group.id"] = "lance-sink-config-check"
+                ck.Consumer(probe).close()
+        except ck.KafkaException as exc:
+            raise ValueError(f"{key!r}: librdkafka says {exc.args[0].str()}") from exc
+
+
+class KafkaSettings(_Section):
+    """The Kafka consumer side: brokers, group membership, security and fetch batching."""
+
+    bootstrap_servers: str = Field(min_length=1, description="Comma-separated host:port list.")
+    group_id: str = Field(default="lance-sink", min_length=1, description="Consumer group id.")
+    topics: list[Annotated[str, Field(min_length=1)]] = Field(
+        min_length=1, description="Topics to consume; several topics may feed one table."
+    )
+    client_id: str = Field(default="lance-sink", description="Client id sent to the brokers.")
+    group_instance_id: str | None = Field(
+        default=None, description="Static membership id (group.instance.id); unset = dynamic."
+    )
+    auto_offset_reset: Literal["earliest", "latest"] = Field(
+        default="earliest",
+        description="Where a partition with no committed offset and no WAL state starts.",
+    )
+    isolation_level: Literal["read_committed", "read_uncommitted"] = Field(
+        default="read_committed", description="Skip aborted transactional messages."
+    )
+    session_timeout_ms: PositiveInt = Field(
+        default=45_000,
+        description="Group session timeout; the heartbeat thread keeps it alive independently "
+        "of the poll loop.",
+    )
+    max_poll_interval_ms: PositiveInt = Field(
+        default=300_000,
+        description="librdkafka evicts a member that does not call consume() this often. The "
+        "loop polls every consume_timeout_ms whatever storage does, so this is a safety net.",
+    )
+    consume_batch_size: PositiveInt = Field(
+        default=10_000,
+        le=1_000_000,
+        description="Most messages one consume() call returns; larger batches amortise "
+        "per-call cost, smaller ones lower latency.",
+    )
+    consume_timeout_ms: PositiveInt = Field(
+        default=100,
+        description="Longest a consume() call waits for messages. Kept well below the WAL "
+        "flush interval multiples so completions are noticed promptly.",
+    )
+    commit_interval_ms: PositiveInt = Field(
+        default=1_000,
+        description="How often durable offsets are committed asynchronously (they are also "
+        "committed synchronously on revoke and shutdown).",
+    )
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = (
+        Field(default=None, validate_default=True)
+    )
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_ca_location: str | None = None
+    ssl_certificate_location: str | None = None
+    ssl_key_location: str | None = None
+    ssl_key_password: SecretStr | None = None
+    librdkafka: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="Extra librdkafka consumer properties, checked against librdkafka; keys "
+        "the sink owns are rejected.",
+    )
+
+    @field_validator("sasl_mechanism")
+    @classmethod
+    def _sasl(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None and str(info.data.get("security_protocol", "")).startswith("SASL"):
+            raise ValueError("required with a SASL security_protocol")
+        return value
+
+    @field_validator("librdkafka")
+    @classmethod
+    def _librdkafka(
+        cls, value: dict[str, str | int | float | bool]
+    ) -> dict[str, str | int | float | bool]:
+        check_librdkafka_keys(value, "consumer")
+        return value
+
+
+class ColumnSpec(_Section):
+    """One scalar column of the table."""
+
+    name: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9_]*$")
+    type: Literal[
+        "string", "int32", "int64", "float32", "float64", "bool", "binary", "timestamp"
+    ] = Field(description="Arrow type; timestamp = timestamp[ms, UTC].")
+    nullable: bool = True
+
+
+class VectorSpec(_Section):
+    """The vector column: `FixedSizeList<float32>[dim]` searched with `metric`."""
+
+    column: str = Field(default="vector", pattern=r"^[A-Za-z][A-Za-z0-9_]*$")
+    dim: int = Field(gt=0, le=16_384)
+    metric: Literal["l2", "cosine", "dot"] = "l2"
+    allow_nan: bool = Field(
+        default=False, description="Accept NaN components (they poison distances; off)."
+    )
+
+
+class TableSettings(_Section):
+    """The Lance table rows land in."""
+
+    uri: str = Field(min_length=1, description="Local path or s3://bucket/prefix of the table.")
+    mode: Literal["append", "upsert"] = Field(
+        default="append",
+        description="append: every message is a row. upsert: rows are keyed by primary_key; "
+        "the newest version of a key wins and a Kafka tombstone deletes it.",
+    )
+    columns: list[ColumnSpec] = Field(min_length=1, description="Scalar columns.")
+    vector: VectorSpec | None = None
+    fts_columns: list[str] = Field(
+        default_factory=list, description="String columns searchable by full-text (BM25)."
+    )
+    primary_key: list[str] | None = Field(
+        default=None,
+        validate_default=True,
+        description="Key columns. Required for upsert; for append tables the default key is "
+        "the source coordinates (_topic, _partition, _offset).",
+    )
+    source_columns: bool = Field(
+        default=True,
+        validate_default=True,
+        description="Store the Kafka coordinates as _topic, _partition and _offset columns.",
+    )
+    storage_options: dict[str, SecretStr] = Field(
+        default_factory=dict,
+        description="Object-store options (region, endpoint, credentials) for Lance and the WAL.",
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, value: str) -> str:
+        return check_uri(value)
+
+    @field_validator("vector")
+    @classmethod
+    def _vector(cls, value: VectorSpec | None, info: ValidationInfo) -> VectorSpec | None:
+        names = {c.name for c in info.data.get("columns", [])}
+        if value is not None and value.column in names:
+            raise ValueError(f"vector column {value.column!r} is also a scalar column")
+        return value
+
+    @field_validator("columns")
+    @classmethod
+    def _columns(cls, value: list[ColumnSpec]) -> list[ColumnSpec]:
+        names = [c.name for c in value]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate column names: {', '.join(dupes)}")
+        return value
+
+    @field_validator("fts_columns")
+    @classmethod
+    def _fts(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        types = {c.name: c.type for c in info.data.get("columns", [])}
+        for col in value:
+            if types.get(col) != "string":
+                raise ValueError(f"{col!r} is not a string column of the table")
+        return value
+
+    @field_validator("primary_key")
+    @classmethod
+    def _primary_key(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        if info.data.get("mode") == "upsert" and not value:
+            raise ValueError("required for upsert tables")
+        types = {c.name: c.type for c in info.data.get("columns", [])}
+        for col in value or []:
+            if col not in types:
+                raise ValueError(f"{col!r} is not a column of the table")
+            if types[col] not in {"string", "int32", "int64", "binary"}:
+                raise ValueError(f"{col!r} must be a string, integer or binary column")
+        return value
+
+    @field_validator("source_columns")
+    @classmethod
+    def _source_columns(cls, value: bool, info: ValidationInfo) -> bool:
+        if not value and info.data.get("mode") == "append" and not info.data.get("primary_key"):
+            raise ValueError("append tables without a primary_key need source_columns = true")
+        return value
+
+
+def check_uri(value: str) -> str:
+    """Accept local paths, file:// and s3:// URIs with a bucket."""
+    parsed = urlparse(value)
+    scheme = parsed.scheme if len(parsed.scheme) > 1 else ""  # "C:" is a drive, not a scheme
+    if scheme not in SUPPORTED_URI_SCHEMES:
+        raise ValueError(
+            f"unsupported URI scheme {scheme!r}; use a local path, file:// or s3://bucket/prefix"
+        )
+    if scheme == "s3" and not parsed.netloc:
+        raise ValueError("an s3:// URI needs a bucket: s3://bucket/prefix")
+    return value
+
+
+class SourceSettings(_Section):
+    """How Kafka messages become rows."""
+
+    format: Literal["json", "raw"] = Field(
+        default="json",
+        description="json: the value is a JSON object; raw: the value goes into one column.",
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="column -> source. '$.a.b' is a path into the JSON value; '@key', "
+        "'@topic', '@partition', '@offset', '@timestamp', '@headers.NAME' are Kafka "
+        "metadata; '@value' is the whole payload (raw). Unmapped columns read the "
+        "same-named top-level JSON field.",
+    )
+    tombstones: Literal["skip", "dlq"] = Field(
+        default="skip",
+        description="What a null-value message does on an append table (on an upsert table "
+        "it deletes its key).",
+    )
+    max_message_bytes: PositiveBytes = Field(
+        default=ByteSize(1 << 20), description="Larger messages go to the dead-letter topic."
+    )
+
+    @field_validator("columns")
+    @classmethod
+    def _sources(cls, value: dict[str, str]) -> dict[str, str]:
+        for column, source in value.items():
+            if not _SOURCE_RE.match(source):
+                raise ValueError(
+                    f"column {column!r}: source {source!r} is neither a JSON path ($.a.b) "
+                    "nor Kafka metadata (@key, @topic, @partition, @offset, @timestamp, "
+                    "@headers.NAME, @value)"
+                )
+        return value
+
+
+_SOURCE_RE = re.compile(
+    r"^(\$(\.[A-Za-z0-9_\-]+)+|@key|@topic|@partition|@offset|@timestamp|@value|@headers\..+)$"
+)
+
+
+class WalSettings(_Section):
+    """The write-ahead log each shard appends to before anything is acknowledged."""
+
+    uri: str | None = Field(
+        default=None,
+        description="Where WAL entries and shard manifests live; default: <table.uri>/_lance_sink.",
+    )
+    durable_writes: bool = Field(
+        default=True,
+        description="Acknowledge (and commit offsets) only after the WAL entry is fsynced or "
+        "its object PUT completed. Off = faster, rows lost on a crash are re-read from Kafka.",
+    )
+    max_wal_flush_interval_ms: NonNegativeInt = Field(
+        default=20,
+        validate_default=True,
+        description="Group-commit window: puts arriving within it share one WAL entry. Small "
+        "against consume_timeout_ms so a commit follows each batch quickly.",
+    )
+    max_wal_buffer_size: PositiveBytes = Field(
+        default=ByteSize(16 << 20),
+        description="An entry is written as soon as this many bytes are buffered.",
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, value: str | None) -> str | None:
+        return None if value is None else check_uri(value)
+
+    @field_validator("max_wal_flush_interval_ms")
+    @classmethod
+    def _interval(cls, value: int, info: ValidationInfo) -> int:
+        if value == 0 and info.data.get("durable_writes", True):
+            raise ValueError(
+                "must be > 0 with durable_writes (0 would write one WAL entry per put, "
+                "with no group commit)"
+            )
+        return value
+
+
+class MemtableSettings(_Section):
+    """When the active memtable is sealed (one predicate, shared by live writes and replay)."""
+
+    max_rows: PositiveInt = Field(default=200_000, description="Seal at this many rows.")
+    max_bytes: PositiveBytes = Field(
+        default=ByteSize(128 << 20),
+        description="Seal at this many resident bytes (rows + indexes).",
+    )
+    max_batches: PositiveInt = Field(
+        default=4_096, description="Seal at this many batches (bounds per-query batch overhead)."
+    )
+
+
+class BackpressureSettings(_Section):
+    """Admission control between the consumer and the shard writers."""
+
+    controller: str = Field(
+        default="budget",
+        description="'budget' (process-wide byte budget, rejects with Backpressure; what the "
+        "sink uses), 'valve' (per-shard blocking valve) or 'module:factory' for your own.",
+    )
+    process_budget_bytes: PositiveBytes = Field(
+        default=ByteSize(1 << 30),
+        description="Unflushed memtable bytes (all shards) above which puts are rejected and "
+        "partitions paused. At least two memtables so one can flush while one fills.",
+    )
+    max_unflushed_memtable_bytes: PositiveBytes = Field(
+        default=ByteSize(512 << 20), description="Per-shard limit of the blocking valve."
+    )
+
+    @field_validator("controller")
+    @classmethod
+    def _controller(cls, value: str) -> str:
+        if value not in {"budget", "valve"} and not re.match(r"^[\w.]+:[\w.]+$", value):
+            raise ValueError("use 'budget', 'valve' or an import path 'package.module:factory'")
+        return value
+
+
+class FlushSettings(_Section):
+    """Flushing frozen memtables into the Lance table."""
+
+    workers: PositiveInt = Field(default=1, le=16, description="Concurrent flushes.")
+    retry_initial_backoff_ms: PositiveInt = 200
+    retry_max_backoff_ms: PositiveInt = 10_000
+    max_attempts: PositiveInt = Field(
+        default=8, description="Failed attempts after which the shard writer is poisoned."
+    )
+
+
+class MaintenanceSettings(_Section):
+    """Background upkeep of the base table: indexes, compaction, old versions."""
+
+    enabled: bool = True
+    interval_s: PositiveInt = Field(default=30, description="Time between maintenance runs.")
+    vector_index: Literal["IVF_PQ", "IVF_HNSW_SQ"] = "IVF_PQ"
+    vector_index_min_rows: PositiveInt = Field(
+        default=50_000, description="Build the vector index once the base table has this many rows."
+    )
+    num_partitions: PositiveInt | None = Field(
+        default=None, description="IVF partitions; default about sqrt(rows)."
+    )
+    num_sub_vectors: PositiveInt | None = Field(
+        default=None, description="PQ sub-vectors; default dim/16 (must divide dim)."
+    )
+    fts_index: bool = True
+    optimize_unindexed_rows: PositiveInt = Field(
+        default=20_000, description="Run optimize_indices once this many rows are unindexed."
+    )
+    compact_min_fragments: PositiveInt = Field(
+        default=16, description="Compact once this many small fragments exist."
+    )
+    cleanup_retention_s: PositiveInt = Field(
+        default=3_600, description="Old table versions younger than this are kept."
+    )
+
+
+class DlqSettings(_Section):
+    """Where messages that cannot be decoded or validated go, with their reason."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Off = a bad message stops its partition (nothing is ever dropped).",
+    )
+    topic_template: str = Field(
+        default="{topic}.dlq", description="Dead-letter topic; {topic} = the source topic."
+    )
+    produce_timeout_ms: PositiveInt = 30_000
+    lance_table_uri: str | None = Field(
+        default=None, description="Also append dead letters to this Lance table."
+    )
+
+    @field_validator("topic_template")
+    @classmethod
+    def _template(cls, value: str) -> str:
+        try:
+            value.format(topic="t")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError("topic_template may only use the {topic} placeholder") from exc
+        return value
+
+
+class ObservabilitySettings(_Section):
+    """Logs and metrics."""
+
+    metrics_host: str = "0.0.0.0"  # noqa: S104 - a pod serves metrics on all interfaces
+    metrics_port: Port = Field(default=9102, description="Prometheus /metrics and health probes.")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["auto", "json", "console"] = Field(
+        default="auto", description="auto: console on a TTY, JSON otherwise."
+    )
+    kafka_statistics_interval_ms: PositiveInt = Field(
+        default=1_000, description="librdkafka statistics (source of log end offsets for lag)."
+    )
+
+
+class QuerySettings(_Section):
+    """The HTTP query API."""
+
+    enabled: bool = True
+    host: str = "0.0.0.0"  # noqa: S104 - a pod serves queries on all interfaces
+    port: Port = 8080
+    auth_token: SecretStr | None = Field(
+        default=None, description="If set, requests need 'Authorization: Bearer <token>'."
+    )
+    max_request_bytes: PositiveBytes = ByteSize(4 << 20)
+    timeout_ms: PositiveInt = 10_000
+    max_k: PositiveInt = Field(default=1_000, le=100_000)
+    nprobes: PositiveInt = Field(default=20, description="IVF partitions probed on the base.")
+    refine_factor: PositiveInt | None = Field(
+        default=None, description="Re-rank k*refine_factor candidates with exact distances."
+    )
+
+
+class ShutdownSettings(_Section):
+    """Graceful drain on SIGTERM/SIGINT."""
+
+    drain_deadline_s: Annotated[float, Field(gt=0)] = Field(
+        default=30.0,
+        description="Longest the drain (finish appends, commit, close) may take. The Helm "
+        "chart's terminationGracePeriodSeconds is set above it.",
+    )
+
+
+class Settings(BaseSettings):
+    """The whole configuration of one lance-sink process."""
+
+    model_config = SettingsConfigDict(
+        frozen=True,
+        extra="forbid",
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=ENV_NESTED_DELIMITER,
+        case_sensitive=False,
+    )
+
+    kafka: KafkaSettings
+    source: SourceSettings = Field(default_factory=SourceSettings)
+    table: TableSettings
+    wal: WalSettings = Field(default_factory=WalSettings)
+    memtable: MemtableSettings = Field(default_factory=MemtableSettings)
+    backpressure: BackpressureSettings = Field(default_factory=BackpressureSettings)
+    flush: FlushSettings = Field(default_factory=FlushSettings)
+    maintenance: MaintenanceSettings = Field(default_factory=MaintenanceSettings)
+    dlq: DlqSettings = Field(default_factory=DlqSettings)
+    observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+    query: QuerySettings = Field(default_factory=QuerySettings)
+    shutdown: ShutdownSettings = Field(default_factory=ShutdownSettings)
+
+    @model_validator(mode="after")
+    def _cross(self) -> Settings:
+        table_columns = {c.name for c in self.table.columns}
+        if self.table.vector is not None:
+            table_columns.add(self.table.vector.column)
+        unknown = sorted(set(self.source.columns) - table_columns)
+        if unknown:
+            raise ValueError(f"source.columns maps unknown table columns: {', '.join(unknown)}")
+        if self.source.format == "raw":
+            mapped = set(self.source.columns.values())
+            if "@value" not in mapped:
+                raise ValueError("source.format = 'raw' needs a column mapped to '@value'")
+        if self.backpressure.process_budget_bytes < 2 * self.memtable.max_bytes:
+            raise ValueError(
+                "backpressure.process_budget_bytes must be at least 2 x memtable.max_bytes "
+                "(one memtable fills while the previous one flushes)"
+            )
+        return self
+
+    @property
+    def wal_uri(self) -> str:
+        """The WAL root: `wal.uri`, or `<table.uri>/_lance_sink` by default."""
+        return self.wal.uri or self.table.uri.rstrip("/") + "/_lance_sink"

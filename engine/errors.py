@@ -1,0 +1,89 @@
+"""The error tree of lance-sink, grouped by what the caller does about it.
+
+    LanceSinkError                      root; carries shard/topic/partition/offset context
+    ├── RetriableError                  try again later; nothing acknowledged was lost
+    │   └── PersistenceError            a storage operation (WAL put, Lance commit) failed
+    ├── FatalError                      stop: operator action needed
+    │   ├── SchemaMismatch              the table's schema is incompatible with the settings
+    │   └── Poisoned                    the shard writer failed to persist; close and reopen
+    ├── InvalidRecord                   poison message: this input can never be written
+    │                                   (→ dead-letter destination with the raw bytes)
+    └── ControlFlow                     expected signals, not failures
+        ├── Backpressure                admission refused; pause the partition, retry later
+        └── Fenced                      a newer writer (epoch) owns the shard
+
+`Sink` code decides per group: retry with backoff, exit non-zero, dead-letter, or
+pause/release. Always `raise ... from` the underlying cause.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class LanceSinkError(Exception):
+    """Root of every lance-sink error. Keyword context is kept in `context` and shown."""
+
+    def __init__(self, message: str, **context: Any) -> None:
+        self.message = message
+        self.context = {k: v for k, v in context.items() if v is not None}
+        detail = " ".join(f"{k}={v}" for k, v in self.context.items())
+        super().__init__(f"{message} [{detail}]" if detail else message)
+
+
+class RetriableError(LanceSinkError):
+    """A transient failure: the same operation may succeed later."""
+
+
+class PersistenceError(RetriableError):
+    """A storage operation (WAL append, manifest update, Lance commit) failed."""
+
+
+class FatalError(LanceSinkError):
+    """A condition that retrying cannot fix."""
+
+
+class SchemaMismatch(FatalError):
+    """The existing table (or a batch) does not match the configured schema."""
+
+
+class Poisoned(FatalError):
+    """The shard writer can no longer persist; it refuses puts and reads until reopened (I6)."""
+
+
+class InvalidRecord(LanceSinkError):
+    """Input that can never be written (bad type, wrong vector dimension, NaN, null key).
+
+    Attributes:
+        column: the offending column, if known.
+        row: the row index within the batch, if known.
+    """
+
+    def __init__(
+        self, message: str, *, column: str | None = None, row: int | None = None, **context: Any
+    ) -> None:
+        self.column = column
+        self.row = row
+        super().__init__(message, column=column, row=row, **context)
+
+
+class ControlFlow(LanceSinkError):
+    """Expected signals that steer the caller; not failures."""
+
+
+class Backpressure(ControlFlow):
+    """Admission refused because memory is full; retry once the controller admits again.
+
+    Nothing of the refused put was accepted.
+    """
+
+    is_backpressure = True
+
+
+class Fenced(ControlFlow):
+    """A newer writer claimed the shard (higher epoch). This writer acknowledges nothing more."""
+
+
+def is_backpressure(exc: BaseException) -> bool:
+    """True for a `Backpressure` refusal (retryable, distinct from real failures)."""
+    return isinstance(exc, Backpressure)
