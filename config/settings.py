@@ -346,8 +346,9 @@ class WalSettings(_Section):
     )
     durable_writes: bool = Field(
         default=True,
-        description="Acknowledge (and commit offsets) only after the WAL entry is fsynced or "
-        "its object PUT completed. Off = faster, rows lost on a crash are re-read from Kafka.",
+        description="fsync local WAL entries (and their folder) before acknowledging. Off = "
+        "entries survive a process crash but not a power loss. Object-store PUTs are "
+        "always durable when they return.",
     )
     max_wal_flush_interval_ms: NonNegativeInt = Field(
         default=20,
@@ -358,6 +359,11 @@ class WalSettings(_Section):
     max_wal_buffer_size: PositiveBytes = Field(
         default=ByteSize(16 << 20),
         description="An entry is written as soon as this many bytes are buffered.",
+    )
+    fence_check_interval_ms: NonNegativeInt = Field(
+        default=0,
+        description="How stale a writer's knowledge of being fenced may be on reads: 0 "
+        "checks the shard manifest on every read (strict; one LIST per read on S3).",
     )
 
     @field_validator("uri")

@@ -1,0 +1,122 @@
+"""The engine of one process: the table, the WAL storage, the backpressure controller and the
+flush pool shared by every shard writer it opens.
+
+Lifecycle: build with `Engine.from_settings` (or the constructor), call `open_shard` per
+topic-partition the process owns (the sink does so on assign), `close_shard` when it loses
+it, and `close` once at shutdown. Several shards write to the same Lance table.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from config.settings import Settings
+from engine.backpressure import BackpressureController, build_controller
+from engine.memtable import SealLimits
+from engine.schema import TableSpec
+from engine.shard import EngineEvents, Flusher, ShardWriter, WriterConfig, shard_id
+from engine.storage import Storage, open_storage
+from engine.table import BaseTable
+
+
+def writer_config(settings: Settings) -> WriterConfig:
+    """The shard writer tuning from the settings tree."""
+    return WriterConfig(
+        limits=SealLimits(
+            max_rows=settings.memtable.max_rows,
+            max_bytes=int(settings.memtable.max_bytes),
+            max_batches=settings.memtable.max_batches,
+        ),
+        max_wal_flush_interval_s=settings.wal.max_wal_flush_interval_ms / 1000,
+        max_wal_buffer_bytes=int(settings.wal.max_wal_buffer_size),
+        flush_retry_initial_s=settings.flush.retry_initial_backoff_ms / 1000,
+        flush_retry_max_s=settings.flush.retry_max_backoff_ms / 1000,
+        flush_max_attempts=settings.flush.max_attempts,
+        fence_check_interval_s=settings.wal.fence_check_interval_ms / 1000,
+    )
+
+
+class Engine:
+    """Owns the shared parts and the open shard writers of this process."""
+
+    def __init__(
+        self,
+        spec: TableSpec,
+        storage: Storage,
+        config: WriterConfig,
+        controller: BackpressureController,
+        flush_workers: int = 1,
+        events: EngineEvents | None = None,
+    ) -> None:
+        self.spec = spec
+        self.table = BaseTable(spec)
+        self.storage = storage
+        self.config = config
+        self.controller = controller
+        self.events = events
+        self.flusher = Flusher(flush_workers)
+        self._writers: dict[str, ShardWriter] = {}
+        self._lock = threading.Lock()
+        self.table.open()
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Settings,
+        controller: BackpressureController | None = None,
+        events: EngineEvents | None = None,
+    ) -> Engine:
+        """Build the engine the settings describe; `controller` replaces the configured one."""
+        spec = TableSpec.from_settings(settings.table)
+        storage = open_storage(
+            settings.wal_uri, spec.storage_options, fsync=settings.wal.durable_writes
+        )
+        bp = settings.backpressure
+        return cls(
+            spec,
+            storage,
+            writer_config(settings),
+            controller
+            or build_controller(
+                bp.controller,
+                process_budget_bytes=int(bp.process_budget_bytes),
+                max_unflushed_memtable_bytes=int(bp.max_unflushed_memtable_bytes),
+            ),
+            settings.flush.workers,
+            events,
+        )
+
+    def shard_id(self, topic: str, partition: int) -> str:
+        return shard_id(self.spec.uri, topic, partition)
+
+    def open_shard(self, topic: str, partition: int) -> ShardWriter:
+        """Claim and replay the shard of a topic-partition (see `ShardWriter.open`)."""
+        shard = self.shard_id(topic, partition)
+        writer = ShardWriter.open(
+            shard,
+            self.spec,
+            self.table,
+            self.storage,
+            self.config,
+            self.controller,
+            self.flusher,
+            self.events,
+        )
+        with self._lock:
+            self._writers[shard] = writer
+        return writer
+
+    def close_shard(self, writer: ShardWriter, *, flush: bool, timeout: float) -> None:
+        writer.close(flush=flush, timeout=timeout)
+        with self._lock:
+            self._writers.pop(writer.shard, None)
+
+    def writers(self) -> list[ShardWriter]:
+        with self._lock:
+            return list(self._writers.values())
+
+    def close(self, *, flush: bool = True, timeout: float = 30.0) -> None:
+        """Close every open writer, then the flush pool."""
+        for writer in self.writers():
+            self.close_shard(writer, flush=flush, timeout=timeout)
+        self.flusher.shutdown()

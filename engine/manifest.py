@@ -1,0 +1,139 @@
+"""The shard manifest: writer epoch and flushed watermark, versioned by create-only puts.
+
+    <shard>/manifest/<version:020d>.json
+
+Each version is immutable. A writer claims the shard by writing version v+1 with epoch+1;
+it records a flush by writing version v+1 with the same epoch. Because every write is
+create-only at the next version, two writers can never both succeed from the same
+version: the loser learns it was fenced (`Fenced`). Older versions are deleted once two
+newer ones exist.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+
+from engine.errors import Fenced, PersistenceError
+from engine.storage import AlreadyExists, Storage
+
+CLAIM_ATTEMPTS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ShardManifest:
+    """One version of a shard's manifest.
+
+    Attributes:
+        version: manifest version (0 = none written yet).
+        epoch: the writer epoch that wrote it; the newest epoch owns the shard.
+        flushed_position: every WAL entry at or below it is in the Lance table.
+        flushed_offsets: last source offset in the Lance table per "topic:partition".
+        lance_version: the table version of the last flush commit (0 = none); commits
+            after it are searched for a flush that crashed before the manifest update.
+        generation: the next memtable generation number.
+    """
+
+    version: int = 0
+    epoch: int = 0
+    flushed_position: int = 0
+    flushed_offsets: dict[str, int] = field(default_factory=dict)
+    lance_version: int = 0
+    generation: int = 1
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> ShardManifest:
+        raw = json.loads(data)
+        return cls(
+            version=int(raw["version"]),
+            epoch=int(raw["epoch"]),
+            flushed_position=int(raw["flushed_position"]),
+            flushed_offsets={str(k): int(v) for k, v in raw["flushed_offsets"].items()},
+            lance_version=int(raw["lance_version"]),
+            generation=int(raw["generation"]),
+        )
+
+
+class ManifestStore:
+    """Reads and writes one shard's manifest versions."""
+
+    def __init__(self, storage: Storage, shard: str) -> None:
+        self.storage = storage
+        self.shard = shard
+        self.folder = f"{shard}/manifest"
+
+    def key(self, version: int) -> str:
+        return f"{self.folder}/{version:020d}.json"
+
+    def latest(self) -> ShardManifest:
+        """The newest manifest version, or an empty one for a new shard."""
+        versions = self._versions()
+        if not versions:
+            return ShardManifest()
+        # A version may be deleted by GC between list and get: fall back to re-listing.
+        for _ in range(CLAIM_ATTEMPTS):
+            try:
+                return ShardManifest.decode(self.storage.get(self.key(versions[-1])))
+            except FileNotFoundError:
+                versions = self._versions()
+        raise PersistenceError("manifest kept vanishing while reading", shard=self.shard)
+
+    def _versions(self) -> list[int]:
+        out = []
+        for key in self.storage.list(self.folder):
+            name = key.rsplit("/", 1)[-1]
+            if name.endswith(".json") and name[:-5].isdigit():
+                out.append(int(name[:-5]))
+        return sorted(out)
+
+    def claim(self) -> ShardManifest:
+        """Claim the shard with a new epoch (create-only write of the next version).
+
+        Raises:
+            PersistenceError: lost the race `CLAIM_ATTEMPTS` times in a row.
+        """
+        for _ in range(CLAIM_ATTEMPTS):
+            current = self.latest()
+            claimed = replace(current, version=current.version + 1, epoch=current.epoch + 1)
+            try:
+                self.storage.put_if_absent(self.key(claimed.version), claimed.encode())
+            except AlreadyExists:
+                continue
+            self._collect(claimed.version)
+            return claimed
+        raise PersistenceError(
+            "could not claim the shard: too many concurrent claims", shard=self.shard
+        )
+
+    def advance(self, current: ShardManifest, **changes: object) -> ShardManifest:
+        """Write the next version with `changes`, as the writer holding `current.epoch`.
+
+        Raises:
+            Fenced: a newer version exists (another writer claimed the shard).
+        """
+        nxt = replace(current, version=current.version + 1, **changes)  # type: ignore[arg-type]
+        try:
+            self.storage.put_if_absent(self.key(nxt.version), nxt.encode())
+        except AlreadyExists as exc:
+            raise Fenced(
+                "a newer writer claimed the shard", shard=self.shard, epoch=current.epoch
+            ) from exc
+        self._collect(nxt.version)
+        return nxt
+
+    def superseded(self, current: ShardManifest) -> bool:
+        """True if a version after `current` exists, i.e. another writer claimed the shard.
+
+        Lists rather than probing `current.version + 1`: that version may already have been
+        garbage-collected by the newer writer.
+        """
+        return max(self._versions(), default=0) > current.version
+
+    def _collect(self, newest: int) -> None:
+        """Delete versions older than the previous one (best effort)."""
+        for version in self._versions():
+            if version < newest - 1:
+                self.storage.delete(self.key(version))

@@ -1,0 +1,225 @@
+"""The table's shape: Arrow schemas, primary key, vector column, and batch validation.
+
+Two schemas matter:
+
+- `table_schema`: what the Lance base table stores (scalar columns, the vector column as
+  `FixedSizeList<float32>[dim]`, and the source columns `_topic`, `_partition`, `_offset`).
+- `batch_schema`: what `ShardWriter.put` takes and what WAL entries and memtables hold. For
+  upsert tables it adds `_op` (0 = upsert, 1 = delete) and relaxes non-key columns to
+  nullable so a delete is a row carrying only its key; ordering of upserts and deletes is
+  then simply row order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from config.settings import TableSettings
+from engine.errors import InvalidRecord, SchemaMismatch
+
+OP_COLUMN = "_op"
+OP_UPSERT = 0
+OP_DELETE = 1
+SOURCE_COLUMNS = ("_topic", "_partition", "_offset")
+
+_ARROW_TYPES: dict[str, pa.DataType] = {
+    "string": pa.string(),
+    "int32": pa.int32(),
+    "int64": pa.int64(),
+    "float32": pa.float32(),
+    "float64": pa.float64(),
+    "bool": pa.bool_(),
+    "binary": pa.binary(),
+    "timestamp": pa.timestamp("ms", tz="UTC"),
+}
+
+
+def arrow_type(name: str) -> pa.DataType:
+    """The Arrow type of a configured column type name."""
+    return _ARROW_TYPES[name]
+
+
+@dataclass(frozen=True, slots=True)
+class VectorColumn:
+    """The vector column and how it is compared."""
+
+    name: str
+    dim: int
+    metric: Literal["l2", "cosine", "dot"]
+    allow_nan: bool = False
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """Everything the engine needs to know about the table's shape.
+
+    Build it with `TableSpec.from_settings`; tests may build one directly.
+    """
+
+    uri: str
+    mode: Literal["append", "upsert"]
+    table_schema: pa.Schema
+    primary_key: tuple[str, ...]
+    vector: VectorColumn | None = None
+    fts_columns: tuple[str, ...] = ()
+    storage_options: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_settings(cls, table: TableSettings) -> TableSpec:
+        fields = [pa.field(c.name, arrow_type(c.type), nullable=c.nullable) for c in table.columns]
+        vector = None
+        if table.vector is not None:
+            v = table.vector
+            vector = VectorColumn(v.column, v.dim, v.metric, v.allow_nan)
+            fields.append(
+                pa.field(v.column, pa.list_(pa.field("item", pa.float32()), v.dim), nullable=False)
+            )
+        if table.source_columns:
+            fields += [
+                pa.field("_topic", pa.string(), nullable=False),
+                pa.field("_partition", pa.int32(), nullable=False),
+                pa.field("_offset", pa.int64(), nullable=False),
+            ]
+        key = tuple(table.primary_key) if table.primary_key else SOURCE_COLUMNS
+        return cls(
+            uri=table.uri,
+            mode=table.mode,
+            table_schema=pa.schema(fields),
+            primary_key=key,
+            vector=vector,
+            fts_columns=tuple(table.fts_columns),
+            storage_options={k: v.get_secret_value() for k, v in table.storage_options.items()},
+        )
+
+    @property
+    def upsert(self) -> bool:
+        return self.mode == "upsert"
+
+    @property
+    def batch_schema(self) -> pa.Schema:
+        """The schema of batches given to `put`, WAL entries and memtables."""
+        if not self.upsert:
+            return self.table_schema
+        fields = [
+            f if f.name in self.primary_key else f.with_nullable(True) for f in self.table_schema
+        ]
+        return pa.schema([*fields, pa.field(OP_COLUMN, pa.int8(), nullable=False)])
+
+    def check_table(self, existing: pa.Schema) -> None:
+        """Check that an existing Lance table can hold our rows.
+
+        Raises:
+            SchemaMismatch: naming the first missing or differently-typed column.
+        """
+        for f in self.table_schema:
+            idx = existing.get_field_index(f.name)
+            if idx < 0:
+                raise SchemaMismatch(f"table has no column {f.name!r}", table=self.uri)
+            if not existing.field(idx).type.equals(f.type):
+                raise SchemaMismatch(
+                    f"column {f.name!r} is {existing.field(idx).type} in the table, "
+                    f"{f.type} in the settings",
+                    table=self.uri,
+                )
+        extra = [n for n in existing.names if self.table_schema.get_field_index(n) < 0]
+        non_null_extra = [n for n in extra if not existing.field(n).nullable]
+        if non_null_extra:
+            raise SchemaMismatch(
+                f"table has non-nullable columns the settings do not know: {non_null_extra}",
+                table=self.uri,
+            )
+
+    def validate(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """Check a batch for `put`: schema, non-null columns, key, vector dimension and NaN.
+
+        Returns the batch, with its schema replaced by `batch_schema` when only field
+        nullability flags differ.
+
+        Raises:
+            InvalidRecord: naming the column and (where one row is at fault) the row.
+        """
+        expected = self.batch_schema
+        if batch.schema.names != expected.names:
+            missing = [n for n in expected.names if n not in batch.schema.names]
+            unknown = [n for n in batch.schema.names if n not in expected.names]
+            column = (missing or unknown or [None])[0]
+            raise InvalidRecord(
+                f"batch columns {batch.schema.names} do not match {expected.names}",
+                column=column,
+            )
+        for got, want in zip(batch.schema, expected, strict=True):
+            if not got.type.equals(want.type):
+                raise InvalidRecord(
+                    f"column {want.name!r} has type {got.type}, expected {want.type}",
+                    column=want.name,
+                )
+        if not batch.schema.equals(expected):
+            batch = pa.RecordBatch.from_arrays(batch.columns, schema=expected)
+        live = self._live_rows(batch)
+        for f in self.table_schema:
+            required = not f.nullable or f.name in self.primary_key
+            column = batch.column(f.name)
+            if required and column.null_count:
+                nulls = column.is_null()
+                if live is not None:
+                    nulls = pc.and_(nulls, live)
+                row = _first_true(nulls)
+                if row is not None:
+                    what = "primary key" if f.name in self.primary_key else "non-nullable"
+                    raise InvalidRecord(f"null in {what} column {f.name!r}", column=f.name, row=row)
+        if self.vector is not None and not self.vector.allow_nan:
+            self._check_nan(batch)
+        if self.upsert:
+            ops = batch.column(OP_COLUMN)
+            bad = pc.invert(pc.is_in(ops, pa.array([OP_UPSERT, OP_DELETE], pa.int8())))
+            row = _first_true(bad)
+            if row is not None:
+                raise InvalidRecord(
+                    "_op must be 0 (upsert) or 1 (delete)", column=OP_COLUMN, row=row
+                )
+        return batch
+
+    def _live_rows(self, batch: pa.RecordBatch) -> pa.Array | None:
+        """For upsert tables, the mask of upsert rows (deletes carry only their key)."""
+        if not self.upsert:
+            return None
+        return pc.equal(batch.column(OP_COLUMN), OP_UPSERT)
+
+    def _check_nan(self, batch: pa.RecordBatch) -> None:
+        assert self.vector is not None
+        vectors = batch.column(self.vector.name)
+        if vectors.null_count:
+            vectors = vectors.fill_null(pa.scalar([0.0] * self.vector.dim, vectors.type))
+        values = vector_matrix(vectors, self.vector.dim)
+        nan_rows = np.isnan(values).any(axis=1)
+        if nan_rows.any():
+            row = int(np.argmax(nan_rows))
+            raise InvalidRecord(
+                f"NaN in vector column {self.vector.name!r}", column=self.vector.name, row=row
+            )
+
+    def to_table_batch(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """Drop `_op` and restore the table's nullability (rows must be upserts)."""
+        if self.upsert:
+            batch = batch.drop_columns([OP_COLUMN])
+        return pa.RecordBatch.from_arrays(batch.columns, schema=self.table_schema)
+
+
+def vector_matrix(vectors: pa.Array, dim: int) -> np.ndarray:
+    """A zero-copy (rows, dim) float32 view of a FixedSizeList<float32> array."""
+    if isinstance(vectors, pa.ChunkedArray):
+        vectors = vectors.combine_chunks()
+    flat = vectors.values.slice(vectors.offset * dim, len(vectors) * dim)
+    matrix: np.ndarray = flat.to_numpy(zero_copy_only=False).reshape(len(vectors), dim)
+    return matrix
+
+
+def _first_true(mask: pa.Array) -> int | None:
+    """Index of the first true value in a boolean array, or None."""
+    idx = pc.index(mask, True).as_py()
+    return None if idx is None or idx < 0 else int(idx)

@@ -1,0 +1,200 @@
+"""The Lance base table: create/open, flush commits that carry their WAL watermark, and the
+search for a shard's watermark in recent commits.
+
+A flush is one Lance commit (append, or merge-insert with deletes for upsert tables) whose
+transaction properties record the shard, writer epoch, memtable generation, the WAL
+position it covers (`wal_end`) and the last source offsets. So the flush watermark lives in
+the table itself: a crash between the Lance commit and the shard manifest update is found
+on the next open and the generation is not flushed twice (I3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import lance
+import pyarrow as pa
+
+from engine.errors import PersistenceError
+from engine.schema import TableSpec
+from engine.storage import is_local, local_path, sync_filesystem
+
+PROP_SHARD = "lance_sink.shard"
+PROP_EPOCH = "lance_sink.epoch"
+PROP_WAL_END = "lance_sink.wal_end"
+PROP_GENERATION = "lance_sink.generation"
+PROP_OFFSETS = "lance_sink.offsets"
+
+
+@dataclass(frozen=True, slots=True)
+class FlushMark:
+    """A flush found in the table's commit history."""
+
+    wal_end: int
+    epoch: int
+    generation: int
+    version: int
+    offsets: dict[str, int]
+
+
+class BaseTable:
+    """The Lance table at `spec.uri`. Thread-safe: every operation opens the latest version.
+
+    `open()` must be called once before flushing; it creates the table if it does not exist
+    and checks the schema of an existing one (`SchemaMismatch`).
+    """
+
+    def __init__(self, spec: TableSpec) -> None:
+        self.spec = spec
+        self.uri = spec.uri
+        self.options = dict(spec.storage_options) or None
+        self._local = is_local(spec.uri)
+        self._lock = threading.Lock()
+
+    def open(self) -> None:
+        """Create the table (empty, with the table schema) or check the existing one."""
+        with self._lock:
+            try:
+                ds = self.dataset()
+            except (ValueError, FileNotFoundError, OSError):
+                ds = None
+            if ds is None:
+                try:
+                    lance.write_dataset(
+                        self.spec.table_schema.empty_table(),
+                        self.uri,
+                        mode="create",
+                        storage_options=self.options,
+                    )
+                except OSError as exc:
+                    if "already exists" not in str(exc):
+                        raise PersistenceError(
+                            f"cannot create table: {exc}", table=self.uri
+                        ) from exc
+                ds = self.dataset()
+            self.spec.check_table(ds.schema)
+
+    def dataset(self, version: int | None = None) -> lance.LanceDataset:
+        """The table at its latest (or a given) version."""
+        return lance.dataset(self.uri, version=version, storage_options=self.options)
+
+    def latest_version(self) -> int:
+        return int(self.dataset().version)
+
+    def commit_flush(
+        self,
+        upserts: list[pa.RecordBatch],
+        deletes: pa.Table | None,
+        properties: dict[str, str],
+    ) -> int:
+        """Write one memtable's rows in one commit carrying `properties`; returns the version.
+
+        The written files are made durable (filesystem sync) before returning, because Lance
+        does not fsync and the caller deletes WAL entries next.
+
+        Raises:
+            PersistenceError: the commit failed (the caller retries with backoff).
+        """
+        try:
+            if not self.spec.upsert:
+                ds = lance.write_dataset(
+                    pa.Table.from_batches(upserts, schema=self.spec.table_schema),
+                    self.uri,
+                    mode="append",
+                    storage_options=self.options,
+                    transaction_properties=properties,
+                )
+            else:
+                ds = self._merge(upserts, deletes, properties)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise PersistenceError(f"flush commit failed: {exc}", table=self.uri) from exc
+        if self._local:
+            sync_filesystem(local_path(self.uri))
+        return int(ds.version)
+
+    def _merge(
+        self, upserts: list[pa.RecordBatch], deletes: pa.Table | None, properties: dict[str, str]
+    ) -> lance.LanceDataset:
+        ds = self.dataset()
+        key = list(self.spec.primary_key)
+        builder = ds.merge_insert(key if len(key) > 1 else key[0])
+        builder = builder.when_matched_update_all().when_not_matched_insert_all()
+        if deletes is not None and deletes.num_rows:
+            # Deleted keys are not in the source, so their target rows are "not matched by
+            # source": deleting those that match the key list makes it one commit.
+            builder = builder.when_not_matched_by_source_delete(key_predicate(deletes, key))
+        source = pa.Table.from_batches(upserts, schema=self.spec.table_schema)
+        tx, _stats = builder.execute_uncommitted(source)
+        tx = dataclasses.replace(tx, transaction_properties=properties)
+        return lance.LanceDataset.commit(
+            self.uri, tx, read_version=ds.version, storage_options=self.options
+        )
+
+    def find_flush(self, shard: str, after_version: int) -> FlushMark | None:
+        """The newest flush of `shard` committed after `after_version`, if any."""
+        ds = self.dataset()
+        newer = int(ds.version) - after_version
+        if newer <= 0:
+            return None
+        latest = int(ds.version)
+        for age, tx in enumerate(ds.get_transactions(newer)):  # newest first
+            props = getattr(tx, "transaction_properties", None) or {}
+            if props.get(PROP_SHARD) != shard:
+                continue
+            return FlushMark(
+                wal_end=int(props[PROP_WAL_END]),
+                epoch=int(props[PROP_EPOCH]),
+                generation=int(props[PROP_GENERATION]),
+                version=latest - age,
+                offsets={k: int(v) for k, v in json.loads(props.get(PROP_OFFSETS, "{}")).items()},
+            )
+        return None
+
+
+def flush_properties(
+    shard: str, epoch: int, generation: int, wal_end: int, offsets: dict[str, int]
+) -> dict[str, str]:
+    """The transaction properties of a flush commit."""
+    return {
+        PROP_SHARD: shard,
+        PROP_EPOCH: str(epoch),
+        PROP_GENERATION: str(generation),
+        PROP_WAL_END: str(wal_end),
+        PROP_OFFSETS: json.dumps(offsets, sort_keys=True),
+    }
+
+
+def sql_literal(value: Any) -> str:
+    """A SQL literal for a key value (string, integer or bytes)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, bytes):
+        return f"X'{value.hex()}'"
+    text = str(value).replace("'", "''")
+    return f"'{text}'"
+
+
+def key_predicate(keys: pa.Table, columns: Iterable[str]) -> str:
+    """A SQL predicate matching exactly the key tuples of `keys`."""
+    names = list(columns)
+    if len(names) == 1:
+        values = keys.column(names[0]).to_pylist()
+        return f"{_ident(names[0])} IN ({', '.join(sql_literal(v) for v in values)})"
+    rows = zip(*(keys.column(n).to_pylist() for n in names), strict=True)
+    return " OR ".join(
+        "("
+        + " AND ".join(f"{_ident(n)} = {sql_literal(v)}" for n, v in zip(names, row, strict=True))
+        + ")"
+        for row in rows
+    )
+
+
+def _ident(name: str) -> str:
+    return f"`{name}`"

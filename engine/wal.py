@@ -1,0 +1,180 @@
+"""The write-ahead log of one shard: numbered entries, each an Arrow IPC stream.
+
+Layout under the shard's folder of the WAL storage:
+
+    <shard>/wal/<position:020d>.arrow     one entry per group commit, positions 1, 2, 3, ...
+
+An entry holds the rows of every put in its group-commit window (one record batch, or none
+for a fence entry) and, in the schema metadata, a header: the entry position, the writer
+epoch, the shard id, and the source offset range of each (topic, partition) whose rows it
+carries. Entries are written with a create-only put: a writer never skips a position, so
+finding a position taken means a newer writer fenced this one (see `ShardWriter.open`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from engine.storage import AlreadyExists, Storage
+
+HEADER_KEY = b"lance_sink.wal_entry"
+CODEC_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SourceRange:
+    """A contiguous range of source offsets of one topic-partition, both ends inclusive."""
+
+    topic: str
+    partition: int
+    first: int
+    last: int
+
+    def __post_init__(self) -> None:
+        if self.first > self.last:
+            raise ValueError(f"empty source range {self}")
+
+
+def merge_ranges(ranges: list[SourceRange]) -> list[SourceRange]:
+    """Collapse ranges per (topic, partition) into the covering range, ordered by key."""
+    spans: dict[tuple[str, int], tuple[int, int]] = {}
+    for r in ranges:
+        key = (r.topic, r.partition)
+        lo, hi = spans.get(key, (r.first, r.last))
+        spans[key] = (min(lo, r.first), max(hi, r.last))
+    return [SourceRange(t, p, lo, hi) for (t, p), (lo, hi) in sorted(spans.items())]
+
+
+@dataclass(frozen=True, slots=True)
+class WalEntry:
+    """One decoded WAL entry."""
+
+    position: int
+    epoch: int
+    shard: str
+    sources: tuple[SourceRange, ...] = ()
+    batch: pa.RecordBatch | None = None
+    nbytes: int = 0
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return 0 if self.batch is None else self.batch.num_rows
+
+
+def encode_entry(
+    position: int,
+    epoch: int,
+    shard: str,
+    schema: pa.Schema,
+    batch: pa.RecordBatch | None,
+    sources: list[SourceRange] | tuple[SourceRange, ...],
+) -> pa.Buffer:
+    """Serialise an entry as an Arrow IPC stream whose schema metadata carries the header."""
+    header = {
+        "v": CODEC_VERSION,
+        "position": position,
+        "epoch": epoch,
+        "shard": shard,
+        "sources": [[s.topic, s.partition, s.first, s.last] for s in sources],
+    }
+    meta = dict(schema.metadata or {})
+    meta[HEADER_KEY] = json.dumps(header, separators=(",", ":")).encode()
+    schema = schema.with_metadata(meta)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        if batch is not None and batch.num_rows:
+            writer.write_batch(pa.RecordBatch.from_arrays(batch.columns, schema=schema))
+    return sink.getvalue()
+
+
+def decode_entry(data: bytes | pa.Buffer) -> WalEntry:
+    """Parse an entry written by `encode_entry`.
+
+    Raises:
+        ValueError: the bytes are not a WAL entry of a known codec version.
+    """
+    buf = data if isinstance(data, pa.Buffer) else pa.py_buffer(data)
+    try:
+        reader = pa.ipc.open_stream(buf)
+        batches = list(reader)
+    except pa.ArrowInvalid as exc:
+        raise ValueError(f"not a WAL entry: {exc}") from exc
+    meta = reader.schema.metadata or {}
+    if HEADER_KEY not in meta:
+        raise ValueError("not a WAL entry: no header")
+    header = json.loads(meta[HEADER_KEY])
+    if header.get("v") != CODEC_VERSION:
+        raise ValueError(f"unknown WAL codec version {header.get('v')}")
+    rest = {k: v for k, v in meta.items() if k != HEADER_KEY}
+    schema = reader.schema.with_metadata(rest or None)
+    batch = None
+    if batches:
+        combined = batches[0] if len(batches) == 1 else pa.concat_batches(batches)
+        batch = pa.RecordBatch.from_arrays(combined.columns, schema=schema)
+    return WalEntry(
+        position=int(header["position"]),
+        epoch=int(header["epoch"]),
+        shard=str(header["shard"]),
+        sources=tuple(SourceRange(t, int(p), int(a), int(b)) for t, p, a, b in header["sources"]),
+        batch=batch,
+        nbytes=buf.size,
+    )
+
+
+class Wal:
+    """The WAL folder of one shard on a `Storage`.
+
+    Used by exactly one `ShardWriter` at a time (the one holding the newest epoch); every
+    method may raise the storage's I/O errors, which the writer turns into a poison.
+    """
+
+    def __init__(self, storage: Storage, shard: str) -> None:
+        self.storage = storage
+        self.shard = shard
+        self.folder = f"{shard}/wal"
+
+    def key(self, position: int) -> str:
+        return f"{self.folder}/{position:020d}.arrow"
+
+    def append(self, position: int, payload: pa.Buffer | bytes) -> None:
+        """Write the entry at `position`, create-only.
+
+        Raises:
+            AlreadyExists: the position is taken (a newer writer fenced this one).
+        """
+        self.storage.put_if_absent(self.key(position), memoryview(payload))
+
+    def positions(self) -> list[int]:
+        """Every entry position present, ascending."""
+        out = []
+        for key in self.storage.list(self.folder):
+            name = key.rsplit("/", 1)[-1]
+            if name.endswith(".arrow") and name[:-6].isdigit():
+                out.append(int(name[:-6]))
+        return sorted(out)
+
+    def read(self, position: int) -> WalEntry:
+        """Read and decode one entry (raises FileNotFoundError if absent)."""
+        return decode_entry(self.storage.get(self.key(position)))
+
+    def delete_through(self, position: int) -> int:
+        """Delete entries at or below `position` (after a flush covered them); returns count."""
+        doomed = [p for p in self.positions() if p <= position]
+        for p in doomed:
+            self.storage.delete(self.key(p))
+        return len(doomed)
+
+
+__all__ = [
+    "AlreadyExists",
+    "SourceRange",
+    "Wal",
+    "WalEntry",
+    "decode_entry",
+    "encode_entry",
+    "merge_ranges",
+]
