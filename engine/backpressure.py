@@ -44,6 +44,17 @@ class ShardMemory:
         self.seal_required = False
         self.closed = False
         self._changed = threading.Condition()
+        self._on_seal_request: Callable[[], None] | None = None
+
+    def request_seal(self) -> None:
+        """Ask the writer to seal the active memtable soon (wakes its WAL thread)."""
+        self.seal_required = True
+        if self._on_seal_request is not None:
+            self._on_seal_request()
+
+    def on_seal_request(self, callback: Callable[[], None]) -> None:
+        """The writer registers how to be woken by `request_seal`."""
+        self._on_seal_request = callback
 
     @property
     def unflushed_bytes(self) -> int:
@@ -163,8 +174,8 @@ class BlockingValve(ControllerBase):
             return
         with self.stats.waiting():
             while not admitted():
-                if shard.frozen_bytes == 0:
-                    shard.seal_required = True
+                if shard.frozen_bytes == 0 and not shard.seal_required:
+                    shard.request_seal()
                 shard.wait(admitted, self.POLL_S)
 
 
@@ -205,7 +216,7 @@ class BudgetController(ControllerBase):
         if frozen * 2 < used:
             largest = max(shards, key=lambda s: s.active_bytes, default=None)
             if largest is not None and largest.active_bytes > 0:
-                largest.seal_required = True
+                largest.request_seal()
         raise Backpressure(
             "process memory budget exhausted",
             shard=shard.shard,

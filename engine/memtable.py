@@ -74,6 +74,9 @@ class MemtableView:
     """An immutable snapshot of a memtable for readers (taken under the writer lock).
 
     `live` holds, per batch, the mask of visible rows (None = all rows), for upsert tables.
+    `memtable` is the live memtable: its flush state (`commit_floor`, `committed_version`)
+    is read when a reader decides whether a base version already holds these rows
+    (`ShardView.fresh`), after it opened that base version.
     """
 
     generation: int
@@ -81,6 +84,7 @@ class MemtableView:
     live: tuple[np.ndarray | None, ...]
     keys: dict[Any, int] | None
     frozen: bool
+    memtable: Memtable
 
 
 class Memtable:
@@ -98,6 +102,10 @@ class Memtable:
         self.data_bytes = 0
         self.index_bytes = 0
         self.frozen = False
+        # Set under the writer lock before the flush commits: any commit of this memtable
+        # has a table version above `commit_floor`. After it committed: its version.
+        self.commit_floor: int | None = None
+        self.committed_version: int | None = None
         self._keys: dict[Any, int] | None = {} if spec.upsert else None
         self._dead = bytearray()
         self._key_object_bytes = 0.0  # running mean size of one key object
@@ -182,7 +190,14 @@ class Memtable:
                 ops = b.column(OP_COLUMN).to_numpy()
                 live.append(mask & (ops == OP_UPSERT))
                 start += b.num_rows
-        return MemtableView(self.generation, batches, tuple(live), self._keys, self.frozen)
+        return MemtableView(
+            self.generation,
+            batches,
+            tuple(live),
+            self._keys,
+            self.frozen,
+            self,
+        )
 
     def flush_data(self, after_position: int = 0) -> tuple[list[pa.RecordBatch], pa.Table | None]:
         """What a flush writes: the rows to append (or upsert), and the keys to delete.

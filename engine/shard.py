@@ -43,6 +43,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import lance
 import pyarrow as pa
 import structlog
 
@@ -58,7 +59,7 @@ from engine.manifest import ManifestStore, ShardManifest
 from engine.memtable import Memtable, MemtableView, SealLimits, concat_owned, should_seal
 from engine.schema import TableSpec
 from engine.storage import AlreadyExists, Storage
-from engine.table import BaseTable, flush_properties
+from engine.table import BaseTable, flush_properties, holds_generation
 from engine.wal import SourceRange, Wal, WalEntry, encode_entry, merge_ranges
 
 log = structlog.get_logger("lance_sink.engine")
@@ -159,6 +160,28 @@ class ShardView:
     shard: str
     memtables: tuple[MemtableView, ...]
 
+    def fresh(self, base: lance.LanceDataset) -> list[MemtableView]:
+        """The memtables whose rows the base table version `base` does not hold.
+
+        Order matters: take the view first, then open `base`, then call this. A memtable
+        flushed meanwhile stays in the view (so its rows cannot vanish between the tiers),
+        and its live flush state says whether `base` holds it: committed at or below
+        `base.version` → skipped; committing right now → the transactions above its floor
+        decide; not committing → `base` cannot hold it.
+        """
+        out = []
+        version = int(base.version)
+        for view in self.memtables:
+            m = view.memtable
+            committed, floor = m.committed_version, m.commit_floor  # this order (see above)
+            if committed is not None:
+                if committed <= version:
+                    continue
+            elif floor is not None and holds_generation(base, self.shard, m.generation, floor):
+                continue
+            out.append(view)
+        return out
+
 
 @dataclass
 class _Put:
@@ -221,6 +244,9 @@ class ShardWriter:
         self._wake = threading.Condition(self._lock)
         self._schema = spec.batch_schema
         self._manifest = ShardManifest()
+        # Held while writing a manifest version and assigning it, and while probing for a
+        # newer one: a probe must never see our own write before we know of it.
+        self._manifest_lock = threading.Lock()
         self._epoch = 0
         self._next_position = 1
         self._durable_position = 0
@@ -274,6 +300,7 @@ class ShardWriter:
         """
         writer = cls(shard, spec, table, storage, config, controller, flusher, events)
         writer._claim_and_replay()
+        writer.memory.on_seal_request(writer._wake_wal_thread)
         controller.register(writer.memory)
         writer._wal_thread = threading.Thread(
             target=writer._wal_loop, name=f"wal-{shard}", daemon=True
@@ -403,6 +430,10 @@ class ShardWriter:
             raise Poisoned("the shard writer is closed", shard=self.shard)
 
     # ------------------------------------------------------------------ WAL thread
+
+    def _wake_wal_thread(self) -> None:
+        with self._lock:
+            self._wake.notify_all()
 
     def _wal_loop(self) -> None:
         interval = self.config.max_wal_flush_interval_s
@@ -593,14 +624,18 @@ class ShardWriter:
         started = time.monotonic()
         already = self._flushed_position
         # A stale writer may have flushed part of this memtable after we replayed it.
-        mark = self.table.find_flush(self.shard, self._checked_lance_version)
+        ds = self.table.dataset()
+        with self._lock:
+            memtable.commit_floor = int(ds.version)
+        mark = self.table.find_flush(self.shard, self._checked_lance_version, ds)
         if mark is not None:
             if mark.epoch > self._epoch:
                 raise Fenced("a newer writer flushed this shard", shard=self.shard)
             self._checked_lance_version = mark.version
             already = max(already, mark.wal_end)
-        if self.manifests.superseded(self._manifest):
-            raise Fenced("a newer writer claimed the shard", shard=self.shard)
+        with self._manifest_lock:
+            if self.manifests.superseded(self._manifest):
+                raise Fenced("a newer writer claimed the shard", shard=self.shard)
         offsets = {_key(s.topic, s.partition): s.last for s in memtable.sources}
         rows = 0
         version = self._manifest.lance_version
@@ -613,14 +648,18 @@ class ShardWriter:
                 )
                 version = self.table.commit_flush(upserts, deletes, props)
                 self._checked_lance_version = version
+        with self._lock:
+            # Readers that open the base at `version` or later must skip this memtable.
+            memtable.committed_version = version
         flushed_offsets = {**self._manifest.flushed_offsets, **offsets}
-        self._manifest = self.manifests.advance(
-            self._manifest,
-            flushed_position=memtable.last_position,
-            flushed_offsets=flushed_offsets,
-            lance_version=version,
-            generation=memtable.generation + 1,
-        )
+        with self._manifest_lock:
+            self._manifest = self.manifests.advance(
+                self._manifest,
+                flushed_position=memtable.last_position,
+                flushed_offsets=flushed_offsets,
+                lance_version=version,
+                generation=memtable.generation + 1,
+            )
         with self._lock:
             self._flushed_position = memtable.last_position
             self._flushed_offsets = {_unkey(k): v for k, v in flushed_offsets.items()}
@@ -673,7 +712,8 @@ class ShardWriter:
             return
         self._last_fence_check = now
         try:
-            superseded = self.manifests.superseded(self._manifest)
+            with self._manifest_lock:
+                superseded = self.manifests.superseded(self._manifest)
         except Exception as exc:  # noqa: BLE001 - a failed probe is retried, not fatal
             self.log.warning("fence_check_failed", error=str(exc))
             return

@@ -135,9 +135,12 @@ class BaseTable:
             self.uri, tx, read_version=ds.version, storage_options=self.options
         )
 
-    def find_flush(self, shard: str, after_version: int) -> FlushMark | None:
-        """The newest flush of `shard` committed after `after_version`, if any."""
-        ds = self.dataset()
+    def find_flush(
+        self, shard: str, after_version: int, ds: lance.LanceDataset | None = None
+    ) -> FlushMark | None:
+        """The newest flush of `shard` committed after `after_version`, if any (searching
+        the latest version, or `ds`)."""
+        ds = ds or self.dataset()
         newer = int(ds.version) - after_version
         if newer <= 0:
             return None
@@ -154,6 +157,19 @@ class BaseTable:
                 offsets={k: int(v) for k, v in json.loads(props.get(PROP_OFFSETS, "{}")).items()},
             )
         return None
+
+
+def holds_generation(ds: lance.LanceDataset, shard: str, generation: int, floor: int) -> bool:
+    """Does table version `ds` hold the flush of `generation` of `shard`, committed at a
+    version above `floor`? Reads only the transactions of versions (floor, ds.version]."""
+    newer = int(ds.version) - floor
+    if newer <= 0:
+        return False
+    for tx in ds.get_transactions(newer):
+        props = getattr(tx, "transaction_properties", None) or {}
+        if props.get(PROP_SHARD) == shard and props.get(PROP_GENERATION) == str(generation):
+            return True
+    return False
 
 
 def flush_properties(

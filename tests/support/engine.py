@@ -12,7 +12,7 @@ from config.settings import TableSettings
 from engine.backpressure import BackpressureController, BlockingValve
 from engine.memtable import SealLimits
 from engine.schema import OP_DELETE, OP_UPSERT, TableSpec
-from engine.shard import Flusher, ShardWriter, WriterConfig
+from engine.shard import Flusher, ShardView, ShardWriter, WriterConfig
 from engine.storage import Storage, open_storage
 from engine.table import BaseTable
 from engine.wal import SourceRange
@@ -136,16 +136,23 @@ class Harness:
             overrides.get("config", self.config),
             overrides.get("controller", self.controller),
             self.flusher,
+            overrides.get("events"),
         )
 
     def base_rows(self) -> pa.Table:
         return self.table.dataset().to_table()
 
 
-def visible_rows(writer: ShardWriter) -> list[dict[str, Any]]:
-    """Every visible row of the writer's memtables (upsert: newest per key, no deletes)."""
+def visible_rows(source: ShardWriter | ShardView, base: Any = None) -> list[dict[str, Any]]:
+    """Every visible row of a writer's memtables (upsert: newest per key, no deletes).
+
+    With `base` (a Lance dataset opened after the view was taken), memtables whose rows
+    that table version already holds are skipped (what a reader combining tiers does).
+    """
     out: list[dict[str, Any]] = []
-    for view in writer.view().memtables:
+    shard_view = source.view() if isinstance(source, ShardWriter) else source
+    views = shard_view.memtables if base is None else shard_view.fresh(base)
+    for view in views:
         for batch, live in zip(view.batches, view.live, strict=True):
             b = batch if live is None else batch.filter(pa.array(live))
             out.extend(b.to_pylist())

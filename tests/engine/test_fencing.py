@@ -1,0 +1,67 @@
+"""One writer per shard (I5) and poison is terminal (I6), on a local folder and on S3."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine.errors import Fenced
+from tests.engine.conftest import MakeHarness
+from tests.support.engine import make_batch, source, visible_rows, writer_config
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_older_writer_is_fenced_and_acknowledges_nothing(any_harness: MakeHarness) -> None:
+    h = any_harness()
+    old = h.open()
+    old.put(make_batch(h.spec, 0, 10), source(0, 10)).result(30)
+    new = h.open()
+    assert new.epoch == old.epoch + 1
+    # The acknowledged rows of the old writer are replayed by the new one.
+    assert sorted(r["_offset"] for r in visible_rows(new)) == list(range(10))
+    # The old writer's next append or read fails with Fenced.
+    with pytest.raises(Fenced):
+        old.view()
+    with pytest.raises(Fenced):
+        old.put(make_batch(h.spec, 10, 5), source(10, 5))
+    stats = old.stats()  # still readable
+    assert stats.poisoned is not None
+    assert "newer writer" in stats.poisoned
+    new.put(make_batch(h.spec, 10, 5), source(10, 5)).result(30)
+    new.close(flush=True)
+    old.close(flush=True)
+    assert sorted(h.base_rows().column("_offset").to_pylist()) == list(range(15))
+
+
+def test_fenced_append_fails_the_put(any_harness: MakeHarness) -> None:
+    """Without a read to notice the fence, the old writer's next WAL append finds its
+    position taken by the new writer's fence entry and fails every put in it."""
+    h = any_harness(config=writer_config(fence_check_interval_s=3600))
+    old = h.open()
+    old.put(make_batch(h.spec, 0, 10), source(0, 10)).result(30)
+    new = h.open()
+    future = old.put(make_batch(h.spec, 10, 5), source(10, 5))
+    with pytest.raises(Fenced):
+        future.result(30)
+    assert [r["_offset"] for r in visible_rows(new)] == list(range(10))
+    new.close(flush=False)
+    old.close(flush=False)
+
+
+def test_fenced_writer_does_not_flush(any_harness: MakeHarness) -> None:
+    h = any_harness(config=writer_config(fence_check_interval_s=3600))
+    gate = threading.Event()
+    h.flusher.submit(lambda: gate.wait(60))  # hold the flush pool
+    old = h.open()
+    old.put(make_batch(h.spec, 0, 10), source(0, 10)).result(30)
+    old.seal()  # a frozen memtable waits for the (held) pool
+    new = h.open()
+    gate.set()
+    assert old.wait_flushed(30) is False  # it was fenced instead of flushing
+    assert isinstance(old.poisoned, Fenced)
+    assert h.base_rows().num_rows == 0
+    new.close(flush=True)
+    old.close(flush=True)
+    assert sorted(h.base_rows().column("_offset").to_pylist()) == list(range(10))

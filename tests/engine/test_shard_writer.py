@@ -1,0 +1,248 @@
+"""The shard writer on real Lance tables and real files: durability, visibility, group commit,
+seals, flushes, replay, upserts and bad input."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import lance
+import pyarrow as pa
+import pytest
+
+from engine.errors import InvalidRecord, SchemaMismatch
+from engine.schema import OP_DELETE
+from engine.table import PROP_SHARD, PROP_WAL_END, flush_properties
+from tests.engine.conftest import MakeHarness
+from tests.support.engine import Harness, make_batch, source, visible_rows, writer_config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def offsets(rows: list[dict[str, object]]) -> list[int]:
+    return sorted(int(r["_offset"]) for r in rows)  # type: ignore[call-overload]
+
+
+def test_put_resolves_when_durable_and_visible(local_harness: MakeHarness) -> None:
+    h = local_harness()
+    writer = h.open()
+    result = writer.put(make_batch(h.spec, 0, 10), source(0, 10)).result(10)
+    # Durable: the WAL entry is on disk when the future resolves; visible: in the memtable.
+    assert h.storage.exists(writer.wal.key(result.position))
+    assert result.rows == 10
+    assert offsets(visible_rows(writer)) == list(range(10))
+    assert writer.durable_offsets == {("t", 0): 9}
+    stats = writer.stats()
+    assert stats.durable_position == stats.visible_position == result.position
+    writer.close(flush=False)
+
+
+def test_group_commit_window_means_what_it_says(local_harness: MakeHarness) -> None:
+    interval = 0.3
+    h = local_harness(config=writer_config(interval_s=interval))
+    writer = h.open()
+    start = time.monotonic()
+    futures = [writer.put(make_batch(h.spec, i * 5, 5), source(i * 5, 5)) for i in range(6)]
+    first = futures[0].result(10)
+    waited = time.monotonic() - start
+    # Everything put inside the window shares one entry, written when the window closes.
+    assert {f.result(10).position for f in futures} == {first.position}
+    assert interval * 0.9 <= waited < interval + 0.25
+    time.sleep(interval * 1.2)
+    later = writer.put(make_batch(h.spec, 30, 5), source(30, 5)).result(10)
+    assert later.position == first.position + 1
+    writer.close(flush=False)
+
+
+def test_buffer_size_closes_the_window_early(local_harness: MakeHarness) -> None:
+    h = local_harness(config=writer_config(interval_s=30.0, max_wal_buffer_bytes=1))
+    writer = h.open()
+    start = time.monotonic()
+    writer.put(make_batch(h.spec, 0, 5), source(0, 5)).result(10)
+    assert time.monotonic() - start < 5
+    writer.close(flush=False)
+
+
+@pytest.mark.parametrize(
+    ("limits", "puts"),
+    [
+        ({"max_rows": 100}, 5),  # rows
+        ({"max_bytes": 20_000}, 5),  # bytes
+        ({"max_batches": 2}, 5),  # batches (one per WAL entry)
+    ],
+)
+def test_thresholds_seal_and_flush_to_lance(
+    local_harness: MakeHarness, limits: dict[str, int], puts: int
+) -> None:
+    h = local_harness(config=writer_config(**limits))
+    writer = h.open()
+    for i in range(puts):  # one entry per put: wait for each
+        writer.put(make_batch(h.spec, i * 60, 60), source(i * 60, 60)).result(10)
+    assert writer.wait_flushed(30)
+    stats = writer.stats()
+    assert stats.flushes_total >= 1
+    assert stats.generation > 1
+    base = h.base_rows()
+    memtable = visible_rows(writer)
+    # Every row is in exactly one tier.
+    assert sorted(base.column("_offset").to_pylist() + offsets(memtable)) == list(range(puts * 60))
+    tx = h.table.dataset().get_transactions(1)[0]
+    assert tx.transaction_properties[PROP_SHARD] == h.shard
+    assert int(tx.transaction_properties[PROP_WAL_END]) == stats.flushed_position
+    writer.close(flush=False)
+
+
+def test_close_with_flush_empties_the_wal(local_harness: MakeHarness) -> None:
+    h = local_harness()
+    writer = h.open()
+    for i in range(3):
+        writer.put(make_batch(h.spec, i * 10, 10), source(i * 10, 10)).result(10)
+    writer.close(flush=True)
+    assert h.base_rows().num_rows == 30
+    stats = writer.stats()
+    assert stats.frozen_count == 0
+    assert stats.flushed_offsets == {("t", 0): 29}
+    assert all(p > stats.flushed_position for p in writer.wal.positions())
+    manifest = writer.manifests.latest()
+    assert manifest.flushed_position == stats.flushed_position
+    assert manifest.flushed_offsets == {"t:0": 29}
+
+
+def test_reopen_replays_without_reappending(local_harness: MakeHarness) -> None:
+    h = local_harness()
+    first = h.open()
+    for i in range(4):
+        first.put(make_batch(h.spec, i * 10, 10), source(i * 10, 10)).result(10)
+    first.close(flush=False)
+    wal_before = first.wal.positions()
+    second = h.open()
+    assert offsets(visible_rows(second)) == list(range(40))
+    assert second.durable_offsets == {("t", 0): 39}
+    assert second.epoch == first.epoch + 1
+    # Replay re-appends nothing: only the new writer's fence entry was added.
+    assert second.wal.positions() == [*wal_before, max(wal_before) + 1]
+    assert second.stats().replayed_rows == 40
+    assert h.base_rows().num_rows == 0
+    second.close(flush=True)
+    assert sorted(h.base_rows().column("_offset").to_pylist()) == list(range(40))
+
+
+def test_crash_between_lance_commit_and_manifest_update(local_harness: MakeHarness) -> None:
+    """The flush watermark lives in the Lance commit: a crash after the commit but before the
+    manifest update must not flush the same rows twice (I3)."""
+    h = local_harness()
+    writer = h.open()
+    for i in range(3):
+        writer.put(make_batch(h.spec, i * 10, 10), source(i * 10, 10)).result(10)
+    writer.close(flush=False)
+    wal_end = max(writer.wal.positions())
+    # What the flush would commit, committed exactly as the flush does, then "crash".
+    rows = [make_batch(h.spec, 0, 30)]
+    props = flush_properties(h.shard, writer.epoch, 1, wal_end, {"t:0": 29})
+    h.table.commit_flush([h.spec.to_table_batch(b) for b in rows], None, props)
+    assert writer.manifests.latest().flushed_position == 0
+    reopened = h.open()
+    assert visible_rows(reopened) == []  # not replayed: the commit covers it
+    assert reopened.durable_offsets == {("t", 0): 29}
+    assert reopened.manifests.latest().flushed_position == wal_end
+    reopened.put(make_batch(h.spec, 30, 5), source(30, 5)).result(10)
+    reopened.close(flush=True)
+    assert sorted(h.base_rows().column("_offset").to_pylist()) == list(range(35))
+
+
+def test_upsert_newest_wins_and_deletes_apply(local_harness: MakeHarness) -> None:
+    h = local_harness(mode="upsert")
+    writer = h.open()
+
+    def key(o: int) -> str:
+        return f"k{o % 10}"
+
+    writer.put(make_batch(h.spec, 0, 10, key_of=key), source(0, 10)).result(10)
+    # k0..k4 updated (offsets 10..14), k5 deleted (offset 15).
+    writer.put(make_batch(h.spec, 10, 6, key_of=key, deletes={15}), source(10, 6)).result(10)
+    live = {r["id"]: r["n"] for r in visible_rows(writer)}
+    assert live == {f"k{i}": (10 + i if i < 5 else i) for i in range(10) if i != 5}
+    writer.close(flush=True)
+    base = {r["id"]: r["n"] for r in h.base_rows().to_pylist()}
+    assert base == live
+    # After the flush: a newer version in the memtable, a delete of a flushed key.
+    again = h.open()
+    again.put(make_batch(h.spec, 20, 2, key_of=key, deletes={21}), source(20, 2)).result(10)
+    again.close(flush=True)
+    final = {r["id"]: r["n"] for r in h.base_rows().to_pylist()}
+    assert final == {**{k: v for k, v in live.items() if k != "k1"}, "k0": 20}
+
+
+def test_delete_then_reinsert_in_one_entry(local_harness: MakeHarness) -> None:
+    h = local_harness(mode="upsert", config=writer_config(interval_s=0.2))
+    writer = h.open()
+    writer.put(make_batch(h.spec, 0, 1, key_of=lambda o: "a"), source(0, 1)).result(10)
+    f1 = writer.put(make_batch(h.spec, 1, 1, key_of=lambda o: "a", deletes={1}), source(1, 1))
+    f2 = writer.put(make_batch(h.spec, 2, 1, key_of=lambda o: "a"), source(2, 1))
+    assert f1.result(10).position == f2.result(10).position
+    assert [r["n"] for r in visible_rows(writer)] == [2]
+    writer.close(flush=True)
+    assert h.base_rows().to_pylist()[0]["n"] == 2
+    assert h.base_rows().num_rows == 1
+
+
+def test_bad_batches_fail_typed_and_the_writer_stays_healthy(local_harness: MakeHarness) -> None:
+    h = local_harness(mode="upsert")
+    writer = h.open()
+    good = make_batch(h.spec, 0, 5)
+    entries = writer.stats().wal_entries_total
+
+    wrong_schema = good.drop_columns(["text"])
+    with pytest.raises(InvalidRecord) as info:
+        writer.put(wrong_schema, source(0, 5))
+    assert info.value.column == "text"
+
+    vec_idx = good.schema.get_field_index("vec")
+    short = pa.FixedSizeListArray.from_arrays(pa.array([0.0] * 5 * 3, pa.float32()), 3)
+    wrong_dim = good.set_column(vec_idx, pa.field("vec", short.type), short)
+    with pytest.raises(InvalidRecord) as info:
+        writer.put(wrong_dim, source(0, 5))
+    assert info.value.column == "vec"
+
+    ids = pa.array(["a", "b", None, "d", "e"], pa.string())
+    null_key = good.set_column(0, good.schema.field(0), ids)
+    with pytest.raises(InvalidRecord) as info:
+        writer.put(null_key, source(0, 5))
+    assert (info.value.column, info.value.row) == ("id", 2)
+
+    values = pa.array([0.0] * 5 * 8, pa.float32()).to_numpy(zero_copy_only=False).copy()
+    values[3 * 8 + 1] = float("nan")
+    nan_vec = pa.FixedSizeListArray.from_arrays(pa.array(values), 8)
+    with_nan = good.set_column(vec_idx, good.schema.field(vec_idx), nan_vec)
+    with pytest.raises(InvalidRecord) as info:
+        writer.put(with_nan, source(0, 5))
+    assert (info.value.column, info.value.row) == ("vec", 3)
+
+    # Nothing of those batches became durable or visible; a good put still works.
+    assert writer.stats().wal_entries_total == entries
+    assert visible_rows(writer) == []
+    writer.put(good, source(0, 5)).result(10)
+    assert len(visible_rows(writer)) == 5
+    assert writer.poisoned is None
+    writer.close(flush=False)
+
+
+def test_delete_rows_may_leave_non_key_columns_null(local_harness: MakeHarness) -> None:
+    h = local_harness(mode="upsert")
+    writer = h.open()
+    schema = h.spec.batch_schema
+    delete = pa.RecordBatch.from_pylist(
+        [{"id": "x", "_op": OP_DELETE, "_topic": "t", "_partition": 0, "_offset": 0}],
+        schema=schema,
+    )
+    writer.put(delete, source(0, 1)).result(10)
+    assert visible_rows(writer) == []
+    writer.close(flush=True)
+    assert h.base_rows().num_rows == 0
+
+
+def test_schema_mismatch_on_open(tmp_path: Path) -> None:
+    uri = str(tmp_path / "table.lance")
+    lance.write_dataset(pa.table({"id": pa.array([1, 2])}), uri)
+    with pytest.raises(SchemaMismatch, match="'id'"):
+        Harness(uri, str(tmp_path / "wal"))
