@@ -509,6 +509,18 @@ INVALID = {
         {"extraEnv": [{"name": "LANCE_SINK__KAFKA__GROUP_ID", "value": "x"}]},
         "extraEnv LANCE_SINK__KAFKA__GROUP_ID: settings go under config",
     ),
+    "dead letters on the pod's filesystem": (
+        {"config": {"dlq": {"lance_table_uri": "/tmp/dlq.lance"}}},
+        'config.dlq.lance_table_uri="/tmp/dlq.lance": storage.mode objectStore',
+    ),
+    "metrics on loopback": (
+        {"config": {"observability": {"metrics_host": "127.0.0.1"}}},
+        "the kubelet probes /healthz and /readyz",
+    ),
+    "query and metrics on one port": (
+        {"config": {"query": {"port": 9102}}},
+        "config.query.port and config.observability.metrics_port are both 9102",
+    ),
     "static membership with replicas": (
         {"config": {"kafka": {"group_instance_id": "a"}}},
         "group_instance_id must be unique per pod",

@@ -42,6 +42,7 @@ checks only cover what is about how Kubernetes runs it, or what would leak a sec
 {{/* storage modes */}}
 {{- $uris := dict "config.table.uri" $c.table.uri -}}
 {{- if $c.wal.uri -}}{{- $_ := set $uris "config.wal.uri" $c.wal.uri -}}{{- end -}}
+{{- if $c.dlq.lance_table_uri -}}{{- $_ := set $uris "config.dlq.lance_table_uri" $c.dlq.lance_table_uri -}}{{- end -}}
 {{- if eq $mode "objectStore" -}}
 {{- range $key, $uri := $uris -}}
 {{- if not (hasPrefix "s3://" $uri) -}}
@@ -76,6 +77,14 @@ checks only cover what is about how Kubernetes runs it, or what would leak a sec
 {{/* static membership needs one id per pod */}}
 {{- if and $c.kafka.group_instance_id (or .Values.keda.enabled (gt (int .Values.replicaCount) 1)) -}}
 {{- fail "config.kafka.group_instance_id must be unique per pod: use it only with replicaCount 1 and without KEDA" -}}
+{{- end -}}
+
+{{/* the kubelet probes the pod IP; the Service needs two distinct ports */}}
+{{- if has $c.observability.metrics_host (list "127.0.0.1" "localhost" "::1") -}}
+{{- fail (printf "config.observability.metrics_host=%s: the kubelet probes /healthz and /readyz and Prometheus scrapes /metrics on the pod IP; use 0.0.0.0" $c.observability.metrics_host) -}}
+{{- end -}}
+{{- if and $c.query.enabled (eq (int $c.query.port) (int $c.observability.metrics_port)) -}}
+{{- fail (printf "config.query.port and config.observability.metrics_port are both %v: the query API and /metrics need their own ports" $c.query.port) -}}
 {{- end -}}
 
 {{- $pdb := .Values.podDisruptionBudget -}}
