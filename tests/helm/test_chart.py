@@ -622,6 +622,45 @@ def test_memory_limit_formula_and_override(helm: str, tmp_path: Path) -> None:
     assert resources["limits"]["memory"] == resources["requests"]["memory"] == "6Gi"
 
 
+def test_memory_limit_from_set_flags(helm: str) -> None:
+    """`--set` yields int64 values (files yield float64): both parse alike."""
+    docs = _template(
+        helm,
+        _scenario("object-storage-values"),
+        extra=("--set", "config.backpressure.process_budget_bytes=3221225472"),
+    )
+    assert _container(docs)["resources"]["limits"]["memory"] == f"{3 * 1024 * 3 // 2 + 512}Mi"
+
+
+def test_toml_strings_survive_escaping(helm: str, tmp_path: Path) -> None:
+    """Quotes, backslashes, control characters, HTML-ish and non-ASCII text and dotted keys
+    come out of sink.toml exactly as they went into values."""
+    tricky = 'a "quoted" \\ back\\slash\ttab\nnewline <&> é 漢字'
+    override = {
+        "config": {
+            "kafka": {
+                "client_id": tricky,
+                "librdkafka": {"client.rack": "eu-west-1a", "fetch.wait.max.ms": 250},
+            },
+            "source": {"columns": {"body": "@headers.X-Trace.Id"}},
+            "dlq": {"topic_template": "dlq.{topic}"},
+        }
+    }
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(override, allow_unicode=True))
+    docs = _template(helm, _scenario("object-storage-values"), path)
+    toml = tomllib.loads(_sink_toml(docs))
+    assert toml["kafka"]["client_id"] == tricky
+    assert toml["kafka"]["librdkafka"] == {
+        "client.rack": "eu-west-1a",
+        "fetch.wait.max.ms": 250,
+        "fetch.max.bytes": 104857600,  # from the scenario file underneath
+    }
+    assert toml["source"]["columns"]["body"] == "@headers.X-Trace.Id"
+    effective, _ = _check_config(docs, tmp_path)
+    assert effective["kafka"]["client_id"] == tricky
+
+
 def test_checksum_follows_the_config_only(helm: str, tmp_path: Path) -> None:
     def checksum(override: dict[str, Any]) -> str:
         path = tmp_path / "values.yaml"
