@@ -58,54 +58,10 @@ spec:
           containerPort: {{ $c.query.port }}
           protocol: TCP
         {{- end }}
+      {{- with include "lance-sink.env" . | trim }}
       env:
-        - name: POD_NAME
-          valueFrom:
-            fieldRef:
-              fieldPath: metadata.name
-        {{- if $s.objectStore.existingSecret }}
-        - name: LANCE_SINK__TABLE__STORAGE_OPTIONS__AWS_ACCESS_KEY_ID
-          valueFrom:
-            secretKeyRef:
-              name: {{ $s.objectStore.existingSecret }}
-              key: {{ $s.objectStore.accessKeyIdKey }}
-        - name: LANCE_SINK__TABLE__STORAGE_OPTIONS__AWS_SECRET_ACCESS_KEY
-          valueFrom:
-            secretKeyRef:
-              name: {{ $s.objectStore.existingSecret }}
-              key: {{ $s.objectStore.secretAccessKeyKey }}
-        {{- if $s.objectStore.sessionTokenKey }}
-        - name: LANCE_SINK__TABLE__STORAGE_OPTIONS__AWS_SESSION_TOKEN
-          valueFrom:
-            secretKeyRef:
-              name: {{ $s.objectStore.existingSecret }}
-              key: {{ $s.objectStore.sessionTokenKey }}
-        {{- end }}
-        {{- end }}
-        {{- if $s.kafkaSasl.existingSecret }}
-        - name: LANCE_SINK__KAFKA__SASL_PASSWORD
-          valueFrom:
-            secretKeyRef:
-              name: {{ $s.kafkaSasl.existingSecret }}
-              key: {{ $s.kafkaSasl.passwordKey }}
-        {{- end }}
-        {{- if and $s.kafkaTls.existingSecret $s.kafkaTls.keyPasswordKey }}
-        - name: LANCE_SINK__KAFKA__SSL_KEY_PASSWORD
-          valueFrom:
-            secretKeyRef:
-              name: {{ $s.kafkaTls.existingSecret }}
-              key: {{ $s.kafkaTls.keyPasswordKey }}
-        {{- end }}
-        {{- if $s.queryAuth.existingSecret }}
-        - name: LANCE_SINK__QUERY__AUTH_TOKEN
-          valueFrom:
-            secretKeyRef:
-              name: {{ $s.queryAuth.existingSecret }}
-              key: {{ $s.queryAuth.tokenKey }}
-        {{- end }}
-        {{- with .Values.extraEnv }}
-        {{- toYaml . | nindent 8 }}
-        {{- end }}
+        {{- . | nindent 8 }}
+      {{- end }}
       startupProbe:
         httpGet:
           path: /healthz
@@ -189,4 +145,53 @@ spec:
   affinity:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+{{- end -}}
+
+
+{{/* The container's environment: secrets by reference, then extraEnv. Empty = no env. */}}
+{{- define "lance-sink.env" -}}
+{{- $s := .Values.secrets -}}
+{{- if $s.objectStore.existingSecret }}
+- name: LANCE_SINK__TABLE__STORAGE_OPTIONS__AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ $s.objectStore.existingSecret }}
+      key: {{ $s.objectStore.accessKeyIdKey }}
+- name: LANCE_SINK__TABLE__STORAGE_OPTIONS__AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $s.objectStore.existingSecret }}
+      key: {{ $s.objectStore.secretAccessKeyKey }}
+{{- if $s.objectStore.sessionTokenKey }}
+- name: LANCE_SINK__TABLE__STORAGE_OPTIONS__AWS_SESSION_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ $s.objectStore.existingSecret }}
+      key: {{ $s.objectStore.sessionTokenKey }}
+{{- end }}
+{{- end }}
+{{- if $s.kafkaSasl.existingSecret }}
+- name: LANCE_SINK__KAFKA__SASL_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $s.kafkaSasl.existingSecret }}
+      key: {{ $s.kafkaSasl.passwordKey }}
+{{- end }}
+{{- if and $s.kafkaTls.existingSecret $s.kafkaTls.keyPasswordKey }}
+- name: LANCE_SINK__KAFKA__SSL_KEY_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $s.kafkaTls.existingSecret }}
+      key: {{ $s.kafkaTls.keyPasswordKey }}
+{{- end }}
+{{- if $s.queryAuth.existingSecret }}
+- name: LANCE_SINK__QUERY__AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ $s.queryAuth.existingSecret }}
+      key: {{ $s.queryAuth.tokenKey }}
+{{- end }}
+{{- with .Values.extraEnv }}
+{{- toYaml . | nindent 0 }}
+{{- end }}
 {{- end -}}
