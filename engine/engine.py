@@ -47,9 +47,11 @@ class Engine:
         controller: BackpressureController,
         flush_workers: int = 1,
         events: EngineEvents | None = None,
+        *,
+        durable: bool = True,
     ) -> None:
         self.spec = spec
-        self.table = BaseTable(spec)
+        self.table = BaseTable(spec, sync=durable)
         self.storage = storage
         self.config = config
         self.controller = controller
@@ -84,6 +86,7 @@ class Engine:
             ),
             settings.flush.workers,
             events,
+            durable=settings.wal.durable_writes,
         )
 
     def shard_id(self, topic: str, partition: int) -> str:

@@ -118,28 +118,29 @@ class Memtable:
 
     def insert(
         self,
-        batch: pa.RecordBatch,
+        batches: list[pa.RecordBatch] | tuple[pa.RecordBatch, ...],
         position: int,
         sources: list[SourceRange] | tuple[SourceRange, ...],
     ) -> None:
         """Append the rows of the WAL entry at `position` (already durable).
 
-        `batch` must own its buffers (see `own_copy`); the caller holds the writer lock.
+        The batches must own their buffers (see `own_copy`); the caller holds the writer
+        lock.
         """
         if self.first_position == 0:
             self.first_position = position
         self.last_position = position
         self.sources = merge_ranges([*self.sources, *sources])
-        if batch.num_rows == 0:
-            return
-        base = self.rows
-        if self._keys is not None:
-            self._index_keys(batch, base)
-        with self._lock:
-            self.batches.append(batch)
-            self.batch_positions.append(position)
-            self.rows += batch.num_rows
-        self.data_bytes += batch.get_total_buffer_size()
+        for batch in batches:
+            if batch.num_rows == 0:
+                continue
+            if self._keys is not None:
+                self._index_keys(batch, self.rows)
+            with self._lock:
+                self.batches.append(batch)
+                self.batch_positions.append(position)
+                self.rows += batch.num_rows
+            self.data_bytes += batch.get_total_buffer_size()
         self._account_index()
 
     def _index_keys(self, batch: pa.RecordBatch, base: int) -> None:
@@ -264,10 +265,16 @@ def own_copy(batch: pa.RecordBatch) -> pa.RecordBatch:
     return pa.concat_batches([batch])
 
 
-def concat_owned(batches: list[pa.RecordBatch], schema: pa.Schema) -> pa.RecordBatch:
-    """One batch with fresh buffers holding all rows of `batches`."""
-    if not batches:
-        return pa.RecordBatch.from_pylist([], schema=schema)
-    if len(batches) == 1:
-        return own_copy(batches[0])
-    return pa.concat_batches(batches)
+#: Puts smaller than this (rows, on average) are coalesced into one batch per WAL entry:
+#: per-batch overhead (Python objects, faiss calls at query time) dominates tiny batches,
+#: while copying large ones would cost more than it saves.
+COALESCE_BELOW_ROWS = 4_096
+
+
+def entry_batches(batches: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
+    """The batches a WAL entry and the memtable keep for a group of puts: own buffers,
+    small batches coalesced, large ones as they are (no copy)."""
+    batches = [b for b in batches if b.num_rows]
+    if len(batches) > 1 and sum(b.num_rows for b in batches) < COALESCE_BELOW_ROWS * len(batches):
+        return [pa.concat_batches(batches)]
+    return [own_copy(b) for b in batches]

@@ -56,11 +56,11 @@ from engine.errors import (
     Poisoned,
 )
 from engine.manifest import ManifestStore, ShardManifest
-from engine.memtable import Memtable, MemtableView, SealLimits, concat_owned, should_seal
+from engine.memtable import Memtable, MemtableView, SealLimits, entry_batches, should_seal
 from engine.schema import TableSpec
 from engine.storage import AlreadyExists, Storage
 from engine.table import BaseTable, flush_properties, holds_generation
-from engine.wal import SourceRange, Wal, WalEntry, encode_entry, merge_ranges
+from engine.wal import EntryEncoder, SourceRange, Wal, WalEntry, merge_ranges
 
 log = structlog.get_logger("lance_sink.engine")
 
@@ -243,6 +243,7 @@ class ShardWriter:
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._schema = spec.batch_schema
+        self._encoder = EntryEncoder()
         self._manifest = ShardManifest()
         # Held while writing a manifest version and assigning it, and while probing for a
         # newer one: a probe must never see our own write before we know of it.
@@ -344,14 +345,17 @@ class ShardWriter:
             # Fence: take the next position with an empty entry of our epoch. If an older
             # writer got there first, replay its entry too and try the next position.
             try:
-                self.wal.append(position, self._encode(position, None, []))
+                fence = self._encoder.encode(
+                    position, self._epoch, self.shard, self._schema, [], []
+                )
+                self.wal.append(position, fence)
             except AlreadyExists:
                 present.add(position)
                 continue
             break
         self._next_position = position + 1
         self._durable_position = position
-        self._active.insert(self._empty_batch(), position, [])
+        self._active.insert([], position, [])
         self._set_memory()
         stale = [p for p in present if p <= self._flushed_position]
         if stale:
@@ -374,9 +378,8 @@ class ShardWriter:
             raise PersistenceError(
                 f"WAL entry {entry.position} belongs to shard {entry.shard}", shard=self.shard
             )
-        batch = entry.batch if entry.batch is not None else self._empty_batch()
         with self._lock:
-            sealed = self._insert_locked(batch, entry.position, entry.sources)
+            sealed = self._insert_locked(entry.batches, entry.position, entry.sources)
         if sealed:
             # Bounded replay (I4): flush each sealed memtable before reading further.
             self._drain_flushes_inline()
@@ -466,12 +469,15 @@ class ShardWriter:
             self._fail(puts, self._poison)
             return
         position = self._next_position
-        batch = concat_owned([p.batch for p in puts], self._schema)
+        batches = entry_batches([p.batch for p in puts])
+        rows = sum(p.rows for p in puts)
         sources = merge_ranges([p.source for p in puts if p.source is not None])
         started = time.monotonic()
         error: LanceSinkError
         try:
-            payload = self._encode(position, batch, sources)
+            payload = self._encoder.encode(
+                position, self._epoch, self.shard, self._schema, batches, sources
+            )
             self.wal.append(position, payload)
         except AlreadyExists as exc:
             error = Fenced(
@@ -492,20 +498,20 @@ class ShardWriter:
             self._pending_bytes -= sum(p.nbytes for p in puts)
             self._pending_rows -= sum(p.rows for p in puts)
             self._next_position = position + 1
-            self._insert_locked(batch, position, sources)
+            self._insert_locked(batches, position, sources)
             if self.memory.seal_required:
                 self.memory.seal_required = False
                 if self._active.rows:
                     self._seal_locked(reason="requested")
         self._counters["wal_entries"] += 1
         self._counters["wal_bytes"] += payload.size
-        self.events.wal_appended(self.shard, seconds, payload.size, batch.num_rows)
+        self.events.wal_appended(self.shard, seconds, payload.size, rows)
         for put in puts:
             put.future.set_result(PutResult(position, put.rows))
 
     def _insert_locked(
         self,
-        batch: pa.RecordBatch,
+        batches: list[pa.RecordBatch] | tuple[pa.RecordBatch, ...],
         position: int,
         sources: list[SourceRange] | tuple[SourceRange, ...],
     ) -> bool:
@@ -517,13 +523,13 @@ class ShardWriter:
             active.rows,
             active.memory_size,
             len(active.batches),
-            batch.num_rows,
-            batch.nbytes,
+            sum(b.num_rows for b in batches),
+            sum(b.nbytes for b in batches),
             self.config.limits,
         ):
             self._seal_locked(reason="threshold")
             sealed = True
-        self._active.insert(batch, position, sources)
+        self._active.insert(batches, position, sources)
         self._durable_position = position
         for s in sources:
             key = (s.topic, s.partition)
@@ -554,14 +560,6 @@ class ShardWriter:
     def _set_memory(self) -> None:
         self.memory.active_bytes = self._active.memory_size + self._pending_bytes
         self.memory.frozen_bytes = sum(m.memory_size for m in self._frozen)
-
-    def _encode(
-        self, position: int, batch: pa.RecordBatch | None, sources: list[SourceRange]
-    ) -> pa.Buffer:
-        return encode_entry(position, self._epoch, self.shard, self._schema, batch, sources)
-
-    def _empty_batch(self) -> pa.RecordBatch:
-        return pa.RecordBatch.from_pylist([], schema=self._schema)
 
     # ------------------------------------------------------------------ flush
 

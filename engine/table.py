@@ -49,11 +49,12 @@ class BaseTable:
     and checks the schema of an existing one (`SchemaMismatch`).
     """
 
-    def __init__(self, spec: TableSpec) -> None:
+    def __init__(self, spec: TableSpec, *, sync: bool = True) -> None:
         self.spec = spec
         self.uri = spec.uri
         self.options = dict(spec.storage_options) or None
-        self._local = is_local(spec.uri)
+        # Sync local flushes to disk (see commit_flush); off with `wal.durable_writes=false`.
+        self._sync = sync and is_local(spec.uri)
         self._lock = threading.Lock()
 
     def open(self) -> None:
@@ -113,7 +114,7 @@ class BaseTable:
                 ds = self._merge(upserts, deletes, properties)
         except (OSError, ValueError, RuntimeError) as exc:
             raise PersistenceError(f"flush commit failed: {exc}", table=self.uri) from exc
-        if self._local:
+        if self._sync:
             sync_filesystem(local_path(self.uri))
         return int(ds.version)
 

@@ -4,8 +4,8 @@ Layout under the shard's folder of the WAL storage:
 
     <shard>/wal/<position:020d>.arrow     one entry per group commit, positions 1, 2, 3, ...
 
-An entry holds the rows of every put in its group-commit window (one record batch, or none
-for a fence entry) and, in the schema metadata, a header: the entry position, the writer
+An entry holds the rows of every put in its group-commit window (their record batches, or
+none for a fence entry) and, in the schema metadata, a header: the entry position, the writer
 epoch, the shard id, and the source offset range of each (topic, partition) whose rows it
 carries. Entries are written with a create-only put: a writer never skips a position, so
 finding a position taken means a newer writer fenced this one (see `ShardWriter.open`).
@@ -14,7 +14,7 @@ finding a position taken means a newer writer fenced this one (see `ShardWriter.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pyarrow as pa
 
@@ -56,13 +56,59 @@ class WalEntry:
     epoch: int
     shard: str
     sources: tuple[SourceRange, ...] = ()
-    batch: pa.RecordBatch | None = None
+    batches: tuple[pa.RecordBatch, ...] = ()
     nbytes: int = 0
-    extra: dict[str, str] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
-        return 0 if self.batch is None else self.batch.num_rows
+        return sum(b.num_rows for b in self.batches)
+
+
+class EntryEncoder:
+    """Serialises entries as Arrow IPC streams whose schema metadata carries the header.
+
+    Serialising into a fresh buffer page-faults on every entry (the kernel zeroes each new
+    page), which costs more than the copy itself; the encoder keeps one scratch buffer and
+    reuses it. The returned buffer is valid until the next `encode` call, so one encoder
+    belongs to one WAL thread, which writes each entry before encoding the next.
+    """
+
+    def __init__(self) -> None:
+        self._scratch: pa.Buffer | None = None
+
+    def encode(
+        self,
+        position: int,
+        epoch: int,
+        shard: str,
+        schema: pa.Schema,
+        batches: list[pa.RecordBatch] | tuple[pa.RecordBatch, ...],
+        sources: list[SourceRange] | tuple[SourceRange, ...],
+    ) -> pa.Buffer:
+        header = {
+            "v": CODEC_VERSION,
+            "position": position,
+            "epoch": epoch,
+            "shard": shard,
+            "sources": [[s.topic, s.partition, s.first, s.last] for s in sources],
+        }
+        meta = dict(schema.metadata or {})
+        meta[HEADER_KEY] = json.dumps(header, separators=(",", ":")).encode()
+        schema = schema.with_metadata(meta)
+        rows = [pa.RecordBatch.from_arrays(b.columns, schema=schema) for b in batches if b.num_rows]
+        # Measure first, then serialise into one buffer of the exact size: a growing output
+        # stream would re-copy the entry as it grows.
+        mock = pa.MockOutputStream()
+        with pa.ipc.new_stream(mock, schema) as writer:
+            for b in rows:
+                writer.write_batch(b)
+        size = mock.size()
+        if self._scratch is None or self._scratch.size < size:
+            self._scratch = pa.allocate_buffer(max(size, 1 << 20))
+        with pa.ipc.new_stream(pa.FixedSizeBufferWriter(self._scratch), schema) as writer:
+            for b in rows:
+                writer.write_batch(b)
+        return self._scratch.slice(0, size)
 
 
 def encode_entry(
@@ -70,29 +116,18 @@ def encode_entry(
     epoch: int,
     shard: str,
     schema: pa.Schema,
-    batch: pa.RecordBatch | None,
+    batches: list[pa.RecordBatch] | tuple[pa.RecordBatch, ...],
     sources: list[SourceRange] | tuple[SourceRange, ...],
 ) -> pa.Buffer:
-    """Serialise an entry as an Arrow IPC stream whose schema metadata carries the header."""
-    header = {
-        "v": CODEC_VERSION,
-        "position": position,
-        "epoch": epoch,
-        "shard": shard,
-        "sources": [[s.topic, s.partition, s.first, s.last] for s in sources],
-    }
-    meta = dict(schema.metadata or {})
-    meta[HEADER_KEY] = json.dumps(header, separators=(",", ":")).encode()
-    schema = schema.with_metadata(meta)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, schema) as writer:
-        if batch is not None and batch.num_rows:
-            writer.write_batch(pa.RecordBatch.from_arrays(batch.columns, schema=schema))
-    return sink.getvalue()
+    """Serialise one entry into a buffer of its own (see `EntryEncoder` for the hot path)."""
+    encoded = EntryEncoder().encode(position, epoch, shard, schema, batches, sources)
+    return pa.py_buffer(encoded.to_pybytes())
 
 
 def decode_entry(data: bytes | pa.Buffer) -> WalEntry:
-    """Parse an entry written by `encode_entry`.
+    """Parse an entry written by `encode_entry` or `EntryEncoder`.
+
+    The batches are zero-copy views of `data`.
 
     Raises:
         ValueError: the bytes are not a WAL entry of a known codec version.
@@ -111,16 +146,12 @@ def decode_entry(data: bytes | pa.Buffer) -> WalEntry:
         raise ValueError(f"unknown WAL codec version {header.get('v')}")
     rest = {k: v for k, v in meta.items() if k != HEADER_KEY}
     schema = reader.schema.with_metadata(rest or None)
-    batch = None
-    if batches:
-        combined = batches[0] if len(batches) == 1 else pa.concat_batches(batches)
-        batch = pa.RecordBatch.from_arrays(combined.columns, schema=schema)
     return WalEntry(
         position=int(header["position"]),
         epoch=int(header["epoch"]),
         shard=str(header["shard"]),
         sources=tuple(SourceRange(t, int(p), int(a), int(b)) for t, p, a, b in header["sources"]),
-        batch=batch,
+        batches=tuple(pa.RecordBatch.from_arrays(b.columns, schema=schema) for b in batches),
         nbytes=buf.size,
     )
 
@@ -171,6 +202,7 @@ class Wal:
 
 __all__ = [
     "AlreadyExists",
+    "EntryEncoder",
     "SourceRange",
     "Wal",
     "WalEntry",

@@ -20,7 +20,7 @@ def fill(memtable: Memtable, rows: int, batch_rows: int) -> None:
         first = i * batch_rows
         # Keys repeat every 3000 offsets for upserts: the index holds the distinct keys.
         batch = make_batch(memtable.spec, first, batch_rows, key_of=lambda o: f"key-{o % 3000:06d}")
-        memtable.insert(own_copy(batch), i + 1, [source(first, batch_rows)])
+        memtable.insert([own_copy(batch)], i + 1, [source(first, batch_rows)])
         del batch
 
 

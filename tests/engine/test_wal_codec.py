@@ -50,18 +50,18 @@ def test_entry_round_trip(
     position: int, epoch: int, shard: str, sources: list[SourceRange], data: list[dict[str, object]]
 ) -> None:
     batch = pa.RecordBatch.from_pylist(data, schema=SCHEMA) if data else None
-    payload = encode_entry(position, epoch, shard, SCHEMA, batch, sources)
+    payload = encode_entry(position, epoch, shard, SCHEMA, [batch] if batch else [], sources)
     entry = decode_entry(payload.to_pybytes())
     assert (entry.position, entry.epoch, entry.shard) == (position, epoch, shard)
     assert list(entry.sources) == sources
     assert entry.nbytes == payload.size
     if batch is None:
-        assert entry.batch is None
+        assert entry.batches == ()
         assert entry.num_rows == 0
     else:
-        assert entry.batch is not None
-        assert entry.batch.schema.equals(SCHEMA)
-        assert entry.batch.to_pylist() == batch.to_pylist()
+        [decoded] = entry.batches
+        assert decoded.schema.equals(SCHEMA)
+        assert decoded.to_pylist() == batch.to_pylist()
 
 
 def test_garbage_is_rejected() -> None:

@@ -1,0 +1,154 @@
+"""The dead-letter destination: a Kafka topic per source topic, written by an idempotent
+producer with acks=all.
+
+Each dead letter carries the original key, value and headers, plus headers saying why it
+was rejected and where it came from:
+
+    lance_sink.reason      stable snake_case code (invalid_json, wrong_type, ...)
+    lance_sink.detail      human text naming the column or JSON path
+    lance_sink.topic / lance_sink.partition / lance_sink.offset / lance_sink.timestamp
+
+Lifecycle: the sink builds one `DeadLetterProducer`, calls `send` for every rejected
+message, `poll` on every loop iteration (delivery reports arrive there), and `close` at
+shutdown. A source offset may be committed only once `acked` says its dead letter was
+delivered; a failed delivery is re-sent after a backoff, so a dead-letter topic that is
+down makes the partition wait, never lose the message. Delivery is at-least-once: a crash
+between delivery and the offset commit re-sends the message after restart.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import confluent_kafka
+import structlog
+
+log = structlog.get_logger("lance_sink.dlq")
+
+RETRY_BACKOFF_S = 1.0  # a refused or timed-out delivery is re-sent after this
+
+
+class DeadLetterLike(Protocol):
+    """What `send` needs of a dead letter (see `sink.decode.DeadLetter`)."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int | None
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]]
+    reason: str
+    detail: str
+
+
+@dataclass
+class _Pending:
+    letter: DeadLetterLike
+    attempts: int = 0
+    delivered: bool = False
+    retry_at: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class DeadLetterBatch:
+    """The dead letters of one consumed batch; `acked` once every one was delivered."""
+
+    letters: list[_Pending] = field(default_factory=list)
+
+    @property
+    def acked(self) -> bool:
+        return all(p.delivered for p in self.letters)
+
+
+class DeadLetterProducer:
+    """Sends dead letters to `topic_template.format(topic=...)`. Used by the loop thread only."""
+
+    def __init__(self, conf: dict[str, Any], topic_template: str, metrics: Any = None) -> None:
+        producer_conf = dict(conf)
+        producer_conf.update({"enable.idempotence": True, "acks": "all", "linger.ms": 5})
+        self._producer = confluent_kafka.Producer(producer_conf)
+        self._template = topic_template
+        self._metrics = metrics
+        self._waiting: list[_Pending] = []
+
+    def destination(self, topic: str) -> str:
+        return self._template.format(topic=topic)
+
+    def send(self, letters: list[DeadLetterLike]) -> DeadLetterBatch:
+        """Queue the dead letters of one batch; returns a handle to check delivery."""
+        batch = DeadLetterBatch([_Pending(letter) for letter in letters])
+        for pending in batch.letters:
+            self._produce(pending)
+        return batch
+
+    def _produce(self, pending: _Pending) -> None:
+        letter = pending.letter
+        pending.attempts += 1
+        headers = [
+            *letter.headers,
+            ("lance_sink.reason", letter.reason.encode()),
+            ("lance_sink.detail", letter.detail.encode()),
+            ("lance_sink.topic", letter.topic.encode()),
+            ("lance_sink.partition", str(letter.partition).encode()),
+            ("lance_sink.offset", str(letter.offset).encode()),
+        ]
+        if letter.timestamp_ms is not None:
+            headers.append(("lance_sink.timestamp", str(letter.timestamp_ms).encode()))
+
+        def delivered(err: confluent_kafka.KafkaError | None, _msg: Any) -> None:
+            if err is None:
+                pending.delivered = True
+                if self._metrics is not None:
+                    self._metrics.dead_lettered(letter.topic, letter.reason)
+                log.info(
+                    "dead_lettered",
+                    topic=letter.topic,
+                    partition=letter.partition,
+                    offset=letter.offset,
+                    reason=letter.reason,
+                )
+                return
+            pending.error = str(err)
+            pending.retry_at = time.monotonic() + RETRY_BACKOFF_S
+            self._waiting.append(pending)
+            log.warning(
+                "dlq_delivery_failed",
+                topic=letter.topic,
+                partition=letter.partition,
+                offset=letter.offset,
+                attempt=pending.attempts,
+                error=str(err),
+            )
+
+        try:
+            self._producer.produce(
+                self.destination(letter.topic),
+                key=letter.key,
+                value=letter.value,
+                headers=headers,
+                on_delivery=delivered,
+            )
+        except (BufferError, confluent_kafka.KafkaException) as exc:
+            pending.error = str(exc)
+            pending.retry_at = time.monotonic() + RETRY_BACKOFF_S
+            self._waiting.append(pending)
+
+    def poll(self) -> None:
+        """Serve delivery reports and re-send failed deliveries whose backoff expired."""
+        self._producer.poll(0)
+        if not self._waiting:
+            return
+        now = time.monotonic()
+        due = [p for p in self._waiting if p.retry_at <= now]
+        self._waiting = [p for p in self._waiting if p.retry_at > now]
+        for pending in due:
+            self._produce(pending)
+
+    def close(self, timeout: float) -> int:
+        """Deliver what is queued (bounded); returns how many are still undelivered."""
+        remaining: int = self._producer.flush(timeout)
+        return remaining

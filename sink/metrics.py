@@ -1,0 +1,309 @@
+"""The one metrics facade: a method per domain event, Prometheus exposition.
+
+Every metric name lives in this module; the consumer loop, the engine (through
+`EngineEvents`), maintenance and the query API call methods, never `prometheus_client`.
+Names carry their unit (`_bytes`, `_seconds`, `_messages`, `_total`), every metric has HELP
+text, and per-partition label sets are bounded by the assignment: series of a revoked
+partition are removed (`forget_partition`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "lance_sink"
+
+# WAL appends on a local disk take ~1-10 ms, on object storage ~10-100 ms.
+_APPEND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Flushes write a whole memtable: tens of milliseconds to tens of seconds.
+_FLUSH_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_QUERY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    """All lance-sink metrics, in their own registry (one per process, or per test)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        tp = ["topic", "partition"]
+
+        def gauge(name: str, doc: str, labels: list[str] | None = None) -> Gauge:
+            return Gauge(f"{PREFIX}_{name}", doc, labels or [], registry=r)
+
+        def counter(name: str, doc: str, labels: list[str] | None = None) -> Counter:
+            return Counter(f"{PREFIX}_{name}", doc, labels or [], registry=r)
+
+        # Offsets and lags per topic-partition. An offset here is "the next offset to read"
+        # convention of Kafka: durable/committed/flushed = 1 + the last such offset.
+        self.log_end_offset = gauge("log_end_offset", "Log end offset (high watermark).", tp)
+        self.consumed_offset = gauge(
+            "consumed_offset", "Next offset the consumer will hand to the sink (position).", tp
+        )
+        self.durable_offset = gauge(
+            "durable_offset", "1 + the last offset whose WAL append is durable.", tp
+        )
+        self.committed_offset = gauge("committed_offset", "Offset committed to Kafka.", tp)
+        self.flushed_offset = gauge(
+            "flushed_offset", "1 + the last offset flushed into the Lance table.", tp
+        )
+        self.consumer_lag = gauge(
+            "consumer_lag_messages", "Log end offset minus consumed position.", tp
+        )
+        self.durable_lag = gauge("durable_lag_messages", "Log end offset minus durable offset.", tp)
+        self.commit_lag = gauge("commit_lag_messages", "Log end offset minus committed offset.", tp)
+        self.flush_lag = gauge("flush_lag_messages", "Log end offset minus flushed offset.", tp)
+        self.lag_seconds = gauge(
+            "lag_seconds",
+            "Age of the oldest message not yet durable (0 when caught up).",
+            tp,
+        )
+        self.paused = gauge("partition_paused", "1 while the partition is paused.", tp)
+        self.writer_poisoned = gauge("writer_poisoned", "1 while the shard writer is poisoned.", tp)
+        self.rows_ingested = counter("rows_ingested_total", "Rows made durable and visible.", tp)
+        self.bytes_ingested = counter(
+            "bytes_ingested_total", "Message value bytes made durable and visible.", tp
+        )
+        self.dlq_messages = counter(
+            "dlq_messages_total",
+            "Messages sent to the dead-letter topic, by reason.",
+            ["topic", "reason"],
+        )
+        self.commit_failures = counter(
+            "commit_failures_total", "Offset commits the broker refused or that failed."
+        )
+        self.rebalances = counter(
+            "rebalance_events_total", "Partitions assigned, revoked or lost.", ["event"]
+        )
+
+        # Engine, per shard.
+        shard = ["shard"]
+        self.wal_unflushed = gauge(
+            "wal_unflushed_bytes", "Bytes in memtables (active and frozen) not yet flushed.", shard
+        )
+        self.wal_sealed = gauge(
+            "wal_sealed_memtables", "Frozen memtables waiting to be flushed.", shard
+        )
+        self.memtable_bytes = gauge(
+            "memtable_bytes", "Resident bytes of the active memtable.", shard
+        )
+        self.memtable_index_bytes = gauge(
+            "memtable_index_bytes", "Resident bytes of in-memory indexes (all memtables).", shard
+        )
+        self.wal_append_seconds = Histogram(
+            f"{PREFIX}_wal_append_seconds",
+            "Duration of one durable WAL append.",
+            shard,
+            buckets=_APPEND_BUCKETS,
+            registry=r,
+        )
+        self.wal_append_bytes = counter(
+            "wal_append_bytes_total", "Bytes appended to the WAL.", shard
+        )
+        self.flush_seconds = Histogram(
+            f"{PREFIX}_flush_seconds",
+            "Duration of one memtable flush into Lance.",
+            shard,
+            buckets=_FLUSH_BUCKETS,
+            registry=r,
+        )
+        self.flush_rows = counter("flush_rows_total", "Rows flushed into the Lance table.", shard)
+        self.flush_failures = counter(
+            "flush_failures_total", "Failed flush attempts (retried).", shard
+        )
+        self.replay_seconds = gauge(
+            "replay_seconds", "Duration of the last WAL replay of the shard.", shard
+        )
+        self.replay_rows = counter("replay_rows_total", "Rows replayed from the WAL.", shard)
+
+        # Process-wide.
+        self.bp_waits = counter("wal_backpressure_waits_total", "Completed backpressure waits.")
+        self.bp_wait_seconds = counter(
+            "wal_backpressure_wait_seconds_total", "Seconds spent in completed backpressure waits."
+        )
+        self.bp_active = gauge("wal_backpressure_active_waits", "Backpressure waits in progress.")
+        self.bp_rejections = counter(
+            "wal_backpressure_rejections_total", "Puts refused with Backpressure."
+        )
+        self.budget_used = gauge("budget_used_bytes", "Unflushed bytes counted against the budget.")
+        self.budget = gauge("budget_bytes", "The process memory budget for unflushed rows.")
+        self.unindexed_rows = gauge(
+            "base_unindexed_rows", "Rows of the base table not covered by the vector index."
+        )
+        self.maintenance_runs = counter(
+            "maintenance_runs_total",
+            "Base-table maintenance tasks run, by outcome.",
+            ["task", "outcome"],
+        )
+        self.query_seconds = Histogram(
+            f"{PREFIX}_query_seconds",
+            "Query latency by kind.",
+            ["kind"],
+            buckets=_QUERY_BUCKETS,
+            registry=r,
+        )
+        self._bp_seen = (0, 0.0, 0)
+        self._lock = threading.Lock()
+
+    # --- exposition ------------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+    # --- partitions ------------------------------------------------------------------
+
+    def partition_offsets(
+        self,
+        topic: str,
+        partition: int,
+        *,
+        end: int | None,
+        consumed: int,
+        durable: int,
+        committed: int,
+        flushed: int,
+        oldest_pending_timestamp_ms: int | None,
+    ) -> None:
+        """Offsets of one partition (each 'next offset' style) and the lags derived."""
+        labels = (topic, str(partition))
+        self.consumed_offset.labels(*labels).set(consumed)
+        self.durable_offset.labels(*labels).set(durable)
+        self.committed_offset.labels(*labels).set(committed)
+        self.flushed_offset.labels(*labels).set(flushed)
+        if end is not None and end >= 0:
+            self.log_end_offset.labels(*labels).set(end)
+            self.consumer_lag.labels(*labels).set(max(end - consumed, 0))
+            self.durable_lag.labels(*labels).set(max(end - durable, 0))
+            self.commit_lag.labels(*labels).set(max(end - committed, 0))
+            self.flush_lag.labels(*labels).set(max(end - flushed, 0))
+        age = 0.0
+        if oldest_pending_timestamp_ms is not None:
+            age = max(time.time() - oldest_pending_timestamp_ms / 1000, 0.0)
+        self.lag_seconds.labels(*labels).set(age)
+
+    def partition_paused(self, topic: str, partition: int, paused: bool) -> None:
+        self.paused.labels(topic, str(partition)).set(1 if paused else 0)
+
+    def partition_poisoned(self, topic: str, partition: int, poisoned: bool) -> None:
+        self.writer_poisoned.labels(topic, str(partition)).set(1 if poisoned else 0)
+
+    def ingested(self, topic: str, partition: int, rows: int, nbytes: int) -> None:
+        self.rows_ingested.labels(topic, str(partition)).inc(rows)
+        self.bytes_ingested.labels(topic, str(partition)).inc(nbytes)
+
+    def dead_lettered(self, topic: str, reason: str) -> None:
+        self.dlq_messages.labels(topic, reason).inc()
+
+    def commit_failed(self) -> None:
+        self.commit_failures.inc()
+
+    def rebalance(self, event: str, count: int) -> None:
+        self.rebalances.labels(event).inc(count)
+
+    def forget_partition(self, topic: str, partition: int, shard: str | None = None) -> None:
+        """Remove every series of a partition (and its shard) no longer assigned here."""
+        labels = (topic, str(partition))
+        for g in (
+            self.log_end_offset,
+            self.consumed_offset,
+            self.durable_offset,
+            self.committed_offset,
+            self.flushed_offset,
+            self.consumer_lag,
+            self.durable_lag,
+            self.commit_lag,
+            self.flush_lag,
+            self.lag_seconds,
+            self.paused,
+            self.writer_poisoned,
+            self.rows_ingested,
+            self.bytes_ingested,
+        ):
+            with contextlib.suppress(KeyError):
+                g.remove(*labels)
+        if shard is not None:
+            for m in (
+                self.wal_unflushed,
+                self.wal_sealed,
+                self.memtable_bytes,
+                self.memtable_index_bytes,
+                self.wal_append_seconds,
+                self.wal_append_bytes,
+                self.flush_seconds,
+                self.flush_rows,
+                self.flush_failures,
+                self.replay_seconds,
+                self.replay_rows,
+            ):
+                with contextlib.suppress(KeyError):
+                    m.remove(shard)
+
+    # --- engine (EngineEvents) ---------------------------------------------------------
+
+    def wal_appended(self, shard: str, seconds: float, nbytes: int, rows: int) -> None:
+        self.wal_append_seconds.labels(shard).observe(seconds)
+        self.wal_append_bytes.labels(shard).inc(nbytes)
+
+    def memtable_sealed(self, shard: str, generation: int, rows: int, nbytes: int) -> None:
+        return None  # visible through wal_sealed_memtables (shard_memory)
+
+    def flushed(self, shard: str, seconds: float, rows: int) -> None:
+        self.flush_seconds.labels(shard).observe(seconds)
+        self.flush_rows.labels(shard).inc(rows)
+
+    def flush_failed(self, shard: str, error: BaseException) -> None:
+        self.flush_failures.labels(shard).inc()
+
+    def replayed(self, shard: str, seconds: float, rows: int, nbytes: int) -> None:
+        self.replay_seconds.labels(shard).set(seconds)
+        self.replay_rows.labels(shard).inc(rows)
+
+    def poisoned(self, shard: str, error: BaseException) -> None:
+        return None  # per partition: writer_poisoned, set by the sink
+
+    def shard_memory(
+        self, shard: str, *, unflushed: int, frozen_count: int, active: int, index: int
+    ) -> None:
+        self.wal_unflushed.labels(shard).set(unflushed)
+        self.wal_sealed.labels(shard).set(frozen_count)
+        self.memtable_bytes.labels(shard).set(active)
+        self.memtable_index_bytes.labels(shard).set(index)
+
+    def backpressure(
+        self, *, waits: int, wait_seconds: float, active: int, rejections: int
+    ) -> None:
+        """Mirror the controller's cumulative counters (counters only move forward)."""
+        with self._lock:
+            seen_waits, seen_seconds, seen_rejections = self._bp_seen
+            if waits > seen_waits:
+                self.bp_waits.inc(waits - seen_waits)
+            if wait_seconds > seen_seconds:
+                self.bp_wait_seconds.inc(wait_seconds - seen_seconds)
+            if rejections > seen_rejections:
+                self.bp_rejections.inc(rejections - seen_rejections)
+            self._bp_seen = (
+                max(waits, seen_waits),
+                max(wait_seconds, seen_seconds),
+                max(rejections, seen_rejections),
+            )
+        self.bp_active.set(active)
+
+    def budget_usage(self, used: int, budget: int) -> None:
+        self.budget_used.set(used)
+        self.budget.set(budget)
+
+    # --- maintenance and queries -------------------------------------------------------
+
+    def maintenance_ran(self, task: str, outcome: str, seconds: float) -> None:
+        self.maintenance_runs.labels(task, outcome).inc()
+
+    def base_unindexed(self, rows: int) -> None:
+        self.unindexed_rows.set(rows)
+
+    def query(self, kind: str, seconds: float) -> None:
+        self.query_seconds.labels(kind).observe(seconds)

@@ -1,0 +1,677 @@
+"""The sink service: one consumer loop feeding one shard writer per assigned topic-partition.
+
+Lifecycle:
+
+- `SinkService(settings)` builds the engine (opens or creates the Lance table: a schema
+  mismatch raises here), the consumer, the dead-letter producer and the metrics facade.
+- `run()` (the CLI's `lance-sink run`) subscribes and loops until `stop()` (SIGTERM/SIGINT)
+  or a fatal error, then drains: it stops fetching, lets in-flight appends finish, commits,
+  flushes or leaves the rest to replay, and closes, all within `shutdown.drain_deadline_s`.
+  It returns the process exit code (see `sink.cli`).
+- Rebalance callbacks run inside `consume()` on the loop thread:
+  assign → open the shard writers (claim + replay, in parallel) and start each partition at
+  max(committed offset, durable offset + 1) (I3); revoke → stop feeding, let in-flight
+  appends finish (bounded), commit synchronously, close the writer leaving its WAL to the
+  next owner (the next owner replays it; handing over is then a matter of milliseconds);
+  lost → close without committing.
+
+The loop never blocks on storage: puts return futures that are checked on each iteration,
+and `consume()` is called every `kafka.consume_timeout_ms` whatever the writers do.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import confluent_kafka
+import structlog
+from confluent_kafka import TopicPartition
+
+from config.settings import Settings
+from engine.backpressure import BudgetController
+from engine.engine import Engine
+from engine.errors import Backpressure, Fenced, InvalidRecord, LanceSinkError, Poisoned
+from engine.shard import PutResult, ShardWriter
+from engine.wal import SourceRange
+from sink.decode import Decoded, DeadLetter, Decoder
+from sink.dlq import DeadLetterBatch, DeadLetterProducer
+from sink.log import librdkafka_logger
+from sink.metrics import Metrics
+
+log = structlog.get_logger("lance_sink.sink")
+
+OFFSET_INVALID = confluent_kafka.OFFSET_INVALID
+METRICS_INTERVAL_S = 1.0  # how often gauges are refreshed: matches a typical scrape
+RECOVERY_BACKOFF_S = 1.0  # wait before reopening a poisoned writer
+
+
+class FatalSinkError(LanceSinkError):
+    """The service cannot continue (fatal Kafka error, authentication failure, ...)."""
+
+
+def kafka_security_conf(settings: Settings) -> dict[str, Any]:
+    """librdkafka properties shared by the consumer, the DLQ producer and admin clients."""
+    k = settings.kafka
+    conf: dict[str, Any] = {
+        "bootstrap.servers": k.bootstrap_servers,
+        "client.id": k.client_id,
+        "security.protocol": k.security_protocol,
+    }
+    if k.sasl_mechanism:
+        conf["sasl.mechanism"] = k.sasl_mechanism
+    if k.sasl_username:
+        conf["sasl.username"] = k.sasl_username
+    if k.sasl_password:
+        conf["sasl.password"] = k.sasl_password.get_secret_value()
+    for name, value in (
+        ("ssl.ca.location", k.ssl_ca_location),
+        ("ssl.certificate.location", k.ssl_certificate_location),
+        ("ssl.key.location", k.ssl_key_location),
+    ):
+        if value:
+            conf[name] = value
+    if k.ssl_key_password:
+        conf["ssl.key.password"] = k.ssl_key_password.get_secret_value()
+    return conf
+
+
+def consumer_conf(settings: Settings) -> dict[str, Any]:
+    """The consumer's librdkafka properties: typed settings, sink-owned keys, pass-through."""
+    k = settings.kafka
+    conf = kafka_security_conf(settings)
+    conf.update(
+        {
+            "group.id": k.group_id,
+            "auto.offset.reset": k.auto_offset_reset,
+            "isolation.level": k.isolation_level,
+            "session.timeout.ms": k.session_timeout_ms,
+            "max.poll.interval.ms": k.max_poll_interval_ms,
+            # Owned by the sink: offsets are stored and committed only once durable (I1).
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "enable.partition.eof": False,
+            "partition.assignment.strategy": "cooperative-sticky",
+            "statistics.interval.ms": settings.observability.kafka_statistics_interval_ms,
+        }
+    )
+    if k.group_instance_id:
+        conf["group.instance.id"] = k.group_instance_id
+    conf.update(k.librdkafka)
+    return conf
+
+
+@dataclass
+class _InFlight:
+    """A put on its way to durability, covering source offsets up to `last`."""
+
+    last: int
+    future: Future[PutResult] | None
+    rows: int
+    nbytes: int
+    first_timestamp_ms: int | None
+
+
+@dataclass
+class _Held:
+    """A decoded batch that could not be put yet (dead letters unacknowledged, or
+    backpressure). While a batch is held its partition is paused; messages fetched
+    meanwhile are dropped and fetched again from `position` on resume."""
+
+    decoded: Decoded
+    messages: list[Any]
+    dead_letters: DeadLetterBatch | None = None
+
+
+@dataclass
+class PartitionState:
+    """One assigned topic-partition and its shard writer.
+
+    Offsets follow Kafka's convention: `position`, `done` and `committed` are each the next
+    offset to read. `done` only advances over offsets whose rows are durable (or whose
+    dead letters were acknowledged), so committing `done` keeps I1.
+    """
+
+    topic: str
+    partition: int
+    writer: ShardWriter | None
+    position: int | None
+    done: int | None
+    committed: int
+    inflight: deque[_InFlight] = field(default_factory=deque)
+    held: _Held | None = None
+    paused: bool = False
+    fenced: bool = False
+    recover_at: float = 0.0
+
+    @property
+    def tp(self) -> TopicPartition:
+        return TopicPartition(self.topic, self.partition)
+
+
+class SinkService:
+    """See the module docstring for the lifecycle."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        metrics: Metrics | None = None,
+        engine: Engine | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self.engine = engine or Engine.from_settings(settings, events=self.metrics)
+        self.decoder = Decoder(self.engine.spec, settings.source)
+        self.dlq = (
+            DeadLetterProducer(
+                kafka_security_conf(settings), settings.dlq.topic_template, self.metrics
+            )
+            if settings.dlq.enabled
+            else None
+        )
+        self.partitions: dict[tuple[str, int], PartitionState] = {}
+        self.end_offsets: dict[tuple[str, int], int] = {}
+        self.ready = threading.Event()
+        self._stop = threading.Event()
+        self._fatal: str | None = None
+        self._open_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="open")
+        self._last_commit = 0.0
+        self._last_metrics = 0.0
+        self._lock = threading.Lock()  # guards `partitions` for readers on other threads
+        conf = consumer_conf(settings)
+        conf.update(
+            {
+                "logger": librdkafka_logger(),
+                "error_cb": self._on_error,
+                "stats_cb": self._on_stats,
+                "on_commit": self._on_commit,
+            }
+        )
+        self.consumer = confluent_kafka.Consumer(conf)
+
+    # ------------------------------------------------------------------ control
+
+    def stop(self) -> None:
+        """Ask the loop to drain and return (signal handlers call this)."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def writers(self) -> list[ShardWriter]:
+        """The open shard writers (readers and the query layer use these)."""
+        with self._lock:
+            return [s.writer for s in self.partitions.values() if s.writer is not None]
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> int:
+        """Consume until stopped; returns the exit code (0 clean, 1 fatal)."""
+        k = self.settings.kafka
+        self.consumer.subscribe(
+            list(k.topics),
+            on_assign=self._on_assign,
+            on_revoke=self._on_revoke,
+            on_lost=self._on_lost,
+        )
+        log.info("sink_started", topics=list(k.topics), group=k.group_id)
+        # Message objects are freed by reference counting; the cyclic GC would rescan the
+        # large, long-lived heap on every batch (5-8x slower decoding), so move what exists
+        # now out of its reach and make collections rare.
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(100_000, 50, 100)
+        timeout = k.consume_timeout_ms / 1000
+        code = 0
+        try:
+            while not self._stop.is_set():
+                messages = self.consumer.consume(k.consume_batch_size, timeout)
+                if messages:
+                    self._handle(messages)
+                self._tick()
+                if self._fatal is not None:
+                    log.error("sink_fatal", reason=self._fatal)
+                    code = 1
+                    break
+        except LanceSinkError as exc:
+            log.error("sink_fatal", reason=str(exc), error_type=type(exc).__name__)
+            code = 1
+        finally:
+            self._drain()
+            gc.unfreeze()
+        return code
+
+    def _tick(self) -> None:
+        """Everything a loop iteration does besides consuming."""
+        if self.dlq is not None:
+            self.dlq.poll()
+        self._service_held()
+        self._advance()
+        now = time.monotonic()
+        if now - self._last_commit >= self.settings.kafka.commit_interval_ms / 1000:
+            self._last_commit = now
+            self._commit(asynchronous=True)
+        if now - self._last_metrics >= METRICS_INTERVAL_S:
+            self._last_metrics = now
+            self.refresh_metrics()
+
+    def _handle(self, messages: list[Any]) -> None:
+        groups: dict[tuple[str, int], list[Any]] = {}
+        for m in messages:
+            err = m.error()
+            if err is not None:
+                self._on_message_error(err)
+                continue
+            groups.setdefault((m.topic(), m.partition()), []).append(m)
+        for key, batch in groups.items():
+            state = self.partitions.get(key)
+            if state is None or state.held is not None or state.paused or state.writer is None:
+                continue  # not ours, or paused: fetched again from `position` on resume
+            if state.position is None:
+                state.position = state.done = batch[0].offset()
+            if batch[0].offset() < state.position:
+                batch = [m for m in batch if m.offset() >= state.position]
+                if not batch:
+                    continue
+            self._feed(state, batch)
+
+    def _feed(self, state: PartitionState, messages: list[Any]) -> None:
+        decoded = self.decoder.decode(messages)
+        state.position = decoded.last_offset + 1
+        held = _Held(decoded, messages)
+        if decoded.dead_letters:
+            if self.dlq is None:
+                # Without a dead-letter destination a bad message stops its partition:
+                # nothing is dropped silently.
+                first = decoded.dead_letters[0]
+                log.error(
+                    "partition_stopped_on_bad_message",
+                    topic=state.topic, partition=state.partition,
+                    offset=first.offset, reason=first.reason, detail=first.detail,
+                )
+                self._hold(state, held)
+                state.fenced = True  # never resumed; needs operator action
+                return
+            held.dead_letters = self.dlq.send(list(decoded.dead_letters))
+            self._hold(state, held)
+            return
+        if not self._submit(state, held):
+            self._hold(state, held)
+
+    def _submit(self, state: PartitionState, held: _Held) -> bool:
+        """Put a decoded batch. False = refused by backpressure (the caller holds it)."""
+        decoded = held.decoded
+        batch = decoded.batch
+        first_ts = _timestamp_ms(held.messages[0]) if held.messages else None
+        if batch is None or batch.num_rows == 0:
+            state.inflight.append(_InFlight(decoded.last_offset, None, 0, 0, first_ts))
+            return True
+        assert state.writer is not None
+        source = SourceRange(state.topic, state.partition, decoded.first_offset, decoded.last_offset)
+        try:
+            future = state.writer.put(batch, source)
+        except Backpressure:
+            return False
+        except InvalidRecord as exc:
+            # The table refused a batch the decoder accepted: dead-letter every message
+            # of it with the reason, rather than stop the partition.
+            log.error(
+                "batch_rejected_by_table", topic=state.topic, partition=state.partition,
+                first_offset=decoded.first_offset, error=str(exc),
+            )
+            if self.dlq is None:
+                state.fenced = True
+                return False
+            letters = [_rejected(m, str(exc)) for m in held.messages]
+            held.decoded = Decoded(None, letters, [], decoded.first_offset, decoded.last_offset)
+            held.dead_letters = self.dlq.send(letters)
+            return False
+        except (Fenced, Poisoned) as exc:
+            self._writer_failed(state, exc)
+            return True
+        nbytes = sum(len(m.value() or b"") for m in held.messages)
+        state.inflight.append(_InFlight(decoded.last_offset, future, batch.num_rows, nbytes, first_ts))
+        return True
+
+    def _hold(self, state: PartitionState, held: _Held) -> None:
+        state.held = held
+        if not state.paused:
+            self.consumer.pause([state.tp])
+            state.paused = True
+            self.metrics.partition_paused(state.topic, state.partition, True)
+            log.info("partition_paused", topic=state.topic, partition=state.partition)
+
+    def _service_held(self) -> None:
+        for state in list(self.partitions.values()):
+            held = state.held
+            if held is None or state.fenced or state.writer is None:
+                if state.writer is None and not state.fenced:
+                    self._maybe_recover(state)
+                continue
+            if held.dead_letters is not None and not held.dead_letters.acked:
+                continue
+            if not self._submit(state, held):
+                continue
+            state.held = None
+            self._resume(state)
+
+    def _resume(self, state: PartitionState) -> None:
+        if state.position is not None:
+            self.consumer.seek(TopicPartition(state.topic, state.partition, state.position))
+        self.consumer.resume([state.tp])
+        state.paused = False
+        self.metrics.partition_paused(state.topic, state.partition, False)
+        log.info(
+            "partition_resumed", topic=state.topic, partition=state.partition,
+            position=state.position,
+        )
+
+    def _advance(self) -> None:
+        """Move each partition's `done` over puts that became durable, in order."""
+        for state in list(self.partitions.values()):
+            while state.inflight:
+                head = state.inflight[0]
+                if head.future is not None:
+                    if not head.future.done():
+                        break
+                    exc = head.future.exception()
+                    if exc is not None:
+                        if isinstance(exc, (Fenced, Poisoned)):
+                            self._writer_failed(state, exc)
+                            break
+                        raise FatalSinkError(f"unexpected put failure: {exc}") from exc
+                    self.metrics.ingested(state.topic, state.partition, head.rows, head.nbytes)
+                state.done = head.last + 1
+                state.inflight.popleft()
+
+    # ------------------------------------------------------------------ failures
+
+    def _writer_failed(self, state: PartitionState, exc: BaseException) -> None:
+        """A fenced or poisoned writer: drop what it did not acknowledge, and either
+        recover (close, reopen, replay, seek back) or, when fenced, wait to lose the
+        partition to its new owner."""
+        if state.writer is None:
+            return
+        self.metrics.partition_poisoned(state.topic, state.partition, True)
+        state.writer.close(flush=False, timeout=5)
+        state.writer = None
+        state.inflight.clear()
+        state.held = None
+        if not state.paused:
+            self.consumer.pause([state.tp])
+            state.paused = True
+            self.metrics.partition_paused(state.topic, state.partition, True)
+        if isinstance(exc, Fenced):
+            state.fenced = True
+            log.error("partition_fenced", topic=state.topic, partition=state.partition, error=str(exc))
+        else:
+            state.recover_at = time.monotonic() + RECOVERY_BACKOFF_S
+            log.error("partition_poisoned", topic=state.topic, partition=state.partition, error=str(exc))
+
+    def _maybe_recover(self, state: PartitionState) -> None:
+        if time.monotonic() < state.recover_at:
+            return
+        try:
+            writer = self.engine.open_shard(state.topic, state.partition)
+        except LanceSinkError as exc:
+            state.recover_at = time.monotonic() + RECOVERY_BACKOFF_S
+            log.error("partition_recovery_failed", topic=state.topic, partition=state.partition, error=str(exc))
+            return
+        durable = writer.durable_offsets.get((state.topic, state.partition))
+        restart = state.done if state.done is not None else 0
+        if durable is not None:
+            restart = max(restart, durable + 1)
+        with self._lock:
+            state.writer = writer
+        state.position = state.done = restart
+        self.metrics.partition_poisoned(state.topic, state.partition, False)
+        self._resume(state)
+
+    def _on_message_error(self, err: confluent_kafka.KafkaError) -> None:
+        if err.fatal():
+            self._fatal = f"fatal consumer error: {err.str()}"
+        else:
+            log.warning("consumer_error", code=err.name(), error=err.str())
+
+    def _on_error(self, err: confluent_kafka.KafkaError) -> None:
+        """librdkafka's error callback (called from consume/poll on this thread)."""
+        auth = err.code() in (
+            confluent_kafka.KafkaError._AUTHENTICATION,  # noqa: SLF001 - librdkafka's name
+            confluent_kafka.KafkaError.SASL_AUTHENTICATION_FAILED,
+        )
+        if err.fatal() or auth:
+            self._fatal = f"{'authentication failed' if auth else 'fatal Kafka error'}: {err.str()}"
+        else:
+            log.warning("kafka_error", code=err.name(), error=err.str())
+
+    # ------------------------------------------------------------------ offsets
+
+    def _commit(self, *, asynchronous: bool, states: list[PartitionState] | None = None) -> None:
+        targets = [
+            s for s in (states if states is not None else list(self.partitions.values()))
+            if s.done is not None and s.done > s.committed and not s.fenced
+        ]
+        if not targets:
+            return
+        offsets = [TopicPartition(s.topic, s.partition, s.done) for s in targets]
+        try:
+            result = self.consumer.commit(offsets=offsets, asynchronous=asynchronous)
+        except confluent_kafka.KafkaException as exc:
+            self.metrics.commit_failed()
+            log.warning("commit_failed", error=str(exc), partitions=len(offsets))
+            return
+        if not asynchronous and result:
+            for tp in result:
+                self._committed(tp)
+
+    def _on_commit(self, err: confluent_kafka.KafkaError | None, partitions: list[TopicPartition]) -> None:
+        if err is not None:
+            self.metrics.commit_failed()
+            log.warning("commit_failed", error=str(err))
+            return
+        for tp in partitions:
+            if tp.error is None:
+                self._committed(tp)
+            else:
+                self.metrics.commit_failed()
+                log.warning("commit_failed", topic=tp.topic, partition=tp.partition, error=str(tp.error))
+
+    def _committed(self, tp: TopicPartition) -> None:
+        state = self.partitions.get((tp.topic, tp.partition))
+        if state is not None and tp.offset >= 0:
+            state.committed = max(state.committed, tp.offset)
+
+    # ------------------------------------------------------------------ rebalance
+
+    def _on_assign(self, consumer: confluent_kafka.Consumer, partitions: list[TopicPartition]) -> None:
+        if not partitions:
+            consumer.incremental_assign([])
+            return
+        started = time.monotonic()
+        futures = {
+            (tp.topic, tp.partition): self._open_pool.submit(self.engine.open_shard, tp.topic, tp.partition)
+            for tp in partitions
+        }
+        committed = {
+            (tp.topic, tp.partition): tp.offset
+            for tp in consumer.committed(partitions, timeout=30)
+        }
+        assign = []
+        for tp in partitions:
+            key = (tp.topic, tp.partition)
+            writer = futures[key].result()
+            durable = writer.durable_offsets.get(key)
+            start = committed.get(key, OFFSET_INVALID)
+            start = start if start is not None and start >= 0 else None
+            if durable is not None:
+                start = max(start or 0, durable + 1)
+            state = PartitionState(
+                tp.topic, tp.partition, writer, start, start,
+                committed.get(key) if (committed.get(key) or -1) >= 0 else -1,
+            )
+            with self._lock:
+                self.partitions[key] = state
+            assign.append(TopicPartition(tp.topic, tp.partition, OFFSET_INVALID if start is None else start))
+            log.info(
+                "partition_assigned", topic=tp.topic, partition=tp.partition, shard=writer.shard,
+                epoch=writer.epoch, committed=committed.get(key), durable=durable, start=start,
+            )
+        consumer.incremental_assign(assign)
+        self.metrics.rebalance("assigned", len(partitions))
+        self.ready.set()
+        log.info("partitions_opened", count=len(partitions), seconds=round(time.monotonic() - started, 3))
+
+    def _on_revoke(self, consumer: confluent_kafka.Consumer, partitions: list[TopicPartition]) -> None:
+        states = [s for tp in partitions if (s := self.partitions.get((tp.topic, tp.partition)))]
+        if states:
+            self._wait_inflight(states, self.settings.shutdown.drain_deadline_s)
+            self._commit(asynchronous=False, states=states)
+            for state in states:
+                self._release(state, flush=False)
+        consumer.incremental_unassign(partitions)
+        self.metrics.rebalance("revoked", len(partitions))
+        for tp in partitions:
+            log.info("partition_revoked", topic=tp.topic, partition=tp.partition)
+
+    def _on_lost(self, consumer: confluent_kafka.Consumer, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            state = self.partitions.get((tp.topic, tp.partition))
+            if state is not None:
+                self._release(state, flush=False)
+            log.warning("partition_lost", topic=tp.topic, partition=tp.partition)
+        consumer.incremental_unassign(partitions)
+        self.metrics.rebalance("lost", len(partitions))
+
+    def _release(self, state: PartitionState, *, flush: bool, timeout: float = 30.0) -> None:
+        with self._lock:
+            self.partitions.pop((state.topic, state.partition), None)
+        shard = None
+        if state.writer is not None:
+            shard = state.writer.shard
+            self.engine.close_shard(state.writer, flush=flush, timeout=timeout)
+            state.writer = None
+        self.metrics.forget_partition(state.topic, state.partition, shard)
+
+    def _wait_inflight(self, states: list[PartitionState], timeout: float) -> None:
+        """Let in-flight puts finish (bounded), advancing `done` as they complete."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._advance()
+            if not any(s.inflight for s in states):
+                return
+            time.sleep(0.005)
+        log.warning("inflight_drain_timeout", partitions=len(states))
+
+    # ------------------------------------------------------------------ shutdown
+
+    def _drain(self) -> None:
+        """Stop fetching, finish in-flight appends, commit, flush (bounded), close."""
+        deadline = time.monotonic() + self.settings.shutdown.drain_deadline_s
+        states = list(self.partitions.values())
+        log.info("sink_draining", partitions=len(states))
+        if states:
+            try:
+                self.consumer.pause([s.tp for s in states])
+            except confluent_kafka.KafkaException as exc:
+                log.warning("pause_failed", error=str(exc))
+        self._wait_inflight(states, max(deadline - time.monotonic(), 0) / 2)
+        self._commit(asynchronous=False, states=states)
+        for state in states:
+            remaining = max(deadline - time.monotonic(), 0.1)
+            self._release(state, flush=True, timeout=remaining)
+        try:
+            self.consumer.close()
+        except (RuntimeError, confluent_kafka.KafkaException) as exc:
+            log.warning("consumer_close_failed", error=str(exc))
+        if self.dlq is not None:
+            left = self.dlq.close(max(deadline - time.monotonic(), 0.1))
+            if left:
+                log.warning("dlq_undelivered_at_shutdown", messages=left)
+        self.engine.close(flush=False, timeout=1)
+        self._open_pool.shutdown(wait=False)
+        log.info("sink_stopped")
+
+    # ------------------------------------------------------------------ metrics
+
+    def _on_stats(self, stats_json: str) -> None:
+        """librdkafka statistics: the high watermark of every assigned partition (the lag
+        source; it comes from fetch responses, which is right on every broker)."""
+        try:
+            stats = json.loads(stats_json)
+        except ValueError:
+            return
+        for topic, t in stats.get("topics", {}).items():
+            for pid, p in t.get("partitions", {}).items():
+                partition = int(pid)
+                if partition < 0:
+                    continue
+                hi = int(p.get("hi_offset", -1))
+                if hi >= 0 and (topic, partition) in self.partitions:
+                    self.end_offsets[(topic, partition)] = hi
+
+    def refresh_metrics(self) -> None:
+        """Refresh every gauge from live state (called from the loop once a second)."""
+        for (topic, partition), state in list(self.partitions.items()):
+            writer = state.writer
+            if writer is None or state.position is None:
+                continue
+            stats = writer.stats()
+            durable = stats.durable_offsets.get((topic, partition), -1) + 1
+            flushed = stats.flushed_offsets.get((topic, partition), -1) + 1
+            pending_ts = None
+            if state.inflight:
+                pending_ts = state.inflight[0].first_timestamp_ms
+            elif state.held is not None and state.held.messages:
+                pending_ts = _timestamp_ms(state.held.messages[0])
+            self.metrics.partition_offsets(
+                topic, partition,
+                end=self.end_offsets.get((topic, partition)),
+                consumed=state.position,
+                durable=max(durable, 0),
+                committed=max(state.committed, 0),
+                flushed=max(flushed, 0),
+                oldest_pending_timestamp_ms=pending_ts,
+            )
+            self.metrics.shard_memory(
+                stats.shard, unflushed=stats.bytes + stats.frozen_bytes,
+                frozen_count=stats.frozen_count, active=stats.bytes, index=stats.index_bytes,
+            )
+        bp = self.engine.controller.stats.snapshot()
+        self.metrics.backpressure(
+            waits=bp.waits_total, wait_seconds=bp.wait_seconds_total,
+            active=bp.active_waits, rejections=bp.rejections_total,
+        )
+        controller = self.engine.controller
+        if isinstance(controller, BudgetController):
+            self.metrics.budget_usage(controller.used_bytes(), controller.budget)
+
+
+def _timestamp_ms(message: Any) -> int | None:
+    kind, ts = message.timestamp()
+    return int(ts) if kind != confluent_kafka.TIMESTAMP_NOT_AVAILABLE else None
+
+
+def _rejected(message: Any, detail: str) -> DeadLetter:
+    return DeadLetter(
+        topic=message.topic(),
+        partition=message.partition(),
+        offset=message.offset(),
+        timestamp_ms=_timestamp_ms(message),
+        key=message.key(),
+        value=message.value(),
+        headers=list(message.headers() or []),
+        reason="rejected_by_table",
+        detail=detail,
+    )
+
+
+SignalHandler = Callable[[int, Any], None]
