@@ -253,11 +253,15 @@ class _Column:
 
 @dataclass(slots=True)
 class _Parsed:
-    """JSON leaves of a run of messages, in canonical types, aligned with `positions`."""
+    """JSON leaves of a run of messages, in canonical types, aligned with `positions`.
+
+    Leaves stay lists of arrays (one per Arrow block) until all runs are joined, so the
+    values are copied into contiguous arrays once.
+    """
 
     positions: np.ndarray  # positions in the list of values that was parsed
-    leaves: dict[_Path, pa.Array]
-    is_object: pa.Array  # False where the JSON value was `null`
+    leaves: dict[_Path, list[pa.Array]]
+    is_object: list[pa.Array]  # False where the JSON value was `null`
 
 
 @dataclass(slots=True)
@@ -492,9 +496,9 @@ class Decoder:
         leaves: dict[_Path, pa.Array] = {}
         is_object: pa.Array | None = None
         if self._json:
-            parsed, faults = self._parse(payloads, sizes)
+            positions, leaves, is_object, faults = self._parse(payloads, sizes)
             early = {int(candidates[pos]): fault for pos, fault in faults.items()}
-            index, leaves, is_object = index[parsed.positions], parsed.leaves, parsed.is_object
+            index = index[positions]
         rows = _Rows(index=np.asarray(index, dtype=np.int64))
         if is_object is not None and is_object.false_count:
             not_object = np.flatnonzero(~is_object.to_numpy(zero_copy_only=False))
@@ -561,12 +565,14 @@ class Decoder:
 
     # -- JSON: one bulk parse, bisection when it fails -----------------------------------
 
-    def _parse(self, payloads: list[bytes], sizes: np.ndarray) -> tuple[_Parsed, dict[int, _Fault]]:
+    def _parse(
+        self, payloads: list[bytes], sizes: np.ndarray
+    ) -> tuple[np.ndarray, dict[_Path, pa.Array], pa.Array, dict[int, _Fault]]:
         """Parse JSON payloads chunk by chunk.
 
         Returns:
-            The leaves of the payloads that parsed, and the faults of those that did not,
-            both by position in `payloads`.
+            The positions (in `payloads`) of those that parsed, their leaves and object
+            mask, and the faults of those that did not parse, by position.
         """
         pieces: list[_Parsed] = []
         faults: dict[int, _Fault] = {}
@@ -589,20 +595,17 @@ class Decoder:
                 piece.positions = keep[piece.positions]
                 pieces.append(piece)
             faults.update((int(keep[pos]), fault) for pos, fault in chunk_faults.items())
-        return self._join_pieces(pieces), faults
-
-    def _join_pieces(self, pieces: list[_Parsed]) -> _Parsed:
-        """One `_Parsed` of the pieces, in their order."""
         if not pieces:
-            return _Parsed(
-                np.empty(0, np.int64),
-                {p: pa.array([], _CANONICAL[self._path_types[p]]) for p in self._json_paths},
-                pa.array([], pa.bool_()),
-            )
-        return _Parsed(
+            empty = {p: pa.array([], _CANONICAL[self._path_types[p]]) for p in self._json_paths}
+            return np.empty(0, np.int64), empty, pa.array([], pa.bool_()), faults
+        return (
             np.concatenate([p.positions for p in pieces]),
-            {path: _concat([p.leaves[path] for p in pieces]) for path in self._json_paths},
-            _concat([p.is_object for p in pieces]),
+            {
+                p: _concat([a for piece in pieces for a in piece.leaves[p]])
+                for p in self._json_paths
+            },
+            _concat([a for piece in pieces for a in piece.is_object]),
+            faults,
         )
 
     def _parse_range(
@@ -664,14 +667,11 @@ class Decoder:
         per_path: dict[_Path, list[pa.Array]] = {p: [] for p in self._json_paths}
         for chunk in chunks:
             _collect(chunk, (), self._tree, per_path)
-        leaves = {}
         for path, arrays in per_path.items():
-            arr = _concat(arrays)
             if self._path_types[path] == "timestamp":
-                arr = _to_ms_timestamp(arr)
-            leaves[path] = arr
-        is_object = _concat([chunk.is_valid() for chunk in chunks])
-        return _Parsed(np.arange(n, dtype=np.int64), leaves, is_object)
+                per_path[path] = [_to_ms_timestamp(arr) for arr in arrays]
+        is_object = [chunk.is_valid() for chunk in chunks]
+        return _Parsed(np.arange(n, dtype=np.int64), per_path, is_object)
 
     def _decode_one(self, payload: bytes) -> _Parsed | _Fault:
         """The slow path for one message Arrow refused: decode it or name its fault."""
@@ -685,7 +685,7 @@ class Decoder:
                 return ("invalid_json", f"value is not JSON: {exc}")
         if not isinstance(obj, dict):
             return ("not_an_object", f"value is a JSON {_json_kind(obj)}, not an object")
-        leaves: dict[_Path, pa.Array] = {}
+        leaves: dict[_Path, list[pa.Array]] = {}
         for col in self._json_columns:
             if col.path in leaves:
                 continue
@@ -702,8 +702,8 @@ class Decoder:
             arr = _coerce_one(item, col.type_name)
             if isinstance(arr, str):
                 return ("wrong_type", f"{col.name!r}: {where} {arr}")
-            leaves[col.path] = arr
-        return _Parsed(np.zeros(1, np.int64), leaves, pa.array([True]))
+            leaves[col.path] = [arr]
+        return _Parsed(np.zeros(1, np.int64), leaves, [pa.array([True])])
 
     # -- tombstones and assembly ----------------------------------------------------------
 
@@ -874,10 +874,18 @@ def _wrap(payloads: list[bytes]) -> bytes:
     Wrapping makes every payload one row or a parse error: an empty payload, two documents
     in one payload or a non-object can never shift the rows after it.
     """
-    buf = _WRAP_HEAD + _WRAP_JOIN.join(payloads) + _WRAP_TAIL
+
+    def joined(parts: list[bytes]) -> bytes:
+        # Head and tail go onto the end payloads so the batch is copied once, by join.
+        parts = parts.copy()
+        parts[0] = _WRAP_HEAD + parts[0]
+        parts[-1] += _WRAP_TAIL
+        return _WRAP_JOIN.join(parts)
+
+    buf = joined(payloads)
     if buf.count(b"\n") != len(payloads) - 1:
         # A raw newline in a value can only be JSON whitespace; keep blocks on row ends.
-        buf = _WRAP_HEAD + _WRAP_JOIN.join([p.replace(b"\n", b" ") for p in payloads]) + _WRAP_TAIL
+        buf = joined([p.replace(b"\n", b" ") for p in payloads])
     return buf
 
 
