@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): `python -m bench.<name>`."""

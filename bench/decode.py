@@ -1,0 +1,257 @@
+"""Benchmark `sink.decode.Decoder` against two parsing yardsticks on the same data.
+
+Run: ``python -m bench.decode [--runs N] [--small N] [--vectors N] [--batch N] [--out FILE]``
+
+Two data sets of real `confluent_kafka.Message` objects (one topic-partition):
+
+- small: ~200-byte JSON objects (string, int, float, bool, epoch-ms timestamp, text);
+- vector: 384-dim float32 embeddings as a JSON array (float32 shortest repr, as
+  ``orjson.dumps(..., option=OPT_SERIALIZE_NUMPY)`` writes them) plus ~200 chars of text.
+
+For each, in one process, the median of ``--runs`` runs of:
+
+- decoder: `Decoder.decode` over all messages in batches of ``--batch`` (what one
+  ``consume()`` returns for one partition), values read through the Message accessors,
+  output a `RecordBatch` that the engine accepts;
+- (a) orjson: ``orjson.loads`` per message and nothing else (the naive parse ceiling; GC
+  paused as in the decoder);
+- (b) bulk parse: the decoder's bulk path alone: the same chunks (~4 MiB), wrapping, schema
+  and block options, one `pyarrow.json.read_json` call per chunk, nothing else.
+
+MB/s counts JSON value bytes. Not a test: numbers depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import confluent_kafka
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.json as pj
+
+from config.settings import SourceSettings, TableSettings
+from engine.schema import TableSpec
+from sink import decode as decode_module
+from sink.decode import Decoder
+
+TOPIC = "bench"
+DIM = 384
+
+
+@dataclass
+class Dataset:
+    name: str
+    spec: TableSpec
+    messages: list[confluent_kafka.Message]
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(m.value()) for m in self.messages)
+
+
+def _spec(columns: list[dict[str, Any]], dim: int | None) -> TableSpec:
+    raw: dict[str, Any] = {"uri": "/tmp/bench-unused", "columns": columns}
+    if dim is not None:
+        raw["vector"] = {"column": "vec", "dim": dim}
+    return TableSpec.from_settings(TableSettings.model_validate(raw))
+
+
+def _message(value: bytes, offset: int) -> confluent_kafka.Message:
+    return confluent_kafka.Message(
+        topic=TOPIC,
+        partition=0,
+        offset=offset,
+        key=f"k{offset}".encode(),
+        value=value,
+        timestamp=(1, 1_700_000_000_000 + offset),
+    )
+
+
+def small_dataset(n: int, rng: np.random.Generator) -> Dataset:
+    words = ["alpha", "beta", "gamma", "delta", "kafka", "lance", "vector", "sink"]
+    spec = _spec(
+        [
+            {"name": "id", "type": "string", "nullable": False},
+            {"name": "n", "type": "int64"},
+            {"name": "score", "type": "float64"},
+            {"name": "ok", "type": "bool"},
+            {"name": "at", "type": "timestamp"},
+            {"name": "text", "type": "string"},
+        ],
+        dim=None,
+    )
+    messages = []
+    for i in range(n):
+        text = " ".join(rng.choice(words, 14).tolist())
+        value = orjson.dumps(
+            {
+                "id": f"order-{i:08d}",
+                "n": int(rng.integers(0, 1 << 40)),
+                "score": float(rng.random()),
+                "ok": bool(i % 3),
+                "at": 1_700_000_000_000 + i,
+                "text": text,
+            }
+        )
+        messages.append(_message(value, i))
+    return Dataset("small", spec, messages)
+
+
+def vector_dataset(n: int, rng: np.random.Generator) -> Dataset:
+    spec = _spec(
+        [{"name": "id", "type": "string", "nullable": False}, {"name": "text", "type": "string"}],
+        dim=DIM,
+    )
+    vectors = rng.standard_normal((n, DIM), dtype=np.float32)
+    text = "lorem ipsum dolor sit amet " * 8  # ~200 chars
+    messages = [
+        _message(
+            orjson.dumps(
+                {"id": f"doc-{i:08d}", "text": text, "vec": vectors[i]},
+                option=orjson.OPT_SERIALIZE_NUMPY,
+            ),
+            i,
+        )
+        for i in range(n)
+    ]
+    return Dataset("vector", spec, messages)
+
+
+def _batches(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def run_decoder(data: Dataset, batch: int) -> Callable[[], int]:
+    decoder = Decoder(data.spec, SourceSettings())
+    batches = _batches(data.messages, batch)
+
+    def run() -> int:
+        rows = 0
+        for messages in batches:
+            out = decoder.decode(messages)
+            assert out.batch is not None
+            assert not out.dead_letters
+            rows += len(out.batch)
+        return rows
+
+    # Once outside the timing: the engine must accept what the decoder makes.
+    data.spec.validate(decoder.decode(batches[0]).batch)
+    return run
+
+
+def run_orjson(data: Dataset, batch: int) -> Callable[[], int]:
+    values = [m.value() for m in data.messages]
+
+    def run() -> int:
+        gc.disable()
+        try:
+            for v in values:
+                orjson.loads(v)
+        finally:
+            gc.enable()
+        return len(values)
+
+    return run
+
+
+def run_bulk_parse(data: Dataset, batch: int) -> Callable[[], int]:
+    decoder = Decoder(data.spec, SourceSettings())
+    parse_options = pj.ParseOptions(
+        explicit_schema=decoder._read_schemas[False], unexpected_field_behavior="ignore"
+    )
+    batches = _batches([m.value() for m in data.messages], batch)
+    d = decode_module  # the decoder's own chunking, wrapping and reader options
+
+    def run() -> int:
+        rows = 0
+        for values in batches:
+            sizes = np.fromiter(map(len, values), np.int64, len(values))
+            for lo, hi in d._chunks(sizes, d._PARSE_CHUNK_BYTES):
+                chunk = values[lo:hi]
+                buf = d._wrap(chunk)
+                table = pj.read_json(
+                    pa.BufferReader(buf),
+                    read_options=d._read_options(len(buf), max(map(len, chunk))),
+                    parse_options=parse_options,
+                )
+                rows += table.num_rows
+        return rows
+
+    return run
+
+
+def measure(paths: dict[str, Callable[[], int]], runs: int) -> dict[str, tuple[float, int]]:
+    """Median seconds and rows per path; runs interleave the paths so drift hits all alike."""
+    for run in paths.values():
+        run()  # warm-up
+    times: dict[str, list[float]] = {label: [] for label in paths}
+    rows: dict[str, int] = {}
+    for _ in range(runs):
+        for label, run in paths.items():
+            start = time.perf_counter()
+            rows[label] = run()
+            times[label].append(time.perf_counter() - start)
+    return {label: (statistics.median(times[label]), rows[label]) for label in paths}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--small", type=int, default=100_000)
+    parser.add_argument("--vectors", type=int, default=20_000)
+    parser.add_argument("--batch", type=int, default=10_000)
+    parser.add_argument("--out", type=Path, default=None, help="also write the report here")
+    args = parser.parse_args(argv)
+
+    rng = np.random.default_rng(7)
+    header = (
+        f"decode benchmark: {args.runs} runs (median), batches of {args.batch}, "
+        f"{decode_module._CORES} cores, pyarrow {pa.__version__}, "
+        f"orjson {orjson.__version__}, python {sys.version.split()[0]}"
+    )
+    lines = [
+        header,
+        "",
+        f"{'data':<8} {'path':<24} {'rows/s':>12} {'MB/s':>8} {'s':>8} {'vs (a)':>7} {'vs (b)':>7}",
+    ]
+    for data in (small_dataset(args.small, rng), vector_dataset(args.vectors, rng)):
+        mb = data.payload_bytes / 1e6
+        results = measure(
+            {
+                "(a) orjson.loads/msg": run_orjson(data, args.batch),
+                "(b) bulk parse only": run_bulk_parse(data, args.batch),
+                "decoder": run_decoder(data, args.batch),
+            },
+            args.runs,
+        )
+        base_a = results["(a) orjson.loads/msg"][0]
+        base_b = results["(b) bulk parse only"][0]
+        for label, (seconds, rows) in results.items():
+            lines.append(
+                f"{data.name:<8} {label:<24} {rows / seconds:>12,.0f} {mb / seconds:>8.1f} "
+                f"{seconds:>8.3f} {base_a / seconds:>6.2f}x {base_b / seconds:>6.2f}x"
+            )
+        avg = data.payload_bytes / len(data.messages)
+        lines.append(f"{data.name:<8} ({len(data.messages)} messages, {avg:.0f} bytes each)")
+        lines.append("")
+    lines.append("vs (a) / vs (b): throughput relative to the yardstick (>1 = faster).")
+    report = "\n".join(lines)
+    print(report)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

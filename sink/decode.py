@@ -1,0 +1,1071 @@
+"""Decode one topic-partition's consumed messages into one Arrow `RecordBatch`.
+
+The consumer loop hands a `Decoder` the messages one ``consume()`` call returned for one
+topic-partition (ascending offsets) and gets back a `Decoded`: a batch in
+`TableSpec.batch_schema` that `ShardWriter.put` accepts, the `DeadLetter` of every message
+that can never be written, and the offsets of tombstones skipped by policy. Every message
+given is accounted for exactly once (a row, a dead letter or a skipped offset), so the
+offset range ``first_offset..last_offset`` is complete and may be committed once the batch
+is durable. A bad message never raises: it becomes a dead letter and the partition goes on.
+
+Lifecycle: the consumer loop builds one `Decoder` per table when it starts (the constructor
+checks the mapping against the table and raises `ValueError` on a configuration the data
+can never satisfy) and calls `Decoder.decode` from the poll thread for each batch. The
+decoder is stateless apart from one hint (which timestamp representation the last batch
+used), so it needs no `close` and may be shared by all partitions of the table.
+
+Sources (``source.columns``; an unmapped table column reads the same-named top-level JSON
+field in the json format and is null in the raw format):
+
+    $.a.b            the field ``b`` of the object ``a`` in the JSON value
+    @key             the Kafka key (bytes)
+    @topic           the topic (string column)
+    @partition       the partition (int32 or int64 column)
+    @offset          the offset (int64 column)
+    @timestamp       the Kafka timestamp, epoch ms (timestamp or int64 column); null if the
+                     message carries none
+    @headers.NAME    the value of the last header called NAME (bytes)
+    @value           the whole payload (bytes; the raw format's column)
+
+Coercions, JSON values (anything else is ``wrong_type`` naming the column and JSON path):
+
+    string     JSON strings only
+    int32/64   JSON integers only (no fractions, no exponents, no strings), in range
+    float32/64 JSON numbers; the non-standard literals NaN, Infinity and -Infinity that
+               Python's json module writes, and numbers beyond the double range (as +-inf)
+    bool       true / false
+    timestamp  an integer of epoch milliseconds, or an ISO-8601 string (date, optional time
+               with up to microseconds, optional ``Z`` or ``+hh:mm`` offset; no offset means
+               UTC; sub-millisecond digits are truncated)
+    binary     a base64 string
+    vector     a JSON array of exactly ``dim`` numbers; no nulls inside
+
+Coercions, byte sources (``@key``, ``@headers.NAME``, ``@value``): a binary column takes the
+bytes as they are; a string column takes them if they are UTF-8 (else ``invalid_utf8``); an
+int32/int64 column takes ASCII decimal text (``-?[0-9]+``, else ``wrong_type``). Other column
+types cannot be fed from bytes; the constructor refuses such a mapping.
+
+Checks after coercion, per row: a null or missing primary key is ``missing_primary_key``; a
+null or missing value in a non-nullable column (the vector column always is) is
+``missing_required``; a vector of another length is ``wrong_vector_dimension``; a NaN or an
+infinity in it is ``nan_in_vector`` unless ``vector.allow_nan``. Before parsing, a value above
+``max_message_bytes`` is ``oversized``, one that is not UTF-8 is ``invalid_utf8``, one that is
+not JSON is ``invalid_json`` and JSON that is not an object (``null`` included) is
+``not_an_object``. When one message has several faults, the first found in this order is
+reported: message-level, primary key, then columns in table order.
+
+Tombstones (value ``None``): on an upsert table a tombstone is a delete row (``_op`` = 1)
+whose single-column primary key comes from the Kafka key (string key: the UTF-8 key bytes;
+integer key: its decimal text; binary key: the bytes); a missing or unusable key is
+``missing_primary_key``, as is any tombstone of a table with a composite key. On an append
+table ``tombstones = "skip"`` records the offset in `Decoded.skipped_offsets` and ``"dlq"``
+makes a ``tombstone`` dead letter.
+
+How it is fast: the per-message Python work is reading the Message accessors. All JSON
+values of the batch are wrapped as ``{"v":<value>}`` (so a value that is empty, holds two
+documents, or is not an object can never shift rows: it fails to parse), joined with
+newlines and parsed in one `pyarrow.json.read_json` call with an explicit schema of only
+the mapped fields, on several threads. Arrow's reader is exactly as strict as the rules
+above, so a clean parse needs no further type checks; the row checks (nulls, vector length,
+NaN) are Arrow compute and numpy kernels over whole columns. When the bulk parse fails, the
+batch is bisected: halves that parse are kept, and single messages that still fail are
+decoded with orjson (the slow, per-message path) to find their fault, or to decode them
+when Arrow's reader is stricter than the rules (duplicate keys: the last one wins; numbers
+beyond the double range). Binary JSON columns decode base64 per value (no bulk kernel).
+Python's cyclic GC is paused during `decode` (it allocates many small objects but no
+cycles, and a collection over a large live heap costs more than the decode itself).
+"""
+
+from __future__ import annotations
+
+import binascii
+import gc
+import itertools
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, Protocol, TypeAlias, cast
+
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pj
+
+from config.settings import SourceSettings
+from engine.schema import OP_COLUMN, OP_DELETE, OP_UPSERT, SOURCE_COLUMNS, TableSpec
+
+__all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason"]
+
+Reason: TypeAlias = Literal[
+    "invalid_json",
+    "not_an_object",
+    "wrong_type",
+    "wrong_vector_dimension",
+    "nan_in_vector",
+    "missing_primary_key",
+    "missing_required",
+    "oversized",
+    "invalid_utf8",
+    "tombstone",
+]
+
+#: Kafka's TIMESTAMP_NOT_AVAILABLE timestamp type: the message carries no timestamp.
+_TIMESTAMP_NOT_AVAILABLE: Final = 0
+
+#: Bytes of JSON parsed per Arrow call. A batch is parsed in chunks of about this size:
+#: well below glibc's 32 MiB mmap threshold, so each chunk's buffer reuses heap pages
+#: instead of faulting in fresh ones (one 44 MB buffer per batch parsed 30% slower), and it
+#: bounds the extra memory of a parse. 4-8 MiB measured best for 200-byte and vector rows.
+_PARSE_CHUNK_BYTES: Final = 4 << 20
+#: Blocks per chunk: Arrow parses blocks in parallel; four ~1 MiB blocks keep two cores
+#: busy when blocks parse at uneven speed (two left a core idle, eight added overhead).
+_BLOCKS_PER_CHUNK: Final = 4
+#: Smallest block: below this a block's fixed cost outweighs a second core.
+_MIN_BLOCK_BYTES: Final = 64 << 10
+_CORES: Final = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+
+_WRAP_HEAD: Final = b'{"v":'
+_WRAP_JOIN: Final = b'}\n{"v":'
+_WRAP_TAIL: Final = b"}"
+_ROOT: Final = "v"
+
+_TS_TYPE: Final = pa.timestamp("ms", tz="UTC")
+#: ISO strings are parsed at microsecond resolution, then truncated to the column's ms.
+_TS_PARSE_TYPE: Final = pa.timestamp("us", tz="UTC")
+_INT_RANGES: Final = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+_DECIMAL_RE: Final = r"^-?[0-9]+$"
+
+_BYTES_TARGETS: Final = frozenset({"binary", "string", "int32", "int64"})
+
+
+class MessageLike(Protocol):
+    """The accessors of `confluent_kafka.Message` that decoding reads."""
+
+    def topic(self) -> str | None: ...
+    def partition(self) -> int | None: ...
+    def offset(self) -> int | None: ...
+    def timestamp(self) -> tuple[int, int]: ...
+    def key(self) -> bytes | None: ...
+    def value(self) -> bytes | None: ...
+    def headers(self) -> Sequence[tuple[str, bytes | None]] | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """One message that cannot be written, with why.
+
+    Attributes:
+        topic: source topic.
+        partition: source partition.
+        offset: source offset.
+        timestamp_ms: the Kafka timestamp, or None when the message carries none.
+        key: the raw key bytes.
+        value: the raw value bytes (None for a tombstone).
+        headers: the raw headers (a header value may be None, as in Kafka).
+        reason: a stable snake_case code (`Reason`).
+        detail: human text naming the column and JSON path at fault.
+    """
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int | None
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes | None]]
+    reason: Reason
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """The result of decoding one batch of one topic-partition.
+
+    Attributes:
+        batch: the good rows in `TableSpec.batch_schema`, in offset order; None if none.
+        dead_letters: the messages that cannot be written, in offset order.
+        skipped_offsets: tombstones skipped by policy on append tables.
+        first_offset: offset of the first message given (good, dead or skipped).
+        last_offset: offset of the last message given.
+    """
+
+    batch: pa.RecordBatch | None
+    dead_letters: list[DeadLetter]
+    skipped_offsets: list[int]
+    first_offset: int
+    last_offset: int
+
+
+# ---------------------------------------------------------------------------------------
+# The plan: what each output column is made from, fixed at construction.
+
+_Kind: TypeAlias = Literal["json", "bytes", "topic", "partition", "offset", "timestamp", "none"]
+_Fault: TypeAlias = tuple[Reason, str]
+_Path: TypeAlias = tuple[str, ...]
+
+#: The canonical Arrow type of each column type while rows are checked (before the final
+#: cast): binary JSON columns are still base64 text, vectors are still variable lists.
+_CANONICAL: Final[dict[str, pa.DataType]] = {
+    "string": pa.string(),
+    "int32": pa.int32(),
+    "int64": pa.int64(),
+    "float32": pa.float32(),
+    "float64": pa.float64(),
+    "bool": pa.bool_(),
+    "binary": pa.string(),
+    "timestamp": _TS_TYPE,
+    "vector": pa.list_(pa.float32()),
+}
+_TYPE_NAMES: Final = ("string", "int32", "int64", "float32", "float64", "bool", "binary")
+_METADATA_TARGETS: Final[dict[str, frozenset[str]]] = {
+    "@topic": frozenset({"string"}),
+    "@partition": frozenset({"int32", "int64"}),
+    "@offset": frozenset({"int64"}),
+    "@timestamp": frozenset({"timestamp", "int64"}),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Column:
+    """One output column (not a source column, not `_op`) and where its values come from."""
+
+    name: str
+    type_name: str  # a ColumnSpec type name, or "vector"
+    arrow_type: pa.DataType
+    kind: _Kind
+    path: _Path = ()  # json: the JSON path; bytes: ("@key",), ("@value",) or ("@headers", NAME)
+    required: bool = False  # null is a fault in a live row
+    primary_key: bool = False
+
+    @property
+    def where(self) -> str:
+        """The source as the user wrote it, for dead-letter details."""
+        if self.kind == "json":
+            return "$." + ".".join(self.path)
+        if self.kind == "bytes":
+            return ".".join(self.path)
+        return "" if self.kind == "none" else "@" + self.kind
+
+
+@dataclass(slots=True)
+class _Parsed:
+    """JSON leaves of a run of messages, in canonical types, aligned with `positions`.
+
+    Leaves stay lists of arrays (one per Arrow block) until all runs are joined, so the
+    values are copied into contiguous arrays once.
+    """
+
+    positions: np.ndarray  # positions in the list of values that was parsed
+    leaves: dict[_Path, list[pa.Array]]
+    is_object: list[pa.Array]  # False where the JSON value was `null`
+
+
+@dataclass(slots=True)
+class _Rows:
+    """Rows under decoding: message index per row, columns, and faults by message index."""
+
+    index: np.ndarray
+    columns: dict[str, pa.Array] = field(default_factory=dict)
+    faults: dict[int, _Fault] = field(default_factory=dict)
+
+    def fault(self, positions: Iterable[int] | np.ndarray, fault: _Fault) -> None:
+        """Record `fault` for rows at `positions` that have none yet (first fault wins)."""
+        for pos in positions:
+            self.faults.setdefault(int(self.index[int(pos)]), fault)
+
+
+def _type_name(arrow_type: pa.DataType) -> str:
+    if pa.types.is_fixed_size_list(arrow_type):
+        return "vector"
+    if arrow_type.equals(_TS_TYPE):
+        return "timestamp"
+    for name in _TYPE_NAMES:
+        if arrow_type.equals(_CANONICAL[name] if name != "binary" else pa.binary()):
+            return name
+    raise ValueError(f"unsupported column type {arrow_type}")
+
+
+class Decoder:
+    """Turns one topic-partition's messages into one batch plus dead letters.
+
+    Built once per table by the consumer loop; `decode` is called from the poll thread and
+    never concurrently on one decoder. `decode` does not raise for bad messages: each one
+    becomes a `DeadLetter`. There is nothing to close.
+
+    Args:
+        spec: the table's shape (`TableSpec.from_settings`).
+        source: how messages become rows (`Settings.source`).
+
+    Raises:
+        ValueError: the mapping can never fill the table: a source feeding a column type it
+            cannot produce, JSON paths that overlap, or (raw format) a required column
+            without a source.
+    """
+
+    def __init__(self, spec: TableSpec, source: SourceSettings) -> None:
+        self._spec = spec
+        self._source = source
+        self._schema: pa.Schema = spec.batch_schema
+        self._max_bytes = int(source.max_message_bytes)
+        self._json = source.format == "json"
+        self._allow_nan = spec.vector.allow_nan if spec.vector is not None else False
+        unknown = sorted(set(source.columns) - set(spec.table_schema.names))
+        if unknown:
+            raise ValueError(f"source.columns maps unknown table columns: {', '.join(unknown)}")
+        required = {
+            f.name for f in spec.table_schema if not f.nullable or f.name in spec.primary_key
+        }
+        columns = [
+            self._plan_column(f, f.name in required)
+            for f in spec.table_schema
+            if f.name not in SOURCE_COLUMNS
+        ]
+        # Primary key columns first: a row missing its key reports that before anything else.
+        self._columns = sorted(columns, key=lambda c: not c.primary_key)
+        self._source_columns = all(n in spec.table_schema.names for n in SOURCE_COLUMNS)
+        self._json_columns = [c for c in self._columns if c.kind == "json"]
+        self._json_paths = list(dict.fromkeys(c.path for c in self._json_columns))
+        self._path_types = {c.path: c.type_name for c in self._json_columns}
+        self._tree = self._json_tree()
+        self._has_timestamps = any(c.type_name == "timestamp" for c in self._json_columns)
+        self._iso_timestamps = False  # which representation the last batch's timestamps used
+        self._read_schemas = {iso: self._read_schema(iso) for iso in (False, True)}
+        self._tombstone_key: _Column | None = None
+        if spec.upsert and len(spec.primary_key) == 1:
+            self._tombstone_key = next(c for c in self._columns if c.primary_key)
+
+    def _plan_column(self, f: pa.Field, required: bool) -> _Column:
+        type_name = _type_name(f.type)
+        pk = f.name in self._spec.primary_key
+        mapped = self._source.columns.get(f.name)
+        if mapped is None:
+            if self._json:
+                return _Column(f.name, type_name, f.type, "json", (f.name,), required, pk)
+            if required:
+                raise ValueError(f"column {f.name!r} is required but has no source (raw format)")
+            return _Column(f.name, type_name, f.type, "none")
+        if mapped.startswith("$."):
+            if not self._json:
+                raise ValueError(f"column {f.name!r}: JSON path {mapped!r} in the raw format")
+            path = tuple(mapped[2:].split("."))
+            return _Column(f.name, type_name, f.type, "json", path, required, pk)
+        if mapped in {"@key", "@value"} or mapped.startswith("@headers."):
+            if type_name not in _BYTES_TARGETS:
+                raise ValueError(
+                    f"column {f.name!r} is {type_name}; {mapped} gives bytes, which feed "
+                    "binary, string, int32 or int64 columns only"
+                )
+            header = mapped.removeprefix("@headers.")
+            path = (mapped,) if header == mapped else ("@headers", header)
+            return _Column(f.name, type_name, f.type, "bytes", path, required, pk)
+        allowed = _METADATA_TARGETS[mapped]
+        if type_name not in allowed:
+            raise ValueError(
+                f"column {f.name!r} is {type_name}; {mapped} feeds {', '.join(sorted(allowed))}"
+            )
+        kinds: dict[str, _Kind] = {
+            "@topic": "topic",
+            "@partition": "partition",
+            "@offset": "offset",
+            "@timestamp": "timestamp",
+        }
+        return _Column(f.name, type_name, f.type, kinds[mapped], (), required, pk)
+
+    def _json_tree(self) -> dict[str, Any]:
+        """The nested fields the JSON paths read: {name: subtree dict | type name}."""
+        tree: dict[str, Any] = {}
+        for col in self._json_columns:
+            node = tree
+            *parents, leaf = col.path
+            for name in parents:
+                child = node.setdefault(name, {})
+                if not isinstance(child, dict):
+                    raise ValueError(f"JSON path of {col.name!r} runs through a scalar column")  # noqa: TRY004 - a configuration value, not a type
+                node = child
+            current = node.get(leaf)
+            if current is not None and current != col.type_name:
+                what = "an object" if isinstance(current, dict) else "two types"
+                raise ValueError(f"JSON path of {col.name!r} is also read as {what}")
+            node[leaf] = col.type_name
+        return tree
+
+    def _read_schema(self, iso_timestamps: bool) -> pa.Schema:
+        """The explicit schema for Arrow's JSON reader (timestamps as int or ISO text)."""
+
+        def read_type(type_name: str) -> pa.DataType:
+            if type_name == "timestamp":
+                return _TS_PARSE_TYPE if iso_timestamps else pa.int64()
+            return _CANONICAL[type_name]
+
+        def struct(node: dict[str, Any]) -> pa.DataType:
+            return pa.struct(
+                [
+                    (name, struct(sub) if isinstance(sub, dict) else read_type(sub))
+                    for name, sub in node.items()
+                ]
+            )
+
+        return pa.schema([(_ROOT, struct(self._tree))])
+
+    # -- decode -----------------------------------------------------------------------
+
+    def decode(self, messages: Sequence[MessageLike]) -> Decoded:
+        """Decode the messages of one topic-partition (ascending offsets) into one batch.
+
+        Args:
+            messages: consumed messages of one topic-partition in ascending offset order, at
+                least one, none with an error set.
+
+        Returns:
+            The good rows, the dead letters and the skipped tombstones; together they
+            account for every message given.
+
+        Raises:
+            ValueError: `messages` is empty.
+        """
+        if not messages:
+            raise ValueError("decode needs at least one message")
+        with _gc_paused():
+            return self._decode(messages)
+
+    def _decode(self, messages: Sequence[MessageLike]) -> Decoded:
+        first = messages[0]
+        topic, partition = first.topic() or "", first.partition() or 0
+        offsets = np.array([m.offset() for m in messages], dtype=np.int64)
+        values = [m.value() for m in messages]
+        try:
+            sizes = np.fromiter(map(len, values), np.int64, len(values))  # type: ignore[arg-type]
+        except TypeError:  # tombstones among them
+            sizes = np.fromiter(
+                (-1 if v is None else len(v) for v in values), np.int64, len(values)
+            )
+        candidates = np.flatnonzero((sizes >= 0) & (sizes <= self._max_bytes))
+        dead: dict[int, _Fault] = {
+            int(i): ("oversized", f"value is {int(sizes[i])} bytes, more than {self._max_bytes}")
+            for i in np.flatnonzero(sizes > self._max_bytes)
+        }
+        payloads: list[bytes] = (
+            cast("list[bytes]", values)
+            if len(candidates) == len(values)
+            else [cast("bytes", values[i]) for i in candidates]
+        )
+        meta = _Metadata(messages, offsets, values, topic, partition)
+        rows, early = self._decode_candidates(candidates, payloads, sizes[candidates], meta)
+        dead.update(early)
+        dead.update(rows.faults)
+
+        skipped: list[int] = []
+        deletes: list[tuple[int, Any]] = []
+        for i in np.flatnonzero(sizes < 0).tolist():
+            if self._spec.upsert:
+                key, fault = self._tombstone_key_value(messages[i].key())
+                if fault is None:
+                    deletes.append((i, key))
+                else:
+                    dead[i] = fault
+            elif self._source.tombstones == "skip":
+                skipped.append(int(offsets[i]))
+            else:
+                dead[i] = ("tombstone", "null value on an append table (source.tombstones = dlq)")
+
+        return Decoded(
+            batch=self._assemble(rows, deletes, meta),
+            dead_letters=[
+                _dead_letter(messages[i], topic, partition, *dead[i]) for i in sorted(dead)
+            ],
+            skipped_offsets=skipped,
+            first_offset=int(offsets[0]),
+            last_offset=int(offsets[-1]),
+        )
+
+    def _decode_candidates(
+        self, candidates: np.ndarray, payloads: list[bytes], sizes: np.ndarray, meta: _Metadata
+    ) -> tuple[_Rows, dict[int, _Fault]]:
+        """Decode the messages that have a value of an allowed size.
+
+        Returns:
+            The rows of the messages that parsed (some with row faults), and the faults of
+            the messages that did not, both keyed by message index.
+        """
+        early: dict[int, _Fault] = {}
+        index = candidates
+        leaves: dict[_Path, pa.Array] = {}
+        is_object: pa.Array | None = None
+        if self._json:
+            positions, leaves, is_object, faults = self._parse(payloads, sizes)
+            early = {int(candidates[pos]): fault for pos, fault in faults.items()}
+            index = index[positions]
+        rows = _Rows(index=np.asarray(index, dtype=np.int64))
+        if is_object is not None and is_object.false_count:
+            not_object = np.flatnonzero(~is_object.to_numpy(zero_copy_only=False))
+            rows.fault(not_object, ("not_an_object", "value is JSON null, not an object"))
+        for col in self._columns:
+            rows.columns[col.name] = self._column(col, rows, leaves, meta)
+        return rows, early
+
+    def _column(
+        self, col: _Column, rows: _Rows, leaves: dict[_Path, pa.Array], meta: _Metadata
+    ) -> pa.Array:
+        """One column for `rows`, in its canonical type, faulting rows it cannot hold."""
+        if col.kind == "json":
+            arr = leaves[col.path]
+            if col.type_name == "binary":
+                arr = _from_base64(arr, col, rows)
+            elif col.type_name == "vector":
+                self._check_vectors(arr, col, rows)
+        elif col.kind == "none":
+            arr = pa.nulls(len(rows.index), col.arrow_type)
+        elif col.kind == "bytes":
+            arr = _bytes_to(meta.bytes_source(col.path).take(rows.index), col, rows)
+        else:
+            arr = meta.metadata(col.kind, col.arrow_type).take(rows.index)
+        if col.required and arr.null_count:
+            nulls = np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))
+            if col.primary_key:
+                reason: Reason = "missing_primary_key"
+                what = f"primary key {col.name!r} ({col.where}) is null or missing"
+            else:
+                reason, what = "missing_required", f"{col.name!r} ({col.where}) is null or missing"
+            rows.fault(nulls, (reason, what))
+        return arr
+
+    def _check_vectors(self, arr: pa.Array, col: _Column, rows: _Rows) -> None:
+        """Fault rows whose vector has the wrong length, a null, or (unless allowed) NaN/inf."""
+        assert self._spec.vector is not None
+        dim = self._spec.vector.dim
+        lengths = pc.fill_null(pc.list_value_length(arr), dim).to_numpy()
+        for pos in np.flatnonzero(lengths != dim).tolist():
+            got = int(lengths[pos])
+            what = f"vector {col.name!r} ({col.where}) has {got} components, expected {dim}"
+            rows.fault((pos,), ("wrong_vector_dimension", what))
+        flat = pc.list_flatten(arr)
+        if not len(flat):
+            return
+        if flat.null_count:
+            nulls = flat.is_null().to_numpy(zero_copy_only=False)
+            parents = pc.list_parent_indices(arr).to_numpy()
+            rows.fault(
+                np.unique(parents[nulls]),
+                ("wrong_type", f"vector {col.name!r} ({col.where}) has a null component"),
+            )
+            flat = pc.fill_null(flat, 0.0)
+        if self._allow_nan:
+            return
+        finite = np.isfinite(flat.to_numpy())
+        if not finite.all():
+            parents = pc.list_parent_indices(arr).to_numpy()
+            rows.fault(
+                np.unique(parents[~finite]),
+                ("nan_in_vector", f"vector {col.name!r} ({col.where}) has NaN or infinity"),
+            )
+
+    # -- JSON: one bulk parse, bisection when it fails -----------------------------------
+
+    def _parse(
+        self, payloads: list[bytes], sizes: np.ndarray
+    ) -> tuple[np.ndarray, dict[_Path, pa.Array], pa.Array, dict[int, _Fault]]:
+        """Parse JSON payloads chunk by chunk.
+
+        Returns:
+            The positions (in `payloads`) of those that parsed, their leaves and object
+            mask, and the faults of those that did not parse, by position.
+        """
+        pieces: list[_Parsed] = []
+        faults: dict[int, _Fault] = {}
+        for lo, hi in _chunks(sizes, _PARSE_CHUNK_BYTES):
+            run = payloads if (lo, hi) == (0, len(payloads)) else payloads[lo:hi]
+            keep = np.arange(lo, hi)
+            # The wrapping is ASCII: the buffer is UTF-8 exactly when every payload is.
+            buf: bytes | None = _wrap(run)
+            if not _is_utf8_buffer(cast("bytes", buf)):
+                good = [pos for pos, p in enumerate(run) if _is_utf8(p)]
+                for pos in sorted(set(range(len(run))) - set(good)):
+                    faults[lo + pos] = ("invalid_utf8", "value is not UTF-8")
+                keep = keep[np.asarray(good, np.int64)]
+                run = [run[pos] for pos in good]
+                buf = None
+            chunk_pieces: list[_Parsed] = []
+            chunk_faults: dict[int, _Fault] = {}
+            self._parse_range(run, 0, len(run), chunk_pieces, chunk_faults, buf)
+            for piece in chunk_pieces:
+                piece.positions = keep[piece.positions]
+                pieces.append(piece)
+            faults.update((int(keep[pos]), fault) for pos, fault in chunk_faults.items())
+        if not pieces:
+            empty = {p: pa.array([], _CANONICAL[self._path_types[p]]) for p in self._json_paths}
+            return np.empty(0, np.int64), empty, pa.array([], pa.bool_()), faults
+        return (
+            np.concatenate([p.positions for p in pieces]),
+            {
+                p: _concat([a for piece in pieces for a in piece.leaves[p]])
+                for p in self._json_paths
+            },
+            _concat([a for piece in pieces for a in piece.is_object]),
+            faults,
+        )
+
+    def _parse_range(
+        self,
+        payloads: list[bytes],
+        lo: int,
+        hi: int,
+        pieces: list[_Parsed],
+        faults: dict[int, _Fault],
+        buf: bytes | None = None,
+    ) -> None:
+        """Parse payloads[lo:hi] in one go, or bisect until the failures are single messages."""
+        if lo >= hi:
+            return
+        run = payloads if (lo, hi) == (0, len(payloads)) else payloads[lo:hi]
+        parsed = self._bulk(run, buf)
+        if parsed is None and hi - lo == 1:
+            one = self._decode_one(payloads[lo])
+            if not isinstance(one, _Parsed):
+                faults[lo] = one
+                return
+            parsed = one
+        if parsed is not None:
+            parsed.positions += lo
+            pieces.append(parsed)
+            return
+        mid = (lo + hi) // 2
+        self._parse_range(payloads, lo, mid, pieces, faults)
+        self._parse_range(payloads, mid, hi, pieces, faults)
+
+    def _bulk(self, payloads: list[bytes], buf: bytes | None = None) -> _Parsed | None:
+        """Parse all `payloads` (`buf`: them wrapped, if at hand) with one Arrow call.
+
+        Returns:
+            Their leaves, or None if any of them does not parse.
+        """
+        if buf is None:
+            buf = _wrap(payloads)
+        read_options = _read_options(len(buf), max(map(len, payloads)))
+        first = self._iso_timestamps
+        for iso in (first, not first) if self._has_timestamps else (first,):
+            parse_options = pj.ParseOptions(
+                explicit_schema=self._read_schemas[iso], unexpected_field_behavior="ignore"
+            )
+            try:
+                table = pj.read_json(
+                    pa.BufferReader(buf), read_options=read_options, parse_options=parse_options
+                )
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                continue
+            if table.num_rows != len(payloads):  # impossible with wrapped values; be safe
+                return None
+            self._iso_timestamps = iso
+            return self._leaves(table.column(_ROOT).chunks, len(payloads))
+        return None
+
+    def _leaves(self, chunks: list[pa.StructArray], n: int) -> _Parsed:
+        """The leaf arrays of parsed root structs (parent nulls merged), canonical types."""
+        per_path: dict[_Path, list[pa.Array]] = {p: [] for p in self._json_paths}
+        for chunk in chunks:
+            _collect(chunk, (), self._tree, per_path)
+        for path, arrays in per_path.items():
+            if self._path_types[path] == "timestamp":
+                per_path[path] = [_to_ms_timestamp(arr) for arr in arrays]
+        is_object = [chunk.is_valid() for chunk in chunks]
+        return _Parsed(np.arange(n, dtype=np.int64), per_path, is_object)
+
+    def _decode_one(self, payload: bytes) -> _Parsed | _Fault:
+        """The slow path for one message Arrow refused: decode it or name its fault."""
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            try:
+                # NaN, Infinity and numbers beyond the double range: Python's json takes them.
+                obj = json.loads(payload)
+            except (ValueError, RecursionError) as exc:
+                return ("invalid_json", f"value is not JSON: {exc}")
+        if not isinstance(obj, dict):
+            return ("not_an_object", f"value is a JSON {_json_kind(obj)}, not an object")
+        leaves: dict[_Path, list[pa.Array]] = {}
+        for col in self._json_columns:
+            if col.path in leaves:
+                continue
+            item: Any = obj
+            where = "$"
+            for name in col.path:
+                if item is None:
+                    break
+                if not isinstance(item, dict):
+                    kind = _json_kind(item)
+                    return ("wrong_type", f"{col.name!r}: {where} is a {kind}, not an object")
+                item = item.get(name)
+                where += "." + name
+            arr = _coerce_one(item, col.type_name)
+            if isinstance(arr, str):
+                return ("wrong_type", f"{col.name!r}: {where} {arr}")
+            leaves[col.path] = [arr]
+        return _Parsed(np.zeros(1, np.int64), leaves, [pa.array([True])])
+
+    # -- tombstones and assembly ----------------------------------------------------------
+
+    def _tombstone_key_value(self, key: bytes | None) -> tuple[Any, _Fault | None]:
+        """The primary key value a tombstone deletes, or why it has none."""
+        col = self._tombstone_key
+        if col is None:
+            return None, ("missing_primary_key", "tombstone on a table with a composite key")
+        if key is None:
+            return None, ("missing_primary_key", "tombstone without a Kafka key")
+        probe = _Rows(index=np.zeros(1, np.int64))
+        arr = _bytes_to(pa.array([key], pa.binary()), col, probe)
+        if probe.faults:
+            why = probe.faults[0][1]
+            return None, ("missing_primary_key", f"tombstone key is no {col.name!r}: {why}")
+        return arr[0].as_py(), None
+
+    def _assemble(
+        self, rows: _Rows, deletes: list[tuple[int, Any]], meta: _Metadata
+    ) -> pa.RecordBatch | None:
+        """The batch in `batch_schema`: good rows and delete rows, in offset order."""
+        if rows.faults:
+            bad = np.fromiter(rows.faults, np.int64, len(rows.faults))
+            keep = np.flatnonzero(~np.isin(rows.index, bad))
+        else:
+            keep = None
+        index = rows.index if keep is None else rows.index[keep]
+        n_good, n_del = len(index), len(deletes)
+        if n_good + n_del == 0:
+            return None
+        take = None if keep is None else pa.array(keep)
+        arrays: dict[str, pa.Array] = {}
+        for col in self._columns:
+            arr = rows.columns[col.name]
+            if take is not None:
+                arr = arr.take(take)
+            if col.type_name == "vector":
+                arr = pa.FixedSizeListArray.from_arrays(pc.list_flatten(arr), type=col.arrow_type)
+            elif not arr.type.equals(col.arrow_type):
+                arr = arr.cast(col.arrow_type)
+            if n_del:
+                if col is self._tombstone_key:
+                    extra = pa.array([k for _, k in deletes], col.arrow_type)
+                else:
+                    extra = pa.nulls(n_del, col.arrow_type)
+                arr = pa.concat_arrays([arr, extra])
+            arrays[col.name] = arr
+        if n_del:
+            index = np.concatenate([index, np.fromiter((i for i, _ in deletes), np.int64, n_del)])
+        if self._source_columns:
+            arrays["_topic"] = meta.metadata("topic", pa.string()).take(index)
+            arrays["_partition"] = meta.metadata("partition", pa.int32()).take(index)
+            arrays["_offset"] = pa.array(meta.offsets[index])
+        if self._spec.upsert:
+            ops = np.full(n_good + n_del, OP_UPSERT, np.int8)
+            ops[n_good:] = OP_DELETE
+            arrays[OP_COLUMN] = pa.array(ops)
+        batch = pa.RecordBatch.from_arrays(
+            [arrays[f.name] for f in self._schema], schema=self._schema
+        )
+        if n_del:
+            batch = batch.take(pa.array(np.argsort(index, kind="stable")))
+        return batch
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers
+
+
+class _Metadata:
+    """Kafka metadata of a whole batch as full-length Arrow arrays, built on first use."""
+
+    def __init__(
+        self,
+        messages: Sequence[MessageLike],
+        offsets: np.ndarray,
+        values: list[bytes | None],
+        topic: str,
+        partition: int,
+    ) -> None:
+        self._messages = messages
+        self.offsets = offsets
+        self._values = values
+        self._topic = topic
+        self._partition = partition
+        self._cache: dict[tuple[str, ...], pa.Array] = {}
+
+    def bytes_source(self, path: _Path) -> pa.Array:
+        """@key, @value or @headers.NAME as a binary array over all messages."""
+        if path not in self._cache:
+            if path == ("@key",):
+                data: list[bytes | None] = [m.key() for m in self._messages]
+            elif path == ("@value",):
+                data = self._values
+            else:
+                data = [_last_header(m.headers(), path[1]) for m in self._messages]
+            self._cache[path] = pa.array(data, pa.binary())
+        return self._cache[path]
+
+    def metadata(self, kind: str, arrow_type: pa.DataType) -> pa.Array:
+        """@topic, @partition, @offset or @timestamp as an array over all messages."""
+        key = (kind, str(arrow_type))
+        if key not in self._cache:
+            n = len(self._messages)
+            arr: pa.Array
+            if kind == "topic":
+                arr = _constant_string(self._topic, n)
+            elif kind == "partition":
+                arr = pa.array(np.full(n, self._partition, np.int64)).cast(arrow_type)
+            elif kind == "offset":
+                arr = pa.array(self.offsets)
+            else:
+                stamps = [m.timestamp() for m in self._messages]
+                arr = pa.array(
+                    [ms if kind_ != _TIMESTAMP_NOT_AVAILABLE else None for kind_, ms in stamps],
+                    pa.int64(),
+                ).cast(arrow_type)
+            self._cache[key] = arr
+        return self._cache[key]
+
+
+def _last_header(headers: Sequence[tuple[str, bytes | None]] | None, name: str) -> bytes | None:
+    found = None
+    for key, value in headers or ():
+        if key == name:
+            found = value
+    return found
+
+
+def _collect(
+    arr: pa.StructArray, prefix: _Path, node: dict[str, Any], out: dict[_Path, list[pa.Array]]
+) -> None:
+    """Append each leaf of `node` under `arr` to `out`, with parents' nulls merged in."""
+    for (name, sub), child in zip(node.items(), arr.flatten(), strict=True):
+        if isinstance(sub, dict):
+            _collect(child, (*prefix, name), sub, out)
+        else:
+            out[(*prefix, name)].append(child)
+
+
+def _concat(arrays: list[pa.Array]) -> pa.Array:
+    return arrays[0] if len(arrays) == 1 else pa.concat_arrays(arrays)
+
+
+def _chunks(sizes: np.ndarray, target: int) -> list[tuple[int, int]]:
+    """Split positions 0..len(sizes) into runs of about `target` bytes (at least one each)."""
+    n = len(sizes)
+    if n == 0:
+        return []
+    ends = np.cumsum(sizes + len(_WRAP_JOIN))
+    if int(ends[-1]) <= target:
+        return [(0, n)]
+    cuts = np.searchsorted(ends, np.arange(target, int(ends[-1]), target), side="right")
+    bounds = sorted({0, n, *(int(c) for c in cuts if 0 < c < n)})
+    return list(itertools.pairwise(bounds))
+
+
+def _read_options(buf_bytes: int, longest_payload: int) -> pj.ReadOptions:
+    """Arrow reader options for one wrapped chunk: ~`_BLOCKS_PER_CHUNK` parallel blocks."""
+    longest_row = longest_payload + len(_WRAP_JOIN) + len(_WRAP_TAIL) + 1
+    block = max(buf_bytes // _BLOCKS_PER_CHUNK + 1, _MIN_BLOCK_BYTES, longest_row)
+    return pj.ReadOptions(use_threads=_CORES > 1, block_size=block)
+
+
+def _wrap(payloads: list[bytes]) -> bytes:
+    """The payloads as one newline-delimited buffer of ``{"v":<payload>}`` rows.
+
+    Wrapping makes every payload one row or a parse error: an empty payload, two documents
+    in one payload or a non-object can never shift the rows after it.
+    """
+
+    def joined(parts: list[bytes]) -> bytes:
+        # Head and tail go onto the end payloads so the batch is copied once, by join.
+        parts = parts.copy()
+        parts[0] = _WRAP_HEAD + parts[0]
+        parts[-1] += _WRAP_TAIL
+        return _WRAP_JOIN.join(parts)
+
+    buf = joined(payloads)
+    if buf.count(b"\n") != len(payloads) - 1:
+        # A raw newline in a value can only be JSON whitespace; keep blocks on row ends.
+        buf = joined([p.replace(b"\n", b" ") for p in payloads])
+    return buf
+
+
+def _is_utf8_buffer(data: bytes) -> bool:
+    """Whether `data` is UTF-8, checked by Arrow in place (SIMD, no copy)."""
+    offsets = pa.py_buffer(np.array([0, len(data)], np.int64))
+    arr = pa.LargeBinaryArray.from_buffers(
+        pa.large_binary(), 1, [None, offsets, pa.py_buffer(data)]
+    )
+    try:
+        arr.cast(pa.large_string())
+    except pa.ArrowInvalid:
+        return False
+    return True
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _constant_string(value: str, n: int) -> pa.Array:
+    """A string array of `n` times `value`, built from buffers (no per-row Python)."""
+    data = value.encode()
+    offsets = np.arange(0, (n + 1) * len(data), len(data) or 1, dtype=np.int64)[: n + 1]
+    if not data:
+        offsets = np.zeros(n + 1, np.int64)
+    return pa.LargeStringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(data * n)).cast(
+        pa.string()
+    )
+
+
+def _from_base64(arr: pa.Array, col: _Column, rows: _Rows) -> pa.Array:
+    """Decode a column of base64 text (per value: Arrow has no base64 kernel)."""
+    out: list[bytes | None] = []
+    for pos, text in enumerate(arr.to_pylist()):
+        if text is None:
+            out.append(None)
+            continue
+        try:
+            out.append(binascii.a2b_base64(text, strict_mode=True))
+        except (binascii.Error, ValueError):
+            rows.fault((pos,), ("wrong_type", f"{col.name!r} ({col.where}) is not base64"))
+            out.append(None)
+    return pa.array(out, pa.binary())
+
+
+def _bytes_to(arr: pa.Array, col: _Column, rows: _Rows) -> pa.Array:
+    """Bytes (key, header, payload) into a binary, string or integer column."""
+    if col.type_name == "binary":
+        return arr
+    try:
+        text = arr.cast(pa.string())
+    except pa.ArrowInvalid:
+        ok = [v is None or _is_utf8(v) for v in arr.to_pylist()]
+        rows.fault(
+            (i for i, good in enumerate(ok) if not good),
+            ("invalid_utf8", f"{col.name!r} ({col.where}) is not UTF-8"),
+        )
+        text = pc.if_else(pa.array(ok), arr, pa.scalar(None, pa.binary())).cast(pa.string())
+    if col.type_name == "string":
+        return text
+    decimal = pc.fill_null(pc.match_substring_regex(text, _DECIMAL_RE), True)
+    if decimal.false_count:
+        rows.fault(
+            np.flatnonzero(~decimal.to_numpy(zero_copy_only=False)),
+            ("wrong_type", f"{col.name!r} ({col.where}) is not a decimal integer"),
+        )
+        text = pc.if_else(decimal, text, pa.scalar(None, pa.string()))
+    try:
+        return text.cast(col.arrow_type)
+    except pa.ArrowInvalid:
+        low, high = _INT_RANGES[col.type_name]
+        ints: list[int | None] = []
+        for pos, item in enumerate(text.to_pylist()):
+            number = None if item is None else int(item)
+            if number is not None and not low <= number <= high:
+                rows.fault((pos,), ("wrong_type", f"{col.name!r} ({col.where}) is out of range"))
+                number = None
+            ints.append(number)
+        return pa.array(ints, col.arrow_type)
+
+
+def _json_kind(item: Any) -> str:
+    if item is None:
+        return "null"
+    if isinstance(item, bool):
+        return "boolean"
+    if isinstance(item, int | float):
+        return "number"
+    if isinstance(item, str):
+        return "string"
+    return "array" if isinstance(item, list) else "object"
+
+
+def _coerce_one(item: Any, type_name: str) -> pa.Array | str:
+    """One JSON value as a length-1 array of the canonical type, or what is wrong with it."""
+    target = _CANONICAL[type_name]
+    if item is None:
+        return pa.nulls(1, target)
+    kind = _json_kind(item)
+    expected = {
+        "string": "a string",
+        "binary": "a base64 string",
+        "int32": "an integer",
+        "int64": "an integer",
+        "float32": "a number",
+        "float64": "a number",
+        "bool": "true or false",
+        "timestamp": "epoch milliseconds or an ISO-8601 string",
+        "vector": "an array of numbers",
+    }[type_name]
+    wrong = f"is a {kind}, expected {expected}"
+    try:
+        if type_name in {"string", "binary"} and kind == "string":
+            return pa.array([item], target)
+        if type_name in _INT_RANGES and kind == "number" and isinstance(item, int):
+            low, high = _INT_RANGES[type_name]
+            return pa.array([item], target) if low <= item <= high else f"{wrong} in range"
+        if type_name in {"float32", "float64"} and kind == "number":
+            return pa.array([_to_float(item)], pa.float64()).cast(target)
+        if type_name == "bool" and kind == "boolean":
+            return pa.array([item], target)
+        if type_name == "timestamp" and kind == "number" and isinstance(item, int):
+            return pa.array([item], pa.int64()).cast(target) if -(2**63) <= item < 2**63 else wrong
+        if type_name == "timestamp" and kind == "string":
+            return _to_ms_timestamp(pa.array([item]).cast(_TS_PARSE_TYPE))
+        if type_name == "vector" and kind == "array":
+            if not all(x is None or _json_kind(x) == "number" for x in item):
+                return f"{wrong} (a component is not a number)"
+            floats = [None if x is None else _to_float(x) for x in item]
+            return pa.array([pa.array(floats, pa.float64()).cast(pa.float32())], target)
+    except (pa.ArrowInvalid, UnicodeEncodeError) as exc:
+        return f"{wrong} ({exc})"
+    return wrong
+
+
+def _to_ms_timestamp(arr: pa.Array) -> pa.Array:
+    """Epoch-ms integers (a zero-copy view) or parsed ISO text (floored to the ms) as ms."""
+    if pa.types.is_integer(arr.type):
+        return arr.cast(_TS_TYPE)
+    # Flooring drops sub-millisecond digits the way cutting them from the text would, also
+    # before 1970 (a plain cast truncates toward zero, i.e. rounds those up).
+    return pc.floor_temporal(arr, unit="millisecond").cast(_TS_TYPE)
+
+
+def _to_float(number: float) -> float:
+    try:
+        return float(number)
+    except OverflowError:  # an integer beyond the double range
+        return math.copysign(math.inf, number)
+
+
+def _dead_letter(
+    message: MessageLike, topic: str, partition: int, reason: Reason, detail: str
+) -> DeadLetter:
+    kind, ms = message.timestamp()
+    return DeadLetter(
+        topic=topic,
+        partition=partition,
+        offset=int(message.offset() or 0),
+        timestamp_ms=None if kind == _TIMESTAMP_NOT_AVAILABLE else ms,
+        key=message.key(),
+        value=message.value(),
+        headers=list(message.headers() or ()),
+        reason=reason,
+        detail=detail,
+    )
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic GC (if on) for the duration; decoding makes no cycles."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
