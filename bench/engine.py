@@ -44,8 +44,33 @@ from engine.wal import SourceRange
 BATCH_ROWS = 10_000
 DIM = 384
 WORDS = np.array(
-    "stream table vector index lance kafka offset durable commit memtable shard flush "
-    "replay query search fresh merge write ahead log epoch fence seal batch arrow".split()
+    [
+        "stream",
+        "table",
+        "vector",
+        "index",
+        "lance",
+        "kafka",
+        "offset",
+        "durable",
+        "commit",
+        "memtable",
+        "shard",
+        "flush",
+        "replay",
+        "query",
+        "search",
+        "fresh",
+        "merge",
+        "write",
+        "ahead",
+        "log",
+        "epoch",
+        "fence",
+        "seal",
+        "batch",
+        "arrow",
+    ]
 )
 
 

@@ -1,16 +1,21 @@
 """The `lance-sink` command line: parse settings, build the service, run it.
 
 Exit codes:
-    0  success
-    1  runtime failure (the service stopped on a fatal error)
+    0  success (for `run`: stopped by SIGTERM/SIGINT and drained)
+    1  runtime failure: a fatal error stopped the service (fenced everywhere, table schema
+       incompatible, authentication failure, ...); the message says which
     2  invalid configuration or usage (the message names key, source and reason)
     3  the command is not implemented yet
+    130  `run` was interrupted by a second signal before the drain finished (what was not
+       committed is replayed or re-read on the next start; nothing acknowledged is lost)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +30,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
 EXIT_NOT_IMPLEMENTED = 3
+EXIT_INTERRUPTED = 130
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,9 +81,26 @@ def _run(args: argparse.Namespace) -> int:
     configure_logging(obs.log_level, obs.log_format)
     log = structlog.get_logger("lance_sink")
     log.info("config_loaded", config=redacted(settings))
-    log.error("run_not_implemented", reason="the consumer loop lands with the sink issue")
-    print("lance-sink run: not implemented yet", file=sys.stderr)
-    return EXIT_NOT_IMPLEMENTED
+    from engine.errors import LanceSinkError  # noqa: PLC0415 - keep `check-config` light
+    from sink.service import SinkService  # noqa: PLC0415
+
+    try:
+        service = SinkService(settings)
+    except LanceSinkError as exc:
+        log.error("startup_failed", error=str(exc), error_type=type(exc).__name__)
+        print(f"lance-sink: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if service.stopping:
+            log.warning("forced_exit", signal=signal.Signals(signum).name)
+            os._exit(EXIT_INTERRUPTED)
+        log.info("shutdown_requested", signal=signal.Signals(signum).name)
+        service.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return service.run()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -111,6 +111,7 @@ Reason: TypeAlias = Literal[
     "oversized",
     "invalid_utf8",
     "tombstone",
+    "rejected_by_table",  # the engine refused a decoded batch (set by the consumer loop)
 ]
 
 #: Kafka's TIMESTAMP_NOT_AVAILABLE timestamp type: the message carries no timestamp.

@@ -20,33 +20,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import confluent_kafka
 import structlog
+
+from sink.decode import DeadLetter
 
 log = structlog.get_logger("lance_sink.dlq")
 
 RETRY_BACKOFF_S = 1.0  # a refused or timed-out delivery is re-sent after this
 
 
-class DeadLetterLike(Protocol):
-    """What `send` needs of a dead letter (see `sink.decode.DeadLetter`)."""
-
-    topic: str
-    partition: int
-    offset: int
-    timestamp_ms: int | None
-    key: bytes | None
-    value: bytes | None
-    headers: list[tuple[str, bytes]]
-    reason: str
-    detail: str
-
-
 @dataclass
 class _Pending:
-    letter: DeadLetterLike
+    letter: DeadLetter
     attempts: int = 0
     delivered: bool = False
     retry_at: float = 0.0
@@ -78,7 +66,7 @@ class DeadLetterProducer:
     def destination(self, topic: str) -> str:
         return self._template.format(topic=topic)
 
-    def send(self, letters: list[DeadLetterLike]) -> DeadLetterBatch:
+    def send(self, letters: list[DeadLetter]) -> DeadLetterBatch:
         """Queue the dead letters of one batch; returns a handle to check delivery."""
         batch = DeadLetterBatch([_Pending(letter) for letter in letters])
         for pending in batch.letters:
@@ -88,7 +76,7 @@ class DeadLetterProducer:
     def _produce(self, pending: _Pending) -> None:
         letter = pending.letter
         pending.attempts += 1
-        headers = [
+        headers: list[tuple[str, str | bytes | None]] = [
             *letter.headers,
             ("lance_sink.reason", letter.reason.encode()),
             ("lance_sink.detail", letter.detail.encode()),

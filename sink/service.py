@@ -41,7 +41,7 @@ from engine.engine import Engine
 from engine.errors import Backpressure, Fenced, InvalidRecord, LanceSinkError, Poisoned
 from engine.shard import PutResult, ShardWriter
 from engine.wal import SourceRange
-from sink.decode import Decoded, DeadLetter, Decoder
+from sink.decode import DeadLetter, Decoded, Decoder
 from sink.dlq import DeadLetterBatch, DeadLetterProducer
 from sink.log import librdkafka_logger
 from sink.metrics import Metrics
@@ -77,7 +77,7 @@ def kafka_security_conf(settings: Settings) -> dict[str, Any]:
         ("ssl.key.location", k.ssl_key_location),
     ):
         if value:
-            conf[name] = value
+            conf[name] = value  # noqa: PERF403 - three optional keys, clearer as a loop
     if k.ssl_key_password:
         conf["ssl.key.password"] = k.ssl_key_password.get_secret_value()
     return conf
@@ -278,11 +278,14 @@ class SinkService:
                 continue  # not ours, or paused: fetched again from `position` on resume
             if state.position is None:
                 state.position = state.done = batch[0].offset()
-            if batch[0].offset() < state.position:
-                batch = [m for m in batch if m.offset() >= state.position]
-                if not batch:
-                    continue
-            self._feed(state, batch)
+            position = state.position
+            fresh = (
+                batch
+                if batch[0].offset() >= position
+                else [m for m in batch if m.offset() >= position]
+            )
+            if fresh:
+                self._feed(state, fresh)
 
     def _feed(self, state: PartitionState, messages: list[Any]) -> None:
         decoded = self.decoder.decode(messages)
@@ -295,8 +298,11 @@ class SinkService:
                 first = decoded.dead_letters[0]
                 log.error(
                     "partition_stopped_on_bad_message",
-                    topic=state.topic, partition=state.partition,
-                    offset=first.offset, reason=first.reason, detail=first.detail,
+                    topic=state.topic,
+                    partition=state.partition,
+                    offset=first.offset,
+                    reason=first.reason,
+                    detail=first.detail,
                 )
                 self._hold(state, held)
                 state.fenced = True  # never resumed; needs operator action
@@ -316,7 +322,9 @@ class SinkService:
             state.inflight.append(_InFlight(decoded.last_offset, None, 0, 0, first_ts))
             return True
         assert state.writer is not None
-        source = SourceRange(state.topic, state.partition, decoded.first_offset, decoded.last_offset)
+        source = SourceRange(
+            state.topic, state.partition, decoded.first_offset, decoded.last_offset
+        )
         try:
             future = state.writer.put(batch, source)
         except Backpressure:
@@ -325,8 +333,11 @@ class SinkService:
             # The table refused a batch the decoder accepted: dead-letter every message
             # of it with the reason, rather than stop the partition.
             log.error(
-                "batch_rejected_by_table", topic=state.topic, partition=state.partition,
-                first_offset=decoded.first_offset, error=str(exc),
+                "batch_rejected_by_table",
+                topic=state.topic,
+                partition=state.partition,
+                first_offset=decoded.first_offset,
+                error=str(exc),
             )
             if self.dlq is None:
                 state.fenced = True
@@ -339,7 +350,9 @@ class SinkService:
             self._writer_failed(state, exc)
             return True
         nbytes = sum(len(m.value() or b"") for m in held.messages)
-        state.inflight.append(_InFlight(decoded.last_offset, future, batch.num_rows, nbytes, first_ts))
+        state.inflight.append(
+            _InFlight(decoded.last_offset, future, batch.num_rows, nbytes, first_ts)
+        )
         return True
 
     def _hold(self, state: PartitionState, held: _Held) -> None:
@@ -371,7 +384,9 @@ class SinkService:
         state.paused = False
         self.metrics.partition_paused(state.topic, state.partition, False)
         log.info(
-            "partition_resumed", topic=state.topic, partition=state.partition,
+            "partition_resumed",
+            topic=state.topic,
+            partition=state.partition,
             position=state.position,
         )
 
@@ -412,10 +427,14 @@ class SinkService:
             self.metrics.partition_paused(state.topic, state.partition, True)
         if isinstance(exc, Fenced):
             state.fenced = True
-            log.error("partition_fenced", topic=state.topic, partition=state.partition, error=str(exc))
+            log.error(
+                "partition_fenced", topic=state.topic, partition=state.partition, error=str(exc)
+            )
         else:
             state.recover_at = time.monotonic() + RECOVERY_BACKOFF_S
-            log.error("partition_poisoned", topic=state.topic, partition=state.partition, error=str(exc))
+            log.error(
+                "partition_poisoned", topic=state.topic, partition=state.partition, error=str(exc)
+            )
 
     def _maybe_recover(self, state: PartitionState) -> None:
         if time.monotonic() < state.recover_at:
@@ -424,7 +443,12 @@ class SinkService:
             writer = self.engine.open_shard(state.topic, state.partition)
         except LanceSinkError as exc:
             state.recover_at = time.monotonic() + RECOVERY_BACKOFF_S
-            log.error("partition_recovery_failed", topic=state.topic, partition=state.partition, error=str(exc))
+            log.error(
+                "partition_recovery_failed",
+                topic=state.topic,
+                partition=state.partition,
+                error=str(exc),
+            )
             return
         durable = writer.durable_offsets.get((state.topic, state.partition))
         restart = state.done if state.done is not None else 0
@@ -445,7 +469,7 @@ class SinkService:
     def _on_error(self, err: confluent_kafka.KafkaError) -> None:
         """librdkafka's error callback (called from consume/poll on this thread)."""
         auth = err.code() in (
-            confluent_kafka.KafkaError._AUTHENTICATION,  # noqa: SLF001 - librdkafka's name
+            confluent_kafka.KafkaError._AUTHENTICATION,
             confluent_kafka.KafkaError.SASL_AUTHENTICATION_FAILED,
         )
         if err.fatal() or auth:
@@ -457,23 +481,28 @@ class SinkService:
 
     def _commit(self, *, asynchronous: bool, states: list[PartitionState] | None = None) -> None:
         targets = [
-            s for s in (states if states is not None else list(self.partitions.values()))
+            s
+            for s in (states if states is not None else list(self.partitions.values()))
             if s.done is not None and s.done > s.committed and not s.fenced
         ]
         if not targets:
             return
-        offsets = [TopicPartition(s.topic, s.partition, s.done) for s in targets]
+        offsets = [TopicPartition(s.topic, s.partition, s.done or 0) for s in targets]
         try:
-            result = self.consumer.commit(offsets=offsets, asynchronous=asynchronous)
+            if asynchronous:
+                self.consumer.commit(offsets=offsets, asynchronous=True)
+                return
+            result = self.consumer.commit(offsets=offsets, asynchronous=False)
         except confluent_kafka.KafkaException as exc:
             self.metrics.commit_failed()
             log.warning("commit_failed", error=str(exc), partitions=len(offsets))
             return
-        if not asynchronous and result:
-            for tp in result:
-                self._committed(tp)
+        for tp in result or []:
+            self._committed(tp)
 
-    def _on_commit(self, err: confluent_kafka.KafkaError | None, partitions: list[TopicPartition]) -> None:
+    def _on_commit(
+        self, err: confluent_kafka.KafkaError | None, partitions: list[TopicPartition]
+    ) -> None:
         if err is not None:
             self.metrics.commit_failed()
             log.warning("commit_failed", error=str(err))
@@ -483,7 +512,9 @@ class SinkService:
                 self._committed(tp)
             else:
                 self.metrics.commit_failed()
-                log.warning("commit_failed", topic=tp.topic, partition=tp.partition, error=str(tp.error))
+                log.warning(
+                    "commit_failed", topic=tp.topic, partition=tp.partition, error=str(tp.error)
+                )
 
     def _committed(self, tp: TopicPartition) -> None:
         state = self.partitions.get((tp.topic, tp.partition))
@@ -492,45 +523,61 @@ class SinkService:
 
     # ------------------------------------------------------------------ rebalance
 
-    def _on_assign(self, consumer: confluent_kafka.Consumer, partitions: list[TopicPartition]) -> None:
+    def _on_assign(
+        self, consumer: confluent_kafka.Consumer, partitions: list[TopicPartition]
+    ) -> None:
         if not partitions:
             consumer.incremental_assign([])
             return
         started = time.monotonic()
         futures = {
-            (tp.topic, tp.partition): self._open_pool.submit(self.engine.open_shard, tp.topic, tp.partition)
+            (tp.topic, tp.partition): self._open_pool.submit(
+                self.engine.open_shard, tp.topic, tp.partition
+            )
             for tp in partitions
         }
-        committed = {
+        committed: dict[tuple[str, int], int] = {
             (tp.topic, tp.partition): tp.offset
             for tp in consumer.committed(partitions, timeout=30)
+            if tp.offset >= 0
         }
         assign = []
         for tp in partitions:
             key = (tp.topic, tp.partition)
             writer = futures[key].result()
             durable = writer.durable_offsets.get(key)
-            start = committed.get(key, OFFSET_INVALID)
-            start = start if start is not None and start >= 0 else None
+            # Resume after the last durable offset, or at the committed one if later (I3).
+            start: int | None = committed.get(key)
             if durable is not None:
                 start = max(start or 0, durable + 1)
             state = PartitionState(
-                tp.topic, tp.partition, writer, start, start,
-                committed.get(key) if (committed.get(key) or -1) >= 0 else -1,
+                tp.topic, tp.partition, writer, start, start, committed.get(key, -1)
             )
             with self._lock:
                 self.partitions[key] = state
-            assign.append(TopicPartition(tp.topic, tp.partition, OFFSET_INVALID if start is None else start))
+            assign.append(
+                TopicPartition(tp.topic, tp.partition, OFFSET_INVALID if start is None else start)
+            )
             log.info(
-                "partition_assigned", topic=tp.topic, partition=tp.partition, shard=writer.shard,
-                epoch=writer.epoch, committed=committed.get(key), durable=durable, start=start,
+                "partition_assigned",
+                topic=tp.topic,
+                partition=tp.partition,
+                shard=writer.shard,
+                epoch=writer.epoch,
+                committed=committed.get(key),
+                durable=durable,
+                start=start,
             )
         consumer.incremental_assign(assign)
         self.metrics.rebalance("assigned", len(partitions))
         self.ready.set()
-        log.info("partitions_opened", count=len(partitions), seconds=round(time.monotonic() - started, 3))
+        log.info(
+            "partitions_opened", count=len(partitions), seconds=round(time.monotonic() - started, 3)
+        )
 
-    def _on_revoke(self, consumer: confluent_kafka.Consumer, partitions: list[TopicPartition]) -> None:
+    def _on_revoke(
+        self, consumer: confluent_kafka.Consumer, partitions: list[TopicPartition]
+    ) -> None:
         states = [s for tp in partitions if (s := self.partitions.get((tp.topic, tp.partition)))]
         if states:
             self._wait_inflight(states, self.settings.shutdown.drain_deadline_s)
@@ -542,7 +589,9 @@ class SinkService:
         for tp in partitions:
             log.info("partition_revoked", topic=tp.topic, partition=tp.partition)
 
-    def _on_lost(self, consumer: confluent_kafka.Consumer, partitions: list[TopicPartition]) -> None:
+    def _on_lost(
+        self, consumer: confluent_kafka.Consumer, partitions: list[TopicPartition]
+    ) -> None:
         for tp in partitions:
             state = self.partitions.get((tp.topic, tp.partition))
             if state is not None:
@@ -633,7 +682,8 @@ class SinkService:
             elif state.held is not None and state.held.messages:
                 pending_ts = _timestamp_ms(state.held.messages[0])
             self.metrics.partition_offsets(
-                topic, partition,
+                topic,
+                partition,
                 end=self.end_offsets.get((topic, partition)),
                 consumed=state.position,
                 durable=max(durable, 0),
@@ -642,13 +692,18 @@ class SinkService:
                 oldest_pending_timestamp_ms=pending_ts,
             )
             self.metrics.shard_memory(
-                stats.shard, unflushed=stats.bytes + stats.frozen_bytes,
-                frozen_count=stats.frozen_count, active=stats.bytes, index=stats.index_bytes,
+                stats.shard,
+                unflushed=stats.bytes + stats.frozen_bytes,
+                frozen_count=stats.frozen_count,
+                active=stats.bytes,
+                index=stats.index_bytes,
             )
         bp = self.engine.controller.stats.snapshot()
         self.metrics.backpressure(
-            waits=bp.waits_total, wait_seconds=bp.wait_seconds_total,
-            active=bp.active_waits, rejections=bp.rejections_total,
+            waits=bp.waits_total,
+            wait_seconds=bp.wait_seconds_total,
+            active=bp.active_waits,
+            rejections=bp.rejections_total,
         )
         controller = self.engine.controller
         if isinstance(controller, BudgetController):

@@ -1,0 +1,157 @@
+"""Run the real `lance-sink run` in a child process against a real broker, for e2e tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lance
+import numpy as np
+
+from tests.support.kafka import committed_offsets, end_offsets
+
+ROOT = Path(__file__).resolve().parents[2]
+DIM = 8
+
+
+def toml_value(value: Any) -> str:
+    return json.dumps(value) if not isinstance(value, bool) else str(value).lower()
+
+
+def write_config(
+    path: Path,
+    *,
+    bootstrap: str,
+    topics: list[str],
+    group: str,
+    table_uri: str,
+    mode: str = "append",
+    extra: dict[str, dict[str, Any]] | None = None,
+) -> Path:
+    """A sink config for the test table: id, n, text and an 8-dim vector."""
+    sections: dict[str, dict[str, Any]] = {
+        "kafka": {
+            "bootstrap_servers": bootstrap,
+            "group_id": group,
+            "topics": topics,
+            "session_timeout_ms": 6000,
+            "consume_timeout_ms": 50,
+            "commit_interval_ms": 200,
+        },
+        "wal": {"max_wal_flush_interval_ms": 10},
+        "memtable": {"max_rows": 2000},
+        "backpressure": {"process_budget_bytes": 256 << 20},
+        "query": {"enabled": False},
+        "maintenance": {"enabled": False},
+        "observability": {"log_format": "json", "metrics_port": 0},
+        "shutdown": {"drain_deadline_s": 20},
+    }
+    for name, values in (extra or {}).items():
+        sections.setdefault(name, {}).update(values)
+    lines = []
+    for name, values in sections.items():
+        lines.append(f"[{name}]")
+        lines.extend(f"{k} = {toml_value(v)}" for k, v in values.items())
+        lines.append("")
+    pk = '\nprimary_key = ["id"]' if mode == "upsert" else ""
+    lines.append(
+        f"""[table]
+uri = {json.dumps(table_uri)}
+mode = "{mode}"{pk}
+fts_columns = ["text"]
+columns = [
+  {{ name = "id", type = "string", nullable = false }},
+  {{ name = "n", type = "int64" }},
+  {{ name = "text", type = "string" }},
+]
+vector = {{ column = "vec", dim = {DIM}, metric = "l2" }}
+"""
+    )
+    path.write_text("\n".join(lines))
+    return path
+
+
+def message(i: int, *, key: str | None = None) -> tuple[bytes, bytes]:
+    vec = np.sin(np.arange(DIM, dtype=np.float32) * (i + 1) * 0.01).round(5).tolist()
+    body = {"id": key or f"m-{i}", "n": i, "text": f"message number {i}", "vec": vec}
+    return (key or f"m-{i}").encode(), json.dumps(body).encode()
+
+
+def messages(start: int, count: int) -> Iterator[tuple[bytes, bytes]]:
+    for i in range(start, start + count):
+        yield message(i)
+
+
+class SinkProcess:
+    """`lance-sink run --config FILE` as a child process, logs in a file."""
+
+    def __init__(self, config: Path, log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.log_path = log_path
+        self._log = log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sink.cli", "run", "--config", str(config)],
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM and wait for the drain; returns the exit code."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        finally:
+            self._log.close()
+        return code
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait(30)
+        self._log.close()
+
+    def events(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log_path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+
+def wait_caught_up(
+    bootstrap: str,
+    group: str,
+    topic: str,
+    timeout: float = 120,
+    procs: list[SinkProcess] | None = None,
+) -> dict[int, int]:
+    """Wait until the group's committed offsets equal the log end offsets."""
+    ends = end_offsets(bootstrap, topic)
+    deadline = time.monotonic() + timeout
+    committed: dict[int, int] = {}
+    while time.monotonic() < deadline:
+        committed = committed_offsets(bootstrap, group, topic, len(ends))
+        if committed == ends:
+            return ends
+        for p in procs or []:
+            assert p.alive(), f"sink exited early: {p.log_path.read_text()[-3000:]}"
+        time.sleep(0.5)
+    raise TimeoutError(f"committed {committed} != end {ends} after {timeout}s")
+
+
+def table_rows(uri: str) -> list[dict[str, Any]]:
+    return lance.dataset(uri).to_table().to_pylist()
