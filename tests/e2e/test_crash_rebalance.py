@@ -1,0 +1,116 @@
+"""Exactly-once across SIGKILLs and rebalances, through the real `lance-sink run`."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from tests.support.brokers import Broker
+from tests.support.kafka import produce
+from tests.support.sink import SinkProcess, messages, table_rows, wait_caught_up, write_config
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def produce_in_background(
+    bootstrap: str, topic: str, total: int, chunk: int, pause: float
+) -> threading.Thread:
+    """Produce `total` messages in chunks, `pause` seconds apart."""
+
+    def run() -> None:
+        for start in range(0, total, chunk):
+            produce(bootstrap, topic, messages(start, min(chunk, total - start)))
+            time.sleep(pause)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def assert_exactly_once(table: str, n: int) -> None:
+    rows = table_rows(table)
+    got = sorted(r["n"] for r in rows)
+    missing = sorted(set(range(n)) - set(got))
+    dupes = len(got) - len(set(got))
+    assert not missing and not dupes, f"missing {missing[:10]}, duplicates {dupes}"
+    assert len(got) == n
+
+
+def test_sigkill_at_random_instants(
+    kafka_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    n = 12_000
+    table = str(tmp_path / "table.lance")
+    config = write_config(
+        tmp_path / "sink.toml",
+        bootstrap=kafka_broker.bootstrap,
+        topics=[topic],
+        group=group,
+        table_uri=table,
+        extra={"memtable": {"max_rows": 500}},
+    )
+    # ~25 s of production: every kill below lands mid-stream.
+    producer = produce_in_background(kafka_broker.bootstrap, topic, n, 250, 0.5)
+    rng = random.Random(11)
+    for round_ in range(6):
+        sink = SinkProcess(config, tmp_path / f"sink-{round_}.log")
+        # Let it join, replay and make progress, then kill it at a random instant.
+        time.sleep(rng.uniform(2.0, 6.0))
+        assert sink.alive(), sink.log_path.read_text()[-3000:]
+        sink.kill()
+    producer.join(120)
+    final = SinkProcess(config, tmp_path / "sink-final.log")
+    try:
+        wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[final])
+    finally:
+        assert final.stop() == 0
+    assert_exactly_once(table, n)
+
+
+def test_rebalance_join_and_kill(
+    kafka_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    n = 12_000
+    table = str(tmp_path / "table.lance")
+    config = write_config(
+        tmp_path / "sink.toml",
+        bootstrap=kafka_broker.bootstrap,
+        topics=[topic],
+        group=group,
+        table_uri=table,
+        extra={"memtable": {"max_rows": 500}},
+    )
+    producer = produce_in_background(kafka_broker.bootstrap, topic, n, 300, 0.4)
+    a = SinkProcess(config, tmp_path / "a.log")
+    b = SinkProcess(config, tmp_path / "b.log")
+    time.sleep(8)
+    c = SinkProcess(config, tmp_path / "c.log")  # joins mid-stream
+    time.sleep(8)
+    a.kill()  # its partitions move to b and c after the session timeout
+    producer.join(120)
+    try:
+        wait_caught_up(kafka_broker.bootstrap, group, topic, timeout=180, procs=[b, c])
+    finally:
+        assert b.stop() == 0
+        assert c.stop() == 0
+    assert_exactly_once(table, n)
+
+    # Each partition was owned by one writer at a time: every claim of a shard took a new,
+    # higher epoch, and the epochs of one shard never repeat across processes.
+    claims: dict[str, list[tuple[str, int, int]]] = defaultdict(list)
+    moved = 0
+    for name, proc in (("a", a), ("b", b), ("c", c)):
+        for e in proc.events():
+            if e.get("event") == "partition_assigned":
+                claims[e["shard"]].append((e["timestamp"], e["epoch"], name))
+    for shard, seen in claims.items():
+        seen.sort()
+        epochs = [epoch for _, epoch, _ in seen]
+        assert epochs == sorted(set(epochs)), f"{shard}: epochs {seen}"
+        moved += len({owner for _, _, owner in seen}) > 1
+    assert moved >= 1, "no partition changed owner: the rebalance was not exercised"

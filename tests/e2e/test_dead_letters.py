@@ -1,0 +1,91 @@
+"""Bad messages go to the dead-letter topic with their reason; every good message lands; all
+offsets get committed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Consumer
+
+from tests.support.brokers import Broker
+from tests.support.kafka import consume_all, consumer_conf, produce
+from tests.support.sink import SinkProcess, message, table_rows, wait_caught_up, write_config
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def bad_messages() -> dict[str, tuple[bytes, bytes]]:
+    good_vec = [0.0] * 8
+    return {
+        "invalid_json": (b"bad-json", b'{"id": "x", "n": '),
+        "wrong_type": (
+            b"bad-type",
+            json.dumps({"id": "t", "n": "seven", "vec": good_vec}).encode(),
+        ),
+        "wrong_vector_dimension": (
+            b"bad-dim",
+            json.dumps({"id": "d", "n": 1, "vec": [1.0, 2.0]}).encode(),
+        ),
+        "nan_in_vector": (b"bad-nan", b'{"id": "nan", "n": 1, "vec": [NaN, 0, 0, 0, 0, 0, 0, 0]}'),
+        "missing_primary_key": (b"bad-key", json.dumps({"n": 1, "vec": good_vec}).encode()),
+        "oversized": (
+            b"bad-big",
+            json.dumps({"id": "big", "n": 1, "vec": good_vec, "text": "x" * 5000}).encode(),
+        ),
+        "invalid_utf8": (b"bad-utf8", b'{"id": "\xff\xfe", "n": 1}'),
+    }
+
+
+def test_bad_messages_are_dead_lettered_with_reasons(
+    kafka_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    bad = bad_messages()
+    stream: list[tuple[bytes, bytes]] = []
+    for i in range(300):
+        stream.append(message(i))
+        if i % 40 == 5:
+            stream.append(list(bad.values())[(i // 40) % len(bad)])
+    stream.extend(bad.values())
+    produce(kafka_broker.bootstrap, topic, stream, partition=0)
+    table = str(tmp_path / "table.lance")
+    config = write_config(
+        tmp_path / "sink.toml",
+        bootstrap=kafka_broker.bootstrap,
+        topics=[topic],
+        group=group,
+        table_uri=table,
+        mode="upsert",
+        extra={"source": {"max_message_bytes": 2000}},
+    )
+    sink = SinkProcess(config, tmp_path / "sink.log")
+    try:
+        ends = wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[sink])
+    finally:
+        assert sink.stop() == 0, sink.log_path.read_text()[-3000:]
+    assert ends[0] == len(stream)  # every offset committed, bad ones included
+
+    rows = table_rows(table)
+    assert sorted(r["n"] for r in rows) == list(range(300))
+
+    dead = Consumer(consumer_conf(kafka_broker.bootstrap, group + "-dlq-reader"))
+    try:
+        dead.subscribe([f"{topic}.dlq"])
+        expected = len(stream) - 300
+        letters = consume_all(dead, expected, timeout=90)
+    finally:
+        dead.close()
+    by_key: dict[bytes, dict[str, bytes]] = {}
+    for m in letters:
+        by_key.setdefault(m.key(), dict(m.headers() or []))
+    for reason, (key, value) in bad.items():
+        headers = by_key[key]
+        assert headers["lance_sink.reason"] == reason.encode(), (key, headers)
+        assert headers["lance_sink.topic"] == topic.encode()
+        assert headers["lance_sink.partition"] == b"0"
+        assert int(headers["lance_sink.offset"]) >= 0
+        assert headers["lance_sink.detail"]
+    originals = {m.key(): m.value() for m in letters}
+    for key, value in bad.values():
+        assert originals[key] == value  # the original bytes, untouched
