@@ -79,7 +79,7 @@ def test_bad_messages_are_dead_lettered_with_reasons(
     by_key: dict[bytes, dict[str, bytes]] = {}
     for m in letters:
         by_key.setdefault(m.key(), dict(m.headers() or []))
-    for reason, (key, value) in bad.items():
+    for reason, (key, _value) in bad.items():
         headers = by_key[key]
         assert headers["lance_sink.reason"] == reason.encode(), (key, headers)
         assert headers["lance_sink.topic"] == topic.encode()

@@ -1,0 +1,96 @@
+"""Backpressure pauses partitions instead of buffering without bound, and a stalled writer
+never makes the member leave its group (the loop keeps polling)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.brokers import Broker
+from tests.support.kafka import produce
+from tests.support.sink import SinkProcess, messages, table_rows, wait_caught_up, write_config
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+def running_events(sink: SinkProcess) -> list[str]:
+    """Event names logged before the shutdown drain began (leaving the group at shutdown
+    revokes every partition, which is not what these tests look for)."""
+    events = [e["event"] for e in sink.events()]
+    return events[: events.index("sink_draining")]
+
+
+def test_tiny_budget_and_slow_flush_pause_partitions(
+    kafka_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    n = 20_000
+    produce(kafka_broker.bootstrap, topic, messages(0, n))
+    table = str(tmp_path / "table.lance")
+    config = write_config(
+        tmp_path / "sink.toml",
+        bootstrap=kafka_broker.bootstrap,
+        topics=[topic],
+        group=group,
+        table_uri=table,
+        extra={
+            "memtable": {"max_rows": 1000, "max_bytes": 128 << 10},
+            "backpressure": {
+                "process_budget_bytes": 512 << 10,
+                "controller": "tests.support.slow:controller",
+            },
+            "kafka": {"consume_batch_size": 500},
+        },
+    )
+    sink = SinkProcess(config, tmp_path / "sink.log", env={"LANCE_SINK_TEST_FLUSH_DELAY_S": "0.3"})
+    try:
+        wait_caught_up(kafka_broker.bootstrap, group, topic, timeout=300, procs=[sink])
+    finally:
+        assert sink.stop() == 0
+    events = running_events(sink)
+    assert events.count("partition_paused") >= 2  # backpressure was applied
+    assert events.count("partition_resumed") >= 2
+    assert "partition_revoked" not in events
+    assert "partition_lost" not in events
+    rows = table_rows(table)
+    assert sorted(r["n"] for r in rows) == list(range(n))
+
+
+def test_stalled_writer_keeps_the_member_in_the_group(
+    kafka_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    n = 4_000
+    table = str(tmp_path / "table.lance")
+    config = write_config(
+        tmp_path / "sink.toml",
+        bootstrap=kafka_broker.bootstrap,
+        topics=[topic],
+        group=group,
+        table_uri=table,
+        extra={
+            "kafka": {"max_poll_interval_ms": 7000, "consume_batch_size": 200},
+            "backpressure": {"controller": "tests.support.slow:controller"},
+        },
+    )
+    stall = 15.0  # longer than max.poll.interval.ms (7 s) by far
+    sink = SinkProcess(
+        config, tmp_path / "sink.log", env={"LANCE_SINK_TEST_WAL_STALL_S": str(stall)}
+    )
+    try:
+        started = time.monotonic()
+        for start in range(0, n, 500):
+            produce(kafka_broker.bootstrap, topic, messages(start, 500))
+            time.sleep(0.3)
+        wait_caught_up(kafka_broker.bootstrap, group, topic, timeout=300, procs=[sink])
+        assert time.monotonic() - started > stall  # the stall really happened
+    finally:
+        assert sink.stop() == 0
+    text = sink.log_path.read_text()
+    assert "TEST_WAL_STALL" in text
+    events = running_events(sink)
+    assert events.count("partition_assigned") == 4  # assigned once, never again
+    assert "partition_revoked" not in events
+    assert "partition_lost" not in events
+    rows = table_rows(table)
+    assert sorted(r["n"] for r in rows) == list(range(n))

@@ -1,0 +1,55 @@
+"""A test plugin for sink processes: slows flushes or stalls the WAL of a real sink.
+
+Loaded by the sink itself through `backpressure.controller = "tests.support.slow:controller"`
+(the documented injection point), it wraps two real storage operations with delays and
+returns the ordinary budget controller. Nothing is mocked: Lance commits and WAL appends
+still happen, only later.
+
+    LANCE_SINK_TEST_FLUSH_DELAY_S   sleep before every flush commit
+    LANCE_SINK_TEST_WAL_STALL_S     one stall of the WAL (after LANCE_SINK_TEST_WAL_STALL_AFTER
+                                    appends, default 5)
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from engine.backpressure import BudgetController
+from engine.storage import LocalStorage
+from engine.table import BaseTable
+
+
+def controller(*, process_budget_bytes: int, max_unflushed_memtable_bytes: int) -> BudgetController:
+    flush_delay = float(os.environ.get("LANCE_SINK_TEST_FLUSH_DELAY_S", "0"))
+    wal_stall = float(os.environ.get("LANCE_SINK_TEST_WAL_STALL_S", "0"))
+    stall_after = int(os.environ.get("LANCE_SINK_TEST_WAL_STALL_AFTER", "5"))
+    if flush_delay:
+        commit = BaseTable.commit_flush
+
+        def slow_commit(self: BaseTable, *args: Any, **kwargs: Any) -> int:
+            time.sleep(flush_delay)
+            return commit(self, *args, **kwargs)
+
+        BaseTable.commit_flush = slow_commit  # type: ignore[method-assign]
+    if wal_stall:
+        put = LocalStorage.put_if_absent
+        lock = threading.Lock()
+        state = {"appends": 0, "stalled": False}
+
+        def stalling_put(self: LocalStorage, key: str, data: Any) -> None:
+            if "/wal/" in key:
+                with lock:
+                    state["appends"] += 1
+                    stall = not state["stalled"] and state["appends"] > stall_after
+                    if stall:
+                        state["stalled"] = True
+                if stall:
+                    print(f"TEST_WAL_STALL {wal_stall}", flush=True)
+                    time.sleep(wal_stall)
+            put(self, key, data)
+
+        LocalStorage.put_if_absent = stalling_put  # type: ignore[method-assign]
+    return BudgetController(process_budget_bytes)
