@@ -61,19 +61,23 @@ integer key: its decimal text; binary key: the bytes); a missing or unusable key
 table ``tombstones = "skip"`` records the offset in `Decoded.skipped_offsets` and ``"dlq"``
 makes a ``tombstone`` dead letter.
 
-How it is fast: the per-message Python work is reading the Message accessors. All JSON
-values of the batch are wrapped as ``{"v":<value>}`` (so a value that is empty, holds two
-documents, or is not an object can never shift rows: it fails to parse), joined with
-newlines and parsed in one `pyarrow.json.read_json` call with an explicit schema of only
-the mapped fields, on several threads. Arrow's reader is exactly as strict as the rules
-above, so a clean parse needs no further type checks; the row checks (nulls, vector length,
-NaN) are Arrow compute and numpy kernels over whole columns. When the bulk parse fails, the
-batch is bisected: halves that parse are kept, and single messages that still fail are
-decoded with orjson (the slow, per-message path) to find their fault, or to decode them
-when Arrow's reader is stricter than the rules (duplicate keys: the last one wins; numbers
-beyond the double range). Binary JSON columns decode base64 per value (no bulk kernel).
-Python's cyclic GC is paused during `decode` (it allocates many small objects but no
-cycles, and a collection over a large live heap costs more than the decode itself).
+How it is fast: the per-message Python work is reading the Message accessors. The JSON
+values are parsed by `pyarrow.json.read_json` with an explicit schema of only the mapped
+fields, in chunks of about 4 MiB (one call each, its blocks parsed on all cores). Each value
+is wrapped as ``{"v":<value>}`` and the rows are newline-joined, so a value that is empty,
+holds two documents or is not an object can never shift rows: it fails to parse. UTF-8 is
+checked by Arrow over the whole chunk at once. Arrow's reader is as strict as the rules
+above, so a clean parse needs no further type checks; the row checks (nulls, vector
+length, NaN) are Arrow compute and numpy kernels over whole columns.
+
+When a chunk does not parse, each of its values is screened with orjson and kind checks
+(linear in the chunk, however many values are bad), the values that pass are parsed in
+bulk again, and only if Arrow still refuses some (it is stricter than the rules on
+duplicate keys, where the last one wins, and on numbers beyond the double range) are
+those bisected down to single values, decoded one by one. Binary JSON columns decode
+base64 per value (Arrow has no base64 kernel). Python's cyclic GC is paused during
+`decode`: it makes many small objects but no cycles, and a collection over a large live
+heap costs more than the decode.
 """
 
 from __future__ import annotations
@@ -330,6 +334,7 @@ class Decoder:
         self._json_columns = [c for c in self._columns if c.kind == "json"]
         self._json_paths = list(dict.fromkeys(c.path for c in self._json_columns))
         self._path_types = {c.path: c.type_name for c in self._json_columns}
+        self._path_columns = {c.path: c for c in reversed(self._json_columns)}
         self._tree = self._json_tree()
         self._has_timestamps = any(c.type_name == "timestamp" for c in self._json_columns)
         self._iso_timestamps = False  # which representation the last batch's timestamps used
@@ -588,13 +593,11 @@ class Decoder:
                 keep = keep[np.asarray(good, np.int64)]
                 run = [run[pos] for pos in good]
                 buf = None
-            chunk_pieces: list[_Parsed] = []
-            chunk_faults: dict[int, _Fault] = {}
-            self._parse_range(run, 0, len(run), chunk_pieces, chunk_faults, buf)
-            for piece in chunk_pieces:
+            run_pieces, run_faults = self._parse_run(run, buf)
+            for piece in run_pieces:
                 piece.positions = keep[piece.positions]
                 pieces.append(piece)
-            faults.update((int(keep[pos]), fault) for pos, fault in chunk_faults.items())
+            faults.update((int(keep[pos]), fault) for pos, fault in run_faults.items())
         if not pieces:
             empty = {p: pa.array([], _CANONICAL[self._path_types[p]]) for p in self._json_paths}
             return np.empty(0, np.int64), empty, pa.array([], pa.bool_()), faults
@@ -608,24 +611,58 @@ class Decoder:
             faults,
         )
 
-    def _parse_range(
+    def _parse_run(
+        self, payloads: list[bytes], buf: bytes | None
+    ) -> tuple[list[_Parsed], dict[int, _Fault]]:
+        """Parse one chunk of payloads; positions and faults are relative to `payloads`.
+
+        One bulk parse normally. When it fails, every payload of the chunk is screened in
+        Python (cost linear in the chunk, whatever the number of bad messages), the screened
+        ones are parsed in bulk again, and only if Arrow still refuses some (it is stricter
+        than the rules on duplicate keys and numbers beyond the double range) is the rest
+        bisected down to single messages.
+        """
+        if not payloads:
+            return [], {}
+        parsed = self._bulk(payloads, buf)
+        if parsed is not None:
+            return [parsed], {}
+        faults: dict[int, _Fault] = {}
+        passed: list[int] = []
+        for pos, payload in enumerate(payloads):
+            fault = self._decode_one(payload, build=False)
+            if fault is None:
+                passed.append(pos)
+            else:
+                faults[pos] = cast("_Fault", fault)
+        pieces: list[_Parsed] = []
+        bisect_faults: dict[int, _Fault] = {}
+        screened = [payloads[pos] for pos in passed]
+        unchanged = len(passed) == len(payloads)  # then the bulk parse just failed on them
+        self._bisect(screened, 0, len(screened), pieces, bisect_faults, known_bad=unchanged)
+        mapping = np.asarray(passed, np.int64)
+        for piece in pieces:
+            piece.positions = mapping[piece.positions]
+        faults.update((int(mapping[pos]), fault) for pos, fault in bisect_faults.items())
+        return pieces, faults
+
+    def _bisect(
         self,
         payloads: list[bytes],
         lo: int,
         hi: int,
         pieces: list[_Parsed],
         faults: dict[int, _Fault],
-        buf: bytes | None = None,
+        known_bad: bool = False,
     ) -> None:
         """Parse payloads[lo:hi] in one go, or bisect until the failures are single messages."""
         if lo >= hi:
             return
-        run = payloads if (lo, hi) == (0, len(payloads)) else payloads[lo:hi]
-        parsed = self._bulk(run, buf)
+        parsed = None if known_bad else self._bulk(payloads[lo:hi])
         if parsed is None and hi - lo == 1:
-            one = self._decode_one(payloads[lo])
+            one = self._decode_one(payloads[lo], build=True)
             if not isinstance(one, _Parsed):
-                faults[lo] = one
+                faults[lo] = cast("_Fault", one)
                 return
             parsed = one
         if parsed is not None:
@@ -633,11 +670,14 @@ class Decoder:
             pieces.append(parsed)
             return
         mid = (lo + hi) // 2
-        self._parse_range(payloads, lo, mid, pieces, faults)
-        self._parse_range(payloads, mid, hi, pieces, faults)
+        self._bisect(payloads, lo, mid, pieces, faults)
+        self._bisect(payloads, mid, hi, pieces, faults)
 
     def _bulk(self, payloads: list[bytes], buf: bytes | None = None) -> _Parsed | None:
         """Parse all `payloads` (`buf`: them wrapped, if at hand) with one Arrow call.
+
+        Timestamps are read as the representation the last parse used first, then as the
+        other one.
 
         Returns:
             Their leaves, or None if any of them does not parse.
@@ -673,8 +713,13 @@ class Decoder:
         is_object = [chunk.is_valid() for chunk in chunks]
         return _Parsed(np.arange(n, dtype=np.int64), per_path, is_object)
 
-    def _decode_one(self, payload: bytes) -> _Parsed | _Fault:
-        """The slow path for one message Arrow refused: decode it or name its fault."""
+    def _decode_one(self, payload: bytes, build: bool) -> _Parsed | _Fault | None:
+        """The per-message path: name the fault of one payload, or decode it.
+
+        With `build` false this only screens (orjson and kind checks, no Arrow calls) and
+        returns None for a payload that passes; with `build` true it returns the payload's
+        leaves, converted exactly as the bulk path converts them.
+        """
         try:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -686,12 +731,11 @@ class Decoder:
         if not isinstance(obj, dict):
             return ("not_an_object", f"value is a JSON {_json_kind(obj)}, not an object")
         leaves: dict[_Path, list[pa.Array]] = {}
-        for col in self._json_columns:
-            if col.path in leaves:
-                continue
+        for path in self._json_paths:
+            col = self._path_columns[path]
             item: Any = obj
             where = "$"
-            for name in col.path:
+            for name in path:
                 if item is None:
                     break
                 if not isinstance(item, dict):
@@ -699,11 +743,16 @@ class Decoder:
                     return ("wrong_type", f"{col.name!r}: {where} is a {kind}, not an object")
                 item = item.get(name)
                 where += "." + name
-            arr = _coerce_one(item, col.type_name)
-            if isinstance(arr, str):
-                return ("wrong_type", f"{col.name!r}: {where} {arr}")
-            leaves[col.path] = [arr]
-        return _Parsed(np.zeros(1, np.int64), leaves, [pa.array([True])])
+            problem = _kind_problem(item, col.type_name)
+            if problem is None and build:
+                arr = _coerce_one(item, col.type_name)
+                if isinstance(arr, str):
+                    problem = arr
+                else:
+                    leaves[path] = [arr]
+            if problem is not None:
+                return ("wrong_type", f"{col.name!r}: {where} {problem}")
+        return _Parsed(np.zeros(1, np.int64), leaves, [pa.array([True])]) if build else None
 
     # -- tombstones and assembly ----------------------------------------------------------
 
@@ -865,7 +914,8 @@ def _read_options(buf_bytes: int, longest_payload: int) -> pj.ReadOptions:
     """Arrow reader options for one wrapped chunk: ~`_BLOCKS_PER_CHUNK` parallel blocks."""
     longest_row = longest_payload + len(_WRAP_JOIN) + len(_WRAP_TAIL) + 1
     block = max(buf_bytes // _BLOCKS_PER_CHUNK + 1, _MIN_BLOCK_BYTES, longest_row)
-    return pj.ReadOptions(use_threads=_CORES > 1, block_size=block)
+    # Threads cost ~0.5 ms per call; worth it only when there are blocks to share out.
+    return pj.ReadOptions(use_threads=_CORES > 1 and buf_bytes > block, block_size=block)
 
 
 def _wrap(payloads: list[bytes]) -> bytes:
@@ -984,46 +1034,73 @@ def _json_kind(item: Any) -> str:
     return "array" if isinstance(item, list) else "object"
 
 
+_EXPECTED: Final = {
+    "string": "a string",
+    "binary": "a base64 string",
+    "int32": "an integer",
+    "int64": "an integer",
+    "float32": "a number",
+    "float64": "a number",
+    "bool": "true or false",
+    "timestamp": "epoch milliseconds or an ISO-8601 string",
+    "vector": "an array of numbers",
+}
+_NUMBER_TYPES: Final = frozenset({int, float, type(None)})
+
+
+def _kind_problem(item: Any, type_name: str) -> str | None:
+    """What is wrong with a JSON value for a column type, judged by its JSON kind alone.
+
+    None when the kind fits (the value may still fail to convert, e.g. an ISO string).
+    """
+    if item is None:
+        return None
+    kind = _json_kind(item)
+    wrong = f"is a {kind}, expected {_EXPECTED[type_name]}"
+    if type_name in {"string", "binary"}:
+        return None if kind == "string" else wrong
+    if type_name in _INT_RANGES:
+        if kind != "number" or not isinstance(item, int):
+            return wrong
+        low, high = _INT_RANGES[type_name]
+        return None if low <= item <= high else f"{wrong} in range"
+    if type_name in {"float32", "float64"}:
+        return None if kind == "number" else wrong
+    if type_name == "bool":
+        return None if kind == "boolean" else wrong
+    if type_name == "timestamp":
+        if kind == "string":
+            return None
+        ok = kind == "number" and isinstance(item, int) and -(2**63) <= item < 2**63
+        return None if ok else wrong
+    # The vector: an array of numbers (nulls are reported by the row checks).
+    if kind != "array":
+        return wrong
+    return None if set(map(type, item)) <= _NUMBER_TYPES else f"{wrong} (a component is not)"
+
+
 def _coerce_one(item: Any, type_name: str) -> pa.Array | str:
-    """One JSON value as a length-1 array of the canonical type, or what is wrong with it."""
+    """One JSON value that passed `_kind_problem` as a length-1 canonical array.
+
+    Returns:
+        The array, or what is wrong with the value when it does not convert.
+    """
     target = _CANONICAL[type_name]
     if item is None:
         return pa.nulls(1, target)
-    kind = _json_kind(item)
-    expected = {
-        "string": "a string",
-        "binary": "a base64 string",
-        "int32": "an integer",
-        "int64": "an integer",
-        "float32": "a number",
-        "float64": "a number",
-        "bool": "true or false",
-        "timestamp": "epoch milliseconds or an ISO-8601 string",
-        "vector": "an array of numbers",
-    }[type_name]
-    wrong = f"is a {kind}, expected {expected}"
     try:
-        if type_name in {"string", "binary"} and kind == "string":
-            return pa.array([item], target)
-        if type_name in _INT_RANGES and kind == "number" and isinstance(item, int):
-            low, high = _INT_RANGES[type_name]
-            return pa.array([item], target) if low <= item <= high else f"{wrong} in range"
-        if type_name in {"float32", "float64"} and kind == "number":
+        if type_name in {"float32", "float64"}:
             return pa.array([_to_float(item)], pa.float64()).cast(target)
-        if type_name == "bool" and kind == "boolean":
-            return pa.array([item], target)
-        if type_name == "timestamp" and kind == "number" and isinstance(item, int):
-            return pa.array([item], pa.int64()).cast(target) if -(2**63) <= item < 2**63 else wrong
-        if type_name == "timestamp" and kind == "string":
-            return _to_ms_timestamp(pa.array([item]).cast(_TS_PARSE_TYPE))
-        if type_name == "vector" and kind == "array":
-            if not all(x is None or _json_kind(x) == "number" for x in item):
-                return f"{wrong} (a component is not a number)"
+        if type_name == "timestamp":
+            if isinstance(item, str):
+                return _to_ms_timestamp(pa.array([item]).cast(_TS_PARSE_TYPE))
+            return pa.array([item], pa.int64()).cast(target)
+        if type_name == "vector":
             floats = [None if x is None else _to_float(x) for x in item]
             return pa.array([pa.array(floats, pa.float64()).cast(pa.float32())], target)
+        return pa.array([item], target)
     except (pa.ArrowInvalid, UnicodeEncodeError) as exc:
-        return f"{wrong} ({exc})"
-    return wrong
+        return f"does not convert to {_EXPECTED[type_name]} ({exc})"
 
 
 def _to_ms_timestamp(arr: pa.Array) -> pa.Array:
