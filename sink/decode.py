@@ -75,21 +75,23 @@ When a chunk does not parse, each of its values is screened with orjson and kind
 bulk again, and only if Arrow still refuses some (it is stricter than the rules on
 duplicate keys, where the last one wins, and on numbers beyond the double range) are
 those bisected down to single values, decoded one by one. Binary JSON columns decode
-base64 per value (Arrow has no base64 kernel). Python's cyclic GC is paused during
-`decode`: it makes many small objects but no cycles, and a collection over a large live
-heap costs more than the decode.
+base64 per value (Arrow has no base64 kernel).
+
+Python's cyclic GC is left alone: decoding keeps almost no GC-tracked objects alive (Arrow
+buffers are not tracked; screened orjson objects die at once), and pausing the GC around
+`decode` measured no difference, clean or with 1% bad messages, next to a live heap of two
+million objects. The GC cost of big batches lies in the `Message` objects ``consume()``
+creates, so any freeze/pause belongs around the consumer loop's ``consume()``.
 """
 
 from __future__ import annotations
 
 import binascii
-import gc
 import itertools
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol, TypeAlias, cast
 
@@ -434,10 +436,6 @@ class Decoder:
         """
         if not messages:
             raise ValueError("decode needs at least one message")
-        with _gc_paused():
-            return self._decode(messages)
-
-    def _decode(self, messages: Sequence[MessageLike]) -> Decoded:
         first = messages[0]
         topic, partition = first.topic() or "", first.partition() or 0
         offsets = np.array([m.offset() for m in messages], dtype=np.int64)
@@ -1134,15 +1132,3 @@ def _dead_letter(
         reason=reason,
         detail=detail,
     )
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic GC (if on) for the duration; decoding makes no cycles."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

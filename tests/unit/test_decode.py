@@ -8,7 +8,6 @@ per-row reference decoder written here.
 from __future__ import annotations
 
 import base64
-import gc
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -668,19 +667,6 @@ def test_bytes_cannot_feed_float_columns() -> None:
 def test_empty_input_is_a_caller_error() -> None:
     with pytest.raises(ValueError, match="at least one"):
         Decoder(spec_for(), SourceSettings()).decode([])
-
-
-def test_gc_state_is_restored() -> None:
-    decoder = Decoder(spec_for(), SourceSettings())
-    assert gc.isenabled()
-    decoder.decode(msgs(good(0)))
-    assert gc.isenabled()
-    gc.disable()
-    try:
-        decoder.decode(msgs(good(0)))
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
 
 
 def test_table_without_source_columns() -> None:
