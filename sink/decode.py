@@ -142,7 +142,11 @@ _ROOT: Final = "v"
 _TS_TYPE: Final = pa.timestamp("ms", tz="UTC")
 #: ISO strings are parsed at microsecond resolution, then truncated to the column's ms.
 _TS_PARSE_TYPE: Final = pa.timestamp("us", tz="UTC")
-_INT_RANGES: Final = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+_INT_RANGES: Final = {
+    "int32": (-(2**31), 2**31 - 1),
+    "int64": (-(2**63), 2**63 - 1),
+    "timestamp": (-(2**63), 2**63 - 1),
+}
 _DECIMAL_RE: Final = r"^-?[0-9]+$"
 
 _BYTES_TARGETS: Final = frozenset({"binary", "string", "int32", "int64"})
@@ -1044,37 +1048,39 @@ _EXPECTED: Final = {
     "vector": "an array of numbers",
 }
 _NUMBER_TYPES: Final = frozenset({int, float, type(None)})
+#: The Python types (as JSON decoders make them) each column type accepts before conversion;
+#: timestamps are range-checked as int64 like int64 columns.
+_KIND_FITS: Final[dict[str, frozenset[type]]] = {
+    "string": frozenset({str}),
+    "binary": frozenset({str}),
+    "int32": frozenset({int}),
+    "int64": frozenset({int}),
+    "float32": frozenset({int, float}),
+    "float64": frozenset({int, float}),
+    "bool": frozenset({bool}),
+    "timestamp": frozenset({int, str}),
+    "vector": frozenset({list}),
+}
 
 
 def _kind_problem(item: Any, type_name: str) -> str | None:
     """What is wrong with a JSON value for a column type, judged by its JSON kind alone.
 
     None when the kind fits (the value may still fail to convert, e.g. an ISO string).
+    JSON decoders give exact built-in types, so the common case is one `type` test.
     """
     if item is None:
         return None
-    kind = _json_kind(item)
-    wrong = f"is a {kind}, expected {_EXPECTED[type_name]}"
-    if type_name in {"string", "binary"}:
-        return None if kind == "string" else wrong
-    if type_name in _INT_RANGES:
-        if kind != "number" or not isinstance(item, int):
-            return wrong
-        low, high = _INT_RANGES[type_name]
-        return None if low <= item <= high else f"{wrong} in range"
-    if type_name in {"float32", "float64"}:
-        return None if kind == "number" else wrong
-    if type_name == "bool":
-        return None if kind == "boolean" else wrong
-    if type_name == "timestamp":
-        if kind == "string":
-            return None
-        ok = kind == "number" and isinstance(item, int) and -(2**63) <= item < 2**63
-        return None if ok else wrong
-    # The vector: an array of numbers (nulls are reported by the row checks).
-    if kind != "array":
-        return wrong
-    return None if set(map(type, item)) <= _NUMBER_TYPES else f"{wrong} (a component is not)"
+    kind = type(item)
+    if kind in _KIND_FITS[type_name]:
+        if kind is int and type_name in _INT_RANGES:
+            low, high = _INT_RANGES[type_name]
+            if not low <= item <= high:
+                return f"is a number, expected {_EXPECTED[type_name]} in range"
+        elif type_name == "vector" and not set(map(type, item)) <= _NUMBER_TYPES:
+            return f"is an array, expected {_EXPECTED[type_name]} (a component is not)"
+        return None
+    return f"is a {_json_kind(item)}, expected {_EXPECTED[type_name]}"
 
 
 def _coerce_one(item: Any, type_name: str) -> pa.Array | str:

@@ -190,6 +190,19 @@ def test_dead_letter_reason_and_good_neighbours(reason: str, value: bytes) -> No
     assert {r["_partition"] for r in rows} == {PARTITION}
 
 
+def test_every_bad_value_in_one_batch() -> None:
+    """All faults at once: the chunk fails, so every message goes through the screen."""
+    spec = spec_for()
+    values: list[Any] = []
+    for i, (_, value) in enumerate(BAD_JSON):
+        values += [good(2 * i), value]
+    out, rows = decode(spec, msgs(*values, first=0))
+    assert [(d.offset, d.reason) for d in out.dead_letters] == [
+        (2 * i + 1, reason) for i, (reason, _) in enumerate(BAD_JSON)
+    ]
+    expect_good(rows, [2 * i for i in range(len(BAD_JSON))])
+
+
 def test_dead_letter_details_name_column_and_path() -> None:
     spec = spec_for(
         columns=[
