@@ -102,7 +102,14 @@ import pyarrow.compute as pc
 import pyarrow.json as pj
 
 from config.settings import SourceSettings
-from engine.schema import OP_COLUMN, OP_DELETE, OP_UPSERT, SOURCE_COLUMNS, TableSpec
+from engine.schema import (
+    OP_COLUMN,
+    OP_DELETE,
+    OP_UPSERT,
+    SOURCE_COLUMNS,
+    TableSpec,
+    arrow_type,
+)
 
 __all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason"]
 
@@ -230,7 +237,10 @@ _CANONICAL: Final[dict[str, pa.DataType]] = {
     "timestamp": _TS_TYPE,
     "vector": pa.list_(pa.float32()),
 }
-_TYPE_NAMES: Final = ("string", "int32", "int64", "float32", "float64", "bool", "binary")
+#: The scalar column type names of `config.settings.ColumnSpec`.
+_TYPE_NAMES: Final = (
+    "string", "int32", "int64", "float32", "float64", "bool", "binary", "timestamp",
+)  # fmt: skip
 _METADATA_TARGETS: Final[dict[str, frozenset[str]]] = {
     "@topic": frozenset({"string"}),
     "@partition": frozenset({"int32", "int64"}),
@@ -288,15 +298,14 @@ class _Rows:
             self.faults.setdefault(int(self.index[int(pos)]), fault)
 
 
-def _type_name(arrow_type: pa.DataType) -> str:
-    if pa.types.is_fixed_size_list(arrow_type):
+def _type_name(type_: pa.DataType) -> str:
+    """The column type name of a table field's Arrow type ("vector" for the vector)."""
+    if pa.types.is_fixed_size_list(type_):
         return "vector"
-    if arrow_type.equals(_TS_TYPE):
-        return "timestamp"
     for name in _TYPE_NAMES:
-        if arrow_type.equals(_CANONICAL[name] if name != "binary" else pa.binary()):
+        if arrow_type(name).equals(type_):
             return name
-    raise ValueError(f"unsupported column type {arrow_type}")
+    raise ValueError(f"unsupported column type {type_}")
 
 
 class Decoder:
