@@ -13,13 +13,16 @@ For each, in one process, the median of ``--runs`` runs of:
 - decoder: `Decoder.decode` over all messages in batches of ``--batch`` (what one
   ``consume()`` returns for one partition), values read through the Message accessors,
   output a `RecordBatch` that the engine accepts;
-- (a) orjson: ``orjson.loads`` per message and nothing else (the naive parse ceiling; GC
-  paused as in the decoder);
-- (c) naive: orjson per message, then `pa.array` / `np.array` per column, no validation
-  (not a yardstick of the brief; it shows what the bulk design buys);
 - decoder, 1% bad: the same with one message in 100 invalid (the screening path);
+- (a) orjson: ``orjson.loads`` per message and nothing else, results dropped (the naive
+  parse ceiling; GC paused, which changes nothing here as nothing stays alive);
 - (b) bulk parse: the decoder's bulk path alone: the same chunks (~4 MiB), wrapping, schema
-  and block options, one `pyarrow.json.read_json` call per chunk, nothing else.
+  and block options, one `pyarrow.json.read_json` call per chunk, nothing else;
+- (c) naive: orjson per message, then `pa.array` / `np.array` per column, no validation,
+  GC paused (not a yardstick of the brief; it shows what the bulk design buys).
+
+Runs interleave the paths so drift on a shared machine hits all alike; on the 2-core VM
+used so far, threaded paths still vary by up to ~30% between processes.
 
 MB/s counts JSON value bytes. Not a test: numbers depend on the machine.
 """
