@@ -61,31 +61,37 @@ integer key: its decimal text; binary key: the bytes); a missing or unusable key
 table ``tombstones = "skip"`` records the offset in `Decoded.skipped_offsets` and ``"dlq"``
 makes a ``tombstone`` dead letter.
 
-How it is fast: the per-message Python work is reading the Message accessors. All JSON
-values of the batch are wrapped as ``{"v":<value>}`` (so a value that is empty, holds two
-documents, or is not an object can never shift rows: it fails to parse), joined with
-newlines and parsed in one `pyarrow.json.read_json` call with an explicit schema of only
-the mapped fields, on several threads. Arrow's reader is exactly as strict as the rules
-above, so a clean parse needs no further type checks; the row checks (nulls, vector length,
-NaN) are Arrow compute and numpy kernels over whole columns. When the bulk parse fails, the
-batch is bisected: halves that parse are kept, and single messages that still fail are
-decoded with orjson (the slow, per-message path) to find their fault, or to decode them
-when Arrow's reader is stricter than the rules (duplicate keys: the last one wins; numbers
-beyond the double range). Binary JSON columns decode base64 per value (no bulk kernel).
-Python's cyclic GC is paused during `decode` (it allocates many small objects but no
-cycles, and a collection over a large live heap costs more than the decode itself).
+How it is fast: the per-message Python work is reading the Message accessors. The JSON
+values are parsed by `pyarrow.json.read_json` with an explicit schema of only the mapped
+fields, in chunks of about 4 MiB (one call each, its blocks parsed on all cores). Each value
+is wrapped as ``{"v":<value>}`` and the rows are newline-joined, so a value that is empty,
+holds two documents or is not an object can never shift rows: it fails to parse. UTF-8 is
+checked by Arrow over the whole chunk at once. Arrow's reader is as strict as the rules
+above, so a clean parse needs no further type checks; the row checks (nulls, vector
+length, NaN) are Arrow compute and numpy kernels over whole columns.
+
+When a chunk does not parse, each of its values is screened with orjson and kind checks
+(linear in the chunk, however many values are bad), the values that pass are parsed in
+bulk again, and only if Arrow still refuses some (it is stricter than the rules on
+duplicate keys, where the last one wins, and on numbers beyond the double range) are
+those bisected down to single values, decoded one by one. Binary JSON columns decode
+base64 per value (Arrow has no base64 kernel).
+
+Python's cyclic GC is left alone: decoding keeps almost no GC-tracked objects alive (Arrow
+buffers are not tracked; screened orjson objects die at once), and pausing the GC around
+`decode` measured no difference, clean or with 1% bad messages, next to a live heap of two
+million objects. The GC cost of big batches lies in the `Message` objects ``consume()``
+creates, so any freeze/pause belongs around the consumer loop's ``consume()``.
 """
 
 from __future__ import annotations
 
 import binascii
-import gc
 import itertools
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol, TypeAlias, cast
 
@@ -96,7 +102,14 @@ import pyarrow.compute as pc
 import pyarrow.json as pj
 
 from config.settings import SourceSettings
-from engine.schema import OP_COLUMN, OP_DELETE, OP_UPSERT, SOURCE_COLUMNS, TableSpec
+from engine.schema import (
+    OP_COLUMN,
+    OP_DELETE,
+    OP_UPSERT,
+    SOURCE_COLUMNS,
+    TableSpec,
+    arrow_type,
+)
 
 __all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason"]
 
@@ -137,7 +150,11 @@ _ROOT: Final = "v"
 _TS_TYPE: Final = pa.timestamp("ms", tz="UTC")
 #: ISO strings are parsed at microsecond resolution, then truncated to the column's ms.
 _TS_PARSE_TYPE: Final = pa.timestamp("us", tz="UTC")
-_INT_RANGES: Final = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+_INT_RANGES: Final = {
+    "int32": (-(2**31), 2**31 - 1),
+    "int64": (-(2**63), 2**63 - 1),
+    "timestamp": (-(2**63), 2**63 - 1),
+}
 _DECIMAL_RE: Final = r"^-?[0-9]+$"
 
 _BYTES_TARGETS: Final = frozenset({"binary", "string", "int32", "int64"})
@@ -221,7 +238,10 @@ _CANONICAL: Final[dict[str, pa.DataType]] = {
     "timestamp": _TS_TYPE,
     "vector": pa.list_(pa.float32()),
 }
-_TYPE_NAMES: Final = ("string", "int32", "int64", "float32", "float64", "bool", "binary")
+#: The scalar column type names of `config.settings.ColumnSpec`.
+_TYPE_NAMES: Final = (
+    "string", "int32", "int64", "float32", "float64", "bool", "binary", "timestamp",
+)  # fmt: skip
 _METADATA_TARGETS: Final[dict[str, frozenset[str]]] = {
     "@topic": frozenset({"string"}),
     "@partition": frozenset({"int32", "int64"}),
@@ -279,15 +299,14 @@ class _Rows:
             self.faults.setdefault(int(self.index[int(pos)]), fault)
 
 
-def _type_name(arrow_type: pa.DataType) -> str:
-    if pa.types.is_fixed_size_list(arrow_type):
+def _type_name(type_: pa.DataType) -> str:
+    """The column type name of a table field's Arrow type ("vector" for the vector)."""
+    if pa.types.is_fixed_size_list(type_):
         return "vector"
-    if arrow_type.equals(_TS_TYPE):
-        return "timestamp"
     for name in _TYPE_NAMES:
-        if arrow_type.equals(_CANONICAL[name] if name != "binary" else pa.binary()):
+        if arrow_type(name).equals(type_):
             return name
-    raise ValueError(f"unsupported column type {arrow_type}")
+    raise ValueError(f"unsupported column type {type_}")
 
 
 class Decoder:
@@ -331,6 +350,7 @@ class Decoder:
         self._json_columns = [c for c in self._columns if c.kind == "json"]
         self._json_paths = list(dict.fromkeys(c.path for c in self._json_columns))
         self._path_types = {c.path: c.type_name for c in self._json_columns}
+        self._path_columns = {c.path: c for c in reversed(self._json_columns)}
         self._tree = self._json_tree()
         self._has_timestamps = any(c.type_name == "timestamp" for c in self._json_columns)
         self._iso_timestamps = False  # which representation the last batch's timestamps used
@@ -430,10 +450,6 @@ class Decoder:
         """
         if not messages:
             raise ValueError("decode needs at least one message")
-        with _gc_paused():
-            return self._decode(messages)
-
-    def _decode(self, messages: Sequence[MessageLike]) -> Decoded:
         first = messages[0]
         topic, partition = first.topic() or "", first.partition() or 0
         offsets = np.array([m.offset() for m in messages], dtype=np.int64)
@@ -589,13 +605,11 @@ class Decoder:
                 keep = keep[np.asarray(good, np.int64)]
                 run = [run[pos] for pos in good]
                 buf = None
-            chunk_pieces: list[_Parsed] = []
-            chunk_faults: dict[int, _Fault] = {}
-            self._parse_range(run, 0, len(run), chunk_pieces, chunk_faults, buf)
-            for piece in chunk_pieces:
+            run_pieces, run_faults = self._parse_run(run, buf)
+            for piece in run_pieces:
                 piece.positions = keep[piece.positions]
                 pieces.append(piece)
-            faults.update((int(keep[pos]), fault) for pos, fault in chunk_faults.items())
+            faults.update((int(keep[pos]), fault) for pos, fault in run_faults.items())
         if not pieces:
             empty = {p: pa.array([], _CANONICAL[self._path_types[p]]) for p in self._json_paths}
             return np.empty(0, np.int64), empty, pa.array([], pa.bool_()), faults
@@ -609,24 +623,58 @@ class Decoder:
             faults,
         )
 
-    def _parse_range(
+    def _parse_run(
+        self, payloads: list[bytes], buf: bytes | None
+    ) -> tuple[list[_Parsed], dict[int, _Fault]]:
+        """Parse one chunk of payloads; positions and faults are relative to `payloads`.
+
+        One bulk parse normally. When it fails, every payload of the chunk is screened in
+        Python (cost linear in the chunk, whatever the number of bad messages), the screened
+        ones are parsed in bulk again, and only if Arrow still refuses some (it is stricter
+        than the rules on duplicate keys and numbers beyond the double range) is the rest
+        bisected down to single messages.
+        """
+        if not payloads:
+            return [], {}
+        parsed = self._bulk(payloads, buf)
+        if parsed is not None:
+            return [parsed], {}
+        faults: dict[int, _Fault] = {}
+        passed: list[int] = []
+        for pos, payload in enumerate(payloads):
+            fault = self._decode_one(payload, build=False)
+            if fault is None:
+                passed.append(pos)
+            else:
+                faults[pos] = cast("_Fault", fault)
+        pieces: list[_Parsed] = []
+        bisect_faults: dict[int, _Fault] = {}
+        screened = [payloads[pos] for pos in passed]
+        unchanged = len(passed) == len(payloads)  # then the bulk parse just failed on them
+        self._bisect(screened, 0, len(screened), pieces, bisect_faults, known_bad=unchanged)
+        mapping = np.asarray(passed, np.int64)
+        for piece in pieces:
+            piece.positions = mapping[piece.positions]
+        faults.update((int(mapping[pos]), fault) for pos, fault in bisect_faults.items())
+        return pieces, faults
+
+    def _bisect(
         self,
         payloads: list[bytes],
         lo: int,
         hi: int,
         pieces: list[_Parsed],
         faults: dict[int, _Fault],
-        buf: bytes | None = None,
+        known_bad: bool = False,
     ) -> None:
         """Parse payloads[lo:hi] in one go, or bisect until the failures are single messages."""
         if lo >= hi:
             return
-        run = payloads if (lo, hi) == (0, len(payloads)) else payloads[lo:hi]
-        parsed = self._bulk(run, buf)
+        parsed = None if known_bad else self._bulk(payloads[lo:hi])
         if parsed is None and hi - lo == 1:
-            one = self._decode_one(payloads[lo])
+            one = self._decode_one(payloads[lo], build=True)
             if not isinstance(one, _Parsed):
-                faults[lo] = one
+                faults[lo] = cast("_Fault", one)
                 return
             parsed = one
         if parsed is not None:
@@ -634,11 +682,14 @@ class Decoder:
             pieces.append(parsed)
             return
         mid = (lo + hi) // 2
-        self._parse_range(payloads, lo, mid, pieces, faults)
-        self._parse_range(payloads, mid, hi, pieces, faults)
+        self._bisect(payloads, lo, mid, pieces, faults)
+        self._bisect(payloads, mid, hi, pieces, faults)
 
     def _bulk(self, payloads: list[bytes], buf: bytes | None = None) -> _Parsed | None:
         """Parse all `payloads` (`buf`: them wrapped, if at hand) with one Arrow call.
+
+        Timestamps are read as the representation the last parse used first, then as the
+        other one.
 
         Returns:
             Their leaves, or None if any of them does not parse.
@@ -674,8 +725,13 @@ class Decoder:
         is_object = [chunk.is_valid() for chunk in chunks]
         return _Parsed(np.arange(n, dtype=np.int64), per_path, is_object)
 
-    def _decode_one(self, payload: bytes) -> _Parsed | _Fault:
-        """The slow path for one message Arrow refused: decode it or name its fault."""
+    def _decode_one(self, payload: bytes, build: bool) -> _Parsed | _Fault | None:
+        """The per-message path: name the fault of one payload, or decode it.
+
+        With `build` false this only screens (orjson and kind checks, no Arrow calls) and
+        returns None for a payload that passes; with `build` true it returns the payload's
+        leaves, converted exactly as the bulk path converts them.
+        """
         try:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -687,12 +743,11 @@ class Decoder:
         if not isinstance(obj, dict):
             return ("not_an_object", f"value is a JSON {_json_kind(obj)}, not an object")
         leaves: dict[_Path, list[pa.Array]] = {}
-        for col in self._json_columns:
-            if col.path in leaves:
-                continue
+        for path in self._json_paths:
+            col = self._path_columns[path]
             item: Any = obj
             where = "$"
-            for name in col.path:
+            for name in path:
                 if item is None:
                     break
                 if not isinstance(item, dict):
@@ -700,11 +755,16 @@ class Decoder:
                     return ("wrong_type", f"{col.name!r}: {where} is a {kind}, not an object")
                 item = item.get(name)
                 where += "." + name
-            arr = _coerce_one(item, col.type_name)
-            if isinstance(arr, str):
-                return ("wrong_type", f"{col.name!r}: {where} {arr}")
-            leaves[col.path] = [arr]
-        return _Parsed(np.zeros(1, np.int64), leaves, [pa.array([True])])
+            problem = _kind_problem(item, col.type_name)
+            if problem is None and build:
+                arr = _coerce_one(item, col.type_name)
+                if isinstance(arr, str):
+                    problem = arr
+                else:
+                    leaves[path] = [arr]
+            if problem is not None:
+                return ("wrong_type", f"{col.name!r}: {where} {problem}")
+        return _Parsed(np.zeros(1, np.int64), leaves, [pa.array([True])]) if build else None
 
     # -- tombstones and assembly ----------------------------------------------------------
 
@@ -866,7 +926,8 @@ def _read_options(buf_bytes: int, longest_payload: int) -> pj.ReadOptions:
     """Arrow reader options for one wrapped chunk: ~`_BLOCKS_PER_CHUNK` parallel blocks."""
     longest_row = longest_payload + len(_WRAP_JOIN) + len(_WRAP_TAIL) + 1
     block = max(buf_bytes // _BLOCKS_PER_CHUNK + 1, _MIN_BLOCK_BYTES, longest_row)
-    return pj.ReadOptions(use_threads=_CORES > 1, block_size=block)
+    # Threads cost ~0.5 ms per call; worth it only when there are blocks to share out.
+    return pj.ReadOptions(use_threads=_CORES > 1 and buf_bytes > block, block_size=block)
 
 
 def _wrap(payloads: list[bytes]) -> bytes:
@@ -985,46 +1046,75 @@ def _json_kind(item: Any) -> str:
     return "array" if isinstance(item, list) else "object"
 
 
+_EXPECTED: Final = {
+    "string": "a string",
+    "binary": "a base64 string",
+    "int32": "an integer",
+    "int64": "an integer",
+    "float32": "a number",
+    "float64": "a number",
+    "bool": "true or false",
+    "timestamp": "epoch milliseconds or an ISO-8601 string",
+    "vector": "an array of numbers",
+}
+_NUMBER_TYPES: Final = frozenset({int, float, type(None)})
+#: The Python types (as JSON decoders make them) each column type accepts before conversion;
+#: timestamps are range-checked as int64 like int64 columns.
+_KIND_FITS: Final[dict[str, frozenset[type]]] = {
+    "string": frozenset({str}),
+    "binary": frozenset({str}),
+    "int32": frozenset({int}),
+    "int64": frozenset({int}),
+    "float32": frozenset({int, float}),
+    "float64": frozenset({int, float}),
+    "bool": frozenset({bool}),
+    "timestamp": frozenset({int, str}),
+    "vector": frozenset({list}),
+}
+
+
+def _kind_problem(item: Any, type_name: str) -> str | None:
+    """What is wrong with a JSON value for a column type, judged by its JSON kind alone.
+
+    None when the kind fits (the value may still fail to convert, e.g. an ISO string).
+    JSON decoders give exact built-in types, so the common case is one `type` test.
+    """
+    if item is None:
+        return None
+    kind = type(item)
+    if kind in _KIND_FITS[type_name]:
+        if kind is int and type_name in _INT_RANGES:
+            low, high = _INT_RANGES[type_name]
+            if not low <= item <= high:
+                return f"is a number, expected {_EXPECTED[type_name]} in range"
+        elif type_name == "vector" and not set(map(type, item)) <= _NUMBER_TYPES:
+            return f"is an array, expected {_EXPECTED[type_name]} (a component is not)"
+        return None
+    return f"is a {_json_kind(item)}, expected {_EXPECTED[type_name]}"
+
+
 def _coerce_one(item: Any, type_name: str) -> pa.Array | str:
-    """One JSON value as a length-1 array of the canonical type, or what is wrong with it."""
+    """One JSON value that passed `_kind_problem` as a length-1 canonical array.
+
+    Returns:
+        The array, or what is wrong with the value when it does not convert.
+    """
     target = _CANONICAL[type_name]
     if item is None:
         return pa.nulls(1, target)
-    kind = _json_kind(item)
-    expected = {
-        "string": "a string",
-        "binary": "a base64 string",
-        "int32": "an integer",
-        "int64": "an integer",
-        "float32": "a number",
-        "float64": "a number",
-        "bool": "true or false",
-        "timestamp": "epoch milliseconds or an ISO-8601 string",
-        "vector": "an array of numbers",
-    }[type_name]
-    wrong = f"is a {kind}, expected {expected}"
     try:
-        if type_name in {"string", "binary"} and kind == "string":
-            return pa.array([item], target)
-        if type_name in _INT_RANGES and kind == "number" and isinstance(item, int):
-            low, high = _INT_RANGES[type_name]
-            return pa.array([item], target) if low <= item <= high else f"{wrong} in range"
-        if type_name in {"float32", "float64"} and kind == "number":
+        if type_name in {"float32", "float64"}:
             return pa.array([_to_float(item)], pa.float64()).cast(target)
-        if type_name == "bool" and kind == "boolean":
-            return pa.array([item], target)
-        if type_name == "timestamp" and kind == "number" and isinstance(item, int):
-            return pa.array([item], pa.int64()).cast(target) if -(2**63) <= item < 2**63 else wrong
-        if type_name == "timestamp" and kind == "string":
-            return _to_ms_timestamp(pa.array([item]).cast(_TS_PARSE_TYPE))
-        if type_name == "vector" and kind == "array":
-            if not all(x is None or _json_kind(x) == "number" for x in item):
-                return f"{wrong} (a component is not a number)"
+        if type_name == "timestamp":
+            if isinstance(item, str):
+                return _to_ms_timestamp(pa.array([item]).cast(_TS_PARSE_TYPE))
+            return pa.array([item], pa.int64()).cast(target)
+        if type_name == "vector":
             floats = [None if x is None else _to_float(x) for x in item]
             return pa.array([pa.array(floats, pa.float64()).cast(pa.float32())], target)
+        return pa.array([item], target)
     except (pa.ArrowInvalid, UnicodeEncodeError) as exc:
-        return f"{wrong} ({exc})"
-    return wrong
+        return f"does not convert to {_EXPECTED[type_name]} ({exc})"
 
 
 def _to_ms_timestamp(arr: pa.Array) -> pa.Array:
@@ -1058,15 +1148,3 @@ def _dead_letter(
         reason=reason,
         detail=detail,
     )
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic GC (if on) for the duration; decoding makes no cycles."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

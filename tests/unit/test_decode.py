@@ -8,12 +8,13 @@ per-row reference decoder written here.
 from __future__ import annotations
 
 import base64
-import gc
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from unittest import mock
 
 import orjson
 import pytest
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 
 from config.settings import SourceSettings, TableSettings
 from engine.schema import OP_DELETE, OP_UPSERT, TableSpec
+from sink import decode as decode_module
 from sink.decode import Decoded, Decoder
 
 TOPIC = "orders"
@@ -188,6 +190,19 @@ def test_dead_letter_reason_and_good_neighbours(reason: str, value: bytes) -> No
     assert {r["_partition"] for r in rows} == {PARTITION}
 
 
+def test_every_bad_value_in_one_batch() -> None:
+    """All faults at once: the chunk fails, so every message goes through the screen."""
+    spec = spec_for()
+    values: list[Any] = []
+    for i, (_, value) in enumerate(BAD_JSON):
+        values += [good(2 * i), value]
+    out, rows = decode(spec, msgs(*values, first=0))
+    assert [(d.offset, d.reason) for d in out.dead_letters] == [
+        (2 * i + 1, reason) for i, (reason, _) in enumerate(BAD_JSON)
+    ]
+    expect_good(rows, [2 * i for i in range(len(BAD_JSON))])
+
+
 def test_dead_letter_details_name_column_and_path() -> None:
     spec = spec_for(
         columns=[
@@ -263,6 +278,41 @@ def test_many_faults_in_a_large_batch_are_isolated() -> None:
         (2999, "wrong_vector_dimension"),
     ]
     expect_good(rows, [i for i in range(3000) if i not in bad_at])
+
+
+@contextmanager
+def tiny_chunks(chunk_bytes: int = 2_000, block_bytes: int = 256) -> Iterator[None]:
+    """Parse in many small chunks of several blocks, so threads and chunking are exercised."""
+    with (
+        mock.patch.object(decode_module, "_PARSE_CHUNK_BYTES", chunk_bytes),
+        mock.patch.object(decode_module, "_MIN_BLOCK_BYTES", block_bytes),
+    ):
+        yield
+
+
+@pytest.mark.parametrize("chunk_bytes", [300, 2_000, 1 << 22])
+def test_faults_across_many_chunks(chunk_bytes: int) -> None:
+    spec = spec_for()
+    faulty: dict[int, tuple[bytes | None, str | None]] = {
+        3: (b"{", "invalid_json"),
+        40: (b'{"id": "\xff"}', "invalid_utf8"),
+        41: (orjson.dumps(good(41, n="x")), "wrong_type"),
+        90: (None, None),  # skipped tombstone
+        91: (orjson.dumps(good(91, vec=[1])), "wrong_vector_dimension"),
+        150: (
+            b'{"id": "id-150", "n": 150, "text": "text 150", "vec": [NaN, 0.5, -1, 2]}',
+            "nan_in_vector",
+        ),
+        199: (b"[]", "not_an_object"),
+    }
+    values: list[Any] = [faulty[i][0] if i in faulty else good(i) for i in range(200)]
+    with tiny_chunks(chunk_bytes):
+        out, rows = decode(spec, msgs(*values, first=0))
+    assert [(d.offset, d.reason) for d in out.dead_letters] == [
+        (i, reason) for i, (_, reason) in faulty.items() if reason is not None
+    ]
+    assert out.skipped_offsets == [90]
+    expect_good(rows, [i for i in range(200) if i not in faulty])
 
 
 def test_dead_letter_carries_the_raw_message() -> None:
@@ -632,19 +682,6 @@ def test_empty_input_is_a_caller_error() -> None:
         Decoder(spec_for(), SourceSettings()).decode([])
 
 
-def test_gc_state_is_restored() -> None:
-    decoder = Decoder(spec_for(), SourceSettings())
-    assert gc.isenabled()
-    decoder.decode(msgs(good(0)))
-    assert gc.isenabled()
-    gc.disable()
-    try:
-        decoder.decode(msgs(good(0)))
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
-
-
 def test_table_without_source_columns() -> None:
     spec = spec_for(source_columns=False, primary_key=["id"])
     out, rows = decode(spec, msgs(good(0), b"[]"))
@@ -764,3 +801,32 @@ def test_bulk_decoding_matches_per_row_reference(
     out, rows = decode(spec, messages, columns=PROP_MAPPING)
     assert out.dead_letters == []
     assert rows == [_reference_row(o, 1000 + i) for i, o in enumerate(objects)]
+
+
+BAD_MENU = [(value, reason) for reason, value in BAD_JSON]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(0, 10**6).map(lambda i: ("good", i)),
+            st.sampled_from(BAD_MENU).map(lambda bad: ("bad", bad)),
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+    st.sampled_from([150, 1_000, 1 << 22]),
+)
+def test_good_messages_survive_any_mix_of_bad_ones(
+    plan: list[tuple[str, Any]], chunk_bytes: int
+) -> None:
+    spec = spec_for()
+    values = [orjson.dumps(good(x)) if kind == "good" else x[0] for kind, x in plan]
+    with tiny_chunks(chunk_bytes, block_bytes=128):
+        out, rows = decode(spec, msgs(*values, first=0))
+    assert [(d.offset, d.reason) for d in out.dead_letters] == [
+        (i, x[1]) for i, (kind, x) in enumerate(plan) if kind == "bad"
+    ]
+    expect_good(rows, [x for kind, x in plan if kind == "good"])
+    assert [r["_offset"] for r in rows] == [i for i, (kind, _) in enumerate(plan) if kind == "good"]
