@@ -114,7 +114,14 @@ def tansu_binary() -> str:
         raise BrokerUnavailable(str(exc)) from exc
 
 
-def start_tansu(log_dir: Path, port: int | None = None) -> Broker:
+def start_tansu(
+    log_dir: Path,
+    port: int | None = None,
+    storage: str = "memory://tansu/",
+    env: dict[str, str] | None = None,
+) -> Broker:
+    """Start tansu on 127.0.0.1 (on a given port to restart it in place). With
+    `storage="s3://bucket/"` and the AWS variables in `env`, its log survives restarts."""
     port = port or free_port()
     url = f"tcp://127.0.0.1:{port}"
     log_path = log_dir / f"tansu-{port}.log"
@@ -128,12 +135,13 @@ def start_tansu(log_dir: Path, port: int | None = None) -> Broker:
                 "--advertised-listener-url",
                 url,
                 "--storage-engine",
-                "memory://tansu/",
+                storage,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
-    broker = Broker("tansu", f"127.0.0.1:{port}", proc, log_path, port)
+    broker = Broker("tansu", f"127.0.0.1:{port}", proc, log_path, port, dict(env or {}))
     try:
         wait_for_metadata(broker.bootstrap)
     except BrokerUnavailable:

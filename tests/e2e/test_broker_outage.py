@@ -1,0 +1,80 @@
+"""A broker outage mid-run: tansu (its log kept in S3 on the moto server, so it survives a
+restart) is stopped and started again while the sink runs; the sink recovers without loss
+or duplicates."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+
+from tests.support.brokers import Broker, start_tansu
+from tests.support.kafka import produce
+from tests.support.sink import SinkProcess, messages, table_rows, wait_caught_up, write_config
+
+pytestmark = [pytest.mark.broker, pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture
+def durable_tansu(s3_server: Broker, broker_log_dir: Path) -> Iterator[Broker]:
+    bucket = "tansu-" + str(int(time.time() * 1000))
+    boto3.client(
+        "s3",
+        endpoint_url=s3_server.bootstrap,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ).create_bucket(Bucket=bucket)
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT": s3_server.bootstrap,
+        "AWS_ALLOW_HTTP": "true",
+    }
+    broker = start_tansu(broker_log_dir, storage=f"s3://{bucket}/", env=env)
+    broker.extra["storage"] = f"s3://{bucket}/"
+    yield broker
+    broker.stop()
+
+
+def test_sink_rides_out_a_broker_restart(
+    durable_tansu: Broker, broker_log_dir: Path, topic: str, group: str, tmp_path: Path
+) -> None:
+    n = 3_000
+    bootstrap = durable_tansu.bootstrap
+    produce(bootstrap, topic, messages(0, 1_000))
+    table = str(tmp_path / "table.lance")
+    config = write_config(
+        tmp_path / "sink.toml",
+        bootstrap=bootstrap,
+        topics=[topic],
+        group=group,
+        table_uri=table,
+        extra={"kafka": {"session_timeout_ms": 10000}},
+    )
+    sink = SinkProcess(config, tmp_path / "sink.log")
+    try:
+        wait_caught_up(bootstrap, group, topic, timeout=180, procs=[sink])
+        durable_tansu.stop()  # outage: the sink keeps running, retrying
+        time.sleep(5)
+        assert sink.alive()
+        restarted = start_tansu(
+            broker_log_dir,
+            port=durable_tansu.port,
+            storage=durable_tansu.extra["storage"],
+            env={k: v for k, v in durable_tansu.extra.items() if k.startswith("AWS_")},
+        )
+        durable_tansu.process = restarted.process
+        late = threading.Thread(target=produce, args=(bootstrap, topic, messages(1_000, n - 1_000)))
+        late.start()
+        late.join(120)
+        wait_caught_up(bootstrap, group, topic, timeout=240, procs=[sink])
+    finally:
+        assert sink.stop() == 0, sink.log_path.read_text()[-3000:]
+    rows = table_rows(table)
+    assert sorted(r["n"] for r in rows) == list(range(n))
