@@ -48,10 +48,12 @@ class BatchTerms:
     doc: np.ndarray  # int32 row within the batch
     pos: np.ndarray  # int32 token position within the document (Lance's positions)
     doc_len: np.ndarray  # int32 tokens per row
+    valid: np.ndarray  # bool: the row's text is not null (Lance counts only those as documents)
 
     @property
     def nbytes(self) -> int:
-        return int(self.term.nbytes + self.doc.nbytes + self.pos.nbytes + self.doc_len.nbytes)
+        arrays = (self.term, self.doc, self.pos, self.doc_len, self.valid)
+        return int(sum(a.nbytes for a in arrays))
 
 
 @dataclass
@@ -146,6 +148,7 @@ def _batch_terms(texts: list[str | None], vocab: dict[str, int]) -> BatchTerms:
         doc=np.repeat(np.arange(len(terms), dtype=np.int32), lengths),
         pos=np.asarray([p for doc in positions for p in doc], dtype=np.int32).reshape(total),
         doc_len=lengths,
+        valid=np.fromiter((t is not None for t in texts), dtype=bool, count=len(texts)),
     )
 
 

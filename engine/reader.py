@@ -576,7 +576,7 @@ class Reader:
             vocab, batches = self.terms.terms(tier.view.memtable, column, tier.view.batches)
             for i, bt in enumerate(batches):
                 eligible = tier.view.live[i]
-                live = np.ones(len(bt.doc_len), dtype=bool) if eligible is None else eligible.copy()
+                live = bt.valid if eligible is None else eligible & bt.valid
                 n_mem += int(live.sum())
                 len_mem += int(bt.doc_len[live].sum())
                 for t in terms:
@@ -689,10 +689,12 @@ class Reader:
         """(documents, estimated average tokens per document) of the base."""
 
         def compute() -> tuple[int, float]:
-            n = base.count_rows()
+            # Lance counts documents with a non-null text only (checked on this machine).
+            has_text = pc.field(column).is_valid()
+            n = base.count_rows(filter=has_text)
             if not n:
                 return 0, 0.0
-            sample = base.to_table(columns=[column], limit=AVGDL_SAMPLE_ROWS)
+            sample = base.to_table(columns=[column], filter=has_text, limit=AVGDL_SAMPLE_ROWS)
             terms, _ = fts.tokenize_batch(sample.column(column).to_pylist())
             return n, sum(len(t) for t in terms) / max(len(terms), 1)
 

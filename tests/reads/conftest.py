@@ -8,6 +8,7 @@ offset (and a `version` for upserts) and tests can compute what every tier must 
 from __future__ import annotations
 
 import datetime as dt
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -123,7 +124,7 @@ class ReadHarness:
         self.controller = BlockingValve(1 << 40)
         self.flusher = Flusher(1)
         self.writers: list[ShardWriter] = []
-        self.next_offset: dict[int, int] = {}
+        self._held: list[threading.Event] = []
         self.reader = Reader(self.spec, self.table, lambda: list(self.writers), settings)
 
     def open(self, partition: int = 0) -> ShardWriter:
@@ -156,7 +157,17 @@ class ReadHarness:
         writer.seal()
         assert writer.wait_flushed(60)
 
+    def hold_flushes(self) -> threading.Event:
+        """Keep sealed memtables frozen: occupy the single flush worker until the returned
+        event is set (flushes queue behind it)."""
+        release = threading.Event()
+        self.flusher.submit(lambda: release.wait(120) and None)
+        self._held.append(release)
+        return release
+
     def close(self) -> None:
+        for event in self._held:
+            event.set()
         for w in self.writers:
             w.close(flush=False, timeout=30)
         self.flusher.shutdown()
