@@ -1,0 +1,188 @@
+"""BM25 over memtables, tokenised exactly like Lance's INVERTED index.
+
+The base table's full-text search is Lance's own (an INVERTED index, or Lance's flat search
+when there is none). Memtables have no text index on the write path; this module scores
+their rows with the same BM25 Lance uses (k1 = 1.2, b = 0.75,
+``idf = ln(1 + (N - df + 0.5) / (df + 0.5))``; checked against Lance's ``_score`` on this
+machine) and the same tokenizer (`lance.tokenize`: lower-casing, ASCII folding, English
+stemming, stop words), so a query term matches the same documents in both tiers.
+
+Tokenising is the expensive part, so it happens once per memtable batch (batches are
+immutable once in a memtable) and is cached per memtable in a `WeakKeyDictionary`: the
+cache disappears with the memtable after its flush. A batch is tokenised with one
+`lance.tokenize` call over all its documents joined by a separator token, and the tokens
+become three numpy arrays (term id, document, position), so scoring a query is a few
+vectorised passes with no per-row Python.
+
+Cached bytes are reported by `MemtableTermCache.nbytes` (they are reader-side memory, not
+counted in the memtable's own accounting, which covers the write path only).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import lance
+import numpy as np
+import pyarrow as pa
+
+from engine.memtable import Memtable
+
+#: BM25 parameters Lance uses (lance-index `scorer.rs`); the memtable scores must match.
+K1 = 1.2
+B = 0.75
+#: Joins the documents of one batch for a single tokenizer call: a lower-case ASCII word
+#: that is no stop word. Its token (after stemming) marks document boundaries; if a
+#: document happens to contain it the batch is tokenised document by document instead.
+_SEPARATOR = "zqxlancesinkdocsep"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTerms:
+    """The tokens of one batch's text column: parallel arrays, one entry per token."""
+
+    term: np.ndarray  # int32 term id (vocabulary of the memtable)
+    doc: np.ndarray  # int32 row within the batch
+    pos: np.ndarray  # int32 token position within the document (Lance's positions)
+    doc_len: np.ndarray  # int32 tokens per row
+    valid: np.ndarray  # bool: the row's text is not null (Lance counts only those as documents)
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.term, self.doc, self.pos, self.doc_len, self.valid)
+        return int(sum(a.nbytes for a in arrays))
+
+
+@dataclass
+class _MemtableTerms:
+    vocab: dict[str, int] = field(default_factory=dict)
+    batches: list[BatchTerms] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def tokenize(text: str) -> list[tuple[str, int]]:
+    """Tokens and positions of `text`, exactly as Lance's default INVERTED index sees it."""
+    return [(t.text, int(t.position)) for t in lance.tokenize(text)]
+
+
+def tokenize_batch(texts: list[str | None]) -> tuple[list[list[str]], list[list[int]]]:
+    """Tokens and positions of many documents with one tokenizer call (see module doc)."""
+    docs = ["" if t is None else t for t in texts]
+    if not docs:
+        return [], []
+    if not any(_SEPARATOR in d.lower() for d in docs):
+        joined = f" {_SEPARATOR} ".join(docs)
+        tokens = lance.tokenize(joined)
+        marker = _separator_token()
+        terms: list[list[str]] = [[]]
+        positions: list[list[int]] = [[]]
+        start = 0
+        for tok in tokens:
+            if tok.text == marker:
+                terms.append([])
+                positions.append([])
+                start = int(tok.position) + 1
+                continue
+            terms[-1].append(tok.text)
+            positions[-1].append(int(tok.position) - start)
+        if len(terms) == len(docs):
+            return terms, positions
+    pairs = [tokenize(d) for d in docs]
+    return [[t for t, _ in p] for p in pairs], [[q for _, q in p] for p in pairs]
+
+
+def _separator_token() -> str:
+    global _SEPARATOR_TOKEN  # noqa: PLW0603 - computed once, then read-only
+    if _SEPARATOR_TOKEN is None:
+        _SEPARATOR_TOKEN = lance.tokenize(_SEPARATOR)[0].text
+    return _SEPARATOR_TOKEN
+
+
+_SEPARATOR_TOKEN: str | None = None
+
+
+class MemtableTermCache:
+    """Tokenised text columns of memtable batches, cached per memtable (see module doc).
+
+    Thread-safe: concurrent queries may extend the cache of the same memtable; each batch is
+    tokenised once.
+    """
+
+    def __init__(self) -> None:
+        self._cache: weakref.WeakKeyDictionary[Memtable, dict[str, _MemtableTerms]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+
+    def terms(
+        self, memtable: Memtable, column: str, batches: tuple[pa.RecordBatch, ...]
+    ) -> tuple[dict[str, int], list[BatchTerms]]:
+        """The vocabulary and the per-batch tokens of `batches` (a prefix of the memtable's
+        batches, as a `MemtableView` holds them)."""
+        with self._lock:
+            per_column = self._cache.setdefault(memtable, {})
+            entry = per_column.setdefault(column, _MemtableTerms())
+        with entry.lock:
+            for batch in batches[len(entry.batches) :]:
+                entry.batches.append(_batch_terms(batch.column(column).to_pylist(), entry.vocab))
+            return entry.vocab, entry.batches[: len(batches)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cached token arrays (vocabularies not included)."""
+        with self._lock:
+            entries = [e for per in self._cache.values() for e in per.values()]
+        return sum(b.nbytes for e in entries for b in e.batches)
+
+
+def _batch_terms(texts: list[str | None], vocab: dict[str, int]) -> BatchTerms:
+    terms, positions = tokenize_batch(texts)
+    lengths = np.fromiter((len(t) for t in terms), dtype=np.int32, count=len(terms))
+    total = int(lengths.sum())
+    flat = [vocab.setdefault(t, len(vocab)) for doc in terms for t in doc]
+    return BatchTerms(
+        term=np.asarray(flat, dtype=np.int32).reshape(total),
+        doc=np.repeat(np.arange(len(terms), dtype=np.int32), lengths),
+        pos=np.asarray([p for doc in positions for p in doc], dtype=np.int32).reshape(total),
+        doc_len=lengths,
+        valid=np.fromiter((t is not None for t in texts), dtype=bool, count=len(texts)),
+    )
+
+
+def idf(n_docs: float, df: float) -> float:
+    """Lance's BM25 inverse document frequency."""
+    return math.log(1.0 + (n_docs - df + 0.5) / (df + 0.5))
+
+
+def term_frequencies(batch: BatchTerms, term_id: int) -> np.ndarray:
+    """Occurrences of one term per row of the batch (int32, length = rows)."""
+    docs = batch.doc[batch.term == term_id]
+    return np.bincount(docs, minlength=len(batch.doc_len)).astype(np.int32)
+
+
+def phrase_rows(batch: BatchTerms, term_ids: list[int], offsets: list[int]) -> np.ndarray:
+    """Rows containing the terms at the given relative positions (a phrase), as a bool mask."""
+    rows = len(batch.doc_len)
+    first = batch.term == term_ids[0]
+    keys = batch.doc[first].astype(np.int64) << 32 | batch.pos[first].astype(np.int64)
+    for term_id, offset in zip(term_ids[1:], offsets[1:], strict=True):
+        sel = batch.term == term_id
+        have = batch.doc[sel].astype(np.int64) << 32 | batch.pos[sel].astype(np.int64)
+        keys = keys[np.isin(keys + offset, have)]
+        if not len(keys):
+            break
+    mask = np.zeros(rows, dtype=bool)
+    mask[(keys >> 32).astype(np.int64)] = True
+    return mask
+
+
+def bm25(tf: np.ndarray, doc_len: np.ndarray, term_idf: float, avgdl: float) -> np.ndarray:
+    """BM25 contribution of one term for every row (0 where tf = 0)."""
+    tf = tf.astype(np.float64)
+    norm = K1 * (1.0 - B + B * doc_len.astype(np.float64) / max(avgdl, 1e-9))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        score = term_idf * tf * (K1 + 1.0) / (tf + norm)
+    return np.where(tf > 0, score, 0.0)

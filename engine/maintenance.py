@@ -1,0 +1,371 @@
+"""Background upkeep of the base Lance table: indexes, compaction, old versions.
+
+`Maintenance.start()` runs `run_once()` every `interval_s` on its own daemon thread until
+`stop()`; tests and tools call `run_once()` directly. It never takes a shard writer's lock
+and never waits for a flush: every task is one or a few Lance commits of its own, so
+ingestion goes on while it runs. Several sink processes may run it against the same table;
+Lance commits are optimistic, and a task that loses a commit race (Lance reports a commit
+conflict) is retried with exponential backoff (`CONFLICT_ATTEMPTS` times), then reported as
+``conflict`` and tried again next run. A flush that loses a race against a compaction is
+retried by the shard writer's own flush backoff.
+
+Tasks, in order, each reporting `MaintenanceEvents.ran(task, outcome, seconds)` with
+outcome ``done`` / ``skipped`` / ``conflict`` / ``failed``:
+
+- ``vector_index``: once the table has `vector_index_min_rows` rows and no index on the
+  vector column: IVF_PQ or IVF_HNSW_SQ (`vector_index`) with the table's metric.
+  `num_partitions` defaults to about sqrt(rows) (at least 1, at most rows / 256 so every
+  partition can train), `num_sub_vectors` to the largest divisor of dim not above dim / 16.
+- ``fts_index``: an INVERTED index (default tokenizer, with positions for phrase queries)
+  on every `fts_columns` column that has none, once the table has rows. The reader
+  tokenises memtables with the same default tokenizer.
+- ``key_index``: a BTREE index on a single-column primary key (fast `lookup` on the base).
+- ``optimize_indices``: once `unindexed_rows()` reaches `optimize_unindexed_rows`.
+- ``compact``: once `compact_min_fragments` fragments are small (below
+  `SMALL_FRAGMENT_ROWS`): `compact_files`, at most `COMPACT_MAX_SOURCE_FRAGMENTS` source
+  fragments per run (bounded work).
+- ``cleanup``: delete old table versions, see "Version retention" below.
+
+Version retention. A shard writer's open (`BaseTable.find_flush`) reads the transaction
+properties of every version above the `lance_version` in its shard manifest, to find a
+flush that committed just before a crash (the crash window, I3); `get_transactions` silently
+stops at the oldest version still present, so deleting such a version would make replay
+flush a memtable twice. Readers (`holds_generation`) read the versions above a running
+flush's commit floor. The rule, applied to each candidate version v:
+
+1. v is older than `cleanup_retention_s` (Lance's `older_than`, also passed to Lance) and
+   at least `MIN_RETAINED_VERSIONS` below the latest (covers readers and running flushes);
+2. no shard still needs it: for every flush commit found in a version w <= v (transaction
+   property `lance_sink.shard`), the shard's manifest `lance_version` is at least w, i.e.
+   that flush is recorded in its manifest and `find_flush` will never search below it.
+   Versions from the first unrecorded flush on are kept until its shard's next open or
+   flush records it. Shards with no commit in the candidate range cannot be affected:
+   their `find_flush` finds nothing there either way.
+
+Work per run is bounded to `CLEANUP_MAX_VERSIONS` candidate versions (their transactions
+are read one by one).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import lance
+import structlog
+
+from config.settings import MaintenanceSettings
+from engine.manifest import ManifestStore
+from engine.schema import TableSpec
+from engine.storage import Storage
+from engine.table import PROP_SHARD, BaseTable
+
+log = structlog.get_logger("lance_sink.maintenance")
+
+#: A commit that lost a race is retried this often (0.2 s, 0.4 s, 0.8 s ... apart) before
+#: the task gives up until the next run; five attempts span ~6 s, well under a run interval.
+CONFLICT_ATTEMPTS = 5
+CONFLICT_BACKOFF_S = 0.2
+#: Fragments below this many rows count as small. Flushes write one fragment per memtable
+#: (default 200k rows max), so small fragments are the norm and 16 of them a good batch.
+SMALL_FRAGMENT_ROWS = 100_000
+#: Rows per fragment compaction aims for (Lance's default) and the most source fragments one
+#: run rewrites (bounds a run's IO to ~64 small fragments).
+TARGET_ROWS_PER_FRAGMENT = 1 << 20
+COMPACT_MAX_SOURCE_FRAGMENTS = 64
+#: Versions always kept below the latest, whatever their age: more than the commits that
+#: can land during one flush's find/commit window on a busy table.
+MIN_RETAINED_VERSIONS = 32
+#: Candidate versions examined (and deleted at most) per cleanup run.
+CLEANUP_MAX_VERSIONS = 500
+#: PQ needs 256 training rows per partition for its 8-bit codebooks.
+ROWS_PER_PARTITION_MIN = 256
+
+TASKS = ("vector_index", "fts_index", "key_index", "optimize_indices", "compact", "cleanup")
+
+
+class MaintenanceEvents(Protocol):
+    """What maintenance reports (the sink's metrics facade implements this)."""
+
+    def ran(self, task: str, outcome: str, seconds: float) -> None: ...
+
+
+class NoMaintenanceEvents:
+    """MaintenanceEvents that records nothing."""
+
+    def ran(self, task: str, outcome: str, seconds: float) -> None:
+        return None
+
+
+class _Skip(Exception):
+    """A task has nothing to do this run."""
+
+
+def is_conflict(exc: BaseException) -> bool:
+    """Does this Lance error mean "another writer committed first; retry"?"""
+    text = str(exc).lower()
+    return "conflict" in text or "retryable" in text
+
+
+def derived_sub_vectors(dim: int) -> int:
+    """The largest divisor of dim that is at most dim / 16 (at least 1)."""
+    best = 1
+    for d in range(1, max(dim // 16, 1) + 1):
+        if dim % d == 0:
+            best = d
+    return best
+
+
+def derived_partitions(rows: int) -> int:
+    """About sqrt(rows), at least 1, at most rows / 256."""
+    return max(1, min(round(math.sqrt(rows)), rows // ROWS_PER_PARTITION_MIN))
+
+
+class Maintenance:
+    """Runs the maintenance tasks (see the module docstring).
+
+    Lifecycle: construct after the engine opened the table; `start()` once (the sink, when
+    `maintenance.enabled`); `stop()` during shutdown (always safe, idempotent). A task that
+    raises is logged and reported as ``failed``; the thread keeps running.
+    """
+
+    def __init__(
+        self,
+        spec: TableSpec,
+        table: BaseTable,
+        storage: Storage,
+        settings: MaintenanceSettings,
+        events: MaintenanceEvents | None = None,
+        *,
+        min_retained_versions: int = MIN_RETAINED_VERSIONS,
+        now: Callable[[], dt.datetime] = dt.datetime.now,
+    ) -> None:
+        self.spec = spec
+        self.table = table
+        self.storage = storage
+        self.settings = settings
+        self.events: MaintenanceEvents = events or NoMaintenanceEvents()
+        self._now = now
+        self.min_retained_versions = max(min_retained_versions, 1)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._unindexed = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the background thread (no-op if running)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="maintenance", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ask the thread to stop after the current task, and wait (bounded)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.settings.interval_s):
+            self.run_once()
+
+    # ------------------------------------------------------------------ the run
+
+    def run_once(self) -> dict[str, str]:
+        """Run every task once; returns the outcome per task."""
+        outcomes: dict[str, str] = {}
+        tasks: dict[str, Callable[[], None]] = {
+            "vector_index": self.vector_index,
+            "fts_index": self.fts_index,
+            "key_index": self.key_index,
+            "optimize_indices": self.optimize_indices,
+            "compact": self.compact,
+            "cleanup": self.cleanup,
+        }
+        for name, task in tasks.items():
+            if self._stop.is_set() and self._thread is not None:
+                break
+            outcomes[name] = self._run(name, task)
+        return outcomes
+
+    def _run(self, name: str, task: Callable[[], None]) -> str:
+        started = time.monotonic()
+        delay = CONFLICT_BACKOFF_S
+        outcome = "failed"
+        for attempt in range(1, CONFLICT_ATTEMPTS + 1):
+            try:
+                task()
+            except _Skip:
+                outcome = "skipped"
+            except Exception as exc:  # noqa: BLE001 - reported, never kills the thread
+                if is_conflict(exc) and attempt < CONFLICT_ATTEMPTS:
+                    log.info("maintenance_conflict", task=name, attempt=attempt, error=str(exc))
+                    time.sleep(delay)
+                    delay *= 2
+                    continue
+                outcome = "conflict" if is_conflict(exc) else "failed"
+                log.warning("maintenance_failed", task=name, outcome=outcome, error=str(exc))
+            else:
+                outcome = "done"
+            break
+        seconds = time.monotonic() - started
+        self.events.ran(name, outcome, seconds)
+        if outcome != "skipped":
+            log.info("maintenance_ran", task=name, outcome=outcome, seconds=round(seconds, 3))
+        return outcome
+
+    # ------------------------------------------------------------------ indexes
+
+    def _indexes(self, ds: lance.LanceDataset) -> list[Any]:
+        return list(ds.describe_indices())
+
+    def _index_on(self, ds: lance.LanceDataset, column: str, kind: str | None) -> Any:
+        """The index on exactly `column`; kind: 'Inverted', 'BTree' or None (= vector)."""
+        for index in self._indexes(ds):
+            names = list(getattr(index, "field_names", []) or [])
+            type_url = str(getattr(index, "type_url", ""))
+            if names != [column]:
+                continue
+            is_scalar = any(t in type_url for t in ("Inverted", "BTree", "Bitmap", "Zone"))
+            if (kind is None and not is_scalar) or (kind is not None and kind in type_url):
+                return index
+        return None
+
+    def vector_index(self) -> None:
+        """Create the vector index once the table is large enough."""
+        vector = self.spec.vector
+        if vector is None:
+            raise _Skip
+        ds = self.table.dataset()
+        rows = ds.count_rows()
+        if rows < self.settings.vector_index_min_rows or self._index_on(ds, vector.name, None):
+            raise _Skip
+        partitions = self.settings.num_partitions or derived_partitions(rows)
+        kwargs: dict[str, Any] = {"num_partitions": partitions}
+        if self.settings.vector_index == "IVF_PQ":
+            kwargs["num_sub_vectors"] = self.settings.num_sub_vectors or derived_sub_vectors(
+                vector.dim
+            )
+        ds.create_index(
+            vector.name, self.settings.vector_index, metric=vector.metric, replace=False, **kwargs
+        )
+
+    def fts_index(self) -> None:
+        """Create an INVERTED index on every FTS column that has none."""
+        if not self.settings.fts_index or not self.spec.fts_columns:
+            raise _Skip
+        ds = self.table.dataset()
+        missing = [c for c in self.spec.fts_columns if not self._index_on(ds, c, "Inverted")]
+        if not missing or ds.count_rows() == 0:
+            raise _Skip
+        for column in missing:
+            ds.create_scalar_index(column, "INVERTED", with_position=True)
+            ds = self.table.dataset()
+
+    def key_index(self) -> None:
+        """Create a BTREE index on a single-column primary key."""
+        if len(self.spec.primary_key) != 1:
+            raise _Skip
+        (key,) = self.spec.primary_key
+        ds = self.table.dataset()
+        if self._index_on(ds, key, "BTree") or ds.count_rows() == 0:
+            raise _Skip
+        ds.create_scalar_index(key, "BTREE")
+
+    def unindexed_rows(self) -> int:
+        """Rows of the base not covered by its least complete index (0 without indexes),
+        as of the last run."""
+        return self._unindexed
+
+    def _measure_unindexed(self, ds: lance.LanceDataset) -> int:
+        indexes = self._indexes(ds)
+        if not indexes:
+            self._unindexed = 0
+            return 0
+        rows = ds.count_rows()
+        covered = min(int(getattr(i, "num_rows_indexed", rows) or 0) for i in indexes)
+        self._unindexed = max(rows - covered, 0)
+        return self._unindexed
+
+    def optimize_indices(self) -> None:
+        """Index the rows appended since the indexes were built, past a threshold."""
+        ds = self.table.dataset()
+        if self._measure_unindexed(ds) < self.settings.optimize_unindexed_rows:
+            raise _Skip
+        ds.optimize.optimize_indices()
+        self._measure_unindexed(self.table.dataset())
+
+    # ------------------------------------------------------------------ compaction
+
+    def compact(self) -> None:
+        """Merge small fragments (bounded per run)."""
+        ds = self.table.dataset()
+        small = [f for f in ds.get_fragments() if f.metadata.physical_rows < SMALL_FRAGMENT_ROWS]
+        if len(small) < self.settings.compact_min_fragments:
+            raise _Skip
+        metrics = ds.optimize.compact_files(
+            target_rows_per_fragment=TARGET_ROWS_PER_FRAGMENT,
+            max_source_fragments=COMPACT_MAX_SOURCE_FRAGMENTS,
+        )
+        log.info(
+            "table_compacted",
+            fragments_removed=metrics.fragments_removed,
+            fragments_added=metrics.fragments_added,
+        )
+
+    # ------------------------------------------------------------------ cleanup
+
+    def cleanup_candidates(self) -> list[int]:
+        """The versions `cleanup` may delete now (see "Version retention")."""
+        ds = self.table.dataset()
+        latest = int(ds.version)
+        cutoff = self._now() - dt.timedelta(seconds=self.settings.cleanup_retention_s)
+        old = []
+        for v in ds.versions():
+            stamp = v["timestamp"]
+            if not isinstance(stamp, dt.datetime):
+                continue
+            if stamp.tzinfo is not None:
+                stamp = stamp.astimezone().replace(tzinfo=None)
+            if stamp < cutoff and int(v["version"]) <= latest - self.min_retained_versions:
+                old.append(int(v["version"]))
+        old = sorted(old)[:CLEANUP_MAX_VERSIONS]
+        manifests: dict[str, int] = {}
+        allowed = []
+        for version in old:  # oldest first; stop at the first version a shard still needs
+            txs = ds.checkout_version(version).get_transactions(1)
+            props = (getattr(txs[0], "transaction_properties", None) or {}) if txs else {}
+            shard = props.get(PROP_SHARD)
+            if shard is not None:
+                if shard not in manifests:
+                    manifests[shard] = ManifestStore(self.storage, shard).latest().lance_version
+                if manifests[shard] < version:
+                    log.info(
+                        "cleanup_pinned", shard=shard, version=version, manifest=manifests[shard]
+                    )
+                    break
+            allowed.append(version)
+        return allowed
+
+    def cleanup(self) -> None:
+        """Delete the versions `cleanup_candidates` allows."""
+        versions = self.cleanup_candidates()
+        if not versions:
+            raise _Skip
+        stats = self.table.dataset().cleanup_old_versions(
+            older_than=dt.timedelta(seconds=self.settings.cleanup_retention_s),
+            versions=versions,
+            error_if_tagged_old_versions=False,
+        )
+        log.info(
+            "versions_cleaned",
+            versions=len(versions),
+            through=versions[-1],
+            bytes_removed=stats.bytes_removed,
+        )

@@ -1,0 +1,246 @@
+"""Base-table maintenance on real Lance tables with live writers: each index is created,
+indexes are optimised, small fragments compacted, old versions cleaned without deleting
+what a shard's crash-window search needs, and the reader's answers never change."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from config.settings import MaintenanceSettings
+from engine.maintenance import (
+    Maintenance,
+    derived_partitions,
+    derived_sub_vectors,
+    is_conflict,
+)
+from engine.manifest import ManifestStore
+from engine.reader import ReaderSettings
+from engine.table import flush_properties
+from tests.reads.conftest import ReadHarness, rows_batch, vectors
+
+pytestmark = pytest.mark.timeout(180)
+
+MakeHarness = Callable[..., ReadHarness]
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    def ran(self, task: str, outcome: str, seconds: float) -> None:
+        assert seconds >= 0
+        self.events.append((task, outcome))
+
+
+def maintenance(h: ReadHarness, events: Recorder | None = None, **settings: Any) -> Maintenance:
+    values: dict[str, Any] = {
+        "vector_index_min_rows": 600,
+        "optimize_unindexed_rows": 50,
+        "compact_min_fragments": 4,
+        "cleanup_retention_s": 3600,
+        **settings,
+    }
+    return Maintenance(
+        h.spec,
+        h.table,
+        h.storage,
+        MaintenanceSettings(**values),
+        events,
+        min_retained_versions=2,
+    )
+
+
+def answers(h: ReadHarness) -> tuple[Any, ...]:
+    """What the reader returns for a fixed set of queries (compared before and after)."""
+    r = h.reader
+    q = vectors(np.array([5]), 16)[0]
+    offsets = [1, 640, 700, 99]
+    keys: list[Any] = (
+        [f"k{o}" for o in offsets] if h.spec.upsert else [("t", 0, o) for o in offsets]
+    )
+    return (
+        sorted(r.scan(columns=["id", "_offset"], limit=1000).to_pylist(), key=str),
+        r.search_vector(q, k=5, columns=["id"], nprobes=64, refine_factor=50)
+        .column("id")
+        .to_pylist(),
+        sorted(r.search_text("row12 row650", k=5, columns=["id"]).column("id").to_pylist()),
+        sorted(r.lookup(keys, columns=["id"]).column("id").to_pylist()),
+        sorted(r.scan(filter="n >= 600", columns=["id"]).column("id").to_pylist()),
+    )
+
+
+def test_derived_index_parameters() -> None:
+    assert derived_sub_vectors(384) == 24
+    assert derived_sub_vectors(16) == 1
+    assert derived_sub_vectors(100) == 5
+    assert derived_partitions(1_000_000) == 1000
+    assert derived_partitions(600) == 2
+    assert derived_partitions(10) == 1
+    assert is_conflict(OSError("Retryable commit conflict for version 7"))
+    assert not is_conflict(ValueError("no such column"))
+
+
+def test_creates_each_index_and_answers_do_not_change(make_harness: MakeHarness) -> None:
+    h = make_harness(mode="upsert")
+    w = h.open()
+    h.put(w, range(300))
+    m = maintenance(h)
+    early = m.run_once()  # nothing flushed yet: nothing to index
+    assert early["vector_index"] == early["fts_index"] == early["key_index"] == "skipped"
+    h.put(w, range(300, 700))
+    h.flush(w)
+    h.put(w, range(700, 720))  # and some fresh rows
+    h.put(w, [720], key_of=lambda o: "k640", version=3)  # an update of a flushed key
+    before = answers(h)
+    events = Recorder()
+    m = maintenance(h, events)
+    outcomes = m.run_once()
+    assert outcomes["vector_index"] == "done"
+    assert outcomes["fts_index"] == "done"
+    assert outcomes["key_index"] == "done"
+    types = {str(i.type_url).rsplit(".", 1)[-1] for i in h.table.dataset().describe_indices()}
+    assert {"InvertedIndexDetails", "BTreeIndexDetails"} <= types
+    assert len(types) == 3  # plus the vector index
+    assert answers(h) == before
+    assert ("vector_index", "done") in events.events
+    # A second run has nothing to create.
+    again = m.run_once()
+    assert again["vector_index"] == again["fts_index"] == again["key_index"] == "skipped"
+
+
+def test_optimize_indices_past_the_threshold(make_harness: MakeHarness) -> None:
+    h = make_harness()
+    w = h.open()
+    h.put(w, range(700))
+    h.flush(w)
+    m = maintenance(h)
+    assert m.run_once()["vector_index"] == "done"
+    assert m.unindexed_rows() == 0
+    h.put(w, range(700, 730))
+    h.flush(w)
+    assert m.run_once()["optimize_indices"] == "skipped"  # 30 < 50
+    assert m.unindexed_rows() == 30
+    h.put(w, range(730, 800))
+    h.flush(w)
+    before = answers(h)
+    assert m.run_once()["optimize_indices"] == "done"
+    assert m.unindexed_rows() == 0
+    assert answers(h) == before
+
+
+def test_compaction_merges_small_fragments(make_harness: MakeHarness) -> None:
+    h = make_harness(mode="upsert")
+    w = h.open()
+    for first in range(0, 700, 100):
+        h.put(w, range(first, first + 100))
+        h.flush(w)
+    h.put(w, range(700, 720), key_of=lambda o: f"k{o - 700}", version=2)  # fresh updates
+    assert len(h.table.dataset().get_fragments()) >= 4
+    before = answers(h)
+    m = maintenance(h, vector_index_min_rows=10_000, fts_index=False)
+    assert m.run_once()["compact"] == "done"
+    assert len(h.table.dataset().get_fragments()) == 1
+    assert answers(h) == before
+    assert m.run_once()["compact"] == "skipped"
+
+
+def test_cleanup_keeps_what_a_shard_replay_needs(make_harness: MakeHarness) -> None:
+    """A flush commit whose shard manifest does not record it yet (the crash window) pins
+    itself and every newer version; versions below it are deleted once old enough."""
+    h = make_harness()
+    w = h.open()
+    for first in range(0, 40, 10):
+        h.put(w, range(first, first + 10))
+        h.flush(w)
+    # A crash-window flush of another shard: committed, never recorded in its manifest.
+    batch = h.spec.to_table_batch(rows_batch(h.spec, list(range(1000, 1005)), partition=9))
+    ghost = h.table.commit_flush([batch], None, flush_properties("ghost", 1, 1, 7, {"t:9": 1004}))
+    assert ManifestStore(h.storage, "ghost").latest().lance_version == 0
+    for first in range(40, 80, 10):
+        h.put(w, range(first, first + 10))
+        h.flush(w)
+    latest = h.table.latest_version()
+    time.sleep(1.2)
+    m = maintenance(
+        h,
+        cleanup_retention_s=1,
+        fts_index=False,
+        vector_index_min_rows=10_000,
+        compact_min_fragments=100,
+    )
+    assert m.cleanup_candidates() == list(range(1, ghost))
+    assert m.run_once()["cleanup"] == "done"
+    versions = [v["version"] for v in h.table.dataset().versions()]
+    assert versions == list(range(ghost, latest + 1))
+    mark = h.table.find_flush("ghost", 0)  # replay of "ghost" still finds its flush
+    assert mark is not None
+    assert mark.version == ghost
+    # Our own shard's flushes are recorded in its manifest: they never pin anything.
+    assert m.run_once()["cleanup"] == "skipped"
+    assert h.reader.scan(columns=["_offset"]).num_rows == 85
+
+
+def test_cleanup_respects_the_retention(make_harness: MakeHarness) -> None:
+    h = make_harness()
+    w = h.open()
+    for first in range(0, 50, 10):
+        h.put(w, range(first, first + 10))
+        h.flush(w)
+    m = maintenance(h, cleanup_retention_s=3600)
+    assert m.cleanup_candidates() == []
+    assert m.run_once()["cleanup"] == "skipped"
+    assert len(h.table.dataset().versions()) == h.table.latest_version()
+
+
+@pytest.mark.slow
+def test_reads_stay_correct_while_maintenance_runs_during_ingestion(
+    make_harness: MakeHarness,
+) -> None:
+    """Ingest (with flushes), query and maintain at once: every acknowledged offset is
+    visible exactly once in every scan, and the vector index, FTS index and compaction all
+    happen meanwhile."""
+    h = make_harness(max_rows=150, settings=ReaderSettings(max_k=10_000))
+    w = h.open()
+    h.put(w, range(700))
+    h.flush(w)
+    acked = 700
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        nonlocal acked
+        try:
+            while not stop.is_set() and acked < 3000:
+                h.put(w, range(acked, acked + 25))
+                acked += 25
+        except BaseException as exc:
+            errors.append(exc)
+
+    events = Recorder()
+    m = maintenance(h, events, compact_min_fragments=3, interval_s=1)
+    producer = threading.Thread(target=produce)
+    producer.start()
+    m.start()
+    try:
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            floor = acked
+            got = h.reader.scan(columns=["_offset"], limit=5000).column("_offset").to_pylist()
+            assert len(got) == len(set(got)), "a row appears twice"
+            assert set(range(floor)) <= set(got), "an acknowledged row is missing"
+            q = vectors(np.array([floor - 1]), 16)[0]
+            hit = h.reader.search_vector(q, k=1, columns=["_offset"], nprobes=64)
+            assert hit.column("_offset").to_pylist() == [floor - 1]
+    finally:
+        stop.set()
+        producer.join(30)
+        m.stop()
+    assert not errors
+    done = {task for task, outcome in events.events if outcome == "done"}
+    assert {"vector_index", "fts_index", "compact"} <= done

@@ -1,0 +1,199 @@
+"""Search quality: recall@10 against an exact faiss oracle with rows spread over the active
+memtable, a frozen memtable and the base (with and without a base vector index); distances
+and BM25 scores that compare across tiers; full-text finds fresh and flushed rows."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import faiss
+import lance
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from engine.reader import recall
+from tests.reads.conftest import ReadHarness, vectors
+
+pytestmark = pytest.mark.timeout(180)
+
+MakeHarness = Callable[..., ReadHarness]
+DIM = 16
+
+
+def spread(h: ReadHarness) -> None:
+    """Offsets 0..1999 in the base, 2000..2599 frozen, 2600..2999 active."""
+    w = h.open()
+    for first in range(0, 2000, 500):
+        h.put(w, range(first, first + 500))
+    h.flush(w)
+    h.hold_flushes()
+    h.put(w, range(2000, 2300))
+    h.put(w, range(2300, 2600))
+    w.seal()
+    h.put(w, range(2600, 3000))
+    stats = w.stats()
+    assert stats.frozen_count == 1
+    assert stats.rows == 400
+
+
+def oracle(metric: str, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exact (distances in Lance's terms, offsets) over all 3000 rows."""
+    data = vectors(np.arange(3000), DIM)
+    if metric == "l2":
+        index: faiss.Index = faiss.IndexFlatL2(DIM)
+        index.add(data)
+        dist, ids = index.search(queries, k)
+        return dist, ids
+    if metric == "cosine":
+        index = faiss.IndexFlatIP(DIM)
+        index.add(data / np.linalg.norm(data, axis=1, keepdims=True))
+        sims, ids = index.search(queries / np.linalg.norm(queries, axis=1, keepdims=True), k)
+        return 1 - sims, ids
+    index = faiss.IndexFlatIP(DIM)
+    index.add(data)
+    sims, ids = index.search(queries, k)
+    return 1 - sims, ids
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine", "dot"])
+@pytest.mark.parametrize("indexed", [False, True], ids=["exact-base", "ivf-pq-base"])
+def test_recall_at_10_across_tiers(make_harness: MakeHarness, metric: str, indexed: bool) -> None:
+    h = make_harness(metric=metric, dim=DIM)
+    spread(h)
+    if indexed:
+        h.table.dataset().create_index(
+            "vec", "IVF_PQ", metric=metric, num_partitions=4, num_sub_vectors=4
+        )
+    queries = np.random.default_rng(42).standard_normal((20, DIM)).astype(np.float32)
+    want_dist, want_ids = oracle(metric, queries, 10)
+    recalls = []
+    tiers_hit: set[str] = set()
+    for q, truth, truth_dist in zip(queries, want_ids, want_dist, strict=True):
+        got = h.reader.search_vector(q, k=10, columns=["_offset"], nprobes=4, refine_factor=10)
+        offsets = got.column("_offset").to_pylist()
+        recalls.append(recall(offsets, truth.tolist()))
+        dist = got.column("_distance").to_numpy()
+        assert np.all(np.diff(dist) >= -1e-5), "not sorted nearest first"
+        if not indexed:  # exact everywhere: same neighbours, same distances as the oracle
+            np.testing.assert_allclose(dist, truth_dist, rtol=1e-3, atol=1e-3)
+        for o in offsets:
+            tiers_hit.add("base" if o < 2000 else "frozen" if o < 2600 else "active")
+    assert np.mean(recalls) >= 0.95, recalls
+    assert tiers_hit == {"base", "frozen", "active"}
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine", "dot"])
+def test_distances_compare_across_tiers(make_harness: MakeHarness, metric: str) -> None:
+    """The same rows in a memtable of one table and the (indexed) base of another give the
+    same distances for the same query."""
+    fresh = make_harness("fresh", metric=metric, dim=DIM)
+    flushed = make_harness("flushed", metric=metric, dim=DIM)
+    wf, wb = fresh.open(), flushed.open()
+    fresh.put(wf, range(600))
+    flushed.put(wb, range(600))
+    flushed.flush(wb)
+    flushed.table.dataset().create_index(
+        "vec", "IVF_PQ", metric=metric, num_partitions=2, num_sub_vectors=4
+    )
+    q = np.random.default_rng(7).standard_normal(DIM).astype(np.float32)
+    a = fresh.reader.search_vector(q, k=5, columns=["_offset"])
+    b = flushed.reader.search_vector(q, k=5, columns=["_offset"], nprobes=2, refine_factor=20)
+    assert a.column("_offset").to_pylist() == b.column("_offset").to_pylist()
+    np.testing.assert_allclose(
+        a.column("_distance").to_numpy(), b.column("_distance").to_numpy(), rtol=1e-4, atol=1e-4
+    )
+
+
+def test_filtered_knn_is_a_prefilter(make_harness: MakeHarness) -> None:
+    """Top k among matching rows, in both tiers (not top k, then filtered)."""
+    h = make_harness(dim=DIM)
+    spread(h)
+    q = vectors(np.array([10]), DIM)[0]
+    got = h.reader.search_vector(q, k=10, filter="_offset >= 1500 AND _offset < 2700")
+    offsets = got.column("_offset").to_pylist()
+    assert len(offsets) == 10
+    assert all(1500 <= o < 2700 for o in offsets)
+    data = vectors(np.arange(1500, 2700), DIM)
+    truth = np.argsort(((data - q) ** 2).sum(1))[:10] + 1500
+    assert sorted(offsets) == sorted(truth.tolist())
+    # A filter that matches a few rows returns just those.
+    few = h.reader.search_vector(q, k=10, filter="_offset IN (3, 2100, 2900)")
+    assert sorted(few.column("_offset").to_pylist()) == [3, 2100, 2900]
+
+
+def test_fulltext_finds_fresh_and_flushed_rows(make_harness: MakeHarness) -> None:
+    h = make_harness(dim=DIM)
+    spread(h)
+    for offset in [12, 2100, 2701]:  # base, frozen, active
+        got = h.reader.search_text(f"row{offset}", k=3, columns=["_offset"])
+        assert got.column("_offset").to_pylist() == [offset]
+    for where, lo, hi in [("_offset < 2000", 0, 2000), ("_offset >= 2600", 2600, 3000)]:
+        got = h.reader.search_text("alpha", k=50, filter=where, columns=["_offset"])
+        offsets = got.column("_offset").to_pylist()
+        assert len(offsets) == 50
+        assert all(lo <= o < hi for o in offsets)
+    h.table.dataset().create_scalar_index("text", "INVERTED", with_position=True)
+    for offset in [12, 2100, 2701]:
+        got = h.reader.search_text(f"row{offset}", k=3, columns=["_offset"])
+        assert got.column("_offset").to_pylist() == [offset]
+
+
+@pytest.mark.parametrize("indexed", [False, True], ids=["flat", "inverted-index"])
+def test_bm25_scores_compare_across_tiers(make_harness: MakeHarness, indexed: bool) -> None:
+    """The same documents scored in a memtable (our BM25) and in the base (Lance's) get the
+    same scores: the IDF statistics of an all-fresh table equal those of an all-flushed one."""
+    fresh = make_harness("fresh", dim=DIM)
+    flushed = make_harness("flushed", dim=DIM)
+    wf, wb = fresh.open(), flushed.open()
+    fresh.put(wf, range(300))
+    flushed.put(wb, range(300))
+    flushed.flush(wb)
+    if indexed:
+        flushed.table.dataset().create_scalar_index("text", "INVERTED", with_position=True)
+    for query in ["alpha", "bravo delta", "golf hotel row7"]:
+        a = fresh.reader.search_text(query, k=20, columns=["_offset"])
+        b = flushed.reader.search_text(query, k=20, columns=["_offset"])
+        np.testing.assert_allclose(
+            a.column("_score").to_numpy(), b.column("_score").to_numpy(), rtol=1e-3
+        )
+        score_a = dict(
+            zip(a.column("_offset").to_pylist(), a.column("_score").to_pylist(), strict=True)
+        )
+        score_b = dict(
+            zip(b.column("_offset").to_pylist(), b.column("_score").to_pylist(), strict=True)
+        )
+        common = set(score_a) & set(score_b)
+        assert len(common) >= 15
+        for o in common:
+            assert score_a[o] == pytest.approx(score_b[o], rel=1e-3)
+
+
+def test_phrase_query_in_both_tiers(make_harness: MakeHarness) -> None:
+    h = make_harness(dim=DIM)
+    w = h.open()
+    h.put(w, range(100))
+    h.flush(w)
+    h.table.dataset().create_scalar_index("text", "INVERTED", with_position=True)
+    h.put(w, range(100, 200))
+    # text_of: words step by 3 through WORDS, so "delta golf" is a phrase only where the
+    # row has at least two words starting at delta (offset % 8 == 3, offset % 4 >= 1).
+    got = h.reader.search_text("delta golf", k=200, phrase=True, columns=["_offset", "text"])
+    offsets = got.column("_offset").to_pylist()
+    assert offsets
+    assert all("delta golf" in t for t in got.column("text").to_pylist())
+    assert {o for o in offsets if o < 100}
+    assert {o for o in offsets if o >= 100}
+    loose = h.reader.search_text("delta golf", k=200, columns=["_offset"]).num_rows
+    assert loose > len(offsets)
+
+
+def test_lance_dot_distance_is_one_minus_inner_product(tmp_path: object) -> None:
+    """The definition the memtable tier copies (checked, not assumed)."""
+    data = vectors(np.arange(50), 8)
+    table = pa.table({"vec": pa.FixedSizeListArray.from_arrays(pa.array(data.reshape(-1)), 8)})
+    ds = lance.write_dataset(table, f"{tmp_path}/dot.lance")
+    q = data[0]
+    got = ds.to_table(nearest={"column": "vec", "q": q, "k": 3, "metric": "dot"})
+    best = got.column("_distance").to_numpy()
+    assert best[0] == pytest.approx(1 - float(np.max(data @ q)), rel=1e-5)
