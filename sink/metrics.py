@@ -299,11 +299,17 @@ class Metrics:
 
     # --- maintenance and queries -------------------------------------------------------
 
-    def maintenance_ran(self, task: str, outcome: str, seconds: float) -> None:
+    def ran(self, task: str, outcome: str, seconds: float) -> None:
+        """A maintenance task ran (MaintenanceEvents)."""
         self.maintenance_runs.labels(task, outcome).inc()
 
     def base_unindexed(self, rows: int) -> None:
         self.unindexed_rows.set(rows)
 
-    def query(self, kind: str, seconds: float) -> None:
+    def query(self, kind: str, seconds: float, rows: int = 0) -> None:
+        """A query completed (ReaderEvents)."""
         self.query_seconds.labels(kind).observe(seconds)
+
+    def shard_skipped(self, shard: str, error: BaseException) -> None:
+        """A query skipped a shard whose writer is poisoned or fenced (ReaderEvents)."""
+        return None

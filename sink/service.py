@@ -39,12 +39,16 @@ from config.settings import Settings
 from engine.backpressure import BudgetController
 from engine.engine import Engine
 from engine.errors import Backpressure, Fenced, InvalidRecord, LanceSinkError, Poisoned
+from engine.maintenance import Maintenance
+from engine.reader import Reader, ReaderSettings
 from engine.shard import PutResult, ShardWriter
 from engine.wal import SourceRange
 from sink.decode import DeadLetter, Decoded, Decoder
 from sink.dlq import DeadLetterBatch, DeadLetterProducer
+from sink.http import ServerHandle, create_query_app, run_server
 from sink.log import librdkafka_logger
 from sink.metrics import Metrics
+from sink.server import create_ops_app
 
 log = structlog.get_logger("lance_sink.sink")
 
@@ -177,8 +181,27 @@ class SinkService:
             if settings.dlq.enabled
             else None
         )
+        self.reader = Reader(
+            self.engine.spec,
+            self.engine.table,
+            self.writers,
+            ReaderSettings.from_settings(settings.query),
+            events=self.metrics,
+        )
+        self.maintenance = Maintenance(
+            self.engine.spec,
+            self.engine.table,
+            self.engine.storage,
+            settings.maintenance,
+            events=self.metrics,
+        )
+        self.servers: list[ServerHandle] = []
         self.partitions: dict[tuple[str, int], PartitionState] = {}
         self.end_offsets: dict[tuple[str, int], int] = {}
+        self.brokers_up = 0
+        self._last_stats = 0.0
+        self._last_tick = time.monotonic()
+        self._opening = False
         self.ready = threading.Event()
         self._stop = threading.Event()
         self._fatal: str | None = None
@@ -214,9 +237,25 @@ class SinkService:
 
     # ------------------------------------------------------------------ main loop
 
+    def start_servers(self) -> None:
+        """Serve /metrics, /healthz, /readyz, /v1/status and (if enabled) the query API."""
+        obs, query = self.settings.observability, self.settings.query
+        if query.enabled and query.port == obs.metrics_port and query.port != 0:
+            app = create_ops_app(self, create_query_app(self.reader, query))
+            self.servers.append(run_server(app, query.host, query.port))
+            return
+        self.servers.append(run_server(create_ops_app(self), obs.metrics_host, obs.metrics_port))
+        if query.enabled:
+            self.servers.append(
+                run_server(create_query_app(self.reader, query), query.host, query.port)
+            )
+
     def run(self) -> int:
         """Consume until stopped; returns the exit code (0 clean, 1 fatal)."""
         k = self.settings.kafka
+        self.start_servers()
+        if self.settings.maintenance.enabled:
+            self.maintenance.start()
         self.consumer.subscribe(
             list(k.topics),
             on_assign=self._on_assign,
@@ -234,6 +273,7 @@ class SinkService:
         code = 0
         try:
             while not self._stop.is_set():
+                self._last_tick = time.monotonic()
                 messages = self.consumer.consume(k.consume_batch_size, timeout)
                 if messages:
                     self._handle(messages)
@@ -528,7 +568,15 @@ class SinkService:
     ) -> None:
         if not partitions:
             consumer.incremental_assign([])
+            self.ready.set()
             return
+        self._opening = True
+        try:
+            self._assign(consumer, partitions)
+        finally:
+            self._opening = False
+
+    def _assign(self, consumer: confluent_kafka.Consumer, partitions: list[TopicPartition]) -> None:
         started = time.monotonic()
         futures = {
             (tp.topic, tp.partition): self._open_pool.submit(
@@ -645,8 +693,11 @@ class SinkService:
             left = self.dlq.close(max(deadline - time.monotonic(), 0.1))
             if left:
                 log.warning("dlq_undelivered_at_shutdown", messages=left)
+        self.maintenance.stop(timeout=max(deadline - time.monotonic(), 1))
         self.engine.close(flush=False, timeout=1)
         self._open_pool.shutdown(wait=False)
+        for server in self.servers:
+            server.stop()
         log.info("sink_stopped")
 
     # ------------------------------------------------------------------ metrics
@@ -658,6 +709,12 @@ class SinkService:
             stats = json.loads(stats_json)
         except ValueError:
             return
+        self._last_stats = time.monotonic()
+        self.brokers_up = sum(
+            1
+            for b in stats.get("brokers", {}).values()
+            if b.get("state") == "UP" and b.get("nodeid", -1) >= 0
+        )
         for topic, t in stats.get("topics", {}).items():
             for pid, p in t.get("partitions", {}).items():
                 partition = int(pid)
@@ -708,6 +765,118 @@ class SinkService:
         controller = self.engine.controller
         if isinstance(controller, BudgetController):
             self.metrics.budget_usage(controller.used_bytes(), controller.budget)
+        self.metrics.base_unindexed(self.maintenance.unindexed_rows())
+
+    # ------------------------------------------------------------------ observability
+
+    def exposition(self) -> bytes:
+        """Prometheus text of every metric."""
+        return self.metrics.exposition()
+
+    def liveness(self) -> tuple[bool, str]:
+        """Alive while the consumer loop iterates (a loop stuck for longer than
+        max.poll.interval.ms would be evicted from the group anyway)."""
+        stuck = time.monotonic() - self._last_tick
+        limit = self.settings.kafka.max_poll_interval_ms / 1000
+        if stuck > limit and not self._opening:
+            return False, f"consumer loop has not polled for {stuck:.0f} s"
+        return True, "consumer loop polling"
+
+    def readiness(self) -> tuple[bool, list[str]]:
+        """Ready = joined the group with every assigned partition opened and replayed, a
+        broker reachable, and no shard writer poisoned or fenced."""
+        reasons = []
+        if self._opening:
+            reasons.append("opening and replaying assigned partitions")
+        if not self.ready.is_set():
+            reasons.append("waiting for the first partition assignment")
+        stats_age = time.monotonic() - self._last_stats
+        stale = 3 * self.settings.observability.kafka_statistics_interval_ms / 1000 + 1
+        if self._last_stats == 0.0 or stats_age > stale:
+            reasons.append("no broker statistics yet")
+        elif self.brokers_up == 0:
+            reasons.append("no broker reachable")
+        for (topic, partition), state in list(self.partitions.items()):
+            if state.fenced:
+                reasons.append(f"{topic}[{partition}]: fenced or stopped on a bad message")
+            elif state.writer is None:
+                reasons.append(f"{topic}[{partition}]: shard writer poisoned, recovering")
+        if self._fatal:
+            reasons.append(self._fatal)
+        return not reasons, reasons
+
+    def status(self) -> dict[str, Any]:
+        """One JSON-able summary of the running sink (`lance-sink status`)."""
+        partitions = [self._partition_status(state) for _, state in sorted(self.partitions.items())]
+        bp = self.engine.controller.stats.snapshot()
+        controller = self.engine.controller
+        budget = controller if isinstance(controller, BudgetController) else None
+        ready, reasons = self.readiness()
+        return {
+            "group": self.settings.kafka.group_id,
+            "topics": list(self.settings.kafka.topics),
+            "table": self.settings.table.uri,
+            "ready": ready,
+            "not_ready_reasons": reasons,
+            "partitions": partitions,
+            "backpressure": {
+                "controller": type(controller).__name__,
+                "budget_bytes": budget.budget if budget else None,
+                "used_bytes": budget.used_bytes() if budget else None,
+                "waits_total": bp.waits_total,
+                "wait_seconds_total": round(bp.wait_seconds_total, 3),
+                "active_waits": bp.active_waits,
+                "rejections_total": bp.rejections_total,
+            },
+            "base": {"unindexed_rows": self.maintenance.unindexed_rows()},
+        }
+
+    def _partition_status(self, state: PartitionState) -> dict[str, Any]:
+        key = (state.topic, state.partition)
+        entry: dict[str, Any] = {
+            "topic": state.topic,
+            "partition": state.partition,
+            "paused": state.paused,
+            "fenced": state.fenced,
+            "consumed": state.position,
+            "committed": state.committed,
+            "end": self.end_offsets.get(key),
+            "inflight_puts": len(state.inflight),
+            "held": state.held is not None,
+        }
+        writer = state.writer
+        if writer is not None:
+            st = writer.stats()
+            entry.update(
+                shard=st.shard,
+                epoch=st.epoch,
+                durable=st.durable_offsets.get(key, -1) + 1,
+                flushed=st.flushed_offsets.get(key, -1) + 1,
+                memtable={
+                    "generation": st.generation,
+                    "rows": st.rows,
+                    "bytes": st.bytes,
+                    "index_bytes": st.index_bytes,
+                    "frozen_count": st.frozen_count,
+                    "frozen_bytes": st.frozen_bytes,
+                },
+                flush={
+                    "flushes": st.flushes_total,
+                    "failures": st.flush_failures_total,
+                    "rows": st.flushed_rows_total,
+                    "position": st.flushed_position,
+                },
+                poisoned=st.poisoned,
+            )
+        end = entry["end"]
+        if end is not None:
+            entry["lag"] = {
+                "consumer": max(end - (state.position or 0), 0),
+                "durable": max(end - entry.get("durable", 0), 0),
+                "commit": max(end - max(state.committed, 0), 0),
+                "flush": max(end - entry.get("flushed", 0), 0),
+            }
+        return entry
 
 
 def _timestamp_ms(message: Any) -> int | None:

@@ -1,0 +1,60 @@
+"""The operations endpoints of a running sink: Prometheus metrics, health, readiness, status.
+
+    GET /metrics     Prometheus text exposition (the metrics facade)
+    GET /healthz     200 while the process and its consumer loop are alive
+    GET /readyz      200 when every assigned partition is opened and replayed, a broker is
+                     reachable and no shard writer is poisoned; else 503 with the reasons
+    GET /v1/status   one JSON document: partitions, offsets and lags, memtables,
+                     backpressure, flush state (what `lance-sink status` prints)
+
+Served on `observability.metrics_port`. When the query API listens on the same port, its
+routes are served by the same app.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+
+class Observable(Protocol):
+    """What the endpoints read from the service (see `SinkService`)."""
+
+    def exposition(self) -> bytes: ...
+    def liveness(self) -> tuple[bool, str]: ...
+    def readiness(self) -> tuple[bool, list[str]]: ...
+    def status(self) -> dict[str, Any]: ...
+
+
+def create_ops_app(service: Observable, app: FastAPI | None = None) -> FastAPI:
+    """Add the operations routes to `app` (or a new app) and return it."""
+    app = app or FastAPI(title="lance-sink operations", docs_url=None, redoc_url=None)
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics() -> Response:
+        return Response(service.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/healthz", include_in_schema=False)
+    def healthz() -> JSONResponse:
+        alive, reason = service.liveness()
+        return JSONResponse(
+            {"status": "alive" if alive else "dead", "reason": reason},
+            status_code=200 if alive else 503,
+        )
+
+    @app.get("/readyz", include_in_schema=False)
+    def readyz() -> JSONResponse:
+        ready, reasons = service.readiness()
+        return JSONResponse(
+            {"status": "ready" if ready else "not_ready", "reasons": reasons},
+            status_code=200 if ready else 503,
+        )
+
+    @app.get("/v1/status")
+    def status() -> JSONResponse:
+        return JSONResponse(service.status())
+
+    return app
