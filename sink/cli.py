@@ -6,6 +6,7 @@ Exit codes:
        incompatible, authentication failure, ...); the message says which
     2  invalid configuration or usage (the message names key, source and reason)
     3  the command is not implemented yet
+    4  `lag`: the lag is above `--max-lag`
     130  `run` was interrupted by a second signal before the drain finished (what was not
        committed is replayed or re-read on the next start; nothing acknowledged is lost)
 """
@@ -17,9 +18,12 @@ import json
 import os
 import signal
 import sys
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import confluent_kafka
 import structlog
 
 from config import ConfigError, Settings, load_settings, redacted
@@ -30,6 +34,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
 EXIT_NOT_IMPLEMENTED = 3
+EXIT_LAG = 4
 EXIT_INTERRUPTED = 130
 
 
@@ -51,6 +56,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument("file", type=Path, help="TOML or YAML config file")
     _add_overrides(check)
+
+    lag = commands.add_parser(
+        "lag", help="print the consumer group's lag per partition (without running the sink)"
+    )
+    lag.add_argument("--config", type=Path, help="config file (bootstrap, group, topics)")
+    lag.add_argument("--bootstrap", help="bootstrap servers (instead of --config)")
+    lag.add_argument("--group", help="consumer group (instead of --config)")
+    lag.add_argument("--topic", action="append", default=[], help="topic; repeatable")
+    lag.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    lag.add_argument(
+        "--max-lag", type=int, default=None, help="exit 4 if the total lag is above this"
+    )
+    lag.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for brokers")
+    _add_overrides(lag)
+
+    status = commands.add_parser("status", help="one-screen summary of a running sink")
+    status.add_argument("--url", help="the sink's metrics endpoint, e.g. http://host:9102")
+    status.add_argument("--config", type=Path, help="derive the URL from observability.*")
+    status.add_argument("--json", action="store_true", help="print the raw JSON")
     return parser
 
 
@@ -103,10 +127,129 @@ def _run(args: argparse.Namespace) -> int:
     return service.run()
 
 
+def _lag(args: argparse.Namespace) -> int:
+    from sink.lag import group_lag  # noqa: PLC0415 - keep the other commands light
+    from sink.service import kafka_security_conf  # noqa: PLC0415
+
+    if args.config is not None:
+        settings = _load(args.config, args.overrides)
+        conf = kafka_security_conf(settings)
+        group = args.group or settings.kafka.group_id
+        topics = args.topic or list(settings.kafka.topics)
+    elif args.bootstrap and args.group and args.topic:
+        conf = {"bootstrap.servers": args.bootstrap}
+        group, topics = args.group, args.topic
+    else:
+        print("lance-sink lag: give --config, or --bootstrap, --group and --topic", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        lags = group_lag(conf, group, topics, timeout=args.timeout)
+    except (TimeoutError, confluent_kafka.KafkaException) as exc:
+        print(f"lance-sink lag: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    total = sum(p.lag for p in lags)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "group": group,
+                    "partitions": [
+                        {
+                            "topic": p.topic,
+                            "partition": p.partition,
+                            "end": p.end,
+                            "committed": p.committed,
+                            "lag": p.lag,
+                        }
+                        for p in lags
+                    ],
+                    "total_lag": total,
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(f"{'TOPIC':30} {'PARTITION':>9} {'END':>12} {'COMMITTED':>12} {'LAG':>10}")
+        for p in lags:
+            committed = "-" if p.committed is None else str(p.committed)
+            print(f"{p.topic:30} {p.partition:>9} {p.end:>12} {committed:>12} {p.lag:>10}")
+        print(f"{'TOTAL':30} {'':>9} {'':>12} {'':>12} {total:>10}")
+    if args.max_lag is not None and total > args.max_lag:
+        return EXIT_LAG
+    return EXIT_OK
+
+
+def _status(args: argparse.Namespace) -> int:
+    url = args.url
+    if url is None and args.config is not None:
+        obs = _load(args.config, []).observability
+        host = "127.0.0.1" if obs.metrics_host in {"0.0.0.0", "::"} else obs.metrics_host  # noqa: S104
+        url = f"http://{host}:{obs.metrics_port}"
+    if url is None:
+        print("lance-sink status: give --url or --config", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/v1/status", timeout=10) as resp:  # noqa: S310 - operator-given URL
+            status = json.loads(resp.read())
+    except (OSError, ValueError) as exc:
+        print(f"lance-sink status: cannot read {url}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return EXIT_OK
+    print(render_status(status))
+    return EXIT_OK
+
+
+def render_status(status: dict[str, Any]) -> str:
+    """The one-screen summary `lance-sink status` prints."""
+    reasons = "; ".join(status["not_ready_reasons"])
+    lines = [
+        f"group {status['group']}  topics {', '.join(status['topics'])}  table {status['table']}",
+        f"ready: {'yes' if status['ready'] else 'no - ' + reasons}",
+        "",
+        (
+            f"{'PARTITION':24} {'END':>10} {'COMMIT LAG':>10} {'FLUSH LAG':>10} "
+            f"{'MEMTABLE':>12} {'FROZEN':>6} {'FLUSHES':>8} {'STATE':>8}"
+        ),
+    ]
+    for p in status["partitions"]:
+        lag = p.get("lag") or {}
+        mem = p.get("memtable") or {}
+        flush = p.get("flush") or {}
+        state = "fenced" if p["fenced"] else "paused" if p["paused"] else "running"
+        name = f"{p['topic']}[{p['partition']}]"
+        lines.append(
+            f"{name:24} {p.get('end') or '-':>10} {lag.get('commit', '-'):>10} "
+            f"{lag.get('flush', '-'):>10} {_size(mem.get('bytes', 0)):>12} "
+            f"{mem.get('frozen_count', 0):>6} {flush.get('flushes', 0):>8} {state:>8}"
+        )
+    bp = status["backpressure"]
+    lines += [
+        "",
+        (
+            f"backpressure: {bp['controller']}, used {_size(bp['used_bytes'] or 0)} of "
+            f"{_size(bp['budget_bytes'] or 0)}, rejections {bp['rejections_total']}, "
+            f"waits {bp['waits_total']} ({bp['wait_seconds_total']} s), "
+            f"active {bp['active_waits']}"
+        ),
+        f"base table: {status['base']['unindexed_rows']} unindexed rows",
+    ]
+    return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `lance-sink` console script."""
     args = _parser().parse_args(argv)
-    handlers = {"run": _run, "check-config": _check_config}
+    handlers = {"run": _run, "check-config": _check_config, "lag": _lag, "status": _status}
     try:
         return handlers[args.command](args)
     except ConfigError as exc:

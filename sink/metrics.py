@@ -13,7 +13,18 @@ import contextlib
 import threading
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+# `*_created` series double every counter and histogram for little use; Prometheus does not
+# need them to compute rates.
+disable_created_metrics()
 
 PREFIX = "lance_sink"
 
@@ -312,4 +323,3 @@ class Metrics:
 
     def shard_skipped(self, shard: str, error: BaseException) -> None:
         """A query skipped a shard whose writer is poisoned or fenced (ReaderEvents)."""
-        return None

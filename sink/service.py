@@ -727,7 +727,9 @@ class SinkService:
     def refresh_metrics(self) -> None:
         """Refresh every gauge from live state (called from the loop once a second)."""
         for (topic, partition), state in list(self.partitions.items()):
+            self.metrics.partition_paused(topic, partition, state.paused)
             writer = state.writer
+            self.metrics.partition_poisoned(topic, partition, writer is None or state.fenced)
             if writer is None or state.position is None:
                 continue
             stats = writer.stats()

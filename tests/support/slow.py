@@ -8,6 +8,7 @@ still happen, only later.
     LANCE_SINK_TEST_FLUSH_DELAY_S   sleep before every flush commit
     LANCE_SINK_TEST_WAL_STALL_S     one stall of the WAL (after LANCE_SINK_TEST_WAL_STALL_AFTER
                                     appends, default 5)
+    LANCE_SINK_TEST_REPLAY_DELAY_S  sleep in every shard open (claim + replay)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from typing import Any
 
 from engine.backpressure import BudgetController
+from engine.shard import ShardWriter
 from engine.storage import LocalStorage
 from engine.table import BaseTable
 
@@ -26,6 +28,15 @@ def controller(*, process_budget_bytes: int, max_unflushed_memtable_bytes: int) 
     flush_delay = float(os.environ.get("LANCE_SINK_TEST_FLUSH_DELAY_S", "0"))
     wal_stall = float(os.environ.get("LANCE_SINK_TEST_WAL_STALL_S", "0"))
     stall_after = int(os.environ.get("LANCE_SINK_TEST_WAL_STALL_AFTER", "5"))
+    replay_delay = float(os.environ.get("LANCE_SINK_TEST_REPLAY_DELAY_S", "0"))
+    if replay_delay:
+        replay = ShardWriter._claim_and_replay
+
+        def slow_replay(self: ShardWriter) -> None:
+            time.sleep(replay_delay)
+            replay(self)
+
+        ShardWriter._claim_and_replay = slow_replay  # type: ignore[method-assign]
     if flush_delay:
         commit = BaseTable.commit_flush
 

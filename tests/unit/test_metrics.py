@@ -1,0 +1,74 @@
+"""Metric names and help texts are part of the interface: dashboards and alerts use them."""
+
+from __future__ import annotations
+
+from sink.metrics import Metrics
+
+EXPECTED = {
+    "lance_sink_base_unindexed_rows": "Rows of the base table not covered by the vector index.",
+    "lance_sink_budget_bytes": "The process memory budget for unflushed rows.",
+    "lance_sink_budget_used_bytes": "Unflushed bytes counted against the budget.",
+    "lance_sink_bytes_ingested": "Message value bytes made durable and visible.",
+    "lance_sink_commit_failures": "Offset commits the broker refused or that failed.",
+    "lance_sink_commit_lag_messages": "Log end offset minus committed offset.",
+    "lance_sink_committed_offset": "Offset committed to Kafka.",
+    "lance_sink_consumed_offset": "Next offset the consumer will hand to the sink (position).",
+    "lance_sink_consumer_lag_messages": "Log end offset minus consumed position.",
+    "lance_sink_dlq_messages": "Messages sent to the dead-letter topic, by reason.",
+    "lance_sink_durable_lag_messages": "Log end offset minus durable offset.",
+    "lance_sink_durable_offset": "1 + the last offset whose WAL append is durable.",
+    "lance_sink_flush_failures": "Failed flush attempts (retried).",
+    "lance_sink_flush_lag_messages": "Log end offset minus flushed offset.",
+    "lance_sink_flush_rows": "Rows flushed into the Lance table.",
+    "lance_sink_flush_seconds": "Duration of one memtable flush into Lance.",
+    "lance_sink_flushed_offset": "1 + the last offset flushed into the Lance table.",
+    "lance_sink_lag_seconds": "Age of the oldest message not yet durable (0 when caught up).",
+    "lance_sink_log_end_offset": "Log end offset (high watermark).",
+    "lance_sink_maintenance_runs": "Base-table maintenance tasks run, by outcome.",
+    "lance_sink_memtable_bytes": "Resident bytes of the active memtable.",
+    "lance_sink_memtable_index_bytes": "Resident bytes of in-memory indexes (all memtables).",
+    "lance_sink_partition_paused": "1 while the partition is paused.",
+    "lance_sink_query_seconds": "Query latency by kind.",
+    "lance_sink_rebalance_events": "Partitions assigned, revoked or lost.",
+    "lance_sink_replay_rows": "Rows replayed from the WAL.",
+    "lance_sink_replay_seconds": "Duration of the last WAL replay of the shard.",
+    "lance_sink_rows_ingested": "Rows made durable and visible.",
+    "lance_sink_wal_append_bytes": "Bytes appended to the WAL.",
+    "lance_sink_wal_append_seconds": "Duration of one durable WAL append.",
+    "lance_sink_wal_backpressure_active_waits": "Backpressure waits in progress.",
+    "lance_sink_wal_backpressure_rejections": "Puts refused with Backpressure.",
+    "lance_sink_wal_backpressure_wait_seconds": "Seconds spent in completed backpressure waits.",
+    "lance_sink_wal_backpressure_waits": "Completed backpressure waits.",
+    "lance_sink_wal_sealed_memtables": "Frozen memtables waiting to be flushed.",
+    "lance_sink_wal_unflushed_bytes": "Bytes in memtables (active and frozen) not yet flushed.",
+    "lance_sink_writer_poisoned": "1 while the shard writer is poisoned.",
+}
+
+
+def test_metric_names_and_help_are_stable() -> None:
+    metrics = Metrics()
+    found = {m.name: m.documentation for m in metrics.registry.collect()}
+    assert found == EXPECTED
+
+
+def test_counters_end_in_total_and_units_are_named() -> None:
+    text = Metrics().exposition().decode()
+    for line in text.splitlines():
+        if line.startswith("# TYPE"):
+            _, _, name, kind = line.split()
+            if kind == "counter":
+                assert name.endswith("_total"), name
+            else:
+                assert name.endswith(
+                    (
+                        "_bytes",
+                        "_seconds",
+                        "_messages",
+                        "_offset",
+                        "_rows",
+                        "_memtables",
+                        "_waits",
+                        "_paused",
+                        "_poisoned",
+                    )
+                ), name
