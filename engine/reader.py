@@ -89,8 +89,14 @@ BASE_OVERFETCH = 16
 MAX_FETCH_ROUNDS = 6
 #: avgdl of the base for BM25 is estimated from this many of its documents (per version).
 AVGDL_SAMPLE_ROWS = 2_000
-#: Cached base statistics (df per term, row count, avgdl) for this many base versions x terms.
-STATS_CACHE_ENTRIES = 4_096
+#: Cached base statistics (df per term, documents, avgdl) for this many columns x terms.
+STATS_CACHE_ENTRIES = 16_384
+#: Base statistics computed at an older base version are reused while they are younger than
+#: this and the base's row count moved by less than `STATS_MAX_DRIFT`: counting a common
+#: term's documents in a 1M-row base takes tens of ms, and flushes make a new version every
+#: few seconds, while IDF barely moves with a few percent more documents.
+STATS_MAX_AGE_S = 30.0
+STATS_MAX_DRIFT = 0.1
 
 
 class ReaderEvents(Protocol):
@@ -302,7 +308,8 @@ class Reader:
         extra = [k for k in self.spec.primary_key if k not in columns] if self.spec.upsert else []
         return [*columns, *extra]
 
-    def _keys_of(self, table: pa.Table | pa.RecordBatch) -> list[Any]:
+    def keys_of(self, table: pa.Table | pa.RecordBatch) -> list[Any]:
+        """The primary-key value of every row (scalars, or tuples for a composite key)."""
         return key_values(table, self.spec.primary_key)
 
     def _memtable_rows(
@@ -318,7 +325,7 @@ class Reader:
         if not tier.newer or not len(rows) or tier.view.keys is None:
             return rows
         batch = tier.view.batches[batch_idx]
-        keys = self._keys_of(batch.select(list(self.spec.primary_key)).take(pa.array(rows)))
+        keys = self.keys_of(batch.select(list(self.spec.primary_key)).take(pa.array(rows)))
         visible: np.ndarray = rows[~tier.hidden(keys)]
         return visible
 
@@ -485,10 +492,14 @@ class Reader:
     ) -> pa.Table:
         assert self.spec.vector is not None
         base = snap.base
+        vector_name = self.spec.vector.name
         if base.count_rows() == 0:
             return pa.table({})
         refine = refine_factor if refine_factor is not None else self.settings.refine_factor
-        if refine is None and _has_vector_index(base, self.spec.vector.name):
+        indexed = self._cached(
+            base, ("vector_index",), lambda: _has_vector_index(base, vector_name), reuse=False
+        )
+        if refine is None and indexed:
             refine = 1
         nearest: dict[str, Any] = {
             "column": self.spec.vector.name,
@@ -520,7 +531,7 @@ class Reader:
             table = fetch_rows(limit)
             if not any_keys or not table.num_rows:
                 return table
-            hidden = snap.base_hidden(self._keys_of(table))
+            hidden = snap.base_hidden(self.keys_of(table))
             visible = table.filter(pa.array(~hidden))
             if visible.num_rows >= k or table.num_rows < limit:
                 return visible
@@ -674,15 +685,34 @@ class Reader:
 
         return self._base_overfetch(snap, k, fetch_rows)
 
-    def _cached(self, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
+    def _cached(
+        self,
+        base: lance.LanceDataset,
+        key: tuple[Any, ...],
+        compute: Callable[[], Any],
+        *,
+        reuse: bool = True,
+    ) -> Any:
+        """`compute()` for this base version, or (with `reuse`) a recent value computed at a
+        similar version (see `STATS_MAX_AGE_S`)."""
+        version, rows, now = int(base.version), base.count_rows(), time.monotonic()
         with self._stats_lock:
-            if key in self._stats:
-                return self._stats[key]
+            hit = self._stats.get(key)
+        if hit is not None:
+            value, at_version, at_rows, at_time = hit
+            drift = abs(rows - at_rows) / max(at_rows, 1)
+            if at_version == version or (
+                reuse
+                and now - at_time < STATS_MAX_AGE_S
+                and drift < STATS_MAX_DRIFT
+                and at_rows > 0
+            ):
+                return value
         value = compute()
         with self._stats_lock:
             if len(self._stats) >= STATS_CACHE_ENTRIES:
                 self._stats.clear()
-            self._stats[key] = value
+            self._stats[key] = (value, version, rows, now)
         return value
 
     def _base_text_stats(self, base: lance.LanceDataset, column: str) -> tuple[int, float]:
@@ -698,18 +728,18 @@ class Reader:
             terms, _ = fts.tokenize_batch(sample.column(column).to_pylist())
             return n, sum(len(t) for t in terms) / max(len(terms), 1)
 
-        result: tuple[int, float] = self._cached(("text", base.version, column), compute)
+        result: tuple[int, float] = self._cached(base, ("text", column), compute)
         return result
 
     def _base_df(self, base: lance.LanceDataset, column: str, term: str) -> int:
-        """Base documents containing `term` (Lance's FTS, counted; cached per version)."""
+        """Base documents containing `term` (Lance's FTS, counted; cached, see `_cached`)."""
 
         def compute() -> int:
             if base.count_rows() == 0:
                 return 0
             return int(base.scanner(full_text_query=MatchQuery(term, column)).count_rows())
 
-        result: int = self._cached(("df", base.version, column, term), compute)
+        result: int = self._cached(base, ("df", column, term), compute)
         return result
 
     # ------------------------------------------------------------------ filter / scan
@@ -894,7 +924,7 @@ class Reader:
             rows = np.flatnonzero(mask)
             sub = table.take(pa.array(rows))
             exact = np.fromiter(
-                (k in wanted for k in self._keys_of(sub)), dtype=bool, count=len(rows)
+                (k in wanted for k in self.keys_of(sub)), dtype=bool, count=len(rows)
             )
             mask[rows[~exact]] = False
         return mask
