@@ -52,7 +52,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -89,8 +89,17 @@ BASE_OVERFETCH = 16
 MAX_FETCH_ROUNDS = 6
 #: avgdl of the base for BM25 is estimated from this many of its documents (per version).
 AVGDL_SAMPLE_ROWS = 2_000
-#: Cached base statistics (df per term, row count, avgdl) for this many base versions x terms.
-STATS_CACHE_ENTRIES = 4_096
+#: A term found in at least this many sampled base documents has its document frequency
+#: estimated from the sample (relative error ~1/sqrt(20) ~ 22%, a few percent of IDF).
+DF_SAMPLE_MIN_HITS = 20
+#: Cached base statistics (df per term, documents, avgdl) for this many columns x terms.
+STATS_CACHE_ENTRIES = 16_384
+#: Base statistics computed at an older base version are reused while they are younger than
+#: this and the base's row count moved by less than `STATS_MAX_DRIFT`: counting a common
+#: term's documents in a 1M-row base takes tens of ms, and flushes make a new version every
+#: few seconds, while IDF barely moves with a few percent more documents.
+STATS_MAX_AGE_S = 30.0
+STATS_MAX_DRIFT = 0.1
 
 
 class ReaderEvents(Protocol):
@@ -302,7 +311,8 @@ class Reader:
         extra = [k for k in self.spec.primary_key if k not in columns] if self.spec.upsert else []
         return [*columns, *extra]
 
-    def _keys_of(self, table: pa.Table | pa.RecordBatch) -> list[Any]:
+    def keys_of(self, table: pa.Table | pa.RecordBatch) -> list[Any]:
+        """The primary-key value of every row (scalars, or tuples for a composite key)."""
         return key_values(table, self.spec.primary_key)
 
     def _memtable_rows(
@@ -318,7 +328,7 @@ class Reader:
         if not tier.newer or not len(rows) or tier.view.keys is None:
             return rows
         batch = tier.view.batches[batch_idx]
-        keys = self._keys_of(batch.select(list(self.spec.primary_key)).take(pa.array(rows)))
+        keys = self.keys_of(batch.select(list(self.spec.primary_key)).take(pa.array(rows)))
         visible: np.ndarray = rows[~tier.hidden(keys)]
         return visible
 
@@ -485,10 +495,14 @@ class Reader:
     ) -> pa.Table:
         assert self.spec.vector is not None
         base = snap.base
+        vector_name = self.spec.vector.name
         if base.count_rows() == 0:
             return pa.table({})
         refine = refine_factor if refine_factor is not None else self.settings.refine_factor
-        if refine is None and _has_vector_index(base, self.spec.vector.name):
+        indexed = self._cached(
+            base, ("vector_index",), lambda: _has_vector_index(base, vector_name), reuse=False
+        )
+        if refine is None and indexed:
             refine = 1
         nearest: dict[str, Any] = {
             "column": self.spec.vector.name,
@@ -520,7 +534,7 @@ class Reader:
             table = fetch_rows(limit)
             if not any_keys or not table.num_rows:
                 return table
-            hidden = snap.base_hidden(self._keys_of(table))
+            hidden = snap.base_hidden(self.keys_of(table))
             visible = table.filter(pa.array(~hidden))
             if visible.num_rows >= k or table.num_rows < limit:
                 return visible
@@ -585,7 +599,7 @@ class Reader:
                         df_mem[t] += int((fts.term_frequencies(bt, tid)[live] > 0).sum())
                 per_batch.append((tier, i, live, bt, vocab))
 
-        n_base, avgdl_base = self._base_text_stats(snap.base, column)
+        n_base, avgdl_base, _, _ = self._base_text_stats(snap.base, column)
         n_total = n_base + n_mem
         avgdl = (avgdl_base * n_base + len_mem) / n_total if n_total else 1.0
         term_idf = {
@@ -674,42 +688,80 @@ class Reader:
 
         return self._base_overfetch(snap, k, fetch_rows)
 
-    def _cached(self, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
+    def _cached(
+        self,
+        base: lance.LanceDataset,
+        key: tuple[Any, ...],
+        compute: Callable[[], Any],
+        *,
+        reuse: bool = True,
+    ) -> Any:
+        """`compute()` for this base version, or (with `reuse`) a recent value computed at a
+        similar version (see `STATS_MAX_AGE_S`)."""
+        version, rows, now = int(base.version), base.count_rows(), time.monotonic()
         with self._stats_lock:
-            if key in self._stats:
-                return self._stats[key]
+            hit = self._stats.get(key)
+        if hit is not None:
+            value, at_version, at_rows, at_time = hit
+            drift = abs(rows - at_rows) / max(at_rows, 1)
+            if at_version == version or (
+                reuse
+                and now - at_time < STATS_MAX_AGE_S
+                and drift < STATS_MAX_DRIFT
+                and at_rows > 0
+            ):
+                return value
         value = compute()
         with self._stats_lock:
             if len(self._stats) >= STATS_CACHE_ENTRIES:
                 self._stats.clear()
-            self._stats[key] = value
+            self._stats[key] = (value, version, rows, now)
         return value
 
-    def _base_text_stats(self, base: lance.LanceDataset, column: str) -> tuple[int, float]:
-        """(documents, estimated average tokens per document) of the base."""
+    def _base_text_stats(
+        self, base: lance.LanceDataset, column: str
+    ) -> tuple[int, float, int, dict[str, int]]:
+        """(documents, average tokens per document, sample size, documents per term in the
+        sample) of the base. The sample is its first `AVGDL_SAMPLE_ROWS` documents."""
 
-        def compute() -> tuple[int, float]:
+        def compute() -> tuple[int, float, int, dict[str, int]]:
             # Lance counts documents with a non-null text only (checked on this machine).
             has_text = pc.field(column).is_valid()
             n = base.count_rows(filter=has_text)
             if not n:
-                return 0, 0.0
+                return 0, 0.0, 0, {}
             sample = base.to_table(columns=[column], filter=has_text, limit=AVGDL_SAMPLE_ROWS)
             terms, _ = fts.tokenize_batch(sample.column(column).to_pylist())
-            return n, sum(len(t) for t in terms) / max(len(terms), 1)
+            per_term: dict[str, int] = {}
+            for doc in terms:
+                for t in set(doc):
+                    per_term[t] = per_term.get(t, 0) + 1
+            avgdl = sum(len(t) for t in terms) / max(len(terms), 1)
+            return n, avgdl, len(terms), per_term
 
-        result: tuple[int, float] = self._cached(("text", base.version, column), compute)
+        result: tuple[int, float, int, dict[str, int]] = self._cached(
+            base, ("text", column), compute
+        )
         return result
 
     def _base_df(self, base: lance.LanceDataset, column: str, term: str) -> int:
-        """Base documents containing `term` (Lance's FTS, counted; cached per version)."""
+        """Base documents containing `term`: exact from the sample when it covers the whole
+        base; estimated from the sample for a common term (>= `DF_SAMPLE_MIN_HITS` sample
+        documents, so within ~25%); otherwise counted with Lance's FTS (cheap for a rare
+        term, whose posting list is short). Cached, see `_cached`."""
+        n, _, sample_n, sample_df = self._base_text_stats(base, column)
+        if not n:
+            return 0
+        hits = sample_df.get(term, 0)
+        if sample_n >= n:
+            return hits
+        if hits >= DF_SAMPLE_MIN_HITS:
+            return round(hits / sample_n * n)
 
         def compute() -> int:
-            if base.count_rows() == 0:
-                return 0
             return int(base.scanner(full_text_query=MatchQuery(term, column)).count_rows())
 
-        result: int = self._cached(("df", base.version, column, term), compute)
+        result: int = self._cached(base, ("df", column, term), compute)
         return result
 
     # ------------------------------------------------------------------ filter / scan
@@ -860,12 +912,13 @@ class Reader:
     def _lookup_append_tier(
         self, tier: _Tier, wanted: list[Any], fetch: list[str]
     ) -> list[pa.Table]:
-        expr_values = set(wanted)
+        wanted_set = set(wanted)
+        value_sets = self._key_value_sets(wanted)
         out = []
         for i, batch in enumerate(tier.view.batches):
             if not batch.num_rows:
                 continue
-            mask = self._key_match(batch, expr_values)
+            mask = self._key_match(batch, wanted_set, value_sets)
             live = tier.view.live[i]
             if live is not None:
                 mask &= live
@@ -874,36 +927,40 @@ class Reader:
                 out.append(self._memtable_rows(tier, i, rows, fetch))
         return out
 
-    def _key_columns_prefilter(
-        self, table: pa.Table | pa.RecordBatch, wanted: Iterable[Any]
-    ) -> np.ndarray:
+    def _key_value_sets(self, keys: list[Any]) -> list[pa.Array]:
+        """The distinct values of each key column among `keys` (Arrow arrays for `is_in`)."""
         names = self.spec.primary_key
-        keys = list(wanted)
-        mask = np.ones(table.num_rows, dtype=bool)
-        for j, (name, ktype) in enumerate(zip(names, self._key_types, strict=True)):
-            values = pa.array(list({k[j] if len(names) > 1 else k for k in keys}), type=ktype)
-            hit = pc.fill_null(pc.is_in(table.column(name), value_set=values), False)
-            mask &= hit.to_numpy(zero_copy_only=False)
-        return mask
+        return [
+            pa.array(list({k[j] if len(names) > 1 else k for k in keys}), type=ktype)
+            for j, ktype in enumerate(self._key_types)
+        ]
 
-    def _key_match(self, table: pa.Table | pa.RecordBatch, wanted: set[Any]) -> np.ndarray:
+    def _key_match(
+        self,
+        table: pa.Table | pa.RecordBatch,
+        wanted: set[Any],
+        value_sets: list[pa.Array] | None = None,
+    ) -> np.ndarray:
         """Rows whose key is in `wanted` (vectorised `is_in` per key column, then an exact
         tuple check of the few candidates for composite keys)."""
-        mask = self._key_columns_prefilter(table, wanted)
-        if len(self.spec.primary_key) > 1 and mask.any():
+        names = self.spec.primary_key
+        sets = value_sets if value_sets is not None else self._key_value_sets(list(wanted))
+        mask = np.ones(table.num_rows, dtype=bool)
+        for name, values in zip(names, sets, strict=True):
+            hit = pc.fill_null(pc.is_in(table.column(name), value_set=values), False)
+            mask &= hit.to_numpy(zero_copy_only=False)
+        if len(names) > 1 and mask.any():
             rows = np.flatnonzero(mask)
             sub = table.take(pa.array(rows))
             exact = np.fromiter(
-                (k in wanted for k in self._keys_of(sub)), dtype=bool, count=len(rows)
+                (k in wanted for k in self.keys_of(sub)), dtype=bool, count=len(rows)
             )
             mask[rows[~exact]] = False
         return mask
 
     def _key_expression(self, keys: list[Any]) -> pc.Expression:
-        names = self.spec.primary_key
         expr: pc.Expression | None = None
-        for j, (name, ktype) in enumerate(zip(names, self._key_types, strict=True)):
-            values = pa.array(list({k[j] if len(names) > 1 else k for k in keys}), type=ktype)
+        for name, values in zip(self.spec.primary_key, self._key_value_sets(keys), strict=True):
             part = pc.field(name).isin(values)
             expr = part if expr is None else expr & part
         assert expr is not None
