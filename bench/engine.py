@@ -259,6 +259,72 @@ def median_seconds(fn: Callable[[Path], float], repeat: int) -> float:
     return statistics.median(times)
 
 
+def run_kind(
+    label: str,
+    vector: bool,
+    rows: int,
+    chars: int,
+    args: argparse.Namespace,
+    report: Callable[[str], None],
+) -> None:
+    """Measure one kind of rows against every yardstick and report the ratios."""
+    spec = make_spec("unused", vector)
+    batches = make_batches(spec, rows, chars, seed=1)
+    mb = data_bytes(batches) / 1e6
+    report(f"\n## {label}: {rows} rows, {mb:.0f} MB Arrow data ({mb * 1e6 / rows:.0f} B/row)")
+    runs: dict[str, Callable[[Path], float]] = {
+        "lance-sink, 1 shard": lambda d: sink_put(d, vector, batches, 1),
+        "lance-sink, 4 shards": lambda d: sink_put(d, vector, batches, 4),
+        "lance-sink, 1 shard, durable_writes=false": lambda d: sink_put(
+            d, vector, batches, 1, durable=False
+        ),
+        "raw Lance append (commit per batch)": lambda d: raw_lance_append(d, vector, batches),
+        "raw Lance append + sync to disk": lambda d: raw_lance_append(
+            d, vector, batches, sync=True
+        ),
+        "raw Lance write (one commit)": lambda d: raw_lance_bulk(d, vector, batches),
+        "native MemWAL, no index": lambda d: native_memwal(d, vector, batches, indexed=False),
+    }
+    results = {name: median_seconds(fn, args.repeat) for name, fn in runs.items()}
+    if vector:
+        subset = batches[: max(2, args.indexed_memwal_rows // BATCH_ROWS)]
+        secs = median_seconds(lambda d: native_memwal(d, vector, subset, indexed=True), 1)
+        results["native MemWAL, maintained vector index"] = secs * len(batches) / len(subset)
+    for name, secs in results.items():
+        report(f"{name:42s} {rows / secs:>12,.0f} rows/s {mb / secs:>9,.1f} MB/s")
+    one = results["lance-sink, 1 shard"]
+    ratios = {
+        "1 shard / raw Lance append": results["raw Lance append (commit per batch)"] / one,
+        "1 shard / raw Lance append + sync": results["raw Lance append + sync to disk"] / one,
+        "4 shards / raw Lance append": results["raw Lance append (commit per batch)"]
+        / results["lance-sink, 4 shards"],
+        "1 shard durable_writes=false / raw Lance append": results[
+            "raw Lance append (commit per batch)"
+        ]
+        / results["lance-sink, 1 shard, durable_writes=false"],
+        "1 shard / raw Lance one commit": results["raw Lance write (one commit)"] / one,
+        "1 shard / native MemWAL": results["native MemWAL, no index"] / one,
+    }
+    if vector:
+        ratios["1 shard / native MemWAL with vector index"] = (
+            results["native MemWAL, maintained vector index"] / one
+        )
+    for name, ratio in ratios.items():
+        report(f"ratio {name}: {ratio:.2f}x")
+    if vector:
+        seconds, wal_bytes = min(
+            (
+                replay(Path(tempfile.mkdtemp(prefix="lance-sink-bench-")), batches)
+                for _ in range(args.repeat)
+            ),
+            key=lambda r: r[0],
+        )
+        report(f"replay: {wal_bytes / 1e6 / seconds:,.0f} MB/s ({wal_bytes / 1e6:.0f} MB)")
+    resident, arrow = resident_per_row(spec, batches[: max(1, 100_000 // BATCH_ROWS)])
+    report(f"resident bytes per buffered row: {resident:.0f} vs Arrow {arrow:.0f}")
+    report(f"ratio resident / Arrow data bytes: {resident / arrow:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small-rows", type=int, default=1_000_000)
@@ -273,74 +339,13 @@ def main() -> None:
         print(line, flush=True)
         lines.append(line)
 
-    report(f"lance-sink engine benchmark (medians of {args.repeat}; batches of {BATCH_ROWS} rows)")
+    report(f"lance-sink engine benchmark (medians of {args.repeat}; {BATCH_ROWS}-row batches)")
     kinds = {
         "200-byte rows": (False, args.small_rows, 120),
         f"{DIM}-dim vector rows": (True, args.vector_rows, 200),
     }
     for label, (vector, rows, chars) in kinds.items():
-        spec = make_spec("unused", vector)
-        batches = make_batches(spec, rows, chars, seed=1)
-        mb = data_bytes(batches) / 1e6
-        report(f"\n## {label}: {rows} rows, {mb:.0f} MB Arrow data ({mb * 1e6 / rows:.0f} B/row)")
-        results = {
-            "lance-sink, 1 shard": median_seconds(
-                lambda d: sink_put(d, vector, batches, 1), args.repeat
-            ),
-            "lance-sink, 4 shards": median_seconds(
-                lambda d: sink_put(d, vector, batches, 4), args.repeat
-            ),
-            "lance-sink, 1 shard, durable_writes=false": median_seconds(
-                lambda d: sink_put(d, vector, batches, 1, durable=False), args.repeat
-            ),
-            "raw Lance append (commit per batch)": median_seconds(
-                lambda d: raw_lance_append(d, vector, batches), args.repeat
-            ),
-            "raw Lance append + sync to disk": median_seconds(
-                lambda d: raw_lance_append(d, vector, batches, sync=True), args.repeat
-            ),
-            "raw Lance write (one commit)": median_seconds(
-                lambda d: raw_lance_bulk(d, vector, batches), args.repeat
-            ),
-            "native MemWAL, no index": median_seconds(
-                lambda d: native_memwal(d, vector, batches, indexed=False), args.repeat
-            ),
-        }
-        if vector:
-            subset = batches[: max(2, args.indexed_memwal_rows // BATCH_ROWS)]
-            secs = median_seconds(lambda d: native_memwal(d, vector, subset, indexed=True), 1)
-            results["native MemWAL, maintained vector index"] = secs * len(batches) / len(subset)
-        for name, secs in results.items():
-            report(f"{name:42s} {rows / secs:>12,.0f} rows/s {mb / secs:>9,.1f} MB/s")
-        one = results["lance-sink, 1 shard"]
-        fast = results["lance-sink, 1 shard, durable_writes=false"]
-        raw = results["raw Lance append (commit per batch)"]
-        report(f"ratio 1 shard / raw Lance append: {raw / one:.2f}x")
-        report(
-            f"ratio 1 shard / raw Lance append + sync: {results['raw Lance append + sync to disk'] / one:.2f}x"
-        )
-        report(f"ratio 1 shard durable_writes=false / raw Lance append: {raw / fast:.2f}x")
-        report(
-            f"ratio 1 shard / raw Lance one commit: {results['raw Lance write (one commit)'] / one:.2f}x"
-        )
-        report(f"ratio 1 shard / native MemWAL: {results['native MemWAL, no index'] / one:.2f}x")
-        if vector:
-            idx = results["native MemWAL, maintained vector index"]
-            report(f"ratio 1 shard / native MemWAL with vector index: {idx / one:.1f}x")
-            seconds, wal_bytes = min(
-                (
-                    replay(Path(tempfile.mkdtemp(prefix="lance-sink-bench-")), batches)
-                    for _ in range(args.repeat)
-                ),
-                key=lambda r: r[0],
-            )
-            report(
-                f"replay: {wal_bytes / 1e6 / seconds:,.0f} MB/s ({wal_bytes / 1e6:.0f} MB in {seconds:.2f} s)"
-            )
-        resident, arrow = resident_per_row(spec, batches[: max(1, 100_000 // BATCH_ROWS)])
-        report(
-            f"resident bytes per buffered row: {resident:.0f} vs Arrow {arrow:.0f} ({resident / arrow:.2f}x)"
-        )
+        run_kind(label, vector, rows, chars, args, report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("\n".join(lines) + "\n")

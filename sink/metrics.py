@@ -24,7 +24,7 @@ from prometheus_client import (
 
 # `*_created` series double every counter and histogram for little use; Prometheus does not
 # need them to compute rates.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in prometheus-client
 
 PREFIX = "lance_sink"
 
