@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv lint typecheck check test test-fast lock clean
+.PHONY: venv lint typecheck check test test-fast demo docs lock clean
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,14 @@ $(HELM):
 ## Everything: lint, strict types, and all test tiers (unit, broker, S3, slow, helm).
 test: check $(HELM)
 	LANCE_SINK_HELM=$(abspath $(HELM)) $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## The whole product on an embedded broker and a local table (see README). DEMO_ARGS=--follow etc.
+demo: venv
+	$(BIN)/lance-sink demo $(DEMO_ARGS)
+
+## Regenerate the configuration reference in README.md from the settings model.
+docs: venv
+	$(BIN)/python -m config.reference --write README.md
 
 ## Unit tests only (no brokers, no S3, nothing slow).
 test-fast: venv

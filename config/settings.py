@@ -148,16 +148,28 @@ class KafkaSettings(_Section):
         description="How often durable offsets are committed asynchronously (they are also "
         "committed synchronously on revoke and shutdown).",
     )
-    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = (
-        Field(default=None, validate_default=True)
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        default="PLAINTEXT", description="How the clients talk to the brokers."
     )
-    sasl_username: str | None = None
-    sasl_password: SecretStr | None = None
-    ssl_ca_location: str | None = None
-    ssl_certificate_location: str | None = None
-    ssl_key_location: str | None = None
-    ssl_key_password: SecretStr | None = None
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = (
+        Field(
+            default=None,
+            validate_default=True,
+            description="SASL mechanism; required with a SASL security_protocol.",
+        )
+    )
+    sasl_username: str | None = Field(default=None, description="SASL user name.")
+    sasl_password: SecretStr | None = Field(
+        default=None, description="SASL password (secret; set it through the environment)."
+    )
+    ssl_ca_location: str | None = Field(default=None, description="CA certificate file (PEM).")
+    ssl_certificate_location: str | None = Field(
+        default=None, description="Client certificate file (PEM) for mutual TLS."
+    )
+    ssl_key_location: str | None = Field(default=None, description="Client private key (PEM).")
+    ssl_key_password: SecretStr | None = Field(
+        default=None, description="Password of the client private key (secret)."
+    )
     librdkafka: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
         description="Extra librdkafka consumer properties, checked against librdkafka; keys "
@@ -193,9 +205,13 @@ class ColumnSpec(_Section):
 class VectorSpec(_Section):
     """The vector column: `FixedSizeList<float32>[dim]` searched with `metric`."""
 
-    column: str = Field(default="vector", pattern=r"^[A-Za-z][A-Za-z0-9_]*$")
-    dim: int = Field(gt=0, le=16_384)
-    metric: Literal["l2", "cosine", "dot"] = "l2"
+    column: str = Field(
+        default="vector", pattern=r"^[A-Za-z][A-Za-z0-9_]*$", description="Column name."
+    )
+    dim: int = Field(gt=0, le=16_384, description="Dimension: every vector has exactly this many.")
+    metric: Literal["l2", "cosine", "dot"] = Field(
+        default="l2", description="Distance used by vector search and the vector index."
+    )
     allow_nan: bool = Field(
         default=False, description="Accept NaN components (they poison distances; off)."
     )
@@ -210,7 +226,11 @@ class TableSettings(_Section):
         description="append: every message is a row. upsert: rows are keyed by primary_key; "
         "the newest version of a key wins and a Kafka tombstone deletes it.",
     )
-    columns: list[ColumnSpec] = Field(min_length=1, description="Scalar columns.")
+    columns: list[ColumnSpec] = Field(
+        min_length=1,
+        description="Scalar columns, each { name, type, nullable }; type is one of string, "
+        "int32, int64, float32, float64, bool, binary, timestamp (milliseconds, UTC).",
+    )
     vector: VectorSpec | None = None
     fts_columns: list[str] = Field(
         default_factory=list, description="String columns searchable by full-text (BM25)."
@@ -424,8 +444,12 @@ class FlushSettings(_Section):
     """Flushing frozen memtables into the Lance table."""
 
     workers: PositiveInt = Field(default=1, le=16, description="Concurrent flushes.")
-    retry_initial_backoff_ms: PositiveInt = 200
-    retry_max_backoff_ms: PositiveInt = 10_000
+    retry_initial_backoff_ms: PositiveInt = Field(
+        default=200, description="Wait before retrying a failed flush; doubles per attempt."
+    )
+    retry_max_backoff_ms: PositiveInt = Field(
+        default=10_000, description="Longest wait between flush retries."
+    )
     max_attempts: PositiveInt = Field(
         default=8, description="Failed attempts after which the shard writer is poisoned."
     )
@@ -434,9 +458,11 @@ class FlushSettings(_Section):
 class MaintenanceSettings(_Section):
     """Background upkeep of the base table: indexes, compaction, old versions."""
 
-    enabled: bool = True
+    enabled: bool = Field(default=True, description="Run base-table maintenance in this process.")
     interval_s: PositiveInt = Field(default=30, description="Time between maintenance runs.")
-    vector_index: Literal["IVF_PQ", "IVF_HNSW_SQ"] = "IVF_PQ"
+    vector_index: Literal["IVF_PQ", "IVF_HNSW_SQ"] = Field(
+        default="IVF_PQ", description="Kind of vector index built on the base table."
+    )
     vector_index_min_rows: PositiveInt = Field(
         default=50_000, description="Build the vector index once the base table has this many rows."
     )
@@ -446,7 +472,7 @@ class MaintenanceSettings(_Section):
     num_sub_vectors: PositiveInt | None = Field(
         default=None, description="PQ sub-vectors; default dim/16 (must divide dim)."
     )
-    fts_index: bool = True
+    fts_index: bool = Field(default=True, description="Build the full-text index on fts_columns.")
     optimize_unindexed_rows: PositiveInt = Field(
         default=20_000, description="Run optimize_indices once this many rows are unindexed."
     )
@@ -468,7 +494,10 @@ class DlqSettings(_Section):
     topic_template: str = Field(
         default="{topic}.dlq", description="Dead-letter topic; {topic} = the source topic."
     )
-    produce_timeout_ms: PositiveInt = 30_000
+    produce_timeout_ms: PositiveInt = Field(
+        default=30_000,
+        description="A dead letter not delivered within this is re-sent (the partition waits).",
+    )
     lance_table_uri: str | None = Field(
         default=None, description="Also append dead letters to this Lance table."
     )
@@ -486,9 +515,14 @@ class DlqSettings(_Section):
 class ObservabilitySettings(_Section):
     """Logs and metrics."""
 
-    metrics_host: str = "0.0.0.0"  # noqa: S104 - a pod serves metrics on all interfaces
+    metrics_host: str = Field(
+        default="0.0.0.0",  # noqa: S104 - a pod serves metrics on all interfaces
+        description="Address of the metrics and health endpoints.",
+    )
     metrics_port: Port = Field(default=9102, description="Prometheus /metrics and health probes.")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="Lowest level logged."
+    )
     log_format: Literal["auto", "json", "console"] = Field(
         default="auto", description="auto: console on a TTY, JSON otherwise."
     )
@@ -500,15 +534,22 @@ class ObservabilitySettings(_Section):
 class QuerySettings(_Section):
     """The HTTP query API."""
 
-    enabled: bool = True
-    host: str = "0.0.0.0"  # noqa: S104 - a pod serves queries on all interfaces
-    port: Port = 8080
+    enabled: bool = Field(default=True, description="Serve the HTTP query API.")
+    host: str = Field(
+        default="0.0.0.0",  # noqa: S104 - a pod serves queries on all interfaces
+        description="Address of the query API.",
+    )
+    port: Port = Field(
+        default=8080, description="Port of the query API (may equal the metrics port)."
+    )
     auth_token: SecretStr | None = Field(
         default=None, description="If set, requests need 'Authorization: Bearer <token>'."
     )
-    max_request_bytes: PositiveBytes = ByteSize(4 << 20)
-    timeout_ms: PositiveInt = 10_000
-    max_k: PositiveInt = Field(default=1_000, le=100_000)
+    max_request_bytes: PositiveBytes = Field(
+        default=ByteSize(4 << 20), description="Larger request bodies get 413."
+    )
+    timeout_ms: PositiveInt = Field(default=10_000, description="Longer queries get 504.")
+    max_k: PositiveInt = Field(default=1_000, le=100_000, description="Largest k a query may ask.")
     nprobes: PositiveInt = Field(default=20, description="IVF partitions probed on the base.")
     refine_factor: PositiveInt | None = Field(
         default=None, description="Re-rank k*refine_factor candidates with exact distances."

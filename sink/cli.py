@@ -71,6 +71,11 @@ def _parser() -> argparse.ArgumentParser:
     lag.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for brokers")
     _add_overrides(lag)
 
+    demo = commands.add_parser(
+        "demo", help="the whole product on an embedded broker and a local table", add_help=False
+    )
+    demo.add_argument("demo_args", nargs=argparse.REMAINDER, help="see `lance-sink demo --help`")
+
     status = commands.add_parser("status", help="one-screen summary of a running sink")
     status.add_argument("--url", help="the sink's metrics endpoint, e.g. http://host:9102")
     status.add_argument("--config", type=Path, help="derive the URL from observability.*")
@@ -246,10 +251,25 @@ def _size(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from sink.demo import main as demo  # noqa: PLC0415 - only the demo needs rich
+
+    return demo(list(args.demo_args))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `lance-sink` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:  # the demo parses its own options
+        return _demo(argparse.Namespace(demo_args=argv[1:]))
     args = _parser().parse_args(argv)
-    handlers = {"run": _run, "check-config": _check_config, "lag": _lag, "status": _status}
+    handlers = {
+        "run": _run,
+        "check-config": _check_config,
+        "lag": _lag,
+        "status": _status,
+        "demo": _demo,
+    }
     try:
         return handlers[args.command](args)
     except ConfigError as exc:

@@ -176,7 +176,12 @@ class SinkService:
         self.decoder = Decoder(self.engine.spec, settings.source)
         self.dlq = (
             DeadLetterProducer(
-                kafka_security_conf(settings), settings.dlq.topic_template, self.metrics
+                kafka_security_conf(settings),
+                settings.dlq.topic_template,
+                self.metrics,
+                timeout_ms=settings.dlq.produce_timeout_ms,
+                table_uri=settings.dlq.lance_table_uri,
+                storage_options=self.engine.spec.storage_options,
             )
             if settings.dlq.enabled
             else None
