@@ -3,12 +3,15 @@ never makes the member leave its group (the loop keeps polling)."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.support.brokers import Broker
+from tests.support.brokers import Broker, free_port
 from tests.support.kafka import produce
 from tests.support.sink import SinkProcess, messages, table_rows, wait_caught_up, write_config
 
@@ -28,6 +31,8 @@ def test_tiny_budget_and_slow_flush_pause_partitions(
     n = 20_000
     produce(kafka_broker.bootstrap, topic, messages(0, n))
     table = str(tmp_path / "table.lance")
+    budget = 512 << 10
+    port = free_port()
     config = write_config(
         tmp_path / "sink.toml",
         bootstrap=kafka_broker.bootstrap,
@@ -37,17 +42,38 @@ def test_tiny_budget_and_slow_flush_pause_partitions(
         extra={
             "memtable": {"max_rows": 1000, "max_bytes": 128 << 10},
             "backpressure": {
-                "process_budget_bytes": 512 << 10,
+                "process_budget_bytes": budget,
                 "controller": "tests.support.slow:controller",
             },
             "kafka": {"consume_batch_size": 500},
+            "observability": {"metrics_port": port},
         },
     )
     sink = SinkProcess(config, tmp_path / "sink.log", env={"LANCE_SINK_TEST_FLUSH_DELAY_S": "0.3"})
+    peak_used = 0.0
+    stop = threading.Event()
+
+    def watch_budget() -> None:
+        nonlocal peak_used
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
+                for line in text.decode().splitlines():
+                    if line.startswith("lance_sink_budget_used_bytes "):
+                        peak_used = max(peak_used, float(line.split()[1]))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch_budget, daemon=True)
+    watcher.start()
     try:
         wait_caught_up(kafka_broker.bootstrap, group, topic, timeout=300, procs=[sink])
     finally:
+        stop.set()
+        watcher.join(5)
         assert sink.stop() == 0
+    # Memory stays bounded: the budget is never exceeded by more than the puts admitted
+    # while it was not yet full (at most one batch per partition: 4 x 500 small rows).
+    assert 0 < peak_used <= budget + 4 * 500 * 400, peak_used
     events = running_events(sink)
     assert events.count("partition_paused") >= 2  # backpressure was applied
     assert events.count("partition_resumed") >= 2

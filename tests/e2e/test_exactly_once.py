@@ -17,29 +17,36 @@ pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
 def test_exactly_once_end_to_end(
     kafka_broker: Broker, topic: str, group: str, tmp_path: Path
 ) -> None:
-    n = 3000
+    n, m = 3000, 500
+    second = topic + "-b"  # several topics feed one table
     produce(kafka_broker.bootstrap, topic, messages(0, n))
+    produce(kafka_broker.bootstrap, second, messages(n, m))
     table = str(tmp_path / "table.lance")
     config = write_config(
         tmp_path / "sink.toml",
         bootstrap=kafka_broker.bootstrap,
-        topics=[topic],
+        topics=[topic, second],
         group=group,
         table_uri=table,
     )
     sink = SinkProcess(config, tmp_path / "sink.log")
     try:
         ends = wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[sink])
+        ends_b = wait_caught_up(kafka_broker.bootstrap, group, second, procs=[sink])
     finally:
         code = sink.stop()
     assert code == 0, sink.log_path.read_text()[-3000:]
     assert sum(ends.values()) == n
+    assert sum(ends_b.values()) == m
     rows = table_rows(table)
-    assert sorted(r["n"] for r in rows) == list(range(n))
+    assert sorted(r["n"] for r in rows) == list(range(n + m))
+    assert {r["_topic"] for r in rows if r["n"] >= n} == {second}
     by_n = {r["n"]: r for r in rows}
     assert by_n[7]["text"] == "message number 7"
     assert by_n[7]["id"] == "m-7"
     assert len(by_n[7]["vec"]) == 8
-    assert {(r["_topic"], r["_partition"]) for r in rows} == {(topic, p) for p in range(4)}
+    assert {(r["_topic"], r["_partition"]) for r in rows} == {
+        (t, p) for t in (topic, second) for p in range(4)
+    }
     events = {e["event"] for e in sink.events()}
     assert {"partition_assigned", "sink_draining", "sink_stopped"} <= events

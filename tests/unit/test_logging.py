@@ -1,0 +1,43 @@
+"""structlog is configured once; librdkafka's own log lines come through the same pipeline."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = """
+import time, confluent_kafka, structlog
+from sink.log import configure_logging, librdkafka_logger
+configure_logging("debug", "json")
+structlog.get_logger("test").info("bound_event", topic="t", partition=3)
+# A client pointed at nothing logs connection failures through librdkafka's logger.
+p = confluent_kafka.Producer({"bootstrap.servers": "127.0.0.1:1",
+                              "logger": librdkafka_logger(), "reconnect.backoff.ms": 10})
+deadline = time.time() + 3
+while time.time() < deadline:
+    p.poll(0.2)
+"""
+
+
+def test_json_events_and_librdkafka_lines_share_one_pipeline() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    assert result.stdout == ""  # logs go to stderr only
+    bound = next(e for e in events if e["event"] == "bound_event")
+    assert (bound["topic"], bound["partition"], bound["level"]) == ("t", 3, "info")
+    assert "timestamp" in bound
+    routed = [e for e in events if e["event"] == "librdkafka_log"]
+    assert routed, result.stderr[-2000:]
+    assert all("facility" in e and "message" in e for e in routed)
