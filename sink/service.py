@@ -161,6 +161,7 @@ class PartitionState:
     held: _Held | None = None
     paused: bool = False
     fenced: bool = False
+    fenced_at: float | None = None  # when a newer writer fenced this one (not set for a stop)
     recover_at: float = 0.0
 
     @property
@@ -331,7 +332,26 @@ class SinkService:
             self._commit(asynchronous=True)
         if now - self._last_metrics >= METRICS_INTERVAL_S:
             self._last_metrics = now
+            self._check_writers()
             self.refresh_metrics()
+            self._check_fenced_everywhere(now)
+
+    def _check_writers(self) -> None:
+        """Notice writers poisoned or fenced between puts (a fence found by the writer's
+        own manifest probe, a flush that kept failing)."""
+        for state in list(self.partitions.values()):
+            writer = state.writer
+            if writer is not None and writer.poisoned is not None:
+                self._writer_failed(state, writer.poisoned)
+
+    def _check_fenced_everywhere(self, now: float) -> None:
+        """Every assigned partition fenced by newer writers, for longer than the group needs
+        to take them away: this process is a zombie (its session expired while it was alive)
+        and stops, so its orchestrator restarts it into the group."""
+        states = list(self.partitions.values())
+        grace = 2 * self.settings.kafka.session_timeout_ms / 1000
+        if states and all(s.fenced_at is not None and now - s.fenced_at > grace for s in states):
+            self._fatal = "every assigned partition is fenced by a newer writer"
 
     def _handle(self, messages: list[Any]) -> None:
         groups: dict[tuple[str, int], list[Any]] = {}
@@ -506,6 +526,7 @@ class SinkService:
             self.metrics.partition_paused(state.topic, state.partition, True)
         if isinstance(exc, Fenced):
             state.fenced = True
+            state.fenced_at = time.monotonic()
             log.error(
                 "partition_fenced", topic=state.topic, partition=state.partition, error=str(exc)
             )

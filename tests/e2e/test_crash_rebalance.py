@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from config import load_settings
+from engine.engine import Engine
 from tests.support.brokers import Broker
 from tests.support.kafka import produce
 from tests.support.sink import SinkProcess, messages, table_rows, wait_caught_up, write_config
@@ -115,3 +117,36 @@ def test_rebalance_join_and_kill(
         assert epochs == sorted(set(epochs)), f"{shard}: epochs {seen}"
         moved += len({owner for _, _, owner in seen}) > 1
     assert moved >= 1, "no partition changed owner: the rebalance was not exercised"
+
+
+def test_fenced_everywhere_exits_non_zero(
+    kafka_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    """A zombie: every shard of a running sink is claimed by newer writers; it stops with
+    exit code 1 and says why, acknowledging nothing more."""
+    produce(kafka_broker.bootstrap, topic, messages(0, 400))
+    table = str(tmp_path / "table.lance")
+    config = write_config(
+        tmp_path / "sink.toml",
+        bootstrap=kafka_broker.bootstrap,
+        topics=[topic],
+        group=group,
+        table_uri=table,
+    )
+    sink = SinkProcess(config, tmp_path / "sink.log")
+    wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[sink])
+    settings = load_settings(config)
+    engine = Engine.from_settings(settings)
+    try:
+        newer = [engine.open_shard(topic, p) for p in range(4)]  # claims newer epochs
+        code = sink.proc.wait(90)
+    finally:
+        engine.close(flush=True)  # the newer writers flush what they replayed
+        sink.kill()
+    assert code == 1
+    events = sink.events()
+    assert sum(e["event"] == "partition_fenced" for e in events) == 4
+    fatal = next(e for e in events if e["event"] == "sink_fatal")
+    assert "fenced" in fatal["reason"]
+    assert all(w.epoch == 2 for w in newer)
+    assert sorted(r["n"] for r in table_rows(table)) == list(range(400))

@@ -47,7 +47,7 @@ def test_group_commit_window_means_what_it_says(local_harness: MakeHarness) -> N
     waited = time.monotonic() - start
     # Everything put inside the window shares one entry, written when the window closes.
     assert {f.result(10).position for f in futures} == {first.position}
-    assert interval * 0.9 <= waited < interval + 0.25
+    assert interval * 0.9 <= waited < interval + 0.5  # slack for a loaded machine
     time.sleep(interval * 1.2)
     later = writer.put(make_batch(h.spec, 30, 5), source(30, 5)).result(10)
     assert later.position == first.position + 1
