@@ -119,8 +119,11 @@ def build_base(path: Path, spec: TableSpec, data: Data, rows: int) -> dict[str, 
     """Write and index the base (skipped when a cached one with `rows` rows exists)."""
     marker = path / "bench-built.json"
     cached = json.loads(marker.read_text()) if marker.exists() else {}
-    if cached.get("rows") == rows and cached.get("data") == DATA_VERSION:
-        return dict(json.loads(marker.read_text()))
+    if cached.get("rows") == rows and cached.get("data") == DATA_VERSION and "version" in cached:
+        # Undo what a previous run's ingestion flushed: the built version becomes latest.
+        if int(lance.dataset(str(path)).version) != cached["version"]:
+            lance.dataset(str(path), version=cached["version"]).restore()
+        return dict(cached)
     shutil.rmtree(path, ignore_errors=True)
     started = time.monotonic()
     for first in range(0, rows, CHUNK):
@@ -150,6 +153,7 @@ def build_base(path: Path, spec: TableSpec, data: Data, rows: int) -> dict[str, 
         "fts_s": fts_s,
         "btree_s": btree_s,
     }
+    info["version"] = int(lance.dataset(str(path)).version)
     marker.write_text(json.dumps(info))
     return info
 
@@ -249,10 +253,6 @@ def main() -> None:
     started = time.monotonic()
     report["base_build"] = build_base(base_path, spec, data, args.base_rows)
     print("base", report["base_build"], round(time.monotonic() - started, 1), "s", flush=True)
-    ds = lance.dataset(str(base_path))
-    # Remove rows a previous run's writers may have flushed, to start from the pure base.
-    if ds.count_rows() != args.base_rows:
-        ds.delete(f"_offset >= {args.base_rows}")
     table = BaseTable(spec)
     table.open()
     writer = open_writer(spec, table, work / "wal-merged", "merged", flusher, 10**9)
@@ -285,7 +285,13 @@ def main() -> None:
     ds = table.dataset()
     yard = {
         "lance_base_vector": lambda: ds.to_table(
-            nearest={"column": "vec", "q": vq(), "k": 10, "nprobes": 20, "refine_factor": 1},
+            nearest={"column": "vec", "q": vq(), "k": 10, "nprobes": 20, "refine_factor": 10},
+            columns=["id", "_distance"],
+        ),
+        "lance_base_vector_filter": lambda: ds.to_table(
+            nearest={"column": "vec", "q": vq(), "k": 10, "nprobes": 20, "refine_factor": 10},
+            filter="n < 500",
+            prefilter=True,
             columns=["id", "_distance"],
         ),
         "lance_base_text": lambda: ds.to_table(
@@ -331,21 +337,19 @@ def main() -> None:
     ids = [f"id{i}" for i in range(args.base_rows)] + [
         f"id{base_first + i}" for i in range(args.memtable_rows)
     ]
-    recalls = {"nprobes20": [], "nprobes20_refine10": []}
+    recalls: dict[str, list[float]] = {"nprobes20_refine1": [], "nprobes20_refine10": []}
     for q in queries[:n_queries]:
         _, truth = oracle.search(q.reshape(1, -1), 10)
         want = [ids[int(t)] for t in truth[0]]
-        got = reader.search_vector(q, k=10, columns=["id"]).column("id").to_pylist()
-        recalls["nprobes20"].append(recall(got, want))
+        got = reader.search_vector(q, k=10, columns=["id"], refine_factor=1)
+        recalls["nprobes20_refine1"].append(recall(got.column("id").to_pylist(), want))
         got = reader.search_vector(q, k=10, columns=["id"], refine_factor=10)
         recalls["nprobes20_refine10"].append(recall(got.column("id").to_pylist(), want))
     report["recall_at_10"] = {k: round(float(np.mean(v)), 4) for k, v in recalls.items()}
-    report["latency_refine10"] = summary(
-        timed(lambda: reader.search_vector(vq(), k=10, columns=["id"], refine_factor=10), args.runs)
+    report["merged_vector_refine1"] = summary(
+        timed(lambda: reader.search_vector(vq(), k=10, columns=["id"], refine_factor=1), args.runs)
     )
-    print(
-        "recall", report["recall_at_10"], "refine10 latency", report["latency_refine10"], flush=True
-    )
+    print("recall", report["recall_at_10"], report["merged_vector_refine1"], flush=True)
 
     # ---- under ingestion at about half the max put rate (a second shard of the table).
     probe = open_writer(spec_m, table_m, work / "wal-probe", "probe", flusher, 10**9)
@@ -358,35 +362,50 @@ def main() -> None:
     max_rate = sent / (time.monotonic() - started)
     probe.close(flush=False)
     report["max_put_rows_per_s"] = round(max_rate)
-    ingest = open_writer(spec, table, work / "wal-ingest", "ingest", flusher, args.memtable_rows)
-    writers.append(ingest)
-    stop = threading.Event()
-    target = max_rate / 2
-    ingested = 0
-
-    def produce() -> None:
-        nonlocal ingested
-        t0 = time.monotonic()
-        while not stop.is_set():
-            put_prebuilt(ingest, prebuilt[(ingested // 500) % len(prebuilt)], 30_000_000 + ingested)
-            ingested += 500
-            ahead = ingested / target - (time.monotonic() - t0)
-            if ahead > 0:
-                time.sleep(ahead)
-
-    thread = threading.Thread(target=produce, daemon=True)
-    ingest_started = time.monotonic()
-    thread.start()
+    # Two rates: a sink-like one (decoding 384-float JSON costs ~40 us/row, so a 2-core pod
+    # tops out near 25k rows/s: half is ~10k) and half the writer's own max put rate.
     report["merged_ingesting"] = {}
-    try:
-        for name, fn in kinds.items():
-            report["merged_ingesting"][name] = summary(timed(fn, args.runs))
-            print("merged ingesting", name, report["merged_ingesting"][name], flush=True)
-    finally:
-        stop.set()
-        thread.join(60)
-    report["ingest_rows_per_s"] = round(ingested / (time.monotonic() - ingest_started))
-    report["base_rows_after_ingest"] = table.dataset().count_rows()
+    ingest_runs = min(args.runs, 40)
+    for label, target in [("10k_rows_per_s", 10_000.0), ("half_max", max_rate / 2)]:
+        ingest = open_writer(
+            spec,
+            table,
+            work / f"wal-ingest-{label}",
+            f"ingest-{label}",
+            flusher,
+            args.memtable_rows,
+        )
+        writers.append(ingest)
+        stop = threading.Event()
+        ingested = 0
+
+        def produce(writer: ShardWriter, rate: float, stop: threading.Event) -> None:
+            nonlocal ingested
+            t0 = time.monotonic()
+            while not stop.is_set():
+                batch = prebuilt[(ingested // 500) % len(prebuilt)]
+                put_prebuilt(writer, batch, 30_000_000 + ingested)
+                ingested += 500
+                ahead = ingested / rate - (time.monotonic() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+
+        thread = threading.Thread(target=produce, args=(ingest, target, stop), daemon=True)
+        ingest_started = time.monotonic()
+        thread.start()
+        phase: dict[str, Any] = {}
+        try:
+            for name, fn in kinds.items():
+                phase[name] = summary(timed(fn, ingest_runs))
+                print("merged ingesting", label, name, phase[name], flush=True)
+        finally:
+            stop.set()
+            thread.join(60)
+        phase["ingest_rows_per_s"] = round(ingested / (time.monotonic() - ingest_started))
+        phase["base_rows_after"] = table.dataset().count_rows()
+        report["merged_ingesting"][label] = phase
+        ingest.close(flush=False)
+        writers.remove(ingest)
     for w in writers:
         w.close(flush=False)
     flusher.shutdown()

@@ -32,8 +32,10 @@ searched with Lance's ANN index (`nprobes`, `refine_factor`) or, without an inde
 exact search (Lance also searches the unindexed part of an indexed table). Distances follow
 Lance's definitions so they compare across tiers: l2 = squared Euclidean distance,
 cosine = 1 - cos, dot = 1 - inner product (what Lance returns, checked on this machine).
-When the base has an index and no `refine_factor` is given, `refine_factor=1` is used so the
-base's distances are exact re-ranked distances rather than PQ approximations.
+When the base has an index and no `refine_factor` is given (per request or in
+`query.refine_factor`), `DEFAULT_REFINE_FACTOR` is used: the base's distances are then exact
+re-ranked distances rather than PQ approximations (so merging by distance is sound), and
+recall is far better (benchmark at 1M x 384: recall@10 0.63 with refine 1, 0.997 with 10).
 
 Full-text: see `engine.fts` for the memtable BM25 and how IDF is combined across tiers.
 
@@ -83,6 +85,10 @@ SCORE = "_score"
 #: excluded ones; above it, copy the eligible rows and search those. 4096 extra heap slots
 #: cost ~1 ms on a 100k-row batch, about what copying 5% of it costs.
 FAST_EXCLUDED_MAX = 4096
+#: Re-ranking factor on an indexed base when none is configured: 10x k candidates re-scored
+#: exactly cost ~4 ms more than 1x on a 1M x 384 IVF_PQ base and lift recall@10 from ~0.6
+#: to ~1.0 (bench/query.py).
+DEFAULT_REFINE_FACTOR = 10
 #: Base over-fetch when rows are hidden by newer memtable versions: start with k plus this
 #: many, then grow 4x per round (bounded by `MAX_FETCH_ROUNDS`).
 BASE_OVERFETCH = 16
@@ -249,6 +255,7 @@ class Reader:
         self._stats: dict[tuple[Any, ...], Any] = {}
         self._stats_lock = threading.Lock()
         self._key_types = [spec.table_schema.field(k).type for k in spec.primary_key]
+        self._session: Any = None
         faiss.omp_set_num_threads(1)
 
     # ------------------------------------------------------------------ snapshot
@@ -262,7 +269,7 @@ class Reader:
             except LanceSinkError as exc:
                 self.events.shard_skipped(writer.shard, exc)
                 log.warning("reader_shard_skipped", shard=writer.shard, error=str(exc))
-        base = self.table.dataset()
+        base = self._open_base()
         tiers: list[_Tier] = []
         for view in views:
             shard_tiers: list[_Tier] = []
@@ -272,6 +279,17 @@ class Reader:
                 shard_tiers.append(tier)
             tiers.extend(shard_tiers)
         return Snapshot(base, tuple(tiers))
+
+    def _open_base(self) -> lance.LanceDataset:
+        """The latest base version, opened with one Lance session shared by every query, so
+        index and metadata caches stay warm (a fresh session per query made a 100-key lookup
+        on a 1M-row base 4x slower: 32 ms vs 7 ms)."""
+        ds = lance.dataset(
+            self.table.uri, storage_options=self.table.options, session=self._session
+        )
+        if self._session is None:
+            self._session = ds.session()
+        return ds
 
     # ------------------------------------------------------------------ helpers
 
@@ -503,7 +521,7 @@ class Reader:
             base, ("vector_index",), lambda: _has_vector_index(base, vector_name), reuse=False
         )
         if refine is None and indexed:
-            refine = 1
+            refine = DEFAULT_REFINE_FACTOR
         nearest: dict[str, Any] = {
             "column": self.spec.vector.name,
             "q": query,
