@@ -8,6 +8,9 @@
     │   └── Poisoned                    the shard writer failed to persist; close and reopen
     ├── InvalidRecord                   poison message: this input can never be written
     │                                   (→ dead-letter destination with the raw bytes)
+    ├── QueryError (engine/filters.py)  a query that cannot succeed as written (→ HTTP 400)
+    │   ├── FilterSyntaxError           the filter does not parse (with the position)
+    │   └── UnknownColumn               a column the table does not have
     └── ControlFlow                     expected signals, not failures
         ├── Backpressure                admission refused; pause the partition, retry later
         └── Fenced                      a newer writer (epoch) owns the shard

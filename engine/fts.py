@@ -104,6 +104,10 @@ def _separator_token() -> str:
 _SEPARATOR_TOKEN: str | None = None
 
 
+#: CPython bytes per vocabulary entry: a short str (~56), an int (28) and a dict slot (~24).
+_VOCAB_ENTRY_BYTES = 108
+
+
 class MemtableTermCache:
     """Tokenised text columns of memtable batches, cached per memtable (see module doc).
 
@@ -127,7 +131,13 @@ class MemtableTermCache:
             entry = per_column.setdefault(column, _MemtableTerms())
         with entry.lock:
             for batch in batches[len(entry.batches) :]:
-                entry.batches.append(_batch_terms(batch.column(column).to_pylist(), entry.vocab))
+                words = len(entry.vocab)
+                terms = _batch_terms(batch.column(column).to_pylist(), entry.vocab)
+                entry.batches.append(terms)
+                # Token arrays plus the new vocabulary entries (str key, int value, slot).
+                memtable.account_cache(
+                    terms.nbytes + (len(entry.vocab) - words) * _VOCAB_ENTRY_BYTES
+                )
             return entry.vocab, entry.batches[: len(batches)]
 
     @property

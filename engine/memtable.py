@@ -101,6 +101,7 @@ class Memtable:
         self.rows = 0
         self.data_bytes = 0
         self.index_bytes = 0
+        self.cache_bytes = 0
         self.frozen = False
         # Set under the writer lock before the flush commits: any commit of this memtable
         # has a table version above `commit_floor`. After it committed: its version.
@@ -113,8 +114,14 @@ class Memtable:
 
     @property
     def memory_size(self) -> int:
-        """Resident bytes: row data plus every in-memory index (I7)."""
-        return self.data_bytes + self.index_bytes
+        """Resident bytes: row data plus every in-memory index (I7), the readers' caches
+        (vector norms, FTS tokens) included."""
+        return self.data_bytes + self.index_bytes + self.cache_bytes
+
+    def account_cache(self, nbytes: int) -> None:
+        """A reader built a cache for this memtable (held as long as the memtable is)."""
+        with self._lock:
+            self.cache_bytes += nbytes
 
     def insert(
         self,

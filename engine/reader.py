@@ -419,8 +419,10 @@ class Reader:
                 j = len(norms)
                 m = self._matrix(tier.view.batches[j])
                 norms.append(np.sqrt(np.einsum("ij,ij->i", m, m)))
+                memtable.account_cache(norms[-1].nbytes)
             if len(norms) == i:
                 norms.append(computed)
+                memtable.account_cache(computed.nbytes)
             return norms[i]
 
     def _matrix(self, batch: pa.RecordBatch) -> np.ndarray:

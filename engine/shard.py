@@ -813,7 +813,7 @@ class ShardWriter:
                 generation=active.generation,
                 rows=active.rows,
                 bytes=active.memory_size,
-                index_bytes=active.index_bytes + sum(m.index_bytes for m in frozen),
+                index_bytes=sum(m.index_bytes + m.cache_bytes for m in [active, *frozen]),
                 frozen_count=len(frozen),
                 frozen_bytes=sum(m.memory_size for m in frozen),
                 durable_position=self._durable_position,

@@ -197,3 +197,19 @@ def test_lance_dot_distance_is_one_minus_inner_product(tmp_path: object) -> None
     got = ds.to_table(nearest={"column": "vec", "q": q, "k": 3, "metric": "dot"})
     best = got.column("_distance").to_numpy()
     assert best[0] == pytest.approx(1 - float(np.max(data @ q)), rel=1e-5)
+
+
+def test_reader_caches_are_counted_in_memtable_memory(make_harness: MakeHarness) -> None:
+    """I7: the norms (cosine) and token arrays (BM25) a query builds for a memtable count
+    in that memtable's resident bytes, and so against the backpressure budget."""
+    h = make_harness(dim=DIM, metric="cosine")
+    writer = h.open()
+    h.put(writer, range(500))
+    active = writer.view().memtables[0].memtable
+    before = active.memory_size
+    h.reader.search_vector(vectors(np.array([7]), DIM)[0], k=5)
+    after_vector = active.memory_size
+    assert after_vector - before >= 500 * 4  # one float32 norm per row
+    h.reader.search_text("alpha", k=5)
+    assert active.memory_size - after_vector >= 500 * 4 * 3  # token, doc, position arrays
+    assert writer.stats().index_bytes >= active.cache_bytes
