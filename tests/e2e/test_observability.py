@@ -114,9 +114,13 @@ def test_exported_lag_matches_the_broker(
         # Idle: lags are exactly zero and every offset equals what Kafka reports.
         ends = wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[sink])
         deadline = time.monotonic() + 20
-        while True:
+        while True:  # within a scrape interval or two of the broker's truth
             metrics = scrape(port)
-            if all(metrics["lance_sink_committed_offset"][p] == ends[p] for p in range(4)):
+            if all(
+                metrics["lance_sink_committed_offset"][p] == ends[p]
+                and metrics["lance_sink_log_end_offset"][p] == ends[p]
+                for p in range(4)
+            ):
                 break
             assert time.monotonic() < deadline, metrics
             time.sleep(0.5)
