@@ -222,7 +222,15 @@ def render_status(status: dict[str, Any]) -> str:
         lag = p.get("lag") or {}
         mem = p.get("memtable") or {}
         flush = p.get("flush") or {}
-        state = "fenced" if p["fenced"] else "paused" if p["paused"] else "running"
+        state = (
+            "fenced"
+            if p["fenced"]
+            else "stopped"
+            if p.get("stopped")
+            else "paused"
+            if p["paused"]
+            else "running"
+        )
         name = f"{p['topic']}[{p['partition']}]"
         lines.append(
             f"{name:24} {p.get('end') or '-':>10} {lag.get('commit', '-'):>10} "

@@ -26,7 +26,6 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,8 +159,9 @@ class PartitionState:
     durable_at: deque[tuple[int, float]] = field(default_factory=deque)  # (done, when)
     held: _Held | None = None
     paused: bool = False
-    fenced: bool = False
-    fenced_at: float | None = None  # when a newer writer fenced this one (not set for a stop)
+    fenced: bool = False  # a newer writer owns the shard: wait to lose the partition
+    fenced_at: float | None = None
+    stopped: str | None = None  # why the partition stopped for good (no dead-letter topic)
     recover_at: float = 0.0
 
     @property
@@ -394,7 +394,7 @@ class SinkService:
                     detail=first.detail,
                 )
                 self._hold(state, held)
-                state.fenced = True  # never resumed; needs operator action
+                state.stopped = f"bad message at offset {first.offset}: {first.reason}"
                 return
             held.dead_letters = self.dlq.send(list(decoded.dead_letters))
             self._hold(state, held)
@@ -429,7 +429,7 @@ class SinkService:
                 error=str(exc),
             )
             if self.dlq is None:
-                state.fenced = True
+                state.stopped = f"batch rejected by the table: {exc}"
                 return False
             letters = [_rejected(m, str(exc)) for m in held.messages]
             held.decoded = Decoded(None, letters, [], decoded.first_offset, decoded.last_offset)
@@ -455,7 +455,7 @@ class SinkService:
     def _service_held(self) -> None:
         for state in list(self.partitions.values()):
             held = state.held
-            if held is None or state.fenced or state.writer is None:
+            if held is None or state.fenced or state.stopped or state.writer is None:
                 if state.writer is None and not state.fenced:
                     self._maybe_recover(state)
                 continue
@@ -865,7 +865,9 @@ class SinkService:
             reasons.append("no broker reachable")
         for (topic, partition), state in list(self.partitions.items()):
             if state.fenced:
-                reasons.append(f"{topic}[{partition}]: fenced or stopped on a bad message")
+                reasons.append(f"{topic}[{partition}]: fenced by a newer writer")
+            elif state.stopped:
+                reasons.append(f"{topic}[{partition}]: stopped, {state.stopped}")
             elif state.writer is None:
                 reasons.append(f"{topic}[{partition}]: shard writer poisoned, recovering")
         if self._fatal:
@@ -905,6 +907,7 @@ class SinkService:
             "partition": state.partition,
             "paused": state.paused,
             "fenced": state.fenced,
+            "stopped": state.stopped,
             "consumed": state.position,
             "committed": state.committed,
             "end": self.end_offsets.get(key),
@@ -963,6 +966,3 @@ def _rejected(message: Any, detail: str) -> DeadLetter:
         reason="rejected_by_table",
         detail=detail,
     )
-
-
-SignalHandler = Callable[[int, Any], None]

@@ -4,13 +4,16 @@ offsets get committed."""
 from __future__ import annotations
 
 import json
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 from confluent_kafka import Consumer
 
-from tests.support.brokers import Broker
-from tests.support.kafka import consume_all, consumer_conf, produce
+from tests.support.brokers import Broker, free_port
+from tests.support.kafka import committed_offsets, consume_all, consumer_conf, produce
 from tests.support.sink import SinkProcess, message, table_rows, wait_caught_up, write_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -89,3 +92,43 @@ def test_bad_messages_are_dead_lettered_with_reasons(
     originals = {m.key(): m.value() for m in letters}
     for key, value in bad.values():
         assert originals[key] == value  # the original bytes, untouched
+
+
+def test_without_a_dead_letter_topic_a_bad_message_stops_its_partition(
+    kafka_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    stream = [message(i) for i in range(50)] + [bad_messages()["invalid_json"]]
+    stream += [message(i) for i in range(50, 80)]
+    produce(kafka_broker.bootstrap, topic, stream, partition=0)
+    port = free_port()
+    table = str(tmp_path / "table.lance")
+    config = write_config(
+        tmp_path / "sink.toml",
+        bootstrap=kafka_broker.bootstrap,
+        topics=[topic],
+        group=group,
+        table_uri=table,
+        extra={
+            "dlq": {"enabled": False},
+            "observability": {"metrics_port": port},
+            "kafka": {"consume_batch_size": 20},
+        },
+    )
+    sink = SinkProcess(config, tmp_path / "sink.log")
+    try:
+        deadline = time.monotonic() + 90
+        while "partition_stopped_on_bad_message" not in sink.log_path.read_text():
+            assert time.monotonic() < deadline, sink.log_path.read_text()[-2000:]
+            time.sleep(0.3)
+        time.sleep(2)  # commits of what came before the bad batch
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5)
+        assert b"stopped, bad message at offset 50: invalid_json" in info.value.read()
+    finally:
+        assert sink.stop() == 0
+    # Nothing at or after the bad message was committed or written; nothing before it lost.
+    committed = committed_offsets(kafka_broker.bootstrap, group, topic)[0]
+    assert 0 < committed <= 50
+    assert sorted(r["n"] for r in table_rows(table)) == list(range(committed))
+    events = [e["event"] for e in sink.events()]
+    assert "partition_stopped_on_bad_message" in events
