@@ -64,6 +64,9 @@ from engine.wal import EntryEncoder, SourceRange, Wal, WalEntry, merge_ranges
 
 log = structlog.get_logger("lance_sink.engine")
 
+#: How often an idle WAL thread wakes to probe for a fence (when the interval allows).
+IDLE_WAKE_S = 0.5
+
 
 def shard_id(table_uri: str, topic: str, partition: int) -> str:
     """The shard of a topic-partition feeding a table: deterministic and readable."""
@@ -440,30 +443,43 @@ class ShardWriter:
         with self._lock:
             self._wake.notify_all()
 
+    def _idle(self) -> bool:
+        return not self._pending and not self._closing and not self.memory.seal_required
+
     def _wal_loop(self) -> None:
         interval = self.config.max_wal_flush_interval_s
         while True:
             with self._lock:
-                while not self._pending and not self._closing and not self.memory.seal_required:
-                    self._wake.wait(timeout=0.5)
-                    self._maybe_check_fence()
-                if self._pending:
-                    deadline = self._pending[0].arrived + interval
-                    while (
-                        not self._closing
-                        and self._pending_bytes < self.config.max_wal_buffer_bytes
-                        and (remaining := deadline - time.monotonic()) > 0
-                    ):
-                        self._wake.wait(timeout=remaining)
-                taken, self._pending = self._pending, []
-                if self.memory.seal_required and not taken:
-                    self.memory.seal_required = False
-                    if self._active.rows and self._poison is None:
-                        self._seal_locked(reason="requested")
-                if not taken and self._closing:
-                    return
-            if taken:
+                if self._idle():
+                    self._wake.wait(timeout=IDLE_WAKE_S)
+                    idle = self._idle()
+                else:
+                    idle = False
+                if not idle:
+                    if self._pending:
+                        deadline = self._pending[0].arrived + interval
+                        while (
+                            not self._closing
+                            and self._pending_bytes < self.config.max_wal_buffer_bytes
+                            and (remaining := deadline - time.monotonic()) > 0
+                        ):
+                            self._wake.wait(timeout=remaining)
+                    taken, self._pending = self._pending, []
+                    if not taken:
+                        self._honour_seal_request_locked()
+                        if self._closing:
+                            return
+            if idle:
+                self._maybe_check_fence()  # storage I/O: outside the writer lock
+            elif taken:
                 self._commit_group(taken)
+
+    def _honour_seal_request_locked(self) -> None:
+        """Seal the active memtable if a controller asked (ShardMemory.request_seal)."""
+        if self.memory.seal_required:
+            self.memory.seal_required = False
+            if self._active.rows and self._poison is None:
+                self._seal_locked(reason="requested")
 
     def _commit_group(self, puts: list[_Put]) -> None:
         """Write one WAL entry for `puts`, make it visible, resolve the futures in order."""
@@ -501,10 +517,7 @@ class ShardWriter:
             self._pending_rows -= sum(p.rows for p in puts)
             self._next_position = position + 1
             self._insert_locked(batches, position, sources)
-            if self.memory.seal_required:
-                self.memory.seal_required = False
-                if self._active.rows:
-                    self._seal_locked(reason="requested")
+            self._honour_seal_request_locked()
         self._counters["wal_entries"] += 1
         self._counters["wal_bytes"] += payload.size
         self.events.wal_appended(self.shard, seconds, payload.size, rows)
