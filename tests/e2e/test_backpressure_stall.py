@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.brokers import Broker, free_port
 from tests.support.kafka import produce
-from tests.support.sink import SinkProcess, messages, table_rows, wait_caught_up, write_config
+from tests.support.sink import SinkProcess, messages, sink_config, table_rows, wait_caught_up
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -30,15 +30,13 @@ def test_tiny_budget_and_slow_flush_pause_partitions(
 ) -> None:
     n = 20_000
     produce(kafka_broker.bootstrap, topic, messages(0, n))
-    table = str(tmp_path / "table.lance")
     budget = 512 << 10
     port = free_port()
-    config = write_config(
-        tmp_path / "sink.toml",
-        bootstrap=kafka_broker.bootstrap,
-        topics=[topic],
-        group=group,
-        table_uri=table,
+    config, table = sink_config(
+        tmp_path,
+        kafka_broker.bootstrap,
+        [topic],
+        group,
         extra={
             "memtable": {"max_rows": 1000, "max_bytes": 128 << 10},
             "backpressure": {
@@ -87,13 +85,11 @@ def test_stalled_writer_keeps_the_member_in_the_group(
     kafka_broker: Broker, topic: str, group: str, tmp_path: Path
 ) -> None:
     n = 4_000
-    table = str(tmp_path / "table.lance")
-    config = write_config(
-        tmp_path / "sink.toml",
-        bootstrap=kafka_broker.bootstrap,
-        topics=[topic],
-        group=group,
-        table_uri=table,
+    config, table = sink_config(
+        tmp_path,
+        kafka_broker.bootstrap,
+        [topic],
+        group,
         extra={
             "kafka": {"max_poll_interval_ms": 7000, "consume_batch_size": 200},
             "backpressure": {"controller": "tests.support.slow:controller"},

@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.brokers import Broker, start_tansu
 from tests.support.kafka import produce
-from tests.support.sink import SinkProcess, messages, table_rows, wait_caught_up, write_config
+from tests.support.sink import SinkProcess, messages, sink_config, table_rows, wait_caught_up
 
 pytestmark = [pytest.mark.broker, pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -48,13 +48,11 @@ def test_sink_rides_out_a_broker_restart(
     n = 3_000
     bootstrap = durable_tansu.bootstrap
     produce(bootstrap, topic, messages(0, 1_000))
-    table = str(tmp_path / "table.lance")
-    config = write_config(
-        tmp_path / "sink.toml",
-        bootstrap=bootstrap,
-        topics=[topic],
-        group=group,
-        table_uri=table,
+    config, table = sink_config(
+        tmp_path,
+        bootstrap,
+        [topic],
+        group,
         extra={"kafka": {"session_timeout_ms": 10000}},
     )
     sink = SinkProcess(config, tmp_path / "sink.log")

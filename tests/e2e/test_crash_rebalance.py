@@ -14,7 +14,7 @@ from config import load_settings
 from engine.engine import Engine
 from tests.support.brokers import Broker
 from tests.support.kafka import produce
-from tests.support.sink import SinkProcess, messages, table_rows, wait_caught_up, write_config
+from tests.support.sink import SinkProcess, messages, sink_config, table_rows, wait_caught_up
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -48,13 +48,11 @@ def test_sigkill_at_random_instants(
     kafka_broker: Broker, topic: str, group: str, tmp_path: Path
 ) -> None:
     n = 12_000
-    table = str(tmp_path / "table.lance")
-    config = write_config(
-        tmp_path / "sink.toml",
-        bootstrap=kafka_broker.bootstrap,
-        topics=[topic],
-        group=group,
-        table_uri=table,
+    config, table = sink_config(
+        tmp_path,
+        kafka_broker.bootstrap,
+        [topic],
+        group,
         extra={"memtable": {"max_rows": 500}},
     )
     # ~25 s of production: every kill below lands mid-stream.
@@ -79,13 +77,11 @@ def test_rebalance_join_and_kill(
     kafka_broker: Broker, topic: str, group: str, tmp_path: Path
 ) -> None:
     n = 12_000
-    table = str(tmp_path / "table.lance")
-    config = write_config(
-        tmp_path / "sink.toml",
-        bootstrap=kafka_broker.bootstrap,
-        topics=[topic],
-        group=group,
-        table_uri=table,
+    config, table = sink_config(
+        tmp_path,
+        kafka_broker.bootstrap,
+        [topic],
+        group,
         extra={"memtable": {"max_rows": 500}},
     )
     producer = produce_in_background(kafka_broker.bootstrap, topic, n, 300, 0.4)
@@ -125,13 +121,11 @@ def test_fenced_everywhere_exits_non_zero(
     """A zombie: every shard of a running sink is claimed by newer writers; it stops with
     exit code 1 and says why, acknowledging nothing more."""
     produce(kafka_broker.bootstrap, topic, messages(0, 400))
-    table = str(tmp_path / "table.lance")
-    config = write_config(
-        tmp_path / "sink.toml",
-        bootstrap=kafka_broker.bootstrap,
-        topics=[topic],
-        group=group,
-        table_uri=table,
+    config, table = sink_config(
+        tmp_path,
+        kafka_broker.bootstrap,
+        [topic],
+        group,
     )
     sink = SinkProcess(config, tmp_path / "sink.log")
     wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[sink])

@@ -14,7 +14,7 @@ from confluent_kafka import Consumer
 
 from tests.support.brokers import Broker, free_port
 from tests.support.kafka import committed_offsets, consume_all, consumer_conf, produce
-from tests.support.sink import SinkProcess, message, table_rows, wait_caught_up, write_config
+from tests.support.sink import SinkProcess, message, sink_config, table_rows, wait_caught_up
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -52,13 +52,11 @@ def test_bad_messages_are_dead_lettered_with_reasons(
             stream.append(list(bad.values())[(i // 40) % len(bad)])
     stream.extend(bad.values())
     produce(kafka_broker.bootstrap, topic, stream, partition=0)
-    table = str(tmp_path / "table.lance")
-    config = write_config(
-        tmp_path / "sink.toml",
-        bootstrap=kafka_broker.bootstrap,
-        topics=[topic],
-        group=group,
-        table_uri=table,
+    config, table = sink_config(
+        tmp_path,
+        kafka_broker.bootstrap,
+        [topic],
+        group,
         mode="upsert",
         extra={"source": {"max_message_bytes": 2000}},
     )
@@ -101,13 +99,11 @@ def test_without_a_dead_letter_topic_a_bad_message_stops_its_partition(
     stream += [message(i) for i in range(50, 80)]
     produce(kafka_broker.bootstrap, topic, stream, partition=0)
     port = free_port()
-    table = str(tmp_path / "table.lance")
-    config = write_config(
-        tmp_path / "sink.toml",
-        bootstrap=kafka_broker.bootstrap,
-        topics=[topic],
-        group=group,
-        table_uri=table,
+    config, table = sink_config(
+        tmp_path,
+        kafka_broker.bootstrap,
+        [topic],
+        group,
         extra={
             "dlq": {"enabled": False},
             "observability": {"metrics_port": port},

@@ -9,7 +9,7 @@ import pytest
 
 from tests.support.brokers import Broker
 from tests.support.kafka import produce
-from tests.support.sink import SinkProcess, messages, table_rows, wait_caught_up, write_config
+from tests.support.sink import SinkProcess, messages, sink_config, table_rows, wait_caught_up
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -21,13 +21,11 @@ def test_exactly_once_end_to_end(
     second = topic + "-b"  # several topics feed one table
     produce(kafka_broker.bootstrap, topic, messages(0, n))
     produce(kafka_broker.bootstrap, second, messages(n, m))
-    table = str(tmp_path / "table.lance")
-    config = write_config(
-        tmp_path / "sink.toml",
-        bootstrap=kafka_broker.bootstrap,
-        topics=[topic, second],
-        group=group,
-        table_uri=table,
+    config, table = sink_config(
+        tmp_path,
+        kafka_broker.bootstrap,
+        [topic, second],
+        group,
     )
     sink = SinkProcess(config, tmp_path / "sink.log")
     try:

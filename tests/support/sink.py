@@ -78,6 +78,29 @@ vector = {{ column = "vec", dim = {DIM}, metric = "l2" }}
     return path
 
 
+def sink_config(
+    tmp_path: Path,
+    bootstrap: str,
+    topics: list[str],
+    group: str,
+    *,
+    mode: str = "append",
+    extra: dict[str, dict[str, Any]] | None = None,
+) -> tuple[Path, str]:
+    """`tmp_path/sink.toml` for the test table `tmp_path/table.lance`; returns both."""
+    table = str(tmp_path / "table.lance")
+    config = write_config(
+        tmp_path / "sink.toml",
+        bootstrap=bootstrap,
+        topics=topics,
+        group=group,
+        table_uri=table,
+        mode=mode,
+        extra=extra,
+    )
+    return config, table
+
+
 def message(i: int, *, key: str | None = None) -> tuple[bytes, bytes]:
     vec = np.sin(np.arange(DIM, dtype=np.float32) * (i + 1) * 0.01).round(5).tolist()
     body = {"id": key or f"m-{i}", "n": i, "text": f"message number {i}", "vec": vec}
