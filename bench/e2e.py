@@ -39,12 +39,12 @@ import numpy as np
 import orjson
 from confluent_kafka.admin import AdminClient
 
+from bench.engine import DIM, table_settings
 from config.settings import SourceSettings, TableSettings
 from engine.schema import TableSpec
 from sink.decode import Decoder
 
 ROOT = Path(__file__).resolve().parents[1]
-DIM = 384
 PARTITIONS = 4
 FLUSH_INTERVAL_MS = 20
 
@@ -180,20 +180,6 @@ def raw_decode(spec: TableSpec, messages: list[list[Any]]) -> float:
             decoded = decoder.decode(part[i : i + 10_000])
             assert not decoded.dead_letters
     return time.perf_counter() - start
-
-
-def table_settings(uri: str, vector: bool) -> dict[str, Any]:
-    raw: dict[str, Any] = {
-        "uri": uri,
-        "columns": [
-            {"name": "id", "type": "string", "nullable": False},
-            {"name": "n", "type": "int64"},
-            {"name": "text", "type": "string"},
-        ],
-    }
-    if vector:
-        raw["vector"] = {"column": "vec", "dim": DIM, "metric": "l2"}
-    return raw
 
 
 def write_config(

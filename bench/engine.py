@@ -27,6 +27,7 @@ import tracemalloc
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import lance
 import numpy as np
@@ -74,8 +75,9 @@ WORDS = np.array(
 )
 
 
-def make_spec(uri: str, vector: bool) -> TableSpec:
-    raw: dict[str, object] = {
+def table_settings(uri: str, vector: bool) -> dict[str, Any]:
+    """The benchmark table: id, n, text, and optionally a 384-dim vector."""
+    raw: dict[str, Any] = {
         "uri": uri,
         "columns": [
             {"name": "id", "type": "string", "nullable": False},
@@ -85,7 +87,11 @@ def make_spec(uri: str, vector: bool) -> TableSpec:
     }
     if vector:
         raw["vector"] = {"column": "vec", "dim": DIM, "metric": "l2"}
-    return TableSpec.from_settings(TableSettings.model_validate(raw))
+    return raw
+
+
+def make_spec(uri: str, vector: bool) -> TableSpec:
+    return TableSpec.from_settings(TableSettings.model_validate(table_settings(uri, vector)))
 
 
 def make_batches(spec: TableSpec, rows: int, text_chars: int, seed: int) -> list[pa.RecordBatch]:
