@@ -339,6 +339,8 @@ def run_sink(
     assert first is not None
     seconds = end - first[0]
     rows = n - first[1]
+    if rows <= 0 or seconds <= 0:
+        raise SystemExit(f"{n} messages were caught up before the first sample: use more")
     return {
         "seconds": seconds,
         "rows_per_s": rows / seconds,
