@@ -199,16 +199,23 @@ class _Put:
 
 
 class Flusher:
-    """The shared pool that runs flushes (one loop at a time per shard)."""
+    """The shared pool that runs flushes (one loop at a time per shard), and one thread that
+    trims flushed WAL entries so deleting files (slow on a discard-mounted disk, a round
+    trip per entry on S3) never delays the next flush."""
 
     def __init__(self, workers: int = 1) -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flush")
+        self._trimmer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wal-trim")
 
     def submit(self, fn: Callable[[], None]) -> None:
         self._pool.submit(fn)
 
+    def trim(self, fn: Callable[[], None]) -> Future[None]:
+        return self._trimmer.submit(fn)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+        self._trimmer.shutdown(wait=True)
 
 
 def _key(topic: str, partition: int) -> str:
@@ -270,6 +277,8 @@ class ShardWriter:
         self._flush_running = False
         self._abandon_flushes = False
         self._flush_idle = threading.Event()
+        self._trimmed: Future[None] = Future()
+        self._trimmed.set_result(None)
         self._flush_idle.set()
         self._checked_lance_version = 0
         self._last_fence_check = 0.0
@@ -464,7 +473,7 @@ class ShardWriter:
                             and (remaining := deadline - time.monotonic()) > 0
                         ):
                             self._wake.wait(timeout=remaining)
-                    taken, self._pending = self._pending, []
+                    taken = self._take_group_locked()
                     if not taken:
                         self._honour_seal_request_locked()
                         if self._closing:
@@ -473,6 +482,20 @@ class ShardWriter:
                 self._maybe_check_fence()  # storage I/O: outside the writer lock
             elif taken:
                 self._commit_group(taken)
+
+    def _take_group_locked(self) -> list[_Put]:
+        """The oldest pending puts that fit one WAL entry: at least one, then as many as
+        stay within `max_wal_buffer_bytes`. Bounding the entry bounds the memtable overshoot
+        to one put and lets flushes overlap WAL appends when puts outrun the disk."""
+        limit = self.config.max_wal_buffer_bytes
+        count, nbytes = 0, 0
+        for put in self._pending:
+            if count and nbytes + put.nbytes > limit:
+                break
+            count += 1
+            nbytes += put.nbytes
+        taken, self._pending = self._pending[:count], self._pending[count:]
+        return taken
 
     def _honour_seal_request_locked(self) -> None:
         """Seal the active memtable if a controller asked (ShardMemory.request_seal)."""
@@ -677,10 +700,7 @@ class ShardWriter:
         with self._lock:
             self._flushed_position = memtable.last_position
             self._flushed_offsets = {_unkey(k): v for k, v in flushed_offsets.items()}
-        try:
-            self.wal.delete_through(memtable.last_position)
-        except Exception as exc:  # noqa: BLE001 - trimming is retried by the next flush
-            self.log.warning("wal_trim_failed", error=str(exc))
+        self._trimmed = self.flusher.trim(lambda: self._trim_wal(memtable.last_position))
         seconds = time.monotonic() - started
         self._counters["flushes"] += 1
         self._counters["flushed_rows"] += rows
@@ -693,6 +713,13 @@ class ShardWriter:
             lance_version=version,
             seconds=round(seconds, 3),
         )
+
+    def _trim_wal(self, position: int) -> None:
+        """Delete WAL entries the manifest says are flushed (at or below `position`)."""
+        try:
+            self.wal.delete_through(position)
+        except Exception as exc:  # noqa: BLE001 - trimming is retried by the next flush
+            self.log.warning("wal_trim_failed", error=str(exc))
 
     # ------------------------------------------------------------------ poison / fence
 
@@ -795,6 +822,10 @@ class ShardWriter:
             self._abandon_flushes = True
         if not self._flush_idle.wait(timeout):
             self.log.warning("close_flush_still_running")
+        try:
+            self._trimmed.result(timeout)
+        except TimeoutError:
+            self.log.warning("close_wal_trim_still_running")
         self.controller.unregister(self.memory)
         self.memory.closed = True
         self.memory.notify()

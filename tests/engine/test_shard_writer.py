@@ -12,6 +12,7 @@ import pytest
 
 from engine.errors import InvalidRecord, SchemaMismatch
 from engine.schema import OP_DELETE
+from engine.shard import NoEvents
 from engine.table import PROP_SHARD, PROP_WAL_END, flush_properties
 from tests.engine.conftest import MakeHarness
 from tests.support.engine import Harness, make_batch, source, visible_rows, writer_config
@@ -61,6 +62,38 @@ def test_buffer_size_closes_the_window_early(local_harness: MakeHarness) -> None
     writer.put(make_batch(h.spec, 0, 5), source(0, 5)).result(10)
     assert time.monotonic() - start < 5
     writer.close(flush=False)
+
+
+class SealSizes(NoEvents):
+    def __init__(self) -> None:
+        self.sealed: list[int] = []
+
+    def memtable_sealed(self, shard: str, generation: int, rows: int, nbytes: int) -> None:
+        self.sealed.append(nbytes)
+
+
+def test_puts_that_outrun_the_wal_are_split_into_bounded_entries(
+    local_harness: MakeHarness,
+) -> None:
+    # A burst of puts far larger than one WAL entry: each entry takes at most what fits in
+    # max_wal_buffer_bytes, so memtables seal at their byte limit (overshoot <= one put)
+    # instead of swallowing the whole burst, and flushes overlap the WAL appends.
+    h = local_harness()
+    batch_bytes = make_batch(h.spec, 0, 50).nbytes
+    events = SealSizes()
+    config = writer_config(
+        interval_s=0.2, max_bytes=6 * batch_bytes, max_wal_buffer_bytes=3 * batch_bytes
+    )
+    writer = h.open(config=config, events=events)
+    futures = [writer.put(make_batch(h.spec, i * 50, 50), source(i * 50, 50)) for i in range(40)]
+    positions = [f.result(30).position for f in futures]
+    per_entry = {p: positions.count(p) for p in positions}
+    assert max(per_entry.values()) <= 3, per_entry
+    assert positions == sorted(positions)  # entry order is put order
+    writer.close(flush=True)
+    assert len(events.sealed) >= 40 // 6
+    assert max(events.sealed) <= 6 * batch_bytes * 1.2, (events.sealed, batch_bytes)
+    assert sorted(h.base_rows().column("_offset").to_pylist()) == list(range(40 * 50))
 
 
 @pytest.mark.parametrize(
