@@ -196,6 +196,8 @@ class TableSpec:
         if vectors.null_count:
             vectors = vectors.fill_null(pa.scalar([0.0] * self.vector.dim, vectors.type))
         values = vector_matrix(vectors, self.vector.dim)
+        if not values.size or not np.isnan(values.min()):
+            return  # min propagates NaN: one pass, no temporary mask for the common case
         nan_rows = np.isnan(values).any(axis=1)
         if nan_rows.any():
             row = int(np.argmax(nan_rows))
