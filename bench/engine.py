@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import shutil
 import statistics
 import tempfile
@@ -254,15 +255,29 @@ def resident_per_row(spec: TableSpec, batches: list[pa.RecordBatch]) -> tuple[fl
     return resident / rows, data_bytes(batches) / rows
 
 
+def timed_run(fn: Callable[[Path], float]) -> float:
+    """One run in a fresh directory, started on a quiet disk: the previous run's dirty pages
+    are written back first so they do not bill this one."""
+    workdir = Path(tempfile.mkdtemp(prefix="lance-sink-bench-"))
+    try:
+        os.sync()
+        return fn(workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def median_seconds(fn: Callable[[Path], float], repeat: int) -> float:
-    times = []
+    return statistics.median(timed_run(fn) for _ in range(repeat))
+
+
+def interleaved_medians(runs: dict[str, Callable[[Path], float]], repeat: int) -> dict[str, float]:
+    """Median seconds per run, the runs taken round-robin so that a noisy minute on this
+    shared machine hits every contender instead of one."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeat):
-        workdir = Path(tempfile.mkdtemp(prefix="lance-sink-bench-"))
-        try:
-            times.append(fn(workdir))
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-    return statistics.median(times)
+        for name, fn in runs.items():
+            times[name].append(timed_run(fn))
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def run_kind(
@@ -291,7 +306,7 @@ def run_kind(
         "raw Lance write (one commit)": lambda d: raw_lance_bulk(d, vector, batches),
         "native MemWAL, no index": lambda d: native_memwal(d, vector, batches, indexed=False),
     }
-    results = {name: median_seconds(fn, args.repeat) for name, fn in runs.items()}
+    results = interleaved_medians(runs, args.repeat)
     if vector:
         subset = batches[: max(2, args.indexed_memwal_rows // BATCH_ROWS)]
         secs = median_seconds(lambda d: native_memwal(d, vector, subset, indexed=True), 1)
@@ -345,7 +360,10 @@ def main() -> None:
         print(line, flush=True)
         lines.append(line)
 
-    report(f"lance-sink engine benchmark (medians of {args.repeat}; {BATCH_ROWS}-row batches)")
+    report(
+        f"lance-sink engine benchmark (medians of {args.repeat}, runs interleaved; "
+        f"{BATCH_ROWS}-row batches)"
+    )
     kinds = {
         "200-byte rows": (False, args.small_rows, 120),
         f"{DIM}-dim vector rows": (True, args.vector_rows, 200),
