@@ -551,6 +551,12 @@ class QuerySettings(_Section):
         default=ByteSize(4 << 20), description="Larger request bodies get 413."
     )
     timeout_ms: PositiveInt = Field(default=10_000, description="Longer queries get 504.")
+    max_concurrent_queries: PositiveInt = Field(
+        default=8,
+        le=1_024,
+        description="Queries running at once, counting timed-out ones still finishing; more "
+        "get 503. Bounds the threads and memory a burst of slow queries can take.",
+    )
     max_k: PositiveInt = Field(default=1_000, le=100_000, description="Largest k a query may ask.")
     nprobes: PositiveInt = Field(default=20, description="IVF partitions probed on the base.")
     refine_factor: PositiveInt | None = Field(

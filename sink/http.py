@@ -7,7 +7,9 @@ metrics and health endpoints live on another app.
 
 Requests and responses are JSON. A response is ``{"rows": [...], "count": n,
 "took_ms": t}``; with ``Accept: application/vnd.apache.arrow.stream`` it is the result as an
-Arrow IPC stream instead. The OpenAPI description is at ``/openapi.json``.
+Arrow IPC stream instead. The OpenAPI description is at ``/openapi.json`` (it needs the
+bearer token like every other path when ``query.auth_token`` is set: it describes the
+table's schema). No interactive ``/docs`` page is served.
 
 `POST /v1/search` takes any of ``vector``, ``text`` and ``filter``:
 
@@ -23,12 +25,18 @@ Errors (JSON ``{"error": {"type": ..., "message": ...}}``):
 - 400: validation (empty request, k outside ``1..query.max_k``, wrong vector dimension,
   unknown column, bad filter syntax with its position, malformed JSON or wrong types);
 - 401: ``query.auth_token`` is set and the ``Authorization: Bearer <token>`` header is
-  missing or wrong (compared in constant time); ``/openapi.json`` needs no token;
+  missing or wrong (compared in constant time), on every path including ``/openapi.json``;
 - 413: the body is larger than ``query.max_request_bytes`` (checked on Content-Length and
   while reading a chunked body);
-- 503: a shard or the table cannot be read right now (retry);
+- 503: a shard or the table cannot be read right now, or ``query.max_concurrent_queries``
+  queries are already running (``Retry-After: 1``); retry;
 - 504: the query took longer than ``query.timeout_ms``. The work itself cannot be
   interrupted; it finishes in its worker thread and its result is dropped.
+
+Query threads. Queries run on the app's own pool of ``query.max_concurrent_queries``
+threads, and a query holds its slot until its work has finished, *including after its
+request got 504*. So timed-out queries cannot pile up: at most that many run at once, and a
+request that finds every slot taken gets 503 at once instead of queueing behind them.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import hmac
 import threading
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -115,7 +124,68 @@ class _HttpError(Exception):
 def _error(status: int, kind: str, message: str) -> Response:
     body = orjson.dumps({"error": {"type": kind, "message": message}})
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    if status == 503:
+        headers = {"Retry-After": "1"}
     return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+class QueryPool:
+    """At most `size` queries running at once, each on a thread of its own pool.
+
+    `submit` takes a slot or raises `_HttpError` 503 when none is free; the slot is given back
+    by the worker thread when the work ends, not when the request ends, so the work of
+    timed-out requests (which cannot be interrupted) still counts against the bound.
+
+    Lifecycle: built by `create_query_app` (kept as ``app.state.query_pool``);
+    `shutdown` (from `ServerHandle.stop`) lets running work finish in the background.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._running = 0
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="query")
+
+    @property
+    def running(self) -> int:
+        """Slots taken now (queries whose work has not finished)."""
+        with self._lock:
+            return self._running
+
+    def _release(self) -> None:
+        with self._lock:
+            self._running -= 1
+
+    def submit(self, fn: Callable[[], pa.Table]) -> asyncio.Future[pa.Table]:
+        """Start `fn` on a pool thread (call from the event loop).
+
+        Raises:
+            _HttpError: 503, every slot is taken.
+        """
+        with self._lock:
+            if self._running >= self.size:
+                raise _HttpError(
+                    503,
+                    "overloaded",
+                    f"{self.size} queries are already running (query.max_concurrent_queries)",
+                )
+            self._running += 1
+
+        def work() -> pa.Table:
+            try:
+                return fn()
+            finally:
+                self._release()
+
+        try:
+            return asyncio.get_running_loop().run_in_executor(self._executor, work)
+        except BaseException:
+            self._release()
+            raise
+
+    def shutdown(self) -> None:
+        """Accept no more work; running work finishes in the background."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class BodyLimit:
@@ -185,10 +255,13 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
         "and the unflushed memtables of this pod's shards.",
         docs_url=None,
         redoc_url=None,
+        openapi_url=None,  # served below, behind the same auth as the query paths
     )
     token = settings.auth_token.get_secret_value().encode() if settings.auth_token else None
     timeout = settings.timeout_ms / 1000
     max_k = settings.max_k
+    pool = QueryPool(settings.max_concurrent_queries)
+    app.state.query_pool = pool
 
     async def authorize(request: Request) -> None:
         if token is None:
@@ -211,8 +284,11 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
         return _error(400, "invalid_request", "; ".join(parts))
 
     async def run(fn: Callable[[], pa.Table]) -> pa.Table:
+        future = pool.submit(fn)
         try:
-            return await asyncio.wait_for(asyncio.to_thread(fn), timeout)
+            # shield: a timeout abandons the future instead of cancelling it, so the work
+            # keeps its pool slot until it really ends (see `QueryPool`).
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError as exc:
             raise _HttpError(
                 504, "timeout", f"query took longer than {settings.timeout_ms} ms"
@@ -226,6 +302,10 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
         except LanceSinkError as exc:
             raise _HttpError(503, "unavailable", str(exc)) from exc
 
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(authorize)])
+    async def openapi() -> Response:
+        return Response(orjson.dumps(app.openapi()), media_type="application/json")
+
     def check_k(k: int) -> None:
         if not 1 <= k <= max_k:
             raise _HttpError(400, "invalid_query", f"k must be between 1 and {max_k}, got {k}")
@@ -233,7 +313,7 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
     @app.post(
         "/v1/search",
         response_model=QueryResponse,
-        responses={400: {}, 401: {}, 413: {}, 504: {}},
+        responses={400: {}, 401: {}, 413: {}, 503: {}, 504: {}},
         dependencies=[Depends(authorize)],
         summary="Vector, full-text, hybrid or filter search",
     )
@@ -289,7 +369,7 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
     @app.post(
         "/v1/lookup",
         response_model=QueryResponse,
-        responses={400: {}, 401: {}, 413: {}, 504: {}},
+        responses={400: {}, 401: {}, 413: {}, 503: {}, 504: {}},
         dependencies=[Depends(authorize)],
         summary="Rows of many primary keys",
     )
@@ -382,6 +462,9 @@ class ServerHandle:
         if self._thread.is_alive():
             self._server.force_exit = True
             self._thread.join(timeout)
+        pool = getattr(getattr(self._server.config.app, "state", None), "query_pool", None)
+        if isinstance(pool, QueryPool):
+            pool.shutdown()
 
 
 def run_server(
@@ -412,6 +495,7 @@ def run_server(
 __all__ = [
     "ARROW_STREAM",
     "LookupRequest",
+    "QueryPool",
     "QueryResponse",
     "SearchRequest",
     "ServerHandle",

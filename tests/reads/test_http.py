@@ -4,6 +4,7 @@ output, and one run against the real uvicorn server."""
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -172,7 +173,16 @@ def test_bearer_token(harness: ReadHarness) -> None:
         ok = {"Authorization": "Bearer s3cret"}
         assert c.post("/v1/search", json=body, headers=ok).status_code == 200
         assert c.post("/v1/lookup", json={"keys": [["t", 0, 1]]}, headers=ok).status_code == 200
-        assert c.get("/openapi.json").status_code == 200
+        # The description names the table's columns: it needs the token too.
+        assert c.get("/openapi.json").status_code == 401
+        assert c.get("/openapi.json", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        r = c.get("/openapi.json", headers=ok)
+        assert r.status_code == 200
+        assert "/v1/search" in r.json()["paths"]
+        # No interactive docs page, with or without the token.
+        assert c.get("/docs").status_code == 404
+        assert c.get("/docs", headers=ok).status_code == 404
+        assert c.get("/redoc", headers=ok).status_code == 404
 
 
 def test_no_token_configured_means_no_auth(client: TestClient) -> None:
@@ -190,6 +200,46 @@ def test_slow_query_is_504(harness: ReadHarness) -> None:
         r = c.post("/v1/search", json={"text": "alpha"})
         assert r.status_code == 504
         assert r.json()["error"]["type"] == "timeout"
+
+
+def test_timed_out_queries_keep_their_slot_and_excess_requests_get_503(
+    harness: ReadHarness,
+) -> None:
+    release = threading.Event()
+    entered = threading.Semaphore(0)
+
+    def blocked_shards() -> list[Any]:
+        entered.release()
+        release.wait(30)
+        return list(harness.writers)
+
+    reader = Reader(harness.spec, harness.table, blocked_shards)
+    settings = QuerySettings(timeout_ms=100, max_concurrent_queries=2)
+    app = create_query_app(reader, settings)
+    pool = app.state.query_pool
+    try:
+        with TestClient(app) as c:
+            for _ in range(2):  # both time out, but their work goes on holding the slots
+                r = c.post("/v1/search", json={"text": "alpha"})
+                assert r.status_code == 504
+            assert entered.acquire(timeout=5)
+            assert entered.acquire(timeout=5)
+            assert pool.running == 2
+            r = c.post("/v1/search", json={"text": "alpha"})
+            assert r.status_code == 503
+            assert r.json()["error"]["type"] == "overloaded"
+            assert r.headers["retry-after"] == "1"
+            assert c.post("/v1/lookup", json={"keys": [["t", 0, 1]]}).status_code == 503
+            assert not entered.acquire(timeout=0.2)  # the rejected ones never started
+            release.set()
+            deadline = time.monotonic() + 10
+            while pool.running and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert pool.running == 0
+            assert c.post("/v1/search", json={"text": "alpha"}).status_code == 200
+    finally:
+        release.set()
+        pool.shutdown()
 
 
 def test_openapi_describes_both_endpoints(client: TestClient) -> None:
