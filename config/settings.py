@@ -478,6 +478,11 @@ class MaintenanceSettings(_Section):
     optimize_unindexed_rows: PositiveInt = Field(
         default=20_000, description="Run optimize_indices once this many rows are unindexed."
     )
+    optimize_interval_s: PositiveInt = Field(
+        default=5,
+        description="Between full runs, check this often whether optimize_indices is due, so "
+        "flushed rows get indexed within seconds (Lance searches unindexed rows flat).",
+    )
     compact_min_fragments: PositiveInt = Field(
         default=16, description="Compact once this many small fragments exist."
     )

@@ -14,6 +14,7 @@ import pytest
 
 from config.settings import MaintenanceSettings
 from engine.maintenance import (
+    MAX_INDEX_SEGMENTS,
     Maintenance,
     derived_partitions,
     derived_sub_vectors,
@@ -136,6 +137,61 @@ def test_optimize_indices_past_the_threshold(make_harness: MakeHarness) -> None:
     assert m.run_once()["optimize_indices"] == "done"
     assert m.unindexed_rows() == 0
     assert answers(h) == before
+
+
+def segments(h: ReadHarness) -> dict[str, int]:
+    return {i.name: len(i.segments) for i in h.table.dataset().describe_indices()}
+
+
+def test_optimize_adds_segments_then_merges_them(make_harness: MakeHarness) -> None:
+    h = make_harness()
+    w = h.open()
+    h.put(w, range(700))
+    h.flush(w)
+    m = maintenance(h)
+    m.run_once()
+    assert set(segments(h).values()) == {1}
+    first = 700
+    for n in range(2, MAX_INDEX_SEGMENTS + 1):
+        h.put(w, range(first, first + 60))
+        h.flush(w)
+        first += 60
+        before = answers(h)
+        m.optimize_indices()
+        assert m.unindexed_rows() == 0
+        # Only the new rows were indexed, as one more segment of every index.
+        assert set(segments(h).values()) == {n}
+        assert answers(h) == before
+    h.put(w, range(first, first + 60))
+    h.flush(w)
+    before = answers(h)
+    m.optimize_indices()
+    assert m.unindexed_rows() == 0
+    assert set(segments(h).values()) == {1}  # merged: bounded segments per query
+    assert answers(h) == before
+
+
+def test_the_thread_optimizes_between_full_runs(make_harness: MakeHarness) -> None:
+    h = make_harness()
+    w = h.open()
+    h.put(w, range(700))
+    h.flush(w)
+    events = Recorder()
+    m = maintenance(h, events, interval_s=3600, optimize_interval_s=1)
+    m.run_once()
+    h.put(w, range(700, 800))
+    h.flush(w)
+    m.start()
+    try:
+        deadline = time.monotonic() + 30
+        while ("optimize_indices", "done") not in events.events[6:]:
+            assert time.monotonic() < deadline, events.events
+            time.sleep(0.05)
+    finally:
+        m.stop()
+    assert m.unindexed_rows() == 0
+    # Only optimize_indices ran in between: the full run is an hour away.
+    assert {task for task, _ in events.events[6:]} == {"optimize_indices"}
 
 
 def test_compaction_merges_small_fragments(make_harness: MakeHarness) -> None:
