@@ -5,6 +5,7 @@ and BM25 scores that compare across tiers; full-text finds fresh and flushed row
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import faiss
 import lance
@@ -12,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from engine import reader as reader_module
 from engine.reader import recall
 from tests.reads.conftest import ReadHarness, vectors
 
@@ -120,6 +122,40 @@ def test_filtered_knn_is_a_prefilter(make_harness: MakeHarness) -> None:
     # A filter that matches a few rows returns just those.
     few = h.reader.search_vector(q, k=10, filter="_offset IN (3, 2100, 2900)")
     assert sorted(few.column("_offset").to_pylist()) == [3, 2100, 2900]
+
+
+@pytest.mark.parametrize("metric", ["l2", "dot"])
+def test_filtered_memtable_knn_overfetches_instead_of_copying(
+    make_harness: MakeHarness, metric: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With many rows filtered out, a batch is searched whole for more than k neighbours
+    (exact as long as k of them match) rather than copying its matching rows; a filter
+    too selective for that still copies. Results equal brute force either way."""
+    monkeypatch.setattr(reader_module, "FAST_EXCLUDED_MAX", 0)
+    searched: list[int] = []
+    real = reader_module._faiss_knn
+
+    def spy(q: np.ndarray, matrix: np.ndarray, k: int, metric: str) -> tuple[Any, Any]:
+        searched.append(matrix.shape[0])
+        return real(q, matrix, k, metric)
+
+    monkeypatch.setattr(reader_module, "_faiss_knn", spy)
+    h = make_harness(dim=DIM, metric=metric)
+    w = h.open()
+    h.put(w, range(3000))  # one 3000-row batch
+    data = vectors(np.arange(3000), DIM)
+    for q_off in (10, 2500):
+        q = vectors(np.array([q_off + 7]), DIM, version=1)[0]
+        for hi, whole in ((1500, True), (150, True), (15, False)):
+            searched.clear()
+            got = h.reader.search_vector(q, k=10, filter=f"_offset < {hi}", columns=["_offset"])
+            sub = data[:hi]
+            dist = ((sub - q) ** 2).sum(1) if metric == "l2" else 1 - sub @ q
+            truth = np.sort(dist)[:10]
+            assert np.allclose(np.sort(got.column("_distance").to_numpy()), truth, atol=1e-4)
+            assert all(o < hi for o in got.column("_offset").to_pylist())
+            assert searched, "the memtable was not searched"
+            assert (searched[0] == 3000) is whole
 
 
 def test_fulltext_finds_fresh_and_flushed_rows(make_harness: MakeHarness) -> None:
