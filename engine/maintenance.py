@@ -2,12 +2,17 @@
 
 `Maintenance.start()` runs `run_once()` every `interval_s` on its own daemon thread until
 `stop()`, and in between runs the ``optimize_indices`` task alone every
-`optimize_interval_s`, so rows a flush appends are indexed within seconds (unindexed base
-rows are searched flat by Lance: at tens of thousands of rows per second of ingestion, a
-30 s cadence let a text query over them take seconds). Tests and tools call `run_once()`
-directly. It never takes a shard writer's lock
-and never waits for a flush: every task is one or a few Lance commits of its own, so
-ingestion goes on while it runs. Several sink processes may run it against the same table;
+`optimize_interval_s` for the scalar indexes (BTREE, INVERTED), so rows a flush appends are
+indexed within seconds (unindexed base rows are searched flat by Lance: at tens of thousands
+of rows per second of ingestion, a 30 s cadence let a text query over them take seconds).
+The vector index is optimised on a second thread at the same cadence (task
+``optimize_vector_index``): PQ-encoding new rows is ~50x slower than indexing their text,
+and a pass over a large backlog took minutes during which the text index fell behind too.
+Tests and tools call `run_once()` directly (it optimises every index).
+
+Maintenance never takes a shard writer's lock and never waits for a flush: every task is
+one or a few Lance commits of its own, so ingestion goes on while it runs. Several sink
+processes may run it against the same table;
 Lance commits are optimistic, and a task that loses a commit race (Lance reports a commit
 conflict) is retried with exponential backoff (`CONFLICT_ATTEMPTS` times), then reported as
 ``conflict`` and tried again next run. A flush that loses a race against a compaction is
@@ -100,7 +105,15 @@ ROWS_PER_PARTITION_MIN = 256
 #: rewrites the index) amortised.
 MAX_INDEX_SEGMENTS = 8
 
-TASKS = ("vector_index", "fts_index", "key_index", "optimize_indices", "compact", "cleanup")
+TASKS = (
+    "vector_index",
+    "fts_index",
+    "key_index",
+    "optimize_indices",
+    "optimize_vector_index",
+    "compact",
+    "cleanup",
+)
 
 
 class MaintenanceEvents(Protocol):
@@ -168,6 +181,7 @@ class Maintenance:
         self.min_retained_versions = max(min_retained_versions, 1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._vector_thread: threading.Thread | None = None
         self._unindexed = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -179,12 +193,18 @@ class Maintenance:
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="maintenance", daemon=True)
         self._thread.start()
+        self._vector_thread = threading.Thread(
+            target=self._vector_loop, name="maintenance-vector", daemon=True
+        )
+        self._vector_thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ask the thread to stop after the current task, and wait (bounded)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        for thread in (self._thread, self._vector_thread):
+            if thread is not None:
+                thread.join(max(deadline - time.monotonic(), 0.01))
 
     def _loop(self) -> None:
         period = min(self.settings.optimize_interval_s, self.settings.interval_s)
@@ -194,7 +214,13 @@ class Maintenance:
                 self.run_once()
                 next_full = time.monotonic() + self.settings.interval_s
             else:
-                self._run("optimize_indices", self.optimize_indices)
+                self._run("optimize_indices", lambda: self.optimize_indices(vector=False))
+
+    def _vector_loop(self) -> None:
+        while not self._stop.wait(self.settings.optimize_interval_s):
+            self._run(
+                "optimize_vector_index", lambda: self.optimize_indices(scalar=False, vector=True)
+            )
 
     # ------------------------------------------------------------------ the run
 
@@ -314,9 +340,10 @@ class Maintenance:
         self._unindexed = max(rows - covered, 0)
         return self._unindexed
 
-    def optimize_indices(self) -> None:
+    def optimize_indices(self, *, scalar: bool = True, vector: bool = True) -> None:
         """Index the rows appended since each index was last built or optimised, for every
-        index lacking at least `optimize_unindexed_rows` rows (see the module docstring)."""
+        index lacking at least `optimize_unindexed_rows` rows (see the module docstring);
+        `scalar` / `vector` select which kinds of index."""
         ds = self.table.dataset()
         self._measure_unindexed(ds)
         rows = ds.count_rows()
@@ -325,9 +352,11 @@ class Maintenance:
             lacking = rows - int(getattr(index, "num_rows_indexed", rows) or 0)
             if lacking >= self.settings.optimize_unindexed_rows:
                 type_url = str(getattr(index, "type_url", ""))
-                scalar = any(t in type_url for t in ("Inverted", "BTree", "Bitmap", "Zone"))
+                is_scalar = any(t in type_url for t in ("Inverted", "BTree", "Bitmap", "Zone"))
+                if not (scalar if is_scalar else vector):
+                    continue
                 segments = len(getattr(index, "segments", None) or [1])
-                due.append((not scalar, str(index.name), segments))
+                due.append((not is_scalar, str(index.name), segments))
         if not due:
             raise _Skip
         for _, name, segments in sorted(due):  # scalar indexes first
