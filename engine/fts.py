@@ -14,8 +14,16 @@ cache disappears with the memtable after its flush. A batch is tokenised with on
 become three numpy arrays (term id, document, position), so scoring a query is a few
 vectorised passes with no per-row Python.
 
-Cached bytes are reported by `MemtableTermCache.nbytes` (they are reader-side memory, not
-counted in the memtable's own accounting, which covers the write path only).
+Cached bytes (token arrays and vocabulary entries) are counted in the memtable's resident
+bytes with `Memtable.account_cache` (I7), so they weigh on backpressure like the rows do;
+`MemtableTermCache.nbytes` reports the token arrays.
+
+Who tokenises: `Reader` runs a background tokenizer (`Reader._tokenize_loop`) once it has
+served a text query, which calls `MemtableTermCache.terms` on every memtable of its shards
+as new batches arrive, so a text query finds them tokenised already. A query still
+tokenises, inline, whatever the background pass has not reached yet (both go through the
+same per-memtable lock, so each batch is tokenised exactly once). Either way only batches of
+a `MemtableView` are tokenised: rows that are durable and visible (I2), never more.
 """
 
 from __future__ import annotations
@@ -139,6 +147,12 @@ class MemtableTermCache:
                     terms.nbytes + (len(entry.vocab) - words) * _VOCAB_ENTRY_BYTES
                 )
             return entry.vocab, entry.batches[: len(batches)]
+
+    def terms_ready(self, memtable: Memtable, column: str) -> int:
+        """How many leading batches of `memtable` have their `column` tokenised."""
+        with self._lock:
+            entry = self._cache.get(memtable, {}).get(column)
+        return 0 if entry is None else len(entry.batches)
 
     @property
     def nbytes(self) -> int:

@@ -166,6 +166,7 @@ class ReadHarness:
         return release
 
     def close(self) -> None:
+        self.reader.close()
         for event in self._held:
             event.set()
         for w in self.writers:

@@ -4,6 +4,7 @@ and BM25 scores that compare across tiers; full-text finds fresh and flushed row
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from engine import fts
 from engine import reader as reader_module
 from engine.reader import recall
 from tests.reads.conftest import ReadHarness, vectors
@@ -249,3 +251,33 @@ def test_reader_caches_are_counted_in_memtable_memory(make_harness: MakeHarness)
     h.reader.search_text("alpha", k=5)
     assert active.memory_size - after_vector >= 500 * 4 * 3  # token, doc, position arrays
     assert writer.stats().index_bytes >= active.cache_bytes
+
+
+def test_new_memtable_batches_are_tokenised_off_the_query_path(
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a first text query, batches put later are tokenised by the reader's background
+    tokenizer, so the next text query tokenises nothing (under ingestion, tokenising the
+    new rows dominated every text query); close() stops the tokenizer."""
+    h = make_harness(dim=DIM)
+    writer = h.open()
+    h.put(writer, range(100))
+    assert h.reader.search_text("alpha", k=5).num_rows
+    for first in range(100, 1100, 250):
+        h.put(writer, range(first, first + 250))
+    view = writer.view().memtables[0]
+    deadline = time.monotonic() + 10
+    while h.reader.terms.terms_ready(view.memtable, "text") < len(view.batches):
+        assert time.monotonic() < deadline, "the background tokenizer did not catch up"
+        time.sleep(0.01)
+
+    def no_tokenising(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a text query tokenised a batch")
+
+    monkeypatch.setattr(fts, "_batch_terms", no_tokenising)
+    got = h.reader.search_text("row1049", k=5, columns=["_offset"])
+    assert got.column("_offset").to_pylist() == [1049]
+    h.reader.close()
+    thread = h.reader._tokenizer
+    assert thread is not None
+    assert not thread.is_alive()
