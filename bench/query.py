@@ -2,7 +2,14 @@
 vector, text and 100-key lookup queries, idle and under ingestion, with Lance's own search
 on the base (and pylance's MemWAL `LsmVectorSearchPlanner` on it) as yardsticks.
 
-Run: ``python -m bench.query [--base-rows 1000000] [--memtable-rows 100000]``.
+Run: ``python -m bench.query [--base-rows 1000000] [--memtable-rows 100000]
+[--ingest-seconds 60] [--out bench/results/query.txt]``.
+
+Under ingestion the phase is bounded: a producer puts at half the same run's max rate for
+``--warmup-s`` + ``--ingest-seconds`` while maintenance runs as the sink runs it; the
+queries and yardsticks are timed in rotation, each on a thread of its own with a deadline
+(``--query-timeout-s``): a query that misses it counts at the timeout value and is
+reported as timed out (it finishes in the background). Progress is printed every ~10 s.
 
 Data: 384-dim float32 embeddings drawn around 1 000 cluster centres (so an IVF index has
 structure to find, like real embeddings), a 10-word text per row from a 5 000-word
@@ -114,6 +121,17 @@ class Data:
         }
         schema = spec.batch_schema
         return pa.RecordBatch.from_arrays([cols[f.name] for f in schema], schema=schema)
+
+
+#: Rows per put when the memtables are filled (the recall oracle regenerates the same
+#: chunks: a chunk's vectors depend on its first offset).
+PUT_ROWS = 2_000
+
+
+def chunks(first: int, total: int, size: int = PUT_ROWS) -> list[tuple[int, int]]:
+    """(first offset, rows) of `total` rows from `first` in chunks of `size`, the last one
+    shorter when `size` does not divide `total`."""
+    return [(f, min(size, first + total - f)) for f in range(first, first + total, size)]
 
 
 def build_base(path: Path, spec: TableSpec, data: Data, rows: int) -> dict[str, float]:
@@ -320,7 +338,11 @@ def table_lines(results: dict[str, Any]) -> list[str]:
         label = LABELS.get(name, name)
         if isinstance(stats, dict):
             p50, p99 = stats["p50_ms"], stats["p99_ms"]
-            lines.append(f"{label:<42}{p50:>9.1f}{p99:>9.1f}   {verdict(name, stats)}")
+            note = verdict(name, stats)
+            if "runs" in stats:
+                extra = f"{stats['runs']} runs, {stats['timed_out']} timed out"
+                note = f"{note}; {extra}" if note else extra
+            lines.append(f"{label:<42}{p50:>9.1f}{p99:>9.1f}   {note}")
         else:
             lines.append(f"{label:<42}{stats}")
     return lines
@@ -332,13 +354,22 @@ def main() -> None:
     parser.add_argument("--memtable-rows", type=int, default=100_000)
     parser.add_argument("--runs", type=int, default=100, help="timed queries per kind")
     parser.add_argument(
-        "--ingest-runs", type=int, default=40, help="timed queries per kind under ingestion"
+        "--ingest-seconds",
+        type=float,
+        default=60.0,
+        help="queries are timed in rotation under ingestion for this long",
+    )
+    parser.add_argument(
+        "--query-timeout-s",
+        type=float,
+        default=1.0,
+        help="under ingestion, a query slower than this counts as a miss at this value",
     )
     parser.add_argument("--probe-s", type=float, default=10.0, help="max-rate probe length")
     parser.add_argument(
         "--warmup-s",
         type=float,
-        default=30.0,
+        default=10.0,
         help="ingestion (and maintenance) runs this long before queries are timed",
     )
     parser.add_argument("--workdir", default="/tmp/lance-sink-bench")
@@ -361,8 +392,8 @@ def main() -> None:
     flusher = Flusher(1)
     base_first = 10_000_000  # memtable offsets: disjoint from the base's
     w_m = open_writer(spec_m, table_m, storage_m, "mem", flusher, 10**9)
-    for first in range(base_first, base_first + args.memtable_rows, 2_000):
-        put_rows(w_m, spec_m, data, first, 2_000)
+    for first, count in chunks(base_first, args.memtable_rows):
+        put_rows(w_m, spec_m, data, first, count)
     reader_m = Reader(spec_m, table_m, lambda: [w_m], ReaderSettings(max_k=1000))
     queries = data.vectors(999_999_937, args.runs + 1)
     qi = iter(range(10**9))
@@ -384,8 +415,8 @@ def main() -> None:
     table.open()
     storage = open_storage(str(work / "wal-merged"), fsync=True)  # one WAL root, like the sink
     writer = open_writer(spec, table, storage, "merged", flusher, 10**9)
-    for first in range(base_first, base_first + args.memtable_rows, 2_000):
-        put_rows(writer, spec, data, first, 2_000)
+    for first, count in chunks(base_first, args.memtable_rows):
+        put_rows(writer, spec, data, first, count)
     writers = [writer]
     settings = ReaderSettings(nprobes=20, refine_factor=None, max_k=1000)
     reader = Reader(spec, table, lambda: list(writers), settings)
@@ -459,10 +490,7 @@ def main() -> None:
         ]
     )
     mem_vec = np.concatenate(
-        [
-            data.vectors(first, 2_000)
-            for first in range(base_first, base_first + args.memtable_rows, 2_000)
-        ]
+        [data.vectors(first, count) for first, count in chunks(base_first, args.memtable_rows)]
     )
     oracle = faiss.IndexFlatL2(DIM)
     oracle.add(base_vec)
@@ -498,7 +526,8 @@ def main() -> None:
     print("max put rate", report["max_put_rows_per_s"], flush=True)
 
     # ---- under ingestion at half the max rate, with maintenance running as the sink runs
-    # it (engine.maintenance with the default settings and cadence), on a second shard.
+    # it (engine.maintenance with the default settings and cadence), on a second shard,
+    # for a fixed time.
     rows_before = table.dataset().count_rows()
     maint_log = MaintenanceLog()
     maint_settings = MaintenanceSettings()
@@ -506,55 +535,50 @@ def main() -> None:
     ingest = open_writer(spec, table, storage, "ingest", flusher, args.memtable_rows)
     writers.append(ingest)
     producer = Producer(ingest, prebuilt, 30_000_000, max_rate / 2)
+    rotation = TimedRotation({**kinds, **yard}, args.query_timeout_s)
+    monitor = Monitor(table, producer, rotation)
     maintenance.start()
     producer.start()
-    unindexed: list[int] = []
-    sampling = threading.Event()
-
-    def sample_unindexed() -> None:
-        while not sampling.wait(1.0):
-            ds = table.dataset()
-            rows = ds.count_rows()
-            covered = [
-                int(getattr(i, "num_rows_indexed", rows) or 0) for i in ds.describe_indices()
-            ]
-            unindexed.append(max(rows - min(covered, default=rows), 0))
-
-    sampler = threading.Thread(target=sample_unindexed, daemon=True)
+    monitor.start()
     try:
         time.sleep(args.warmup_s)
-        sampler.start()
-        measure_started = time.monotonic()
-        loaded = interleaved({**kinds, **yard}, args.ingest_runs)
-        measure_s = time.monotonic() - measure_started
+        backlog_start = monitor.unindexed()
+        rotation.run(args.ingest_seconds)
+        backlog_end = monitor.unindexed()
     finally:
-        sampling.set()
+        monitor.stop()
         rate = producer.stop()
-        maintenance.stop(timeout=600)
+        maintenance.stop(timeout=30)
     ingest.close(flush=False)
     writers.remove(ingest)
     for w in writers:
         w.close(flush=False)
+    reader.close()
     flusher.shutdown()
-    report["ingesting"] = {name: summary(samples) for name, samples in loaded.items()}
+    report["ingesting"] = {
+        name: {**summary(samples), "timed_out": rotation.timeouts[name], "runs": len(samples)}
+        for name, samples in rotation.samples.items()
+    }
     report["ingest"] = {
         "target_rows_per_s": round(max_rate / 2),
         "achieved_rows_per_s": round(rate),
         "warmup_s": args.warmup_s,
-        "measured_s": round(measure_s, 1),
+        "measured_s": round(rotation.elapsed_s, 1),
+        "query_timeout_s": args.query_timeout_s,
         "base_rows_before": rows_before,
         "base_rows_after": table.dataset().count_rows(),
-        "unindexed_rows_while_measured": {
-            "median": int(np.median(unindexed)) if unindexed else None,
-            "max": max(unindexed, default=None),
-        },
+        "unindexed_at_start": backlog_start,
+        "unindexed_at_end": backlog_end,
+        "unindexed_max": monitor.max_unindexed(),
+        "stragglers_at_end": rotation.running(),
         "maintenance": maint_log.summary(),
+        "maintenance_still_running": maintenance_running(maintenance),
         "maintenance_settings": maint_settings.model_dump(),
     }
     for name, stats in report["ingesting"].items():
         print("ingesting", name, stats, flush=True)
 
-    lines = render(report, args.runs, args.ingest_runs)
+    lines = render(report, args.runs)
     print("\n".join(lines))
     print(json.dumps(report, indent=2, default=str))
     if args.out:
@@ -562,15 +586,136 @@ def main() -> None:
         args.out.write_text("\n".join(lines) + "\n")
 
 
-def render(report: dict[str, Any], runs: int, ingest_runs: int) -> list[str]:
+def maintenance_running(maintenance: Maintenance) -> bool:
+    """Did a maintenance task outlive `stop`'s bound (a long index optimisation)?"""
+    threads = (getattr(maintenance, "_thread", None), getattr(maintenance, "_vector_thread", None))
+    return any(t is not None and t.is_alive() for t in threads)
+
+
+class TimedRotation:
+    """Times every kind in rotation for a fixed time; each call runs on a daemon thread of
+    its own and is waited for at most `timeout_s` (a slower call counts as `timeout_s`, is
+    counted in `timeouts`, and finishes in the background: one slow query cannot stall the
+    phase)."""
+
+    def __init__(self, kinds: dict[str, Callable[[], Any]], timeout_s: float) -> None:
+        self.kinds = kinds
+        self.timeout_s = timeout_s
+        self.samples: dict[str, list[float]] = {name: [] for name in kinds}
+        self.timeouts = dict.fromkeys(kinds, 0)
+        self.done = 0
+        self.elapsed_s = 0.0
+        self._threads: list[threading.Thread] = []
+
+    def running(self) -> int:
+        """Timed-out calls still running."""
+        return sum(1 for t in self._threads if t.is_alive())
+
+    def run(self, seconds: float) -> None:
+        started = time.monotonic()
+        end = started + seconds
+        while time.monotonic() < end:
+            for name, fn in self.kinds.items():
+                if time.monotonic() >= end:
+                    break
+                self.samples[name].append(self._call(name, fn))
+                self.done += 1
+        self.elapsed_s = time.monotonic() - started
+
+    def _call(self, name: str, fn: Callable[[], Any]) -> float:
+        result: dict[str, Any] = {}
+        finished = threading.Event()
+
+        def call() -> None:
+            began = time.perf_counter()
+            try:
+                fn()
+            except BaseException as exc:  # re-raised on the timing thread
+                result["error"] = exc
+            result["ms"] = (time.perf_counter() - began) * 1000
+            finished.set()
+
+        thread = threading.Thread(target=call, name=f"query-{name}", daemon=True)
+        thread.start()
+        if not finished.wait(self.timeout_s):
+            self.timeouts[name] += 1
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            return self.timeout_s * 1000
+        if "error" in result:
+            raise RuntimeError(f"query {name} failed") from result["error"]
+        ms: float = result["ms"]
+        return ms
+
+
+class Monitor:
+    """Samples the base's unindexed rows every 2 s and prints progress every ~10 s."""
+
+    def __init__(self, table: BaseTable, producer: Producer, rotation: TimedRotation) -> None:
+        self.table = table
+        self.producer = producer
+        self.rotation = rotation
+        self.samples: list[dict[str, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="monitor", daemon=True)
+        self._started = 0.0
+
+    def start(self) -> None:
+        self._started = time.monotonic()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def unindexed(self) -> dict[str, int]:
+        """Base rows and rows missing from the vector index and from the scalar (text, key)
+        indexes, now."""
+        ds = self.table.dataset()
+        rows = ds.count_rows()
+        vector = scalar = 0
+        for index in ds.describe_indices():
+            missing = max(rows - int(getattr(index, "num_rows_indexed", rows) or 0), 0)
+            if "Vector" in str(getattr(index, "type_url", "")):
+                vector = max(vector, missing)
+            else:
+                scalar = max(scalar, missing)
+        return {"base_rows": rows, "vector_index": vector, "text_key_indexes": scalar}
+
+    def max_unindexed(self) -> dict[str, int]:
+        keys = ("vector_index", "text_key_indexes")
+        return {k: max((s[k] for s in self.samples), default=0) for k in keys}
+
+    def _run(self) -> None:
+        last_print = time.monotonic()
+        while not self._stop.wait(2.0):
+            try:
+                now = self.unindexed()
+            except Exception as exc:  # a failed sample is skipped
+                print("progress: sample failed", exc, flush=True)
+                continue
+            self.samples.append(now)
+            if time.monotonic() - last_print >= 10.0:
+                last_print = time.monotonic()
+                print(
+                    f"progress {time.monotonic() - self._started:5.0f} s: ingested "
+                    f"{self.producer.rows:,} rows, base {now['base_rows']:,} rows, unindexed "
+                    f"{now['vector_index']:,} (vector) / {now['text_key_indexes']:,} "
+                    f"(text, key), queries done {self.rotation.done} "
+                    f"(timed out {sum(self.rotation.timeouts.values())})",
+                    flush=True,
+                )
+
+
+def render(report: dict[str, Any], runs: int) -> list[str]:
     """The human-readable report (what `--out` writes)."""
     b = report["base_build"]
     ing = report["ingest"]
     lines = [
         (
-            f"lance-sink query benchmark: k = 10, {report['base_rows']:,}-row base + "
-            f"{report['memtable_rows']:,}-row memtable, 384-dim l2; {runs} queries per kind "
-            f"idle, {ingest_runs} under ingestion, kinds interleaved"
+            f"lance-sink query benchmark (python -m bench.query): k = 10, "
+            f"{report['base_rows']:,}-row base + {report['memtable_rows']:,}-row memtable, "
+            f"384-dim l2; {runs} queries per kind idle; under ingestion every kind in "
+            f"rotation for {ing['measured_s']} s"
         ),
         (
             f"base: IVF_PQ ({b['partitions']} partitions, 48 sub-vectors), INVERTED and BTREE "
@@ -602,7 +747,7 @@ def render(report: dict[str, Any], runs: int, ingest_runs: int) -> list[str]:
             "ratio merged vector / LsmVectorSearchPlanner, p50: "
             f"{idle['vector']['p50_ms'] / idle['lance_lsm_planner_vector']['p50_ms']:.2f}x"
         )
-    un = ing["unindexed_rows_while_measured"]
+    start, end, peak = ing["unindexed_at_start"], ing["unindexed_at_end"], ing["unindexed_max"]
     lines += [
         "",
         (
@@ -616,17 +761,27 @@ def render(report: dict[str, Any], runs: int, ingest_runs: int) -> list[str]:
         ),
         (
             f"achieved {ing['achieved_rows_per_s']:,} rows/s into a second shard; queries timed "
-            f"after {ing['warmup_s']:g} s of warm-up, for {ing['measured_s']} s; base "
-            f"{ing['base_rows_before']:,} -> {ing['base_rows_after']:,} rows; unindexed base rows "
-            f"while measured: median {un['median']}, max {un['max']}"
+            f"after {ing['warmup_s']:g} s of warm-up, for {ing['measured_s']} s, each with a "
+            f"{ing['query_timeout_s']:g} s deadline (a timed-out query counts as "
+            f"{ing['query_timeout_s'] * 1000:g} ms); base {ing['base_rows_before']:,} -> "
+            f"{ing['base_rows_after']:,} rows"
+        ),
+        (
+            "base rows missing from the vector index / from the text and key indexes: "
+            f"{start['vector_index']:,} / {start['text_key_indexes']:,} when timing started "
+            f"(base {start['base_rows']:,}), {end['vector_index']:,} / "
+            f"{end['text_key_indexes']:,} when it ended (base {end['base_rows']:,}), at most "
+            f"{peak['vector_index']:,} / {peak['text_key_indexes']:,}"
         ),
         "maintenance (default settings: "
         + ", ".join(
             f"{k}={ing['maintenance_settings'][k]}"
-            for k in ("interval_s", "optimize_unindexed_rows", "compact_min_fragments")
+            for k in ("interval_s", "optimize_interval_s", "optimize_unindexed_rows")
+            if k in ing["maintenance_settings"]
         )
         + "): "
-        + "; ".join(f"{task}: {text}" for task, text in ing["maintenance"].items()),
+        + "; ".join(f"{task}: {text}" for task, text in ing["maintenance"].items())
+        + ("; a task still ran 30 s after the phase" if ing["maintenance_still_running"] else ""),
         *table_lines(report["ingesting"]),
     ]
     loaded = report["ingesting"]
