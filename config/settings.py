@@ -340,6 +340,13 @@ class SourceSettings(_Section):
     max_message_bytes: PositiveBytes = Field(
         default=ByteSize(1 << 20), description="Larger messages go to the dead-letter topic."
     )
+    decode_workers: PositiveInt = Field(
+        default=2,
+        le=64,
+        description="Threads that decode consumed batches while the consumer loop keeps "
+        "polling and committing (results are put in offset order per partition). About one "
+        "per core the sink may use.",
+    )
 
     @field_validator("columns")
     @classmethod

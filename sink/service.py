@@ -15,8 +15,10 @@ Lifecycle:
   next owner (the next owner replays it; handing over is then a matter of milliseconds);
   lost → close without committing.
 
-The loop never blocks on storage: puts return futures that are checked on each iteration,
-and `consume()` is called every `kafka.consume_timeout_ms` whatever the writers do.
+The loop never blocks on storage or on decoding: each partition's consumed messages are
+decoded on `source.decode_workers` threads and put in offset order as their decoding ends;
+puts return futures that are checked on each iteration; `consume()` is called every
+`kafka.consume_timeout_ms` whatever the writers do, so commits follow durability closely.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import json
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,10 +56,9 @@ log = structlog.get_logger("lance_sink.sink")
 OFFSET_INVALID = confluent_kafka.OFFSET_INVALID
 METRICS_INTERVAL_S = 1.0  # how often gauges are refreshed: matches a typical scrape
 RECOVERY_BACKOFF_S = 1.0  # wait before reopening a poisoned writer
-# One loop iteration (consume + decode + put) should take about this long: commits happen
-# between iterations, so this bounds the commit delay under load (a few WAL flush intervals).
-ITERATION_TARGET_S = 0.02
-MIN_CONSUME_BATCH = 100  # below this, per-call overhead dominates
+# Consumed messages waiting for (or in) decoding, in consume() batches: a bound on what the
+# loop takes from librdkafka before the decode workers catch up (a fixed memory overhead).
+DECODE_QUEUE_BATCHES = 2
 
 
 class FatalSinkError(LanceSinkError):
@@ -113,6 +114,11 @@ def consumer_conf(settings: Settings) -> dict[str, Any]:
             # Up to 16 MiB per partition per fetch (librdkafka: 1 MiB): a few hundred
             # 4 KB vector messages per round trip would keep the loop waiting on the broker.
             "max.partition.fetch.bytes": 16 << 20,
+            # The prefetch queue (librdkafka: 64 MiB for all partitions). With 16 MiB fetches
+            # a 64 MiB queue stops fetching whenever four partitions have one response
+            # queued, and the loop then waits on the broker; 256 MiB keeps fetches in flight
+            # while the decoders work. Part of the sink's fixed memory overhead.
+            "queued.max.messages.kbytes": 256 << 10,
         }
     )
     if k.group_instance_id:
@@ -130,6 +136,14 @@ class _InFlight:
     rows: int
     nbytes: int
     first_timestamp_ms: int | None
+
+
+@dataclass
+class _Decoding:
+    """Consumed messages of one partition on their way through a decode worker."""
+
+    messages: list[Any]
+    future: Future[Decoded]
 
 
 @dataclass
@@ -158,6 +172,8 @@ class PartitionState:
     position: int | None
     done: int | None
     committed: int
+    decoding: deque[_Decoding] = field(default_factory=deque)  # offset order
+    parked: list[Any] = field(default_factory=list)  # consumed while the decoders were full
     inflight: deque[_InFlight] = field(default_factory=deque)
     durable_at: deque[tuple[int, float]] = field(default_factory=deque)  # (done, when)
     held: _Held | None = None
@@ -223,6 +239,12 @@ class SinkService:
         self._stop = threading.Event()
         self._fatal: str | None = None
         self._open_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="open")
+        self._decode_pool = ThreadPoolExecutor(
+            max_workers=settings.source.decode_workers, thread_name_prefix="decode"
+        )
+        self._decoding_messages = 0  # handed to the decode workers, not yet fed
+        self._parked_messages = 0  # consumed while the decode queue was full
+        self._decode_queue_limit = DECODE_QUEUE_BATCHES * settings.kafka.consume_batch_size
         self._last_commit = 0.0
         self._last_metrics = 0.0
         self._lock = threading.Lock()  # guards `partitions` for readers on other threads
@@ -289,15 +311,20 @@ class SinkService:
         timeout = k.consume_timeout_ms / 1000
         code = 0
         try:
-            batch_size = k.consume_batch_size
             while not self._stop.is_set():
-                started = self._last_tick = time.monotonic()
-                messages = self.consumer.consume(batch_size, timeout)
+                self._last_tick = time.monotonic()
+                messages = []
+                if self._decoding_messages < self._decode_queue_limit:
+                    messages = self.consumer.consume(k.consume_batch_size, timeout)
+                else:
+                    # Decoding is behind: take at most one message (parked) per iteration,
+                    # which still serves librdkafka's callbacks (commit results, rebalances)
+                    # that only consume() delivers; stop taking any once parking is full.
+                    if self._parked_messages < self._decode_queue_limit:
+                        messages = self.consumer.consume(1, 0)
+                    self._wait_decoded(timeout)
                 if messages:
                     self._handle(messages)
-                    batch_size = self._next_batch_size(
-                        batch_size, len(messages), time.monotonic() - started
-                    )
                 self._tick()
                 if self._fatal is not None:
                     log.error("sink_fatal", reason=self._fatal)
@@ -311,20 +338,16 @@ class SinkService:
             gc.unfreeze()
         return code
 
-    def _next_batch_size(self, current: int, consumed: int, seconds: float) -> int:
-        """Size the next consume() so one loop iteration takes about ITERATION_TARGET_S.
-
-        Offsets are committed (and durable puts noticed) between iterations, so a long
-        iteration (a 10k batch of large vector messages takes ~0.5 s to decode) delays
-        commits by as much. Small messages keep the configured batch size."""
-        if consumed < current or seconds <= 0:
-            return current  # the batch was not full: size is not what limits it
-        per_message = seconds / consumed
-        target = int(ITERATION_TARGET_S / per_message)
-        return max(MIN_CONSUME_BATCH, min(self.settings.kafka.consume_batch_size, target))
+    def _wait_decoded(self, timeout: float) -> None:
+        """The decode queue is full: wait (bounded) until some partition's oldest batch is
+        decoded (only that lets batches be fed, in offset order)."""
+        heads = [s.decoding[0].future for s in self.partitions.values() if s.decoding]
+        if heads:
+            wait(heads, timeout, return_when=FIRST_COMPLETED)
 
     def _tick(self) -> None:
         """Everything a loop iteration does besides consuming."""
+        self._collect_decoded()
         if self.dlq is not None:
             self.dlq.poll()
         self._service_held()
@@ -377,11 +400,44 @@ class SinkService:
                 else [m for m in batch if m.offset() >= position]
             )
             if fresh:
-                self._feed(state, fresh)
+                state.position = fresh[-1].offset() + 1
+                state.parked.extend(fresh)
+                self._parked_messages += len(fresh)
+                if self._decoding_messages < self._decode_queue_limit:
+                    self._submit_parked(state)
 
-    def _feed(self, state: PartitionState, messages: list[Any]) -> None:
-        decoded = self.decoder.decode(messages)
-        state.position = decoded.last_offset + 1
+    def _submit_parked(self, state: PartitionState) -> None:
+        """Hand a partition's consumed messages to a decode worker as one batch."""
+        messages, state.parked = state.parked, []
+        self._parked_messages -= len(messages)
+        self._decoding_messages += len(messages)
+        future = self._decode_pool.submit(self.decoder.decode, messages)
+        state.decoding.append(_Decoding(messages, future))
+
+    def _collect_decoded(self) -> None:
+        """Feed each partition's decoded batches to its writer, oldest first, as far as
+        their decoding has ended (a held batch stops the rest: see `_hold`)."""
+        for state in list(self.partitions.values()):
+            while state.decoding and state.decoding[0].future.done():
+                job = state.decoding.popleft()
+                self._decoding_messages -= len(job.messages)
+                self._feed(state, job.messages, job.future.result())
+        if self._decoding_messages < self._decode_queue_limit:
+            for state in list(self.partitions.values()):
+                if state.parked and state.held is None:
+                    self._submit_parked(state)
+
+    def _drop_decoding(self, state: PartitionState) -> None:
+        """Forget batches not yet fed (nothing of them is durable or committed): they are
+        fetched again from `position` (or by the partition's next owner)."""
+        for job in state.decoding:
+            job.future.cancel()
+            self._decoding_messages -= len(job.messages)
+        state.decoding.clear()
+        self._parked_messages -= len(state.parked)
+        state.parked = []
+
+    def _feed(self, state: PartitionState, messages: list[Any], decoded: Decoded) -> None:
         held = _Held(decoded, messages)
         if decoded.dead_letters:
             if self.dlq is None:
@@ -449,6 +505,9 @@ class SinkService:
 
     def _hold(self, state: PartitionState, held: _Held) -> None:
         state.held = held
+        # Batches consumed after the held one are dropped and fetched again on resume.
+        state.position = held.decoded.last_offset + 1
+        self._drop_decoding(state)
         if not state.paused:
             self.consumer.pause([state.tp])
             state.paused = True
@@ -523,6 +582,7 @@ class SinkService:
         state.writer = None
         state.inflight.clear()
         state.held = None
+        self._drop_decoding(state)
         if not state.paused:
             self.consumer.pause([state.tp])
             state.paused = True
@@ -719,6 +779,7 @@ class SinkService:
     def _release(self, state: PartitionState, *, flush: bool, timeout: float = 30.0) -> None:
         with self._lock:
             self.partitions.pop((state.topic, state.partition), None)
+        self._drop_decoding(state)
         shard = None
         if state.writer is not None:
             shard = state.writer.shard
@@ -764,6 +825,7 @@ class SinkService:
         self.maintenance.stop(timeout=max(deadline - time.monotonic(), 1))
         self.engine.close(flush=False, timeout=1)
         self._open_pool.shutdown(wait=False)
+        self._decode_pool.shutdown(wait=False, cancel_futures=True)
         for server in self.servers:
             server.stop()
         log.info("sink_stopped")
@@ -914,6 +976,7 @@ class SinkService:
             "consumed": state.position,
             "committed": state.committed,
             "end": self.end_offsets.get(key),
+            "decoding_batches": len(state.decoding),
             "inflight_puts": len(state.inflight),
             "held": state.held is not None,
         }

@@ -598,7 +598,7 @@ def test_pod_hardening_and_probes(rendered: dict[str, list[dict[str, Any]]], sce
     budget = TypeAdapter(ByteSize).validate_python(
         values["config"]["backpressure"]["process_budget_bytes"]
     )
-    derived_mib = math.ceil(budget * 1.5 / 2**20) + 512
+    derived_mib = math.ceil(budget * 1.5 / 2**20) + 768
     assert container["resources"]["limits"]["memory"] == f"{derived_mib}Mi"
     assert container["resources"]["requests"]["memory"] == f"{derived_mib}Mi"
 
@@ -629,7 +629,7 @@ def test_memory_limit_from_set_flags(helm: str) -> None:
         _scenario("object-storage-values"),
         extra=("--set", "config.backpressure.process_budget_bytes=3221225472"),
     )
-    assert _container(docs)["resources"]["limits"]["memory"] == f"{3 * 1024 * 3 // 2 + 512}Mi"
+    assert _container(docs)["resources"]["limits"]["memory"] == f"{3 * 1024 * 3 // 2 + 768}Mi"
 
 
 def test_toml_strings_survive_escaping(helm: str, tmp_path: Path) -> None:

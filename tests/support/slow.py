@@ -9,11 +9,14 @@ still happen, only later.
     LANCE_SINK_TEST_WAL_STALL_S     one stall of the WAL (after LANCE_SINK_TEST_WAL_STALL_AFTER
                                     appends, default 5)
     LANCE_SINK_TEST_REPLAY_DELAY_S  sleep in every shard open (claim + replay)
+    LANCE_SINK_TEST_DECODE_JITTER_S a random sleep of up to this long in every decode, so
+                                    decode workers finish batches out of order
 """
 
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 from typing import Any
@@ -22,6 +25,7 @@ from engine.backpressure import BudgetController
 from engine.shard import ShardWriter
 from engine.storage import LocalStorage
 from engine.table import BaseTable
+from sink.decode import Decoded, Decoder
 
 
 def controller(*, process_budget_bytes: int, max_unflushed_memtable_bytes: int) -> BudgetController:
@@ -29,6 +33,16 @@ def controller(*, process_budget_bytes: int, max_unflushed_memtable_bytes: int) 
     wal_stall = float(os.environ.get("LANCE_SINK_TEST_WAL_STALL_S", "0"))
     stall_after = int(os.environ.get("LANCE_SINK_TEST_WAL_STALL_AFTER", "5"))
     replay_delay = float(os.environ.get("LANCE_SINK_TEST_REPLAY_DELAY_S", "0"))
+    decode_jitter = float(os.environ.get("LANCE_SINK_TEST_DECODE_JITTER_S", "0"))
+    if decode_jitter:
+        decode = Decoder.decode
+        rng = random.Random(7)
+
+        def jittery_decode(self: Decoder, messages: Any) -> Decoded:
+            time.sleep(rng.uniform(0, decode_jitter))
+            return decode(self, messages)
+
+        Decoder.decode = jittery_decode  # type: ignore[method-assign]
     if replay_delay:
         replay = ShardWriter._claim_and_replay
 
