@@ -42,6 +42,7 @@ from confluent_kafka.admin import AdminClient
 from bench.engine import DIM, table_settings
 from config.settings import SourceSettings, TableSettings
 from engine.schema import TableSpec
+from sink.cli import disable_transparent_huge_pages
 from sink.decode import Decoder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -364,6 +365,9 @@ def main() -> None:
         print(line, flush=True)
         lines.append(line)
 
+    # The ceilings run under the same memory settings as the sink process (which opts out
+    # of transparent huge pages), so the ratios compare like with like.
+    disable_transparent_huge_pages()
     broker, bootstrap = tansu()
     report(
         f"lance-sink end-to-end benchmark (tansu, {PARTITIONS} partitions, "

@@ -31,6 +31,9 @@ def test_exactly_once_end_to_end(
     try:
         ends = wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[sink])
         ends_b = wait_caught_up(kafka_broker.bootstrap, group, second, procs=[sink])
+        # The sink opts out of transparent huge pages (its allocators churn memory).
+        status = Path(f"/proc/{sink.proc.pid}/status").read_text()
+        assert "THP_enabled:\t0" in status, status
     finally:
         code = sink.stop()
     assert code == 0, sink.log_path.read_text()[-3000:]
