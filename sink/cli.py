@@ -106,6 +106,7 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 PR_SET_THP_DISABLE = 41  # linux/prctl.h
+LOOP_SWITCH_INTERVAL_S = 0.001
 
 
 def disable_transparent_huge_pages() -> bool:
@@ -129,6 +130,9 @@ def _run(args: argparse.Namespace) -> int:
     log.info("config_loaded", config=redacted(settings))
     if not disable_transparent_huge_pages():
         log.info("transparent_huge_pages_left_on")
+    # Decode, WAL and flush threads hold the GIL in turns; the consumer loop, which notices
+    # durable puts and commits, gets it back within 1 ms instead of Python's 5 ms.
+    sys.setswitchinterval(LOOP_SWITCH_INTERVAL_S)
     from engine.errors import LanceSinkError  # noqa: PLC0415 - keep `check-config` light
     from sink.service import SinkService  # noqa: PLC0415
 

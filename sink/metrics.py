@@ -33,8 +33,27 @@ _APPEND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 # Flushes write a whole memtable: tens of milliseconds to tens of seconds.
 _FLUSH_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _QUERY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
-# Durable -> committed: bounded by the commit interval (1 s default) plus a broker round trip.
-_COMMIT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
+# Durable -> committed: the commit interval (20 ms default) plus a broker round trip; fine
+# steps around a few flush intervals, where the target of a low-latency sink lies.
+_COMMIT_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.0,
+    5.0,
+)
 # Message timestamp -> visible: the group-commit window (20 ms) up to a backlog of minutes.
 _FRESHNESS_BUCKETS = (
     0.005,

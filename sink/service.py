@@ -59,6 +59,10 @@ RECOVERY_BACKOFF_S = 1.0  # wait before reopening a poisoned writer
 # Consumed messages waiting for (or in) decoding, in consume() batches: a bound on what the
 # loop takes from librdkafka before the decode workers catch up (a fixed memory overhead).
 DECODE_QUEUE_BATCHES = 2
+# One consume() call takes about this many payload bytes (at most kafka.consume_batch_size
+# messages): creating the message objects is the loop's own work, and a 10k batch of 4 KB
+# vector messages kept it from noticing durable puts and committing for tens of ms.
+CONSUME_TARGET_BYTES = 8 << 20
 
 
 class FatalSinkError(LanceSinkError):
@@ -245,6 +249,7 @@ class SinkService:
         self._decoding_messages = 0  # handed to the decode workers, not yet fed
         self._parked_messages = 0  # consumed while the decode queue was full
         self._decode_queue_limit = DECODE_QUEUE_BATCHES * settings.kafka.consume_batch_size
+        self._consume_size = settings.kafka.consume_batch_size
         self._last_commit = 0.0
         self._last_metrics = 0.0
         self._lock = threading.Lock()  # guards `partitions` for readers on other threads
@@ -315,7 +320,7 @@ class SinkService:
                 self._last_tick = time.monotonic()
                 messages = []
                 if self._decoding_messages < self._decode_queue_limit:
-                    messages = self.consumer.consume(k.consume_batch_size, timeout)
+                    messages = self.consumer.consume(self._consume_size, timeout)
                 else:
                     # Decoding is behind: take at most one message (parked) per iteration,
                     # which still serves librdkafka's callbacks (commit results, rebalances)
@@ -380,6 +385,7 @@ class SinkService:
             self._fatal = "every assigned partition is fenced by a newer writer"
 
     def _handle(self, messages: list[Any]) -> None:
+        self._size_next_consume(messages)
         groups: dict[tuple[str, int], list[Any]] = {}
         for m in messages:
             err = m.error()
@@ -405,6 +411,14 @@ class SinkService:
                 self._parked_messages += len(fresh)
                 if self._decoding_messages < self._decode_queue_limit:
                     self._submit_parked(state)
+
+    def _size_next_consume(self, messages: list[Any]) -> None:
+        """Size the next consume() to about CONSUME_TARGET_BYTES, from this batch's
+        message sizes (its first and last message: no per-message work)."""
+        sample = (messages[0].value(), messages[-1].value())
+        nbytes = max(sum(len(v) for v in sample if v is not None) // 2, 1)
+        limit = self.settings.kafka.consume_batch_size
+        self._consume_size = max(min(CONSUME_TARGET_BYTES // nbytes, limit), min(100, limit))
 
     def _submit_parked(self, state: PartitionState) -> None:
         """Hand a partition's consumed messages to a decode worker as one batch."""
@@ -823,6 +837,7 @@ class SinkService:
             if left:
                 log.warning("dlq_undelivered_at_shutdown", messages=left)
         self.maintenance.stop(timeout=max(deadline - time.monotonic(), 1))
+        self.reader.close(timeout=1)
         self.engine.close(flush=False, timeout=1)
         self._open_pool.shutdown(wait=False)
         self._decode_pool.shutdown(wait=False, cancel_futures=True)
