@@ -1,6 +1,6 @@
 """End-to-end benchmark: the real `lance-sink run` against tansu, next to its ceilings.
 
-    python -m bench.e2e [--small N] [--vectors N] [--out FILE]
+    python -m bench.e2e [--small N] [--vectors N] [--repeat R] [--out FILE]
 
 For each data set (200-byte JSON messages; 384-dim vector JSON messages with ~200 chars of
 text) it pre-produces the messages into a tansu broker (memory storage), then measures in the
@@ -25,6 +25,7 @@ import contextlib
 import json
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,7 @@ from sink.decode import Decoder
 ROOT = Path(__file__).resolve().parents[1]
 PARTITIONS = 4
 FLUSH_INTERVAL_MS = 20
+LIVE_MESSAGES = 4_000  # produced at ~1k msg/s after catching up, for freshness
 
 
 def tansu() -> tuple[subprocess.Popen[bytes], str]:
@@ -286,9 +288,7 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
-def run_sink(
-    bootstrap: str, topic: str, n: int, vector: bool, workdir: Path, report: Any
-) -> dict[str, float]:
+def run_sink(bootstrap: str, topic: str, n: int, vector: bool, workdir: Path) -> dict[str, float]:
     port = free_port()
     group = f"bench-{uuid.uuid4().hex[:6]}"
     config = workdir / "sink.toml"
@@ -323,7 +323,7 @@ def run_sink(
         commit = histogram(text, "lance_sink_commit_delay_seconds")
         # Freshness: a steady stream after catching up.
         before = histogram(text, "lance_sink_freshness_seconds")
-        live = payloads("vector" if vector else "small", 4_000)
+        live = payloads("vector" if vector else "small", LIVE_MESSAGES)
         producer = confluent_kafka.Producer({"bootstrap.servers": bootstrap, "linger.ms": 1})
         for i, value in enumerate(live):
             producer.produce(topic, value=value, partition=i % PARTITIONS)
@@ -357,6 +357,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", type=int, default=1_000_000)
     parser.add_argument("--vectors", type=int, default=200_000)
+    parser.add_argument("--repeat", type=int, default=3, help="runs per data set (medians)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     lines: list[str] = []
@@ -371,7 +372,7 @@ def main() -> None:
     broker, bootstrap = tansu()
     report(
         f"lance-sink end-to-end benchmark (tansu, {PARTITIONS} partitions, "
-        f"WAL flush {FLUSH_INTERVAL_MS} ms)"
+        f"WAL flush {FLUSH_INTERVAL_MS} ms; medians of {args.repeat} alternating runs)"
     )
     try:
         for kind, n in (("small", args.small), ("vector", args.vectors)):
@@ -384,17 +385,29 @@ def main() -> None:
             produce(bootstrap, topic, values)
             del values
             report(f"\n## {kind}: {n} messages, {mb:.0f} MB of JSON ({mb * 1e6 / n:.0f} B each)")
-            consume_s, messages = raw_consume(bootstrap, topic, n)
             spec = TableSpec.from_settings(
                 TableSettings.model_validate(table_settings("unused", vector))
             )
-            decode_s = raw_decode(spec, messages)
-            del messages
-            workdir = Path(tempfile.mkdtemp(prefix="lance-sink-e2e-"))
-            try:
-                sink = run_sink(bootstrap, topic, n, vector, workdir, report)
-            finally:
-                shutil.rmtree(workdir, ignore_errors=True)
+            # Ceilings and sink runs alternate, so a noisy minute hits all three alike.
+            runs: list[tuple[float, float, dict[str, float]]] = []
+            for r in range(args.repeat):
+                consume_s, messages = raw_consume(bootstrap, topic, n)
+                decode_s = raw_decode(spec, messages)
+                del messages
+                workdir = Path(tempfile.mkdtemp(prefix="lance-sink-e2e-"))
+                try:
+                    # Each freshness phase appended LIVE_MESSAGES to the topic.
+                    total = n + r * LIVE_MESSAGES
+                    runs.append(
+                        (consume_s, decode_s, run_sink(bootstrap, topic, total, vector, workdir))
+                    )
+                finally:
+                    shutil.rmtree(workdir, ignore_errors=True)
+            consume_s = statistics.median(c for c, _, _ in runs)
+            decode_s = statistics.median(d for _, d, _ in runs)
+            sink = {key: statistics.median(s[key] for _, _, s in runs) for key in runs[0][2]}
+            sink["peak_rss"] = max(s["peak_rss"] for _, _, s in runs)
+            ratios = sorted(s["rows_per_s"] / min(n / c, n / d) for c, d, s in runs)
             ceiling = min(n / consume_s, n / decode_s)
             report(
                 f"raw consume ceiling   {n / consume_s:>12,.0f} msg/s {mb / consume_s:>8,.1f} MB/s"
@@ -407,7 +420,8 @@ def main() -> None:
                 f"{sink['rows_per_s'] * mb / n:>8,.1f} MB/s  ({sink['seconds']:.1f} s to lag 0)"
             )
             report(
-                f"ratio sink / min(consume, decode) ceiling: {sink['rows_per_s'] / ceiling:.2f}x"
+                f"ratio sink / min(consume, decode) ceiling: {sink['rows_per_s'] / ceiling:.2f}x "
+                f"(per run: {', '.join(f'{x:.2f}x' for x in ratios)})"
             )
             report(
                 f"commit delay (durable -> committed) p50 {sink['commit_p50'] * 1000:.0f} ms, "
