@@ -387,7 +387,8 @@ class WalSettings(_Section):
     )
     max_wal_buffer_size: PositiveBytes = Field(
         default=ByteSize(16 << 20),
-        description="An entry is written as soon as this many bytes are buffered.",
+        description="An entry is written as soon as this many bytes are buffered, and holds "
+        "at most this many (one larger put is an entry of its own).",
     )
     fence_check_interval_ms: NonNegativeInt = Field(
         default=0,
