@@ -40,7 +40,7 @@ import numpy as np
 import orjson
 from confluent_kafka.admin import AdminClient
 
-from bench.engine import DIM, table_settings
+from bench.engine import DIM, WORDS, table_settings
 from config.settings import SourceSettings, TableSettings
 from engine.schema import TableSpec
 from sink.cli import disable_transparent_huge_pages
@@ -88,37 +88,15 @@ def free_port() -> int:
 
 def payloads(kind: str, n: int) -> list[bytes]:
     rng = np.random.default_rng(3)
-    words = np.array(
-        [
-            "stream",
-            "table",
-            "vector",
-            "lance",
-            "kafka",
-            "offset",
-            "durable",
-            "commit",
-            "shard",
-            "flush",
-            "replay",
-            "query",
-            "search",
-            "fresh",
-            "merge",
-            "epoch",
-            "fence",
-            "seal",
-        ]
-    )
     out = []
     if kind == "small":
         for i in range(n):
-            text = " ".join(rng.choice(words, 14))[:120]
+            text = " ".join(rng.choice(WORDS, 14))[:120]
             out.append(orjson.dumps({"id": f"s-{i:09d}", "n": i, "text": text}))
         return out
     vectors = rng.standard_normal((n, DIM), dtype=np.float32).round(6)
     for i in range(n):
-        text = " ".join(rng.choice(words, 40))[:200]
+        text = " ".join(rng.choice(WORDS, 40))[:200]
         out.append(
             orjson.dumps(
                 {"id": f"v-{i:09d}", "n": i, "text": text, "vec": vectors[i]},
