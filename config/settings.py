@@ -575,6 +575,12 @@ class QuerySettings(_Section):
     refine_factor: PositiveInt | None = Field(
         default=None, description="Re-rank k*refine_factor candidates with exact distances."
     )
+    unindexed_cache_bytes: Annotated[ByteSize, Field(ge=0)] = Field(
+        default=ByteSize(1 << 30),
+        description="Memory for the base fragments the vector index does not cover yet, "
+        "searched exactly in memory instead of by Lance's flat scan (0 = off; a larger "
+        "unindexed part falls back to Lance's search). Adds to the pod's memory.",
+    )
 
 
 class ShutdownSettings(_Section):

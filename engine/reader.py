@@ -75,6 +75,7 @@ from engine.memtable import Memtable, MemtableView, key_values
 from engine.schema import TableSpec, vector_matrix
 from engine.shard import ShardWriter
 from engine.table import BaseTable
+from engine.unindexed import CachedFragment, UnindexedFragments
 
 log = structlog.get_logger("lance_sink.reader")
 
@@ -143,10 +144,17 @@ class ReaderSettings:
     nprobes: int = 20
     refine_factor: int | None = None
     max_k: int = 1_000
+    #: Bound of the unindexed-fragment cache (`engine.unindexed`); 0 turns it off.
+    unindexed_cache_bytes: int = 1 << 30
 
     @classmethod
     def from_settings(cls, query: QuerySettings) -> ReaderSettings:
-        return cls(nprobes=query.nprobes, refine_factor=query.refine_factor, max_k=query.max_k)
+        return cls(
+            nprobes=query.nprobes,
+            refine_factor=query.refine_factor,
+            max_k=query.max_k,
+            unindexed_cache_bytes=int(query.unindexed_cache_bytes),
+        )
 
 
 # --------------------------------------------------------------------------- snapshot
@@ -284,15 +292,23 @@ class Reader:
         self._tokenizer: threading.Thread | None = None
         self._tokenizer_lock = threading.Lock()
         self._closed = threading.Event()
+        self.unindexed: UnindexedFragments | None = None
+        if spec.vector is not None and self.settings.unindexed_cache_bytes > 0:
+            self.unindexed = UnindexedFragments(
+                spec, self.settings.unindexed_cache_bytes, self._open_base
+            )
         faiss.omp_set_num_threads(1)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the background tokenizer (idempotent; waits up to `timeout` seconds)."""
+        """Stop the background tokenizer and the unindexed-fragment loader (idempotent;
+        waits up to `timeout` seconds for each)."""
         self._closed.set()
         with self._tokenizer_lock:
             thread = self._tokenizer
         if thread is not None:
             thread.join(timeout)
+        if self.unindexed is not None:
+            self.unindexed.close(timeout)
 
     def _start_tokenizer(self) -> None:
         """Start the background tokenizer unless it runs (or the reader is closed)."""
@@ -560,48 +576,45 @@ class Reader:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Exact top-k among the eligible rows of one batch: (row indices, distances)."""
         assert self.spec.vector is not None
-        metric = self.spec.vector.metric
         matrix = self._matrix(tier.view.batches[i])
-        n = matrix.shape[0]
-        excluded = 0 if eligible is None else n - int(eligible.sum())
-        if excluded == n:
-            return np.empty(0, np.int64), np.empty(0, np.float32)
-        q = query.reshape(1, -1)
-        if metric != "cosine" and excluded <= FAST_EXCLUDED_MAX:
-            kk = min(n, k + excluded)
-            rows, dist = _faiss_knn(q, matrix, kk, metric)
-            if eligible is not None:
-                keep = eligible[rows]
-                rows, dist = rows[keep], dist[keep]
-            return rows[:k], dist[:k]
-        if metric != "cosine" and eligible is not None:
-            # Many rows excluded: the nearest kk rows of the whole batch, of which the
-            # eligible ones are the exact top of the eligible rows if there are k of them
-            # (an eligible row outside is farther than all kk). kk expects k eligible rows
-            # twice over at the batch's selectivity; otherwise copy the eligible rows below.
-            kk = math.ceil(2 * k * n / (n - excluded)) + 16
-            if kk <= FILTER_OVERFETCH_MAX and kk < n:
-                rows, dist = _faiss_knn(q, matrix, kk, metric)
-                keep = eligible[rows]
-                if int(keep.sum()) >= k:
-                    return rows[keep][:k], dist[keep][:k]
-        index = np.flatnonzero(eligible) if eligible is not None else None
-        sub = matrix if index is None else matrix[index]
-        if metric == "cosine":
-            norms = self._batch_norms(tier, i, matrix)
-            sub_norms = norms if index is None else norms[index]
-            qn = query / max(float(np.linalg.norm(query)), 1e-30)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                dist_all = 1.0 - (sub @ qn) / sub_norms
-            dist_all = np.where(np.isfinite(dist_all), dist_all, 1.0).astype(np.float32)
-            kk = min(k, len(dist_all))
-            top = np.argpartition(dist_all, kk - 1)[:kk] if kk < len(dist_all) else np.arange(kk)
-            top = top[np.argsort(dist_all[top], kind="stable")]
-            rows_sub, dist = top, dist_all[top]
-        else:
-            rows_sub, dist = _faiss_knn(q, np.ascontiguousarray(sub), min(k, sub.shape[0]), metric)
-        rows = rows_sub if index is None else index[rows_sub]
-        return rows.astype(np.int64), dist.astype(np.float32)
+        return _exact_knn(
+            matrix,
+            lambda: self._batch_norms(tier, i, matrix),
+            query,
+            k,
+            eligible,
+            self.spec.vector.metric,
+        )
+
+    def _knn_fragments(
+        self,
+        fragments: list[CachedFragment],
+        query: np.ndarray,
+        k: int,
+        predicate: Predicate | None,
+        fetch: list[str],
+    ) -> list[pa.Table]:
+        """Exact top-k of the cached unindexed base fragments (`engine.unindexed`), one table
+        of candidates (`fetch` columns and `_distance`) per fragment that has any."""
+        assert self.spec.vector is not None
+        out = []
+        for fragment in fragments:
+            if not fragment.batch.num_rows:
+                continue
+            eligible = None if predicate is None else predicate.mask(fragment.batch)
+            rows, dist = _exact_knn(
+                fragment.matrix,
+                fragment.row_norms,
+                query,
+                k,
+                eligible,
+                self.spec.vector.metric,
+            )
+            if len(rows):
+                taken = fragment.batch.select(fetch).take(pa.array(rows, pa.int64()))
+                table = pa.Table.from_batches([taken])
+                out.append(table.append_column(DISTANCE, pa.array(dist, pa.float32())))
+        return out
 
     def _knn_base(
         self,
@@ -632,14 +645,22 @@ class Reader:
         }
         if refine is not None:
             nearest["refine_factor"] = refine
+        # The fragments the index does not cover yet, in memory: Lance searches only the
+        # indexed ones (fast_search) and faiss the rest (see engine.unindexed).
+        cached = self.unindexed.covering(base) if indexed and self.unindexed is not None else None
 
         def fetch_rows(limit: int) -> pa.Table:
-            return base.to_table(
+            found = base.to_table(
                 nearest={**nearest, "k": limit},
                 filter=None if predicate is None else predicate.expression,
                 prefilter=True,
                 columns=[*fetch, DISTANCE],
+                fast_search=cached is not None,
             )
+            if not cached:
+                return found
+            fresh = self._knn_fragments(cached, query, limit, predicate, fetch)
+            return _top([found, *fresh], DISTANCE, limit, ascending=True)
 
         return self._base_overfetch(snap, k, fetch_rows)
 
@@ -1096,6 +1117,58 @@ class Reader:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _exact_knn(
+    matrix: np.ndarray,
+    norms: Callable[[], np.ndarray],
+    query: np.ndarray,
+    k: int,
+    eligible: np.ndarray | None,
+    metric: str,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k among the eligible rows of a contiguous float32 matrix: (row indices,
+    distances in Lance's terms). `norms()` gives the row norms (used for cosine only)."""
+    n = matrix.shape[0]
+    excluded = 0 if eligible is None else n - int(eligible.sum())
+    if excluded == n:
+        return np.empty(0, np.int64), np.empty(0, np.float32)
+    q = query.reshape(1, -1)
+    if metric != "cosine" and excluded <= FAST_EXCLUDED_MAX:
+        kk = min(n, k + excluded)
+        rows, dist = _faiss_knn(q, matrix, kk, metric)
+        if eligible is not None:
+            keep = eligible[rows]
+            rows, dist = rows[keep], dist[keep]
+        return rows[:k], dist[:k]
+    if metric != "cosine" and eligible is not None:
+        # Many rows excluded: the nearest kk rows of the whole matrix, of which the eligible
+        # ones are the exact top of the eligible rows if there are k of them (an eligible
+        # row outside is farther than all kk). kk expects k eligible rows twice over at the
+        # matrix's selectivity; otherwise copy the eligible rows below.
+        kk = math.ceil(2 * k * n / (n - excluded)) + 16
+        if kk <= FILTER_OVERFETCH_MAX and kk < n:
+            rows, dist = _faiss_knn(q, matrix, kk, metric)
+            keep = eligible[rows]
+            if int(keep.sum()) >= k:
+                return rows[keep][:k], dist[keep][:k]
+    index = np.flatnonzero(eligible) if eligible is not None else None
+    sub = matrix if index is None else matrix[index]
+    if metric == "cosine":
+        all_norms = norms()
+        sub_norms = all_norms if index is None else all_norms[index]
+        qn = query / max(float(np.linalg.norm(query)), 1e-30)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            dist_all = 1.0 - (sub @ qn) / sub_norms
+        dist_all = np.where(np.isfinite(dist_all), dist_all, 1.0).astype(np.float32)
+        kk = min(k, len(dist_all))
+        top = np.argpartition(dist_all, kk - 1)[:kk] if kk < len(dist_all) else np.arange(kk)
+        top = top[np.argsort(dist_all[top], kind="stable")]
+        rows_sub, dist = top, dist_all[top]
+    else:
+        rows_sub, dist = _faiss_knn(q, np.ascontiguousarray(sub), min(k, sub.shape[0]), metric)
+    rows = rows_sub if index is None else index[rows_sub]
+    return rows.astype(np.int64), dist.astype(np.float32)
 
 
 def _faiss_knn(

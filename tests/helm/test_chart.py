@@ -599,6 +599,11 @@ def test_pod_hardening_and_probes(rendered: dict[str, list[dict[str, Any]]], sce
         values["config"]["backpressure"]["process_budget_bytes"]
     )
     derived_mib = math.ceil(budget * 1.5 / 2**20) + 768
+    if values["config"]["query"]["enabled"] and values["config"]["table"].get("vector"):
+        cache = TypeAdapter(ByteSize).validate_python(
+            values["config"]["query"]["unindexed_cache_bytes"]
+        )
+        derived_mib += math.ceil(cache / 2**20)
     assert container["resources"]["limits"]["memory"] == f"{derived_mib}Mi"
     assert container["resources"]["requests"]["memory"] == f"{derived_mib}Mi"
 
@@ -608,7 +613,27 @@ def test_memory_limit_formula_and_override(helm: str, tmp_path: Path) -> None:
     path.write_text(
         yaml.safe_dump(
             {
-                "config": {"backpressure": {"process_budget_bytes": 3_000_000_000}},
+                "config": {
+                    "backpressure": {"process_budget_bytes": 3_000_000_000},
+                    "query": {"unindexed_cache_bytes": "256MiB"},
+                },
+                "resources": {"memory": {"budgetFactor": 2, "overheadMiB": 100}},
+            }
+        )
+    )
+    assert _values("object-storage-values")["config"]["table"]["vector"]
+    docs = _template(helm, _scenario("object-storage-values"), path)
+    assert _container(docs)["resources"]["limits"]["memory"] == (
+        f"{math.ceil(3_000_000_000 * 2 / 2**20) + 100 + 256}Mi"
+    )
+    # Without the query API, no unindexed-fragment cache is held.
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "config": {
+                    "backpressure": {"process_budget_bytes": 3_000_000_000},
+                    "query": {"enabled": False, "unindexed_cache_bytes": "256MiB"},
+                },
                 "resources": {"memory": {"budgetFactor": 2, "overheadMiB": 100}},
             }
         )
@@ -629,7 +654,10 @@ def test_memory_limit_from_set_flags(helm: str) -> None:
         _scenario("object-storage-values"),
         extra=("--set", "config.backpressure.process_budget_bytes=3221225472"),
     )
-    assert _container(docs)["resources"]["limits"]["memory"] == f"{3 * 1024 * 3 // 2 + 768}Mi"
+    cache_mib = 1024  # the default query.unindexed_cache_bytes (the scenario has a vector)
+    assert _container(docs)["resources"]["limits"]["memory"] == (
+        f"{3 * 1024 * 3 // 2 + 768 + cache_mib}Mi"
+    )
 
 
 def test_toml_strings_survive_escaping(helm: str, tmp_path: Path) -> None:

@@ -1,0 +1,145 @@
+"""Base fragments the vector index does not cover yet are searched in memory (faiss) instead
+of by Lance's flat scan (`engine.unindexed`): same rows as Lance's own search, deletions of
+later upserts respected, bounded memory with a fallback, dropped once indexed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from engine.reader import ReaderSettings
+from tests.reads.conftest import ReadHarness, vectors
+
+pytestmark = pytest.mark.timeout(180)
+
+MakeHarness = Callable[..., ReadHarness]
+DIM = 16
+
+
+def indexed_then_fresh(h: ReadHarness, metric: str = "l2") -> None:
+    """Offsets 0..1999 in indexed base fragments, 2000..2999 in one unindexed fragment."""
+    w = h.open()
+    h.put(w, range(2000))
+    h.flush(w)
+    h.table.dataset().create_index(
+        "vec", "IVF_PQ", metric=metric, num_partitions=4, num_sub_vectors=4
+    )
+    h.put(w, range(2000, 3000))
+    h.flush(w)
+
+
+def search(h: ReadHarness, q: np.ndarray, **kw: object) -> tuple[list[int], np.ndarray]:
+    got = h.reader.search_vector(q, k=10, columns=["_offset"], nprobes=4, refine_factor=50, **kw)
+    return got.column("_offset").to_pylist(), got.column("_distance").to_numpy()
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine", "dot"])
+def test_unindexed_fragment_is_searched_in_memory_with_lances_results(
+    make_harness: MakeHarness, metric: str
+) -> None:
+    cached = make_harness("cached", metric=metric, dim=DIM)
+    lance_only = make_harness(
+        "lance", metric=metric, dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=0)
+    )
+    indexed_then_fresh(cached, metric)
+    indexed_then_fresh(lance_only, metric)
+    assert lance_only.reader.unindexed is None
+    queries = np.random.default_rng(5).standard_normal((15, DIM)).astype(np.float32)
+    # Queries near fresh rows, so the unindexed fragment decides the top k.
+    queries[:5] = vectors(np.arange(2100, 2105), DIM) + 0.01
+    fresh_hits = 0
+    for q in queries:
+        got, dist = search(cached, q)
+        want, want_dist = search(lance_only, q)
+        assert got == want
+        np.testing.assert_allclose(dist, want_dist, rtol=1e-4, atol=1e-4)
+        fresh_hits += sum(o >= 2000 for o in got)
+    assert fresh_hits >= 5
+    cache = cached.reader.unindexed
+    assert cache is not None
+    assert cache.loads == 1
+    assert cache.fallbacks == 0
+    assert cache.nbytes >= 1000 * DIM * 4
+
+
+def test_filter_applies_to_the_cached_fragment(make_harness: MakeHarness) -> None:
+    cached = make_harness("cached", dim=DIM)
+    lance_only = make_harness("lance", dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=0))
+    indexed_then_fresh(cached)
+    indexed_then_fresh(lance_only)
+    q = vectors(np.array([2500]), DIM)[0]
+    for where in ["n >= 2400 AND n < 2600", "f < 550 OR n IS NULL", "flag", "n < 100"]:
+        got, _ = search(cached, q, filter=where)
+        want, _ = search(lance_only, q, filter=where)
+        assert got == want, where
+    got, _ = search(cached, q, filter="n >= 2400 AND n < 2600")
+    assert got
+    assert all(2400 <= o < 2600 for o in got)
+
+
+def test_upserts_that_delete_cached_rows_are_seen(make_harness: MakeHarness) -> None:
+    """A later flush deletes old versions of its keys from the cached fragment (a new
+    deletion file): the cache reloads that fragment and never returns the old version."""
+    h = make_harness(mode="upsert", dim=DIM)
+    indexed_then_fresh(h)
+    old = vectors(np.array([2500]), DIM)[0]
+    got, _ = search(h, old)
+    assert got[0] == 2500
+    cache = h.reader.unindexed
+    assert cache is not None
+    assert cache.loads == 1
+    # New versions of keys k2500..k2509 (offsets 2500..2509 keep their keys): the merge-insert
+    # deletes the old rows from the cached fragment.
+    w = h.writers[0]
+    h.put(w, range(3000, 3010), key_of=lambda o: f"k{o - 500}", version=1)
+    h.flush(w)
+    ids = h.reader.search_vector(old, k=10, columns=["id", "_offset"])
+    assert 2500 not in ids.column("_offset").to_pylist()
+    assert ids.column("id").to_pylist().count("k2500") <= 1
+    rows = h.reader.lookup(["k2500"], columns=["id", "_offset"])
+    assert rows.column("_offset").to_pylist() == [3000]
+    assert cache.loads >= 2  # the fragment with the new deletion file, and the new one
+
+
+def test_over_the_bound_lance_searches_the_unindexed_part(make_harness: MakeHarness) -> None:
+    small = make_harness("small", dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=4096))
+    indexed_then_fresh(small)
+    q = vectors(np.array([2200]), DIM)[0]
+    got, dist = search(small, q)
+    assert got[0] == 2200
+    assert dist[0] < 1e-6
+    cache = small.reader.unindexed
+    assert cache is not None
+    assert cache.loads == 0
+    assert cache.fallbacks >= 1
+    assert cache.nbytes == 0
+
+
+def test_new_fragments_load_in_the_background_and_leave_once_indexed(
+    make_harness: MakeHarness,
+) -> None:
+    h = make_harness(dim=DIM)
+    indexed_then_fresh(h)
+    cache = h.reader.unindexed
+    assert cache is not None
+    search(h, vectors(np.array([1]), DIM)[0])  # first use starts the loader
+    assert cache.loads == 1
+    w = h.writers[0]
+    h.put(w, range(3000, 3500))
+    h.flush(w)
+    deadline = time.monotonic() + 10
+    while cache.loads < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cache.loads == 2, "the new fragment was not loaded without a query"
+    # Once the index covers every fragment, the loader frees them.
+    h.table.dataset().optimize.optimize_indices()
+    deadline = time.monotonic() + 10
+    while cache.nbytes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cache.nbytes == 0
+    got, _ = search(h, vectors(np.array([3100]), DIM)[0])
+    assert got[0] == 3100
+    assert cache.loads == 2
