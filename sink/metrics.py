@@ -199,6 +199,16 @@ class Metrics:
         self.unindexed_rows = gauge(
             "base_unindexed_rows", "Rows of the base table not covered by the vector index."
         )
+        self.unindexed_cache_bytes = gauge(
+            "query_unindexed_cache_bytes",
+            "Bytes of unindexed base fragments held in memory for vector queries.",
+        )
+        self.unindexed_fallbacks = counter(
+            "query_unindexed_fallbacks",
+            "Vector queries that searched the unindexed base with Lance's flat scan (over the "
+            "cache bound).",
+        )
+        self._fallbacks_seen = 0
         self.maintenance_runs = counter(
             "maintenance_runs_total",
             "Base-table maintenance tasks run, by outcome.",
@@ -378,6 +388,13 @@ class Metrics:
 
     def base_unindexed(self, rows: int) -> None:
         self.unindexed_rows.set(rows)
+
+    def unindexed_cache(self, nbytes: int, fallbacks: int) -> None:
+        """The reader's unindexed-fragment cache: bytes held, fallbacks so far (a total)."""
+        self.unindexed_cache_bytes.set(nbytes)
+        if fallbacks > self._fallbacks_seen:
+            self.unindexed_fallbacks.inc(fallbacks - self._fallbacks_seen)
+            self._fallbacks_seen = fallbacks
 
     def query(self, kind: str, seconds: float, rows: int = 0) -> None:
         """A query completed (ReaderEvents)."""

@@ -913,6 +913,9 @@ class SinkService:
         if isinstance(controller, BudgetController):
             self.metrics.budget_usage(controller.used_bytes(), controller.budget)
         self.metrics.base_unindexed(self.maintenance.unindexed_rows())
+        cache = self.reader.unindexed
+        if cache is not None:
+            self.metrics.unindexed_cache(cache.nbytes, cache.fallbacks)
 
     # ------------------------------------------------------------------ observability
 

@@ -35,6 +35,13 @@ EXPECTED = {
     "lance_sink_memtable_index_bytes": "Resident bytes of in-memory indexes (all memtables).",
     "lance_sink_partition_paused": "1 while the partition is paused.",
     "lance_sink_query_seconds": "Query latency by kind.",
+    "lance_sink_query_unindexed_cache_bytes": (
+        "Bytes of unindexed base fragments held in memory for vector queries."
+    ),
+    "lance_sink_query_unindexed_fallbacks": (
+        "Vector queries that searched the unindexed base with Lance's flat scan (over the "
+        "cache bound)."
+    ),
     "lance_sink_rebalance_events": "Partitions assigned, revoked or lost.",
     "lance_sink_replay_rows": "Rows replayed from the WAL.",
     "lance_sink_replay_seconds": "Duration of the last WAL replay of the shard.",
@@ -78,3 +85,13 @@ def test_counters_end_in_total_and_units_are_named() -> None:
                         "_poisoned",
                     )
                 ), name
+
+
+def test_unindexed_cache_gauge_and_fallback_total_follow_the_reader() -> None:
+    metrics = Metrics()
+    metrics.unindexed_cache(4096, 3)
+    metrics.unindexed_cache(1024, 5)
+    metrics.unindexed_cache(1024, 5)
+    registry = metrics.registry
+    assert registry.get_sample_value("lance_sink_query_unindexed_cache_bytes") == 1024
+    assert registry.get_sample_value("lance_sink_query_unindexed_fallbacks_total") == 5
