@@ -43,7 +43,7 @@ from confluent_kafka.admin import AdminClient
 from bench.engine import DIM, WORDS, table_settings
 from config.settings import SourceSettings, TableSettings
 from engine.schema import TableSpec
-from sink.cli import disable_transparent_huge_pages
+from sink.cli import tune_process
 from sink.decode import Decoder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -344,9 +344,9 @@ def main() -> None:
         print(line, flush=True)
         lines.append(line)
 
-    # The ceilings run under the same memory settings as the sink process (which opts out
-    # of transparent huge pages), so the ratios compare like with like.
-    disable_transparent_huge_pages()
+    # The ceilings run under the same process settings as the sink (no transparent huge
+    # pages, 1 ms GIL switch interval), so the ratios compare like with like.
+    tune_process()
     broker, bootstrap = tansu()
     report(
         f"lance-sink end-to-end benchmark (tansu, {PARTITIONS} partitions, "

@@ -7,9 +7,12 @@ Run: ``python -m bench.query [--base-rows 1000000] [--memtable-rows 100000]
 
 Under ingestion the phase is bounded: a producer puts at half the same run's max rate for
 ``--warmup-s`` + ``--ingest-seconds`` while maintenance runs as the sink runs it; the
-queries and yardsticks are timed in rotation, each on a thread of its own with a deadline
-(``--query-timeout-s``): a query that misses it counts at the timeout value and is
-reported as timed out (it finishes in the background). Progress is printed every ~10 s.
+queries are timed in rotation, lance-sink's kinds and Lance's yardsticks taking turns of
+``--slice-s`` (so neither's load is counted against the other, and the growing base hits
+both alike), each on a thread of its own with a deadline (``--query-timeout-s``): a query
+that misses it counts at the timeout value and is reported as timed out (it finishes in the
+background). Progress is printed every ~10 s. The process runs with the settings
+`lance-sink run` applies to itself (`sink.cli.tune_process`).
 
 Data: 384-dim float32 embeddings drawn around 1 000 cluster centres (so an IVF index has
 structure to find, like real embeddings), a 10-word text per row from a 5 000-word
@@ -48,6 +51,7 @@ from engine.shard import Flusher, ShardWriter, WriterConfig
 from engine.storage import Storage, open_storage
 from engine.table import BaseTable
 from engine.wal import SourceRange
+from sink.cli import tune_process
 
 DIM = 384
 CENTRES = 1_000
@@ -367,6 +371,12 @@ def main() -> None:
     )
     parser.add_argument("--probe-s", type=float, default=10.0, help="max-rate probe length")
     parser.add_argument(
+        "--slice-s",
+        type=float,
+        default=10.0,
+        help="under ingestion, lance-sink's queries and Lance's take turns of this length",
+    )
+    parser.add_argument(
         "--warmup-s",
         type=float,
         default=10.0,
@@ -375,6 +385,7 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/lance-sink-bench")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     args = parser.parse_args()
+    tune_process()  # as `lance-sink run` does: the reads run in the sink's process
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     for stale in work.glob("wal-*"):  # shard WALs and manifests of a previous run
@@ -543,7 +554,7 @@ def main() -> None:
     try:
         time.sleep(args.warmup_s)
         backlog_start = monitor.unindexed()
-        rotation.run(args.ingest_seconds)
+        rotation.run(args.ingest_seconds, [list(kinds), list(yard)], args.slice_s)
         backlog_end = monitor.unindexed()
     finally:
         monitor.stop()
@@ -564,6 +575,7 @@ def main() -> None:
         "achieved_rows_per_s": round(rate),
         "warmup_s": args.warmup_s,
         "measured_s": round(rotation.elapsed_s, 1),
+        "slice_s": args.slice_s,
         "query_timeout_s": args.query_timeout_s,
         "base_rows_before": rows_before,
         "base_rows_after": table.dataset().count_rows(),
@@ -611,15 +623,23 @@ class TimedRotation:
         """Timed-out calls still running."""
         return sum(1 for t in self._threads if t.is_alive())
 
-    def run(self, seconds: float) -> None:
+    def run(self, seconds: float, groups: list[list[str]], slice_s: float) -> None:
+        """Rotate through the kinds of one group for `slice_s`, then the next group's, and
+        so on for `seconds`: groups do not load each other, and base growth over the
+        phase hits them alike."""
         started = time.monotonic()
         end = started + seconds
+        turn = 0
         while time.monotonic() < end:
-            for name, fn in self.kinds.items():
-                if time.monotonic() >= end:
-                    break
-                self.samples[name].append(self._call(name, fn))
-                self.done += 1
+            names = groups[turn % len(groups)]
+            turn += 1
+            slice_end = min(end, time.monotonic() + slice_s)
+            while time.monotonic() < slice_end:
+                for name in names:
+                    if time.monotonic() >= slice_end:
+                        break
+                    self.samples[name].append(self._call(name, self.kinds[name]))
+                    self.done += 1
         self.elapsed_s = time.monotonic() - started
 
     def _call(self, name: str, fn: Callable[[], Any]) -> float:
@@ -714,8 +734,9 @@ def render(report: dict[str, Any], runs: int) -> list[str]:
         (
             f"lance-sink query benchmark (python -m bench.query): k = 10, "
             f"{report['base_rows']:,}-row base + {report['memtable_rows']:,}-row memtable, "
-            f"384-dim l2; {runs} queries per kind idle; under ingestion every kind in "
-            f"rotation for {ing['measured_s']} s"
+            f"384-dim l2; {runs} queries per kind idle; under ingestion for "
+            f"{ing['measured_s']} s, lance-sink's kinds in rotation and Lance's own in "
+            f"rotation taking turns of {ing['slice_s']:g} s"
         ),
         (
             f"base: IVF_PQ ({b['partitions']} partitions, 48 sub-vectors), INVERTED and BTREE "

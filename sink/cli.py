@@ -122,17 +122,29 @@ def disable_transparent_huge_pages() -> bool:
         return False
 
 
+def tune_process() -> bool:
+    """Process settings `lance-sink run` applies to itself before the engine starts
+    (benchmarks that stand in for the sink process apply them too). Returns whether
+    transparent huge pages are off.
+
+    - Transparent huge pages off (`disable_transparent_huge_pages`).
+    - GIL switch interval `LOOP_SWITCH_INTERVAL_S`: decode, WAL and flush threads hold the
+      GIL in turns; the consumer loop, which notices durable puts and commits, gets it back
+      within 1 ms instead of Python's 5 ms.
+    """
+    thp_off = disable_transparent_huge_pages()
+    sys.setswitchinterval(LOOP_SWITCH_INTERVAL_S)
+    return thp_off
+
+
 def _run(args: argparse.Namespace) -> int:
     settings = _load(args.config, args.overrides)
     obs = settings.observability
     configure_logging(obs.log_level, obs.log_format)
     log = structlog.get_logger("lance_sink")
     log.info("config_loaded", config=redacted(settings))
-    if not disable_transparent_huge_pages():
+    if not tune_process():
         log.info("transparent_huge_pages_left_on")
-    # Decode, WAL and flush threads hold the GIL in turns; the consumer loop, which notices
-    # durable puts and commits, gets it back within 1 ms instead of Python's 5 ms.
-    sys.setswitchinterval(LOOP_SWITCH_INTERVAL_S)
     from engine.errors import LanceSinkError  # noqa: PLC0415 - keep `check-config` light
     from sink.service import SinkService  # noqa: PLC0415
 
