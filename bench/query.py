@@ -371,6 +371,12 @@ def main() -> None:
     )
     parser.add_argument("--probe-s", type=float, default=10.0, help="max-rate probe length")
     parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="ingestion rate in rows/s (default: half the measured max put rate)",
+    )
+    parser.add_argument(
         "--slice-s",
         type=float,
         default=10.0,
@@ -545,7 +551,8 @@ def main() -> None:
     maintenance = Maintenance(spec, table, storage, maint_settings, maint_log)
     ingest = open_writer(spec, table, storage, "ingest", flusher, args.memtable_rows)
     writers.append(ingest)
-    producer = Producer(ingest, prebuilt, 30_000_000, max_rate / 2)
+    target_rate = args.rate if args.rate is not None else max_rate / 2
+    producer = Producer(ingest, prebuilt, 30_000_000, target_rate)
     rotation = TimedRotation({**kinds, **yard}, args.query_timeout_s)
     monitor = Monitor(table, producer, rotation)
     maintenance.start()
@@ -571,7 +578,8 @@ def main() -> None:
         for name, samples in rotation.samples.items()
     }
     report["ingest"] = {
-        "target_rows_per_s": round(max_rate / 2),
+        "target_rows_per_s": round(target_rate),
+        "rate_given": args.rate is not None,
         "achieved_rows_per_s": round(rate),
         "warmup_s": args.warmup_s,
         "measured_s": round(rotation.elapsed_s, 1),
@@ -772,8 +780,15 @@ def render(report: dict[str, Any], runs: int) -> list[str]:
     lines += [
         "",
         (
-            f"## under ingestion at half the max rate ({ing['target_rows_per_s']:,} of "
-            f"{report['max_put_rows_per_s']:,} rows/s), maintenance running"
+            (
+                f"## under ingestion at {ing['target_rows_per_s']:,} rows/s (--rate; the max "
+                f"put rate is {report['max_put_rows_per_s']:,}), maintenance running"
+            )
+            if ing.get("rate_given")
+            else (
+                f"## under ingestion at half the max rate ({ing['target_rows_per_s']:,} of "
+                f"{report['max_put_rows_per_s']:,} rows/s), maintenance running"
+            )
         ),
         (
             "max rate: one synchronous producer of 500-row puts (each waits for its durable WAL "
