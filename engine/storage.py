@@ -38,8 +38,11 @@ class Storage(Protocol):
 
     uri: str
 
-    def put_if_absent(self, key: str, data: bytes | memoryview) -> None:
-        """Store `data` under `key` durably, or raise `AlreadyExists` if `key` exists."""
+    def put_if_absent(self, key: str, data: bytes | memoryview, *, cached: bool = True) -> None:
+        """Store `data` under `key` durably, or raise `AlreadyExists` if `key` exists.
+
+        ``cached=False``: the object is read back rarely (a WAL entry: only by a replay), so
+        a local store drops it from the page cache once it is durable."""
 
     def get(self, key: str) -> bytes:
         """Return the object, or raise `FileNotFoundError`."""
@@ -66,7 +69,7 @@ class LocalStorage:
     def _path(self, key: str) -> Path:
         return self.root / key
 
-    def put_if_absent(self, key: str, data: bytes | memoryview) -> None:
+    def put_if_absent(self, key: str, data: bytes | memoryview, *, cached: bool = True) -> None:
         path = self._path(key)
         new_dir = not path.parent.exists()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -79,6 +82,11 @@ class LocalStorage:
                     view = view[os.write(fd, view) :]
                 if self.fsync:
                     os.fsync(fd)
+                    if not cached:
+                        # Clean after the fsync: the pages leave the page cache now rather
+                        # than crowd out table data (and keep the cache from growing by the
+                        # WAL's whole write rate).
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
             try:
@@ -133,7 +141,7 @@ class ObjectStorage:
             client_options=client,  # type: ignore[arg-type]
         )
 
-    def put_if_absent(self, key: str, data: bytes | memoryview) -> None:
+    def put_if_absent(self, key: str, data: bytes | memoryview, *, cached: bool = True) -> None:
         try:
             obstore.put(self.store, key, bytes(data), mode="create")
         except AlreadyExistsError as exc:

@@ -177,7 +177,7 @@ class Wal:
         Raises:
             AlreadyExists: the position is taken (a newer writer fenced this one).
         """
-        self.storage.put_if_absent(self.key(position), memoryview(payload))
+        self.storage.put_if_absent(self.key(position), memoryview(payload), cached=False)
 
     def positions(self) -> list[int]:
         """Every entry position present, ascending."""

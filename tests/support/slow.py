@@ -64,7 +64,7 @@ def controller(*, process_budget_bytes: int, max_unflushed_memtable_bytes: int) 
         lock = threading.Lock()
         state = {"appends": 0, "stalled": False}
 
-        def stalling_put(self: LocalStorage, key: str, data: Any) -> None:
+        def stalling_put(self: LocalStorage, key: str, data: Any, **kwargs: Any) -> None:
             if "/wal/" in key:
                 with lock:
                     state["appends"] += 1
@@ -74,7 +74,7 @@ def controller(*, process_budget_bytes: int, max_unflushed_memtable_bytes: int) 
                 if stall:
                     print(f"TEST_WAL_STALL {wal_stall}", flush=True)
                     time.sleep(wal_stall)
-            put(self, key, data)
+            put(self, key, data, **kwargs)
 
         LocalStorage.put_if_absent = stalling_put  # type: ignore[method-assign]
     return BudgetController(process_budget_bytes)
