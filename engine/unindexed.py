@@ -197,6 +197,9 @@ class UnindexedFragments:
                 return None  # the loader failed or hit the bound: let this query fall back
             try:
                 return self._load(key, fragment)
+            except Exception as exc:  # noqa: BLE001 - the query falls back to Lance's search
+                log.warning("reader_unindexed_load_failed", fragment=key[0], error=str(exc))
+                return None
             finally:
                 with self._lock:
                     self._loading.pop(key, None)
