@@ -143,3 +143,22 @@ def test_new_fragments_load_in_the_background_and_leave_once_indexed(
     got, _ = search(h, vectors(np.array([3100]), DIM)[0])
     assert got[0] == 3100
     assert cache.loads == 2
+
+
+def test_a_fragment_that_fails_to_load_falls_back_to_lance(
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = make_harness(dim=DIM)
+    indexed_then_fresh(h)
+    cache = h.reader.unindexed
+    assert cache is not None
+
+    def broken(*args: object) -> None:
+        raise OSError("fragment file went away")
+
+    monkeypatch.setattr(cache, "_load", broken)
+    got, dist = search(h, vectors(np.array([2700]), DIM)[0])
+    assert got[0] == 2700
+    assert dist[0] < 1e-6
+    assert cache.fallbacks >= 1
+    assert cache.loads == 0
