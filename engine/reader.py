@@ -72,6 +72,7 @@ from engine import fts
 from engine.errors import LanceSinkError
 from engine.filters import Predicate, QueryError, UnknownColumn, parse_filter
 from engine.memtable import Memtable, MemtableView, key_values
+from engine.periodic import PeriodicThread
 from engine.schema import TableSpec, vector_matrix
 from engine.shard import ShardWriter
 from engine.table import BaseTable
@@ -289,9 +290,9 @@ class Reader:
         self._stats_lock = threading.Lock()
         self._key_types = [spec.table_schema.field(k).type for k in spec.primary_key]
         self._session: Any = None
-        self._tokenizer: threading.Thread | None = None
-        self._tokenizer_lock = threading.Lock()
-        self._closed = threading.Event()
+        self._tokenizer = PeriodicThread(
+            "reader-tokenizer", TOKENIZE_INTERVAL_S, self._tokenize_once, "reader_tokenize_failed"
+        )
         self.unindexed: UnindexedFragments | None = None
         if spec.vector is not None and self.settings.unindexed_cache_bytes > 0:
             self.unindexed = UnindexedFragments(
@@ -302,41 +303,22 @@ class Reader:
     def close(self, timeout: float = 5.0) -> None:
         """Stop the background tokenizer and the unindexed-fragment loader (idempotent;
         waits up to `timeout` seconds for each)."""
-        self._closed.set()
-        with self._tokenizer_lock:
-            thread = self._tokenizer
-        if thread is not None:
-            thread.join(timeout)
+        self._tokenizer.close(timeout)
         if self.unindexed is not None:
             self.unindexed.close(timeout)
 
-    def _start_tokenizer(self) -> None:
-        """Start the background tokenizer unless it runs (or the reader is closed)."""
-        if self._tokenizer is not None or self._closed.is_set():
-            return
-        with self._tokenizer_lock:
-            if self._tokenizer is None:
-                self._tokenizer = threading.Thread(
-                    target=self._tokenize_loop, name="reader-tokenizer", daemon=True
-                )
-                self._tokenizer.start()
-
-    def _tokenize_loop(self) -> None:
-        """Every `TOKENIZE_INTERVAL_S`: tokenise the new batches of every memtable of every
-        shard (durable, visible rows only: a view holds nothing else). A failure is logged
-        and retried at the next look; queries tokenise what is missing themselves."""
-        while not self._closed.wait(TOKENIZE_INTERVAL_S):
+    def _tokenize_once(self) -> None:
+        """Tokenise the new batches of every memtable of every shard (durable, visible rows
+        only: a view holds nothing else); run every `TOKENIZE_INTERVAL_S` by the background
+        tokenizer. Queries tokenise what it has not reached yet themselves."""
+        for writer in self.shards():
             try:
-                for writer in self.shards():
-                    try:
-                        view = writer.view()
-                    except LanceSinkError:
-                        continue  # poisoned or fenced: queries skip it too
-                    for m in view.memtables:
-                        for column in self.spec.fts_columns:
-                            self.terms.terms(m.memtable, column, m.batches)
-            except Exception as exc:  # noqa: BLE001 - a cache filler must not die
-                log.warning("reader_tokenize_failed", error=str(exc))
+                view = writer.view()
+            except LanceSinkError:
+                continue  # poisoned or fenced: queries skip it too
+            for m in view.memtables:
+                for column in self.spec.fts_columns:
+                    self.terms.terms(m.memtable, column, m.batches)
 
     # ------------------------------------------------------------------ snapshot
 
@@ -713,7 +695,7 @@ class Reader:
                 column=column,
             )
         self._check_k(k)
-        self._start_tokenizer()
+        self._tokenizer.start()
         words = fts.tokenize(text)
         if not words:
             raise QueryError("the text query has no searchable terms (only stop words?)")

@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 import structlog
 
+from engine.periodic import PeriodicThread
 from engine.schema import TableSpec, vector_matrix
 
 log = structlog.get_logger("lance_sink.reader")
@@ -123,8 +124,9 @@ class UnindexedFragments:
         self._loading: dict[FragmentKey, threading.Event] = {}
         self._versions: dict[int, list[tuple[FragmentKey, lance.LanceFragment, int]] | None] = {}
         self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loader = PeriodicThread(
+            "reader-unindexed", REFRESH_INTERVAL_S, self.refresh, "reader_unindexed_refresh_failed"
+        )
         self.loads = 0
         self.fallbacks = 0
 
@@ -133,7 +135,7 @@ class UnindexedFragments:
     def covering(self, base: lance.LanceDataset) -> list[CachedFragment] | None:
         """The cached rows of every unindexed fragment of `base` (loading missing ones), or
         None: `base` has no vector index, or its unindexed part exceeds `max_bytes`."""
-        self._start()
+        self._loader.start()
         wanted = self._unindexed(base)
         if wanted is None:
             return None
@@ -239,33 +241,12 @@ class UnindexedFragments:
         if sum(self._estimate(rows) for _, _, rows in wanted) > self.max_bytes:
             return
         for key, fragment, _ in wanted:
-            if self._closed.is_set():
+            if self._loader.closed:
                 return
             self._get_or_load(key, fragment)
 
-    def _start(self) -> None:
-        if self._thread is not None or self._closed.is_set():
-            return
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, name="reader-unindexed", daemon=True
-                )
-                self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._closed.wait(REFRESH_INTERVAL_S):
-            try:
-                self.refresh()
-            except Exception as exc:  # noqa: BLE001 - a cache filler must not die
-                log.warning("reader_unindexed_refresh_failed", error=str(exc))
-
     def close(self, timeout: float = 5.0) -> None:
         """Stop the background loader (idempotent) and free the cached fragments."""
-        self._closed.set()
-        with self._lock:
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
+        self._loader.close(timeout)
         with self._lock:
             self._entries.clear()

@@ -278,6 +278,6 @@ def test_new_memtable_batches_are_tokenised_off_the_query_path(
     got = h.reader.search_text("row1049", k=5, columns=["_offset"])
     assert got.column("_offset").to_pylist() == [1049]
     h.reader.close()
-    thread = h.reader._tokenizer
+    thread = h.reader._tokenizer.thread
     assert thread is not None
     assert not thread.is_alive()
