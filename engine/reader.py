@@ -29,7 +29,9 @@ Vector kNN: memtables are searched exactly with faiss on each batch's zero-copy 
 matrix (l2 and dot via `faiss.knn`; cosine as inner product with the normalised query
 divided by row norms, which are computed vectorised once per batch and cached). The base is
 searched with Lance's ANN index (`nprobes`, `refine_factor`) or, without an index, Lance's
-exact search (Lance also searches the unindexed part of an indexed table). Distances follow
+exact search. The base fragments an index does not cover yet are held in memory and
+searched exactly with faiss like memtables (`engine.unindexed`; Lance then searches only the
+indexed fragments), or, over the cache's bound, by Lance's own flat scan. Distances follow
 Lance's definitions so they compare across tiers: l2 = squared Euclidean distance,
 cosine = 1 - cos, dot = 1 - inner product (what Lance returns, checked on this machine).
 When the base has an index and no `refine_factor` is given (per request or in
