@@ -82,7 +82,7 @@ class LocalStorage:
                     view = view[os.write(fd, view) :]
                 if self.fsync:
                     os.fsync(fd)
-                    if not cached:
+                    if not cached and hasattr(os, "posix_fadvise"):  # Linux
                         # Clean after the fsync: the pages leave the page cache now rather
                         # than crowd out table data (and keep the cache from growing by the
                         # WAL's whole write rate).

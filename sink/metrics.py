@@ -206,7 +206,7 @@ class Metrics:
         self.unindexed_fallbacks = counter(
             "query_unindexed_fallbacks",
             "Vector queries that searched the unindexed base with Lance's flat scan (over the "
-            "cache bound).",
+            "cache bound, or a fragment failed to load).",
         )
         self._fallbacks_seen = 0
         self.maintenance_runs = counter(

@@ -40,7 +40,7 @@ EXPECTED = {
     ),
     "lance_sink_query_unindexed_fallbacks": (
         "Vector queries that searched the unindexed base with Lance's flat scan (over the "
-        "cache bound)."
+        "cache bound, or a fragment failed to load)."
     ),
     "lance_sink_rebalance_events": "Partitions assigned, revoked or lost.",
     "lance_sink_replay_rows": "Rows replayed from the WAL.",
