@@ -95,6 +95,8 @@ METRICS = {
     "lance_sink_base_unindexed_rows",
     "lance_sink_maintenance_runs_total",
     "lance_sink_query_seconds",
+    "lance_sink_query_unindexed_cache_bytes",
+    "lance_sink_query_unindexed_fallbacks_total",
 }
 HISTOGRAMS = {
     "lance_sink_wal_append_seconds",
