@@ -143,10 +143,15 @@ def build_base(path: Path, spec: TableSpec, data: Data, rows: int) -> dict[str, 
     marker = path / "bench-built.json"
     cached = json.loads(marker.read_text()) if marker.exists() else {}
     if cached.get("rows") == rows and cached.get("data") == DATA_VERSION and "version" in cached:
-        # Undo what a previous run's ingestion flushed: the built version becomes latest.
-        if int(lance.dataset(str(path)).version) != cached["version"]:
-            lance.dataset(str(path), version=cached["version"]).restore()
-        return dict(cached)
+        try:
+            built = lance.dataset(str(path), version=cached["version"])
+        except ValueError:  # removed by an untagged cache's maintenance cleanup: rebuild
+            pass
+        else:
+            # Undo what a previous run's ingestion flushed: the built version becomes latest.
+            if int(lance.dataset(str(path)).version) != cached["version"]:
+                built.restore()
+            return dict(cached)
     shutil.rmtree(path, ignore_errors=True)
     started = time.monotonic()
     for first in range(0, rows, CHUNK):
@@ -177,6 +182,8 @@ def build_base(path: Path, spec: TableSpec, data: Data, rows: int) -> dict[str, 
         "btree_s": btree_s,
     }
     info["version"] = int(lance.dataset(str(path)).version)
+    # The ingestion phase runs maintenance, whose cleanup keeps tagged versions only.
+    lance.dataset(str(path)).tags.create("bench-built", info["version"])
     marker.write_text(json.dumps(info))
     return info
 
