@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from engine import reader as reader_module
 from engine.errors import Poisoned
 from engine.filters import QueryError, UnknownColumn
 from tests.reads.conftest import ReadHarness, text_of, vectors
@@ -257,3 +258,38 @@ def test_poisoned_shard_is_skipped(make_harness: MakeHarness) -> None:
 
 def test_text_of_rows_contains_their_marker() -> None:
     assert "row12" in text_of(12)
+
+
+def test_stale_base_statistics_are_served_while_recomputed_in_the_background(
+    make_harness: Callable[..., ReadHarness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A query never waits for a base statistic it already has: an expired value is returned
+    as it is and recomputed on the stats thread; the next query sees the new value."""
+    h = make_harness()
+    w = h.open()
+    h.put(w, range(100))
+    h.flush(w)
+    reader = h.reader
+    assert reader._cached(reader.snapshot().base, ("k",), lambda: "v1") == "v1"
+    h.put(w, range(100, 200))
+    h.flush(w)
+    base = reader.snapshot().base  # a newer version: the cached value is an older one's
+    monkeypatch.setattr(reader_module, "STATS_MAX_AGE_S", 0.0)
+    gate = threading.Event()
+    calls = []
+
+    def slow() -> str:
+        calls.append(1)
+        gate.wait(30)
+        return "v2"
+
+    started = time.monotonic()
+    assert reader._cached(base, ("k",), slow) == "v1"
+    assert reader._cached(base, ("k",), slow) == "v1"  # one refresh at a time
+    assert time.monotonic() - started < 5
+    gate.set()
+    deadline = time.monotonic() + 10
+    while reader._cached(base, ("k",), lambda: "v3") != "v2":
+        assert time.monotonic() < deadline, "the background refresh never landed"
+        time.sleep(0.01)
+    assert len(calls) == 1
