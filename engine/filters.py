@@ -303,7 +303,7 @@ class Predicate:
         """The predicate as a pyarrow Expression (for `LanceDataset.scanner(filter=...)`)."""
         return self._root.expression()
 
-    def mask(self, batch: pa.RecordBatch) -> np.ndarray:
+    def mask(self, batch: pa.RecordBatch | pa.Table) -> np.ndarray:
         """Rows of `batch` for which the predicate is true (unknown counts as false)."""
         result = self._root.evaluate(batch)
         if isinstance(result, pa.ChunkedArray):

@@ -177,16 +177,36 @@ class _Tier:
         sizes = [b.num_rows for b in view.batches]
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self.rows = int(self.starts[-1])
+        self._matched: tuple[Predicate, np.ndarray] | None = None
 
     def eligible(self, i: int, predicate: Predicate | None) -> np.ndarray | None:
         """Rows of batch i that are live and match the predicate (None = every row)."""
-        batch = self.view.batches[i]
         live = self.view.live[i]
         mask = None if live is None else live.copy()
         if predicate is not None:
-            matched = predicate.mask(batch)
-            mask = matched if mask is None else mask & matched
+            matched = self.matched(predicate, i)
+            mask = matched.copy() if mask is None else mask & matched
         return mask
+
+    def matched(self, predicate: Predicate, i: int) -> np.ndarray:
+        """Rows of batch i that match the predicate (a read-only view).
+
+        The predicate is evaluated once over all of the view's batches (a zero-copy table
+        of the columns it reads) and sliced per batch: a memtable holds hundreds of small
+        batches (one per put), and evaluating batch by batch cost ~0.1 ms each, about 20 ms
+        per 100k rows put 500 at a time."""
+        batches = self.view.batches
+        if not predicate.columns:  # nothing to concatenate: evaluate on the batch
+            return predicate.mask(batches[i])
+        cached = self._matched
+        if cached is None or cached[0] is not predicate:
+            table = pa.table(
+                {c: pa.chunked_array([b.column(c) for b in batches]) for c in predicate.columns}
+            )
+            cached = (predicate, predicate.mask(table))
+            self._matched = cached
+        whole: np.ndarray = cached[1]
+        return whole[self.starts[i] : self.starts[i + 1]]
 
     def holds(self, key: Any) -> bool:
         """Does this tier's view hold a row (upsert or delete) of `key`?
@@ -791,7 +811,7 @@ class Reader:
             known = [t for t in ids if t is not None]
             mask &= fts.phrase_rows(bt, known, [p - words[0][1] for _, p in words])
         if predicate is not None and mask.any():
-            mask &= predicate.mask(tier.view.batches[i])
+            mask &= tier.matched(predicate, i)
         rows = np.flatnonzero(mask)
         if not len(rows):
             return None

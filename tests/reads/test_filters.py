@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -154,3 +155,19 @@ def test_type_errors(text: str, fragment: str) -> None:
 def test_deep_nesting_is_refused() -> None:
     with pytest.raises(FilterSyntaxError, match="nested deeper"):
         parse_filter("NOT " * 100 + "flag", SCHEMA)
+
+
+def test_a_memtable_of_many_batches_is_filtered_in_one_pass_with_the_same_rows(
+    make_harness: Callable[..., ReadHarness],
+) -> None:
+    h = make_harness()
+    w = h.open()
+    for first in range(0, 1000, 50):  # 20 puts: 20 batches in the active memtable
+        h.put(w, range(first, first + 50))
+    tier = h.reader.snapshot().tiers[0]
+    assert len(tier.view.batches) == 20
+    for text in ["n < 420 AND flag", "text IS NULL OR f >= 200", "id IN ('k3', 'k977')"]:
+        predicate = h.reader.parse_filter(text)
+        assert predicate is not None
+        for i, batch in enumerate(tier.view.batches):
+            np.testing.assert_array_equal(tier.matched(predicate, i), predicate.mask(batch))
