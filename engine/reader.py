@@ -110,6 +110,10 @@ AVGDL_SAMPLE_ROWS = 2_000
 #: A term found in at least this many sampled base documents has its document frequency
 #: estimated from the sample (relative error ~1/sqrt(20) ~ 22%, a few percent of IDF).
 DF_SAMPLE_MIN_HITS = 20
+#: A rare term's base document frequency is counted on the text-indexed fragments and
+#: scaled to the whole base while the index covers at least this share of its rows (a flush
+#: or two behind); below it, or with no index, Lance counts every row.
+MIN_TEXT_INDEX_COVERAGE = 0.5
 #: Cached base statistics (df per term, documents, avgdl) for this many columns x terms.
 STATS_CACHE_ENTRIES = 16_384
 #: Base statistics computed at an older base version are reused while they are younger than
@@ -953,9 +957,44 @@ class Reader:
             return round(hits / sample_n * n)
 
         def compute() -> int:
-            return int(base.scanner(full_text_query=MatchQuery(term, column)).count_rows())
+            query = MatchQuery(term, column)
+            covered = self._text_index_coverage(base, column)
+            if covered is None or covered >= 1.0 or covered < MIN_TEXT_INDEX_COVERAGE:
+                return int(base.scanner(full_text_query=query).count_rows())
+            # The index lags a flush or two: count on the indexed fragments only and scale
+            # to the whole base (Lance's full count scans the unindexed rows flat, once per
+            # new term: the text p99 under ingestion).
+            indexed = int(base.scanner(full_text_query=query, fast_search=True).count_rows())
+            return round(indexed / covered)
 
         result: int = self._cached(base, ("df", column, term), compute)
+        return result
+
+    def _text_index_coverage(self, base: lance.LanceDataset, column: str) -> float | None:
+        """Share of the base's rows the INVERTED index on `column` covers (None: no index)."""
+
+        def compute() -> float | None:
+            covered: set[int] = set()
+            found = False
+            for index in base.describe_indices():
+                if list(index.field_names or []) != [column] or "Inverted" not in index.type_url:
+                    continue
+                found = True
+                for segment in index.segments:
+                    covered.update(int(f) for f in segment.fragment_ids)
+            if not found:
+                return None
+            rows = indexed = 0
+            for fragment in base.get_fragments():
+                n = int(fragment.count_rows())
+                rows += n
+                if int(fragment.fragment_id) in covered:
+                    indexed += n
+            return indexed / rows if rows else 1.0
+
+        result: float | None = self._cached(
+            base, ("text_index_coverage", column), compute, reuse=False
+        )
         return result
 
     # ------------------------------------------------------------------ filter / scan

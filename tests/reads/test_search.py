@@ -13,6 +13,7 @@ import lance
 import numpy as np
 import pyarrow as pa
 import pytest
+from lance.query import MatchQuery
 
 from engine import fts
 from engine import reader as reader_module
@@ -281,3 +282,33 @@ def test_new_memtable_batches_are_tokenised_off_the_query_path(
     thread = h.reader._tokenizer.thread
     assert thread is not None
     assert not thread.is_alive()
+
+
+def test_rare_term_df_counts_the_indexed_fragments_while_the_text_index_lags(
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lance's full count scans unindexed rows flat; while the INVERTED index covers most of
+    the base the reader counts on the indexed fragments and scales to the whole base."""
+    monkeypatch.setattr(reader_module, "AVGDL_SAMPLE_ROWS", 40)  # "golf" is rare in 40 docs
+    h = make_harness(dim=DIM)
+    w = h.open()
+    h.put(w, range(1200))
+    h.flush(w)
+    h.table.dataset().create_scalar_index("text", "INVERTED", with_position=True)
+    h.put(w, range(1200, 1600))
+    h.flush(w)
+    base = h.reader.snapshot().base
+    assert h.reader._text_index_coverage(base, "text") == 0.75
+    query = MatchQuery("golf", "text")
+    indexed = base.scanner(full_text_query=query, fast_search=True).count_rows()
+    everything = base.scanner(full_text_query=query).count_rows()
+    assert 0 < indexed < everything
+    df = h.reader._base_df(base, "text", "golf")
+    assert df == round(indexed / 0.75)
+    assert abs(df - everything) <= 0.1 * everything
+    # Once the index covers every row, the count is exact again.
+    h.table.dataset().optimize.optimize_indices()
+    base = h.reader.snapshot().base
+    assert h.reader._text_index_coverage(base, "text") == 1.0
+    h.reader._stats.clear()  # the estimate would be reused for a while (STATS_MAX_AGE_S)
+    assert h.reader._base_df(base, "text", "golf") == everything
