@@ -79,7 +79,7 @@ from engine.periodic import PeriodicThread
 from engine.schema import TableSpec, vector_matrix
 from engine.shard import ShardWriter
 from engine.table import BaseTable
-from engine.unindexed import CachedFragment, UnindexedFragments
+from engine.unindexed import CachedFragment, UnindexedFragments, covered_fragments
 
 log = structlog.get_logger("lance_sink.reader")
 
@@ -651,7 +651,10 @@ class Reader:
             return pa.table({})
         refine = refine_factor if refine_factor is not None else self.settings.refine_factor
         indexed = self._cached(
-            base, ("vector_index",), lambda: _has_vector_index(base, vector_name), reuse=False
+            base,
+            ("vector_index",),
+            lambda: covered_fragments(base, vector_name, text=False) is not None,
+            reuse=False,
         )
         if refine is None and indexed:
             refine = DEFAULT_REFINE_FACTOR
@@ -974,15 +977,8 @@ class Reader:
         """Share of the base's rows the INVERTED index on `column` covers (None: no index)."""
 
         def compute() -> float | None:
-            covered: set[int] = set()
-            found = False
-            for index in base.describe_indices():
-                if list(index.field_names or []) != [column] or "Inverted" not in index.type_url:
-                    continue
-                found = True
-                for segment in index.segments:
-                    covered.update(int(f) for f in segment.fragment_ids)
-            if not found:
+            covered = covered_fragments(base, column, text=True)
+            if covered is None:
                 return None
             rows = indexed = 0
             for fragment in base.get_fragments():
@@ -1280,15 +1276,6 @@ def _top(parts: list[pa.Table], column: str, k: int, *, ascending: bool) -> pa.T
     order = "ascending" if ascending else "descending"
     idx = pc.sort_indices(merged, sort_keys=[(column, order)])
     return merged.take(idx.slice(0, k))
-
-
-def _has_vector_index(ds: lance.LanceDataset, column: str) -> bool:
-    for index in ds.describe_indices():
-        names = list(getattr(index, "field_names", []) or [])
-        type_url = str(getattr(index, "type_url", ""))
-        if names == [column] and "Inverted" not in type_url and "BTree" not in type_url:
-            return True
-    return False
 
 
 def recall(found: Sequence[Any], truth: Sequence[Any]) -> float:

@@ -82,22 +82,30 @@ def fragment_key(fragment: lance.LanceFragment) -> FragmentKey:
     return (int(meta.id), (info.get("id"), info.get("read_version"), deletion.num_deleted_rows))
 
 
-def unindexed_fragments(
-    ds: lance.LanceDataset, column: str
-) -> list[tuple[FragmentKey, lance.LanceFragment, int]] | None:
-    """(key, fragment, rows) of every fragment of `ds` the vector index on `column` does not
-    cover, or None when `ds` has no vector index on it (or has no rows)."""
+def covered_fragments(ds: lance.LanceDataset, column: str, *, text: bool) -> set[int] | None:
+    """Ids of the fragments of `ds` that the index on `column` covers: its INVERTED index
+    (`text`) or its vector index (any kind but INVERTED and BTREE); None when it has none."""
     covered: set[int] = set()
     found = False
     for index in ds.describe_indices():
         names = list(getattr(index, "field_names", []) or [])
         type_url = str(getattr(index, "type_url", ""))
-        if names != [column] or "Inverted" in type_url or "BTree" in type_url:
+        inverted = "Inverted" in type_url
+        if names != [column] or inverted != text or "BTree" in type_url:
             continue
         found = True
         for segment in index.segments:
             covered.update(int(f) for f in segment.fragment_ids)
-    if not found:
+    return covered if found else None
+
+
+def unindexed_fragments(
+    ds: lance.LanceDataset, column: str
+) -> list[tuple[FragmentKey, lance.LanceFragment, int]] | None:
+    """(key, fragment, rows) of every fragment of `ds` the vector index on `column` does not
+    cover, or None when `ds` has no vector index on it."""
+    covered = covered_fragments(ds, column, text=False)
+    if covered is None:
         return None
     return [
         (fragment_key(fragment), fragment, int(fragment.count_rows()))
