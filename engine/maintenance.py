@@ -77,7 +77,7 @@ from config.settings import MaintenanceSettings
 from engine.manifest import ManifestStore
 from engine.schema import TableSpec
 from engine.storage import Storage
-from engine.table import PROP_SHARD, BaseTable
+from engine.table import PROP_SHARD, BaseTable, index_on
 
 log = structlog.get_logger("lance_sink.maintenance")
 
@@ -272,18 +272,6 @@ class Maintenance:
     def _indexes(self, ds: lance.LanceDataset) -> list[Any]:
         return list(ds.describe_indices())
 
-    def _index_on(self, ds: lance.LanceDataset, column: str, kind: str | None) -> Any:
-        """The index on exactly `column`; kind: 'Inverted', 'BTree' or None (= vector)."""
-        for index in self._indexes(ds):
-            names = list(getattr(index, "field_names", []) or [])
-            type_url = str(getattr(index, "type_url", ""))
-            if names != [column]:
-                continue
-            is_scalar = any(t in type_url for t in ("Inverted", "BTree", "Bitmap", "Zone"))
-            if (kind is None and not is_scalar) or (kind is not None and kind in type_url):
-                return index
-        return None
-
     def vector_index(self) -> None:
         """Create the vector index once the table is large enough."""
         vector = self.spec.vector
@@ -291,7 +279,7 @@ class Maintenance:
             raise _Skip
         ds = self.table.dataset()
         rows = ds.count_rows()
-        if rows < self.settings.vector_index_min_rows or self._index_on(ds, vector.name, None):
+        if rows < self.settings.vector_index_min_rows or index_on(ds, vector.name, None):
             raise _Skip
         partitions = self.settings.num_partitions or derived_partitions(rows)
         kwargs: dict[str, Any] = {"num_partitions": partitions}
@@ -308,7 +296,7 @@ class Maintenance:
         if not self.settings.fts_index or not self.spec.fts_columns:
             raise _Skip
         ds = self.table.dataset()
-        missing = [c for c in self.spec.fts_columns if not self._index_on(ds, c, "Inverted")]
+        missing = [c for c in self.spec.fts_columns if not index_on(ds, c, "Inverted")]
         if not missing or ds.count_rows() == 0:
             raise _Skip
         for column in missing:
@@ -321,7 +309,7 @@ class Maintenance:
             raise _Skip
         (key,) = self.spec.primary_key
         ds = self.table.dataset()
-        if self._index_on(ds, key, "BTree") or ds.count_rows() == 0:
+        if index_on(ds, key, "BTree") or ds.count_rows() == 0:
             raise _Skip
         ds.create_scalar_index(key, "BTREE")
 

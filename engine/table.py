@@ -160,6 +160,20 @@ class BaseTable:
         return None
 
 
+def index_on(ds: lance.LanceDataset, column: str, kind: str | None) -> Any:
+    """The index on exactly `column` (an entry of `describe_indices`), or None; kind:
+    'Inverted', 'BTree' or None (= the vector index: any kind that is not a scalar one)."""
+    for index in ds.describe_indices():
+        names = list(getattr(index, "field_names", []) or [])
+        type_url = str(getattr(index, "type_url", ""))
+        if names != [column]:
+            continue
+        is_scalar = any(t in type_url for t in ("Inverted", "BTree", "Bitmap", "Zone"))
+        if (kind is None and not is_scalar) or (kind is not None and kind in type_url):
+            return index
+    return None
+
+
 def holds_generation(ds: lance.LanceDataset, shard: str, generation: int, floor: int) -> bool:
     """Does table version `ds` hold the flush of `generation` of `shard`, committed at a
     version above `floor`? Reads only the transactions of versions (floor, ds.version]."""

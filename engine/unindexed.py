@@ -40,6 +40,7 @@ import structlog
 
 from engine.periodic import PeriodicThread
 from engine.schema import TableSpec, vector_matrix
+from engine.table import index_on
 
 log = structlog.get_logger("lance_sink.reader")
 
@@ -84,19 +85,11 @@ def fragment_key(fragment: lance.LanceFragment) -> FragmentKey:
 
 def covered_fragments(ds: lance.LanceDataset, column: str, *, text: bool) -> set[int] | None:
     """Ids of the fragments of `ds` that the index on `column` covers: its INVERTED index
-    (`text`) or its vector index (any kind but INVERTED and BTREE); None when it has none."""
-    covered: set[int] = set()
-    found = False
-    for index in ds.describe_indices():
-        names = list(getattr(index, "field_names", []) or [])
-        type_url = str(getattr(index, "type_url", ""))
-        inverted = "Inverted" in type_url
-        if names != [column] or inverted != text or "BTree" in type_url:
-            continue
-        found = True
-        for segment in index.segments:
-            covered.update(int(f) for f in segment.fragment_ids)
-    return covered if found else None
+    (`text`) or its vector index (`engine.table.index_on`); None when it has none."""
+    index = index_on(ds, column, "Inverted" if text else None)
+    if index is None:
+        return None
+    return {int(f) for segment in index.segments for f in segment.fragment_ids}
 
 
 def unindexed_fragments(
