@@ -328,6 +328,7 @@ class Reader:
             self.unindexed = UnindexedFragments(
                 spec, self.settings.unindexed_cache_bytes, self._open_base
             )
+            table.watch_appends(self.unindexed)  # this process's flushes hand their rows over
         faiss.omp_set_num_threads(1)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -337,6 +338,7 @@ class Reader:
         self._closed.set()
         self._tokenizer.close(timeout)
         if self.unindexed is not None:
+            self.table.unwatch_appends(self.unindexed)
             self.unindexed.close(timeout)
         with self._stats_lock:
             pool = self._stats_pool

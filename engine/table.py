@@ -13,16 +13,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import lance
 import pyarrow as pa
+import structlog
 
 from engine.errors import PersistenceError
 from engine.schema import TableSpec
 from engine.storage import is_local, local_path, sync_filesystem
+
+log = structlog.get_logger("lance_sink.table")
 
 PROP_SHARD = "lance_sink.shard"
 PROP_EPOCH = "lance_sink.epoch"
@@ -42,6 +46,19 @@ class FlushMark:
     offsets: dict[str, int]
 
 
+class AppendWatcher(Protocol):
+    """Told about the rows an append flush writes, around its commit (the reader's
+    unindexed-fragment cache takes them over instead of reading them back from storage).
+
+    `appending(rows)` is entered before the commit, with the rows as one batch in the order
+    they are written; the callable it yields is called with the committed dataset once the
+    commit succeeded (not if it failed); the context exits after either."""
+
+    def appending(
+        self, rows: pa.RecordBatch
+    ) -> AbstractContextManager[Callable[[lance.LanceDataset], None]]: ...
+
+
 class BaseTable:
     """The Lance table at `spec.uri`. Thread-safe: every operation opens the latest version.
 
@@ -56,6 +73,17 @@ class BaseTable:
         # Sync local flushes to disk (see commit_flush); off with `wal.durable_writes=false`.
         self._sync = sync and is_local(spec.uri)
         self._lock = threading.Lock()
+        self._watchers: list[AppendWatcher] = []
+
+    def watch_appends(self, watcher: AppendWatcher) -> None:
+        """Tell `watcher` about every append flush of this process from now on."""
+        with self._lock:
+            self._watchers.append(watcher)
+
+    def unwatch_appends(self, watcher: AppendWatcher) -> None:
+        with self._lock:
+            if watcher in self._watchers:
+                self._watchers.remove(watcher)
 
     def open(self) -> None:
         """Create the table (empty, with the table schema) or check the existing one."""
@@ -103,13 +131,7 @@ class BaseTable:
         """
         try:
             if not self.spec.upsert:
-                ds = lance.write_dataset(
-                    pa.Table.from_batches(upserts, schema=self.spec.table_schema),
-                    self.uri,
-                    mode="append",
-                    storage_options=self.options,
-                    transaction_properties=properties,
-                )
+                ds = self._append(upserts, properties)
             else:
                 ds = self._merge(upserts, deletes, properties)
         except (OSError, ValueError, RuntimeError) as exc:
@@ -117,6 +139,35 @@ class BaseTable:
         if self._sync:
             sync_filesystem(local_path(self.uri))
         return int(ds.version)
+
+    def _append(
+        self, upserts: list[pa.RecordBatch], properties: dict[str, str]
+    ) -> lance.LanceDataset:
+        table = pa.Table.from_batches(upserts, schema=self.spec.table_schema)
+        with self._lock:
+            watchers = list(self._watchers)
+        if not watchers or not table.num_rows:
+            return self._write(table, properties)
+        # Watchers keep the rows: one contiguous batch, written as is (one copy in all).
+        rows = table.combine_chunks().to_batches()[0]
+        with ExitStack() as stack:
+            committed = [stack.enter_context(w.appending(rows)) for w in watchers]
+            ds = self._write(pa.Table.from_batches([rows]), properties)
+            for notify in committed:
+                try:
+                    notify(ds)
+                except Exception as exc:  # noqa: BLE001 - the commit stands; only a cache lost
+                    log.warning("append_watcher_failed", error=str(exc))
+        return ds
+
+    def _write(self, table: pa.Table, properties: dict[str, str]) -> lance.LanceDataset:
+        return lance.write_dataset(
+            table,
+            self.uri,
+            mode="append",
+            storage_options=self.options,
+            transaction_properties=properties,
+        )
 
     def _merge(
         self, upserts: list[pa.RecordBatch], deletes: pa.Table | None, properties: dict[str, str]

@@ -24,12 +24,23 @@ base (correct, as slow as before) until maintenance catches up. A fragment missi
 time is loaded by that query (one loader per fragment; concurrent queries wait for it); a
 background thread (started by the first use, stopped by `close`) loads new fragments as soon
 as a base version with them appears, so queries rarely pay for a load.
+
+Handoff: the fragments this process's own append flushes write are not read back. The
+reader watches the base table's appends (`engine.table.AppendWatcher`): before a flush
+commits, the cache takes the flushed rows (the memtable's, as one batch) and prepares their
+matrix; once the commit succeeded, it files them under the new fragments' keys. A query that
+meets a fragment missing from the cache while such an append is in flight waits for it
+(at most `HANDOFF_WAIT_S`) instead of loading it: loading 100k x 384 rows back took ~200 ms,
+the slowest part of a query under ingestion. Upsert flushes (merge-insert: rows reordered,
+deletions elsewhere) and other processes' flushes are loaded as before.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +59,9 @@ log = structlog.get_logger("lance_sink.reader")
 REFRESH_INTERVAL_S = 0.2
 #: Unindexed-fragment lists kept per base version (queries use recent versions only).
 VERSIONS_KEPT = 8
+#: A query missing a fragment waits this long at most for in-flight appends to be handed
+#: over before it loads the fragment itself (a flush commit takes well under a second).
+HANDOFF_WAIT_S = 2.0
 
 #: (fragment id, deletion file identity or None)
 FragmentKey = tuple[int, Any]
@@ -124,11 +138,13 @@ class UnindexedFragments:
         self._entries: dict[FragmentKey, CachedFragment] = {}
         self._loading: dict[FragmentKey, threading.Event] = {}
         self._versions: dict[int, list[tuple[FragmentKey, lance.LanceFragment, int]] | None] = {}
+        self._appending: list[threading.Event] = []
         self._lock = threading.Lock()
         self._loader = PeriodicThread(
             "reader-unindexed", REFRESH_INTERVAL_S, self.refresh, "reader_unindexed_refresh_failed"
         )
         self.loads = 0
+        self.handoffs = 0
         self.fallbacks = 0
 
     # ------------------------------------------------------------------ queries
@@ -180,6 +196,14 @@ class UnindexedFragments:
     def _get_or_load(
         self, key: FragmentKey, fragment: lance.LanceFragment
     ) -> CachedFragment | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            appending = list(self._appending)
+        if entry is not None:
+            return entry
+        deadline = time.monotonic() + HANDOFF_WAIT_S
+        for event in appending:  # the missing fragment may be one being handed over
+            event.wait(max(deadline - time.monotonic(), 0))
         while True:
             with self._lock:
                 entry = self._entries.get(key)
@@ -214,10 +238,7 @@ class UnindexedFragments:
         table = fragment.to_table(columns=names).combine_chunks()
         batches = table.to_batches()
         record = batches[0] if batches else pa.RecordBatch.from_pylist([], schema=table.schema)
-        matrix = np.ascontiguousarray(
-            vector_matrix(record.column(self.column), self.spec.vector.dim), dtype=np.float32
-        )
-        norms = np.sqrt(np.einsum("ij,ij->i", matrix, matrix)).astype(np.float32)
+        matrix, norms = self._vectors(record)
         entry = CachedFragment(key, record, matrix, norms)
         with self._lock:
             used = sum(e.nbytes for e in self._entries.values())
@@ -226,6 +247,78 @@ class UnindexedFragments:
             self._entries[key] = entry
             self.loads += 1
         return entry
+
+    def _vectors(self, rows: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
+        """The contiguous float32 vector matrix of `rows` (a view of the batch's buffer when
+        it is contiguous float32 already) and every row's norm."""
+        assert self.spec.vector is not None
+        matrix = np.ascontiguousarray(
+            vector_matrix(rows.column(self.column), self.spec.vector.dim), dtype=np.float32
+        )
+        norms = np.sqrt(np.einsum("ij,ij->i", matrix, matrix)).astype(np.float32)
+        return matrix, norms
+
+    # ------------------------------------------------------------------ handoff
+
+    @contextmanager
+    def appending(self, rows: pa.RecordBatch) -> Iterator[Callable[[lance.LanceDataset], None]]:
+        """`engine.table.AppendWatcher`: a flush of this process appends `rows`.
+
+        Nothing is taken before the first vector query used the cache, after `close`, or when
+        the rows alone exceed the bound."""
+        if (
+            self._loader.thread is None
+            or self._loader.closed
+            or self._estimate(rows.num_rows) > self.max_bytes
+        ):
+            yield _ignore_commit
+            return
+        event = threading.Event()
+        with self._lock:
+            self._appending.append(event)
+        try:
+            matrix, norms = self._vectors(rows)
+            yield lambda ds: self._adopt(ds, rows, matrix, norms)
+        finally:
+            with self._lock:
+                self._appending.remove(event)
+            event.set()
+
+    def _adopt(
+        self, ds: lance.LanceDataset, rows: pa.RecordBatch, matrix: np.ndarray, norms: np.ndarray
+    ) -> None:
+        """File the appended `rows` under the fragments the commit `ds` made of them: the
+        unindexed fragments with the highest ids (an append's new fragments get ids above
+        every existing one), in id order, whose row counts add up to the rows written."""
+        wanted = self._unindexed(ds)
+        if wanted is None:  # no vector index yet: Lance searches every fragment itself
+            return
+        mine: list[tuple[FragmentKey, int]] = []
+        total = 0
+        for key, _, count in sorted(wanted, key=lambda w: w[0][0], reverse=True):
+            if total >= rows.num_rows:
+                break
+            if key[1] is not None:  # rows deleted already: not the fragment as written
+                return
+            mine.append((key, count))
+            total += count
+        if total != rows.num_rows:
+            return
+        entries = []
+        start = 0
+        for key, count in reversed(mine):
+            end = start + count
+            entries.append(
+                CachedFragment(key, rows.slice(start, count), matrix[start:end], norms[start:end])
+            )
+            start = end
+        with self._lock:
+            used = sum(e.nbytes for e in self._entries.values())
+            if used + sum(e.nbytes for e in entries) > self.max_bytes:
+                return
+            for entry in entries:
+                self._entries.setdefault(entry.key, entry)
+            self.handoffs += len(entries)
 
     # ------------------------------------------------------------------ background
 
@@ -251,3 +344,7 @@ class UnindexedFragments:
         self._loader.close(timeout)
         with self._lock:
             self._entries.clear()
+
+
+def _ignore_commit(ds: lance.LanceDataset) -> None:
+    """The commit callback of an append the cache does not take."""

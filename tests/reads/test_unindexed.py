@@ -4,14 +4,17 @@ later upserts respected, bounded memory with a fallback, dropped once indexed.""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
+import lance
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from engine.reader import ReaderSettings
-from tests.reads.conftest import ReadHarness, vectors
+from tests.reads.conftest import ReadHarness, rows_batch, vectors
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -102,6 +105,7 @@ def test_upserts_that_delete_cached_rows_are_seen(make_harness: MakeHarness) -> 
     rows = h.reader.lookup(["k2500"], columns=["id", "_offset"])
     assert rows.column("_offset").to_pylist() == [3000]
     assert cache.loads >= 2  # the fragment with the new deletion file, and the new one
+    assert cache.handoffs == 0  # merge-insert commits are read back, never handed over
 
 
 def test_over_the_bound_lance_searches_the_unindexed_part(make_harness: MakeHarness) -> None:
@@ -118,7 +122,14 @@ def test_over_the_bound_lance_searches_the_unindexed_part(make_harness: MakeHarn
     assert cache.nbytes == 0
 
 
-def test_new_fragments_load_in_the_background_and_leave_once_indexed(
+def append_elsewhere(h: ReadHarness, offsets: range) -> None:
+    """Append rows the way another sink process would: not through this process's table."""
+    rows = pa.Table.from_batches([rows_batch(h.spec, list(offsets))])
+    table = rows.select(h.spec.table_schema.names).cast(h.spec.table_schema)
+    lance.write_dataset(table, h.spec.uri, mode="append")
+
+
+def test_other_fragments_load_in_the_background_and_leave_once_indexed(
     make_harness: MakeHarness,
 ) -> None:
     h = make_harness(dim=DIM)
@@ -127,13 +138,12 @@ def test_new_fragments_load_in_the_background_and_leave_once_indexed(
     assert cache is not None
     search(h, vectors(np.array([1]), DIM)[0])  # first use starts the loader
     assert cache.loads == 1
-    w = h.writers[0]
-    h.put(w, range(3000, 3500))
-    h.flush(w)
+    append_elsewhere(h, range(3000, 3500))
     deadline = time.monotonic() + 10
     while cache.loads < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert cache.loads == 2, "the new fragment was not loaded without a query"
+    assert cache.handoffs == 0
     # Once the index covers every fragment, the loader frees them.
     h.table.dataset().optimize.optimize_indices()
     deadline = time.monotonic() + 10
@@ -143,6 +153,68 @@ def test_new_fragments_load_in_the_background_and_leave_once_indexed(
     got, _ = search(h, vectors(np.array([3100]), DIM)[0])
     assert got[0] == 3100
     assert cache.loads == 2
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+def test_own_flushes_hand_their_rows_over_without_a_load(
+    make_harness: MakeHarness, metric: str
+) -> None:
+    """This process's flush gives the cache the rows it commits: nothing is read back, and
+    queries return what Lance's own search returns."""
+    cached = make_harness("cached", dim=DIM, metric=metric)
+    lance_only = make_harness(
+        "lance", dim=DIM, metric=metric, settings=ReaderSettings(unindexed_cache_bytes=0)
+    )
+    for h in (cached, lance_only):
+        indexed_then_fresh(h, metric)
+    cache = cached.reader.unindexed
+    assert cache is not None
+    search(cached, vectors(np.array([1]), DIM)[0])  # first use: loads the one fragment
+    assert (cache.loads, cache.handoffs) == (1, 0)
+    for h in (cached, lance_only):
+        # Two flushes: the second fragment's rows follow the first's in the cache's keys.
+        h.put(h.writers[0], range(3000, 3400))
+        h.flush(h.writers[0])
+        h.put(h.writers[0], range(3400, 3700))
+        h.flush(h.writers[0])
+    assert (cache.loads, cache.handoffs) == (1, 2)
+    queries = vectors(np.array([3001, 3399, 3400, 3650, 2500, 7]), DIM) + 0.01
+    for q in queries:
+        got, dist = search(cached, q)
+        want, want_dist = search(lance_only, q)
+        assert got == want
+        np.testing.assert_allclose(dist, want_dist, rtol=1e-4, atol=1e-4)
+    for offset in (3001, 3399, 3400, 3650):
+        got, dist = search(cached, vectors(np.array([offset]), DIM)[0])
+        assert got[0] == offset
+    assert (cache.loads, cache.handoffs, cache.fallbacks) == (1, 2, 0)
+
+
+def test_a_query_waits_for_an_append_being_handed_over(make_harness: MakeHarness) -> None:
+    """While an append is between its commit and its handoff, a query that meets the new
+    fragment waits for the handoff instead of loading the fragment itself."""
+    h = make_harness(dim=DIM)
+    indexed_then_fresh(h)
+    cache = h.reader.unindexed
+    assert cache is not None
+    search(h, vectors(np.array([1]), DIM)[0])
+    rows = rows_batch(h.spec, list(range(5000, 5300)))
+    table = pa.Table.from_batches([rows]).select(h.spec.table_schema.names)
+    record = table.cast(h.spec.table_schema).combine_chunks().to_batches()[0]
+    results: list[list[int]] = []
+    with cache.appending(record) as committed:
+        ds = lance.write_dataset(pa.Table.from_batches([record]), h.spec.uri, mode="append")
+        query = threading.Thread(
+            target=lambda: results.append(search(h, vectors(np.array([5100]), DIM)[0])[0])
+        )
+        query.start()
+        query.join(0.5)
+        assert query.is_alive(), "the query did not wait for the handoff"
+        committed(ds)
+    query.join(10)
+    assert results
+    assert results[0][0] == 5100
+    assert (cache.loads, cache.handoffs) == (1, 1)
 
 
 def test_a_fragment_that_fails_to_load_falls_back_to_lance(
