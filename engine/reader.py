@@ -79,12 +79,14 @@ from engine.periodic import PeriodicThread
 from engine.schema import TableSpec, vector_matrix
 from engine.shard import ShardWriter
 from engine.table import BaseTable
-from engine.unindexed import CachedFragment, UnindexedFragments, covered_fragments
+from engine.unindexed import CachedFragment, FlushedText, UnindexedFragments, covered_fragments
 
 log = structlog.get_logger("lance_sink.reader")
 
 DISTANCE = "_distance"
 SCORE = "_score"
+#: The shard name of the tiers `FlushedText` holds: flushed memtables searched for text.
+FLUSHED_TIER = "(flushed)"
 
 #: Fast path of a memtable batch's kNN: when at most this many rows of the batch are
 #: excluded (dead, filtered out), ask faiss for k + excluded neighbours and drop the
@@ -323,12 +325,23 @@ class Reader:
         self._tokenizer = PeriodicThread(
             "reader-tokenizer", TOKENIZE_INTERVAL_S, self._tokenize_once, "reader_tokenize_failed"
         )
+        # Base rows the indexes do not cover yet, held in memory (engine.unindexed): one
+        # bound for both; this process's append flushes hand their rows over.
+        bound = self.settings.unindexed_cache_bytes
         self.unindexed: UnindexedFragments | None = None
-        if spec.vector is not None and self.settings.unindexed_cache_bytes > 0:
+        self.flushed_text: FlushedText | None = None
+        if spec.vector is not None and bound > 0:
             self.unindexed = UnindexedFragments(
-                spec, self.settings.unindexed_cache_bytes, self._open_base
+                spec, bound, self._open_base, lambda: self._held_bytes(vector=False)
             )
-            table.watch_appends(self.unindexed)  # this process's flushes hand their rows over
+            table.watch_appends(self.unindexed)
+        if spec.fts_columns and bound > 0:
+            self.flushed_text = FlushedText(
+                bound,
+                lambda: self._tokenizer.thread is not None and not self._closed.is_set(),
+                lambda: self._held_bytes(vector=True),
+            )
+            table.watch_appends(self.flushed_text)
         faiss.omp_set_num_threads(1)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -340,10 +353,18 @@ class Reader:
         if self.unindexed is not None:
             self.table.unwatch_appends(self.unindexed)
             self.unindexed.close(timeout)
+        if self.flushed_text is not None:
+            self.table.unwatch_appends(self.flushed_text)
+            self.flushed_text.clear()
         with self._stats_lock:
             pool = self._stats_pool
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+
+    def _held_bytes(self, *, vector: bool) -> int:
+        """Bytes held for unindexed base rows by the vector cache or by the text holder."""
+        held = self.unindexed if vector else self.flushed_text
+        return 0 if held is None else held.nbytes
 
     def _tokenize_once(self) -> None:
         """Tokenise the new batches of every memtable of every shard (durable, visible rows
@@ -755,13 +776,19 @@ class Reader:
         n_mem = 0
         len_mem = 0
         df_mem = dict.fromkeys(terms, 0)
-        for tier in snap.tiers:
+        # Flushed memtables standing for base fragments the text index lacks: scored here,
+        # counted in the base's statistics already, and Lance searches only indexed rows.
+        held = None if self.flushed_text is None else self.flushed_text.views(snap.base, column)
+        flushed = [_Tier(FLUSHED_TIER, view, (), self.spec) for view in held or ()]
+        for tier in (*snap.tiers, *flushed):
+            counted = tier.shard != FLUSHED_TIER
             vocab, batches = self.terms.terms(tier.view.memtable, column, tier.view.batches)
             for i, bt in enumerate(batches):
                 eligible = tier.view.live[i]
                 live = bt.valid if eligible is None else eligible & bt.valid
-                n_mem += int(live.sum())
-                len_mem += int(bt.doc_len[live].sum())
+                if counted:
+                    n_mem += int(live.sum())
+                    len_mem += int(bt.doc_len[live].sum())
                 tfs: dict[str, np.ndarray] = {}
                 for t in terms:
                     tid = vocab.get(t)
@@ -770,7 +797,7 @@ class Reader:
                     tf = fts.term_frequencies(bt, tid)
                     df = int((tf[live] > 0).sum())
                     if df:
-                        df_mem[t] += df
+                        df_mem[t] += df if counted else 0
                         tfs[t] = tf
                 if tfs:
                     per_batch.append((tier, i, live, bt, vocab, tfs))
@@ -790,7 +817,9 @@ class Reader:
             if found is not None:
                 candidates.append(found)
         parts = self._materialise(candidates, k, fetch, SCORE, ascending=False)
-        parts.append(self._text_base(snap, text, column, phrase, predicate, k, fetch))
+        parts.append(
+            self._text_base(snap, text, column, phrase, predicate, k, fetch, held is not None)
+        )
         merged = _top(parts, SCORE, k, ascending=False)
         return self._finish("text", started, [merged], out_cols, SCORE)
 
@@ -844,6 +873,7 @@ class Reader:
         predicate: Predicate | None,
         k: int,
         fetch: list[str],
+        indexed_only: bool,
     ) -> pa.Table:
         if snap.base.count_rows() == 0:
             return pa.table({})
@@ -856,6 +886,7 @@ class Reader:
                 prefilter=True,
                 columns=[*fetch, SCORE],
                 limit=limit,
+                fast_search=indexed_only,
             )
 
         return self._base_overfetch(snap, k, fetch_rows)

@@ -683,7 +683,7 @@ class ShardWriter:
                 props = flush_properties(
                     self.shard, self._epoch, memtable.generation, memtable.last_position, offsets
                 )
-                version = self.table.commit_flush(upserts, deletes, props)
+                version = self.table.commit_flush(upserts, deletes, props, memtable)
                 self._checked_lance_version = version
         with self._lock:
             # Readers that open the base at `version` or later must skip this memtable.

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import lance
 import pyarrow as pa
@@ -25,6 +25,9 @@ import structlog
 from engine.errors import PersistenceError
 from engine.schema import TableSpec
 from engine.storage import is_local, local_path, sync_filesystem
+
+if TYPE_CHECKING:
+    from engine.memtable import Memtable
 
 log = structlog.get_logger("lance_sink.table")
 
@@ -50,12 +53,13 @@ class AppendWatcher(Protocol):
     """Told about the rows an append flush writes, around its commit (the reader's
     unindexed-fragment cache takes them over instead of reading them back from storage).
 
-    `appending(rows)` is entered before the commit, with the rows as one batch in the order
-    they are written; the callable it yields is called with the committed dataset once the
-    commit succeeded (not if it failed); the context exits after either."""
+    `appending(rows, memtable)` is entered before the commit, with the rows as one batch in
+    the order they are written and the memtable they come from (None if unknown); the
+    callable it yields is called with the committed dataset once the commit succeeded (not
+    if it failed); the context exits after either."""
 
     def appending(
-        self, rows: pa.RecordBatch
+        self, rows: pa.RecordBatch, memtable: Memtable | None
     ) -> AbstractContextManager[Callable[[lance.LanceDataset], None]]: ...
 
 
@@ -120,8 +124,10 @@ class BaseTable:
         upserts: list[pa.RecordBatch],
         deletes: pa.Table | None,
         properties: dict[str, str],
+        memtable: Memtable | None = None,
     ) -> int:
         """Write one memtable's rows in one commit carrying `properties`; returns the version.
+        Append flushes tell the `AppendWatcher`s about the rows (and `memtable`).
 
         The written files are made durable (filesystem sync) before returning, because Lance
         does not fsync and the caller deletes WAL entries next.
@@ -131,7 +137,7 @@ class BaseTable:
         """
         try:
             if not self.spec.upsert:
-                ds = self._append(upserts, properties)
+                ds = self._append(upserts, properties, memtable)
             else:
                 ds = self._merge(upserts, deletes, properties)
         except (OSError, ValueError, RuntimeError) as exc:
@@ -141,7 +147,10 @@ class BaseTable:
         return int(ds.version)
 
     def _append(
-        self, upserts: list[pa.RecordBatch], properties: dict[str, str]
+        self,
+        upserts: list[pa.RecordBatch],
+        properties: dict[str, str],
+        memtable: Memtable | None,
     ) -> lance.LanceDataset:
         table = pa.Table.from_batches(upserts, schema=self.spec.table_schema)
         with self._lock:
@@ -151,7 +160,7 @@ class BaseTable:
         # Watchers keep the rows: one contiguous batch, written as is (one copy in all).
         rows = table.combine_chunks().to_batches()[0]
         with ExitStack() as stack:
-            committed = [stack.enter_context(w.appending(rows)) for w in watchers]
+            committed = [stack.enter_context(w.appending(rows, memtable)) for w in watchers]
             ds = self._write(pa.Table.from_batches([rows]), properties)
             for notify in committed:
                 try:

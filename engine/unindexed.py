@@ -42,13 +42,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import lance
 import numpy as np
 import pyarrow as pa
 import structlog
 
+from engine.memtable import Memtable, MemtableView
 from engine.periodic import PeriodicThread
 from engine.schema import TableSpec, vector_matrix
 from engine.table import index_on
@@ -65,6 +66,7 @@ HANDOFF_WAIT_S = 2.0
 
 #: (fragment id, deletion file identity or None)
 FragmentKey = tuple[int, Any]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +108,20 @@ def covered_fragments(ds: lance.LanceDataset, column: str, *, text: bool) -> set
     return {int(f) for segment in index.segments for f in segment.fragment_ids}
 
 
+def newest_fragments(fragments: list[tuple[int, T, int]], rows: int) -> list[tuple[T, int]] | None:
+    """What an append of `rows` rows became: of (fragment id, item, row count) triples, the
+    items with the highest ids whose counts add up to `rows`, in id order (an append's new
+    fragments get ids above every existing one); None if the counts do not add up."""
+    mine: list[tuple[T, int]] = []
+    total = 0
+    for _, item, count in sorted(fragments, key=lambda f: f[0], reverse=True):
+        if total >= rows:
+            break
+        mine.append((item, count))
+        total += count
+    return mine[::-1] if total == rows and rows else None
+
+
 def unindexed_fragments(
     ds: lance.LanceDataset, column: str
 ) -> list[tuple[FragmentKey, lance.LanceFragment, int]] | None:
@@ -129,12 +145,14 @@ class UnindexedFragments:
         spec: TableSpec,
         max_bytes: int,
         open_base: Callable[[], lance.LanceDataset],
+        held_elsewhere: Callable[[], int] = lambda: 0,
     ) -> None:
         assert spec.vector is not None
         self.spec = spec
         self.column = spec.vector.name
         self.max_bytes = max_bytes
         self._open_base = open_base
+        self._held_elsewhere = held_elsewhere  # bytes of the same bound held by `FlushedText`
         self._entries: dict[FragmentKey, CachedFragment] = {}
         self._loading: dict[FragmentKey, threading.Event] = {}
         self._versions: dict[int, list[tuple[FragmentKey, lance.LanceFragment, int]] | None] = {}
@@ -157,7 +175,7 @@ class UnindexedFragments:
         if wanted is None:
             return None
         estimate = sum(self._estimate(rows) for _, _, rows in wanted)
-        if estimate > self.max_bytes:
+        if estimate > self.max_bytes - self._held_elsewhere():
             self.fallbacks += 1
             return None
         out = []
@@ -240,8 +258,9 @@ class UnindexedFragments:
         record = batches[0] if batches else pa.RecordBatch.from_pylist([], schema=table.schema)
         matrix, norms = self._vectors(record)
         entry = CachedFragment(key, record, matrix, norms)
+        elsewhere = self._held_elsewhere()
         with self._lock:
-            used = sum(e.nbytes for e in self._entries.values())
+            used = sum(e.nbytes for e in self._entries.values()) + elsewhere
             if used + entry.nbytes > self.max_bytes:
                 return None
             self._entries[key] = entry
@@ -261,15 +280,17 @@ class UnindexedFragments:
     # ------------------------------------------------------------------ handoff
 
     @contextmanager
-    def appending(self, rows: pa.RecordBatch) -> Iterator[Callable[[lance.LanceDataset], None]]:
+    def appending(
+        self, rows: pa.RecordBatch, memtable: Memtable | None = None
+    ) -> Iterator[Callable[[lance.LanceDataset], None]]:
         """`engine.table.AppendWatcher`: a flush of this process appends `rows`.
 
         Nothing is taken before the first vector query used the cache, after `close`, or when
-        the rows alone exceed the bound."""
+        the rows do not fit in the bound."""
         if (
             self._loader.thread is None
             or self._loader.closed
-            or self._estimate(rows.num_rows) > self.max_bytes
+            or self._estimate(rows.num_rows) > self.max_bytes - self._held_elsewhere()
         ):
             yield _ignore_commit
             return
@@ -293,27 +314,20 @@ class UnindexedFragments:
         wanted = self._unindexed(ds)
         if wanted is None:  # no vector index yet: Lance searches every fragment itself
             return
-        mine: list[tuple[FragmentKey, int]] = []
-        total = 0
-        for key, _, count in sorted(wanted, key=lambda w: w[0][0], reverse=True):
-            if total >= rows.num_rows:
-                break
-            if key[1] is not None:  # rows deleted already: not the fragment as written
-                return
-            mine.append((key, count))
-            total += count
-        if total != rows.num_rows:
-            return
+        mine = newest_fragments([(key[0], key, count) for key, _, count in wanted], rows.num_rows)
+        if mine is None or any(key[1] is not None for key, _ in mine):
+            return  # not the fragments as written (rows deleted already)
         entries = []
         start = 0
-        for key, count in reversed(mine):
+        for key, count in mine:
             end = start + count
             entries.append(
                 CachedFragment(key, rows.slice(start, count), matrix[start:end], norms[start:end])
             )
             start = end
+        elsewhere = self._held_elsewhere()
         with self._lock:
-            used = sum(e.nbytes for e in self._entries.values())
+            used = sum(e.nbytes for e in self._entries.values()) + elsewhere
             if used + sum(e.nbytes for e in entries) > self.max_bytes:
                 return
             for entry in entries:
@@ -332,7 +346,9 @@ class UnindexedFragments:
                 del self._entries[key]
         if wanted is None:
             return
-        if sum(self._estimate(rows) for _, _, rows in wanted) > self.max_bytes:
+        if sum(self._estimate(rows) for _, _, rows in wanted) > self.max_bytes - (
+            self._held_elsewhere()
+        ):
             return
         for key, fragment, _ in wanted:
             if self._loader.closed:
@@ -348,3 +364,121 @@ class UnindexedFragments:
 
 def _ignore_commit(ds: lance.LanceDataset) -> None:
     """The commit callback of an append the cache does not take."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Flushed:
+    fragments: frozenset[int]
+    view: MemtableView
+    nbytes: int
+
+
+class FlushedText:
+    """The memtables this process flushed whose fragments the text (INVERTED) index does not
+    cover yet, kept for full-text search. Thread-safe.
+
+    Why: Lance's full-text search scans unindexed fragments flat, re-tokenising every row of
+    them on every query: after a 100k-row flush, text queries took 200-450 ms until the next
+    index optimisation (~1-2 s later). A flushed memtable's rows are tokenised already (the
+    reader's term cache), so the reader keeps its view and scores it with its own BM25, while
+    Lance searches the indexed fragments only (``fast_search``).
+
+    `appending` (`engine.table.AppendWatcher`) takes the memtable of an append flush (not
+    before the first text query, nor when it does not fit in the bound it shares with the
+    vector cache) and files its view under the new fragments' ids once committed.
+    `views(base, column)` returns the views that stand for `base`'s fragments the index on
+    `column` lacks, or None when some such fragment is not held (then Lance searches them
+    all, as before). Views whose fragments are all covered, or gone (compacted), are dropped.
+    """
+
+    def __init__(
+        self, max_bytes: int, enabled: Callable[[], bool], held_elsewhere: Callable[[], int]
+    ) -> None:
+        self.max_bytes = max_bytes
+        self._enabled = enabled
+        self._held_elsewhere = held_elsewhere
+        self._held: list[_Flushed] = []
+        self._found: dict[tuple[int, str], list[MemtableView]] = {}
+        self._lock = threading.Lock()
+        self.handoffs = 0
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(h.nbytes for h in self._held)
+
+    @contextmanager
+    def appending(
+        self, rows: pa.RecordBatch, memtable: Memtable | None = None
+    ) -> Iterator[Callable[[lance.LanceDataset], None]]:
+        """`engine.table.AppendWatcher`: keep `memtable`'s view once its rows are committed."""
+        if memtable is None or not self._enabled():
+            yield _ignore_commit
+            return
+        view = memtable.view()
+        nbytes = memtable.memory_size
+        if sum(b.num_rows for b in view.batches) != rows.num_rows:  # partly flushed before
+            yield _ignore_commit
+            return
+        yield lambda ds: self._adopt(ds, view, rows.num_rows, nbytes)
+
+    def _adopt(self, ds: lance.LanceDataset, view: MemtableView, rows: int, nbytes: int) -> None:
+        fragments = [
+            (int(f.fragment_id), int(f.fragment_id), int(f.metadata.physical_rows))
+            for f in ds.get_fragments()
+        ]
+        mine = newest_fragments(fragments, rows)
+        if mine is None:
+            return
+        held = _Flushed(frozenset(i for i, _ in mine), view, nbytes)
+        elsewhere = self._held_elsewhere()
+        with self._lock:
+            if sum(h.nbytes for h in self._held) + elsewhere + nbytes > self.max_bytes:
+                return
+            self._held.append(held)
+            self.handoffs += 1
+
+    def views(self, base: lance.LanceDataset, column: str) -> list[MemtableView] | None:
+        """The held views standing for the fragments of `base` the index on `column` lacks,
+        or None (see the class docstring). Found lists are kept per base version."""
+        key = (int(base.version), column)
+        with self._lock:
+            if key in self._found:
+                return self._found[key]
+        found = self._views(base, column)
+        if found is not None:  # None may change within a version: an adoption pending
+            with self._lock:
+                self._found[key] = found
+                while len(self._found) > VERSIONS_KEPT:
+                    del self._found[min(self._found)]
+        return found
+
+    def _views(self, base: lance.LanceDataset, column: str) -> list[MemtableView] | None:
+        covered = covered_fragments(base, column, text=True)
+        if covered is None:
+            return None
+        present = {int(f.fragment_id) for f in base.get_fragments()}
+        unindexed = present - covered
+        newest = max(present, default=-1)
+        with self._lock:
+            # Held rows the index now covers, or compaction rewrote, are not needed any more;
+            # rows flushed after `base` (fragment ids above its newest) may be for later queries.
+            kept = [h for h in self._held if h.fragments & unindexed or min(h.fragments) > newest]
+            if len(kept) < len(self._held):  # older versions' lists would pin dropped views
+                version = int(base.version)
+                self._found = {k: v for k, v in self._found.items() if k[0] > version}
+            self._held = kept
+            held = [h for h in self._held if min(h.fragments) <= newest]
+        out = []
+        found: set[int] = set()
+        for h in held:
+            if not h.fragments <= unindexed:
+                return None  # partly indexed: its rows cannot be split between the tiers
+            out.append(h.view)
+            found |= h.fragments
+        return out if found == unindexed else None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._held.clear()
+            self._found.clear()

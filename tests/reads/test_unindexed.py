@@ -234,3 +234,67 @@ def test_a_fragment_that_fails_to_load_falls_back_to_lance(
     assert dist[0] < 1e-6
     assert cache.fallbacks >= 1
     assert cache.loads == 0
+
+
+def text_indexed_then_flushed(h: ReadHarness) -> None:
+    """Offsets 0..999 in the text index, 1000..1599 flushed after it (first text query in
+    between, so this process's reader holds the flushed memtable)."""
+    w = h.open()
+    h.put(w, range(1000))
+    h.flush(w)
+    h.table.dataset().create_scalar_index("text", "INVERTED", with_position=True)
+    h.reader.search_text("alpha", k=1)  # the first text query: flushed memtables are held
+    h.put(w, range(1000, 1600))
+    h.flush(w)
+
+
+def offsets_found(h: ReadHarness, text: str, **kw: object) -> list[int]:
+    got = h.reader.search_text(text, k=1000, columns=["_offset"], **kw)
+    return sorted(got.column("_offset").to_pylist())
+
+
+def test_flushed_memtables_answer_text_until_the_index_covers_them(
+    make_harness: MakeHarness,
+) -> None:
+    """Rows a flush appended after the text index are scored from the flushed memtable, not
+    by Lance's flat scan: the same rows come back, with comparable scores."""
+    held = make_harness("held", dim=DIM)
+    lance_only = make_harness("lance", dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=0))
+    text_indexed_then_flushed(held)
+    text_indexed_then_flushed(lance_only)
+    assert lance_only.reader.flushed_text is None
+    holder = held.reader.flushed_text
+    assert holder is not None
+    assert holder.handoffs == 1
+    views = holder.views(held.table.dataset(), "text")
+    assert views is not None
+    assert sum(b.num_rows for v in views for b in v.batches) == 600
+    for text, kw in [
+        ("row1234", {}),
+        ("alpha", {}),
+        ("bravo delta", {"filter": "n >= 1100 AND n < 1500"}),
+        ("delta golf", {"phrase": True}),
+    ]:
+        got = offsets_found(held, text, **kw)
+        assert got == offsets_found(lance_only, text, **kw), text
+        assert any(o >= 1000 for o in got), text
+    top = held.reader.search_text("row1234", k=1, columns=["_offset"])
+    want = lance_only.reader.search_text("row1234", k=1, columns=["_offset"])
+    assert top.column("_offset").to_pylist() == [1234]
+    assert top.column("_score")[0].as_py() == pytest.approx(want.column("_score")[0].as_py(), 0.2)
+    # Once the index covers the flushed fragment, the memtable is let go.
+    held.table.dataset().optimize.optimize_indices()
+    assert offsets_found(held, "row1234") == [1234]
+    assert holder.nbytes == 0
+    assert holder.views(held.table.dataset(), "text") == []
+
+
+def test_flushed_memtables_are_held_only_within_the_bound(make_harness: MakeHarness) -> None:
+    small = make_harness("small", dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=4096))
+    text_indexed_then_flushed(small)
+    holder = small.reader.flushed_text
+    assert holder is not None
+    assert holder.handoffs == 0
+    assert holder.nbytes == 0
+    assert holder.views(small.table.dataset(), "text") is None  # Lance searches it all
+    assert offsets_found(small, "row1234") == [1234]
