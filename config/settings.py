@@ -577,8 +577,8 @@ class QuerySettings(_Section):
     )
     unindexed_cache_bytes: Annotated[ByteSize, Field(ge=0)] = Field(
         default=ByteSize(1 << 30),
-        description="Memory for the base fragments the vector index does not cover yet, "
-        "searched exactly in memory instead of by Lance's flat scan (0 = off; a larger "
+        description="Memory for the base rows the vector or text index does not cover yet, "
+        "searched in memory instead of by Lance's flat scan (0 = off; a larger "
         "unindexed part falls back to Lance's search). Adds to the pod's memory.",
     )
 

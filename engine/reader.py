@@ -40,6 +40,9 @@ re-ranked distances rather than PQ approximations (so merging by distance is sou
 recall is far better (benchmark at 1M x 384: recall@10 0.63 with refine 1, 0.997 with 10).
 
 Full-text: see `engine.fts` for the memtable BM25 and how IDF is combined across tiers.
+Base fragments the text index does not cover yet are scored from the memtables this process
+flushed into them (`engine.unindexed.FlushedText`), while Lance searches the indexed
+fragments only; otherwise Lance searches the whole base (flat where unindexed).
 
 Errors: `QueryError` (and subclasses) for a bad request. A poisoned or fenced shard is
 skipped (its rows are served by its next owner after replay) and reported through

@@ -601,7 +601,8 @@ def test_pod_hardening_and_probes(rendered: dict[str, list[dict[str, Any]]], sce
         values["config"]["backpressure"]["process_budget_bytes"]
     )
     derived_mib = math.ceil(budget * 1.5 / 2**20) + 768
-    if values["config"]["query"]["enabled"] and values["config"]["table"].get("vector"):
+    table = values["config"]["table"]
+    if values["config"]["query"]["enabled"] and (table.get("vector") or table.get("fts_columns")):
         cache = TypeAdapter(ByteSize).validate_python(
             values["config"]["query"]["unindexed_cache_bytes"]
         )

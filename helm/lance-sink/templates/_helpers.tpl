@@ -143,7 +143,7 @@ Call with (list "config.key" value).
 The container memory limit derived from the backpressure budget:
   ceil(process_budget_bytes x resources.memory.budgetFactor / 1 MiB) + resources.memory.overheadMiB
   + ceil(query.unindexed_cache_bytes / 1 MiB) when the query API is on and the table has a vector
-  column  (Mi)
+  or full-text column  (Mi)
 */}}
 {{- define "lance-sink.memoryLimit" -}}
 {{- if .Values.resources.limits.memory -}}
@@ -152,7 +152,7 @@ The container memory limit derived from the backpressure budget:
 {{- $budget := include "lance-sink.bytes" (list "config.backpressure.process_budget_bytes" .Values.config.backpressure.process_budget_bytes) | float64 -}}
 {{- $mib := divf (mulf $budget .Values.resources.memory.budgetFactor) 1048576 | ceil | int64 -}}
 {{- $cache := 0 -}}
-{{- if and .Values.config.query.enabled .Values.config.table.vector -}}
+{{- if and .Values.config.query.enabled (or .Values.config.table.vector .Values.config.table.fts_columns) -}}
 {{- $cacheBytes := include "lance-sink.bytes" (list "config.query.unindexed_cache_bytes" .Values.config.query.unindexed_cache_bytes) | float64 -}}
 {{- $cache = divf $cacheBytes 1048576 | ceil | int64 -}}
 {{- end -}}
