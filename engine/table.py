@@ -53,13 +53,14 @@ class AppendWatcher(Protocol):
     """Told about the rows an append flush writes, around its commit (the reader's
     unindexed-fragment cache takes them over instead of reading them back from storage).
 
-    `appending(rows, memtable)` is entered before the commit, with the rows as one batch in
-    the order they are written and the memtable they come from (None if unknown); the
-    callable it yields is called with the committed dataset once the commit succeeded (not
-    if it failed); the context exits after either."""
+    `appending(count, rows, memtable)` is entered before the commit, with the number of rows,
+    a function that returns them as one batch in the order they are written (combined on
+    the first call only: a watcher that does not keep them costs no copy) and the memtable
+    they come from (None if unknown); the callable it yields is called with the committed
+    dataset once the commit succeeded (not if it failed); the context exits after either."""
 
     def appending(
-        self, rows: pa.RecordBatch, memtable: Memtable | None
+        self, count: int, rows: Callable[[], pa.RecordBatch], memtable: Memtable | None
     ) -> AbstractContextManager[Callable[[lance.LanceDataset], None]]: ...
 
 
@@ -157,11 +158,20 @@ class BaseTable:
             watchers = list(self._watchers)
         if not watchers or not table.num_rows:
             return self._write(table, properties)
-        # Watchers keep the rows: one contiguous batch, written as is (one copy in all).
-        rows = table.combine_chunks().to_batches()[0]
+        combined: list[pa.RecordBatch] = []
+
+        def rows() -> pa.RecordBatch:
+            if not combined:
+                combined.append(table.combine_chunks().to_batches()[0])
+            return combined[0]
+
         with ExitStack() as stack:
-            committed = [stack.enter_context(w.appending(rows, memtable)) for w in watchers]
-            ds = self._write(pa.Table.from_batches([rows]), properties)
+            committed = [
+                stack.enter_context(w.appending(table.num_rows, rows, memtable)) for w in watchers
+            ]
+            # A watcher that keeps the rows has them as one batch: write that (one copy).
+            written = pa.Table.from_batches(combined) if combined else table
+            ds = self._write(written, properties)
             for notify in committed:
                 try:
                     notify(ds)

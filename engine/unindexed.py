@@ -281,16 +281,16 @@ class UnindexedFragments:
 
     @contextmanager
     def appending(
-        self, rows: pa.RecordBatch, memtable: Memtable | None = None
+        self, count: int, rows: Callable[[], pa.RecordBatch], memtable: Memtable | None = None
     ) -> Iterator[Callable[[lance.LanceDataset], None]]:
-        """`engine.table.AppendWatcher`: a flush of this process appends `rows`.
+        """`engine.table.AppendWatcher`: a flush of this process appends `count` rows.
 
         Nothing is taken before the first vector query used the cache, after `close`, or when
         the rows do not fit in the bound."""
         if (
             self._loader.thread is None
             or self._loader.closed
-            or self._estimate(rows.num_rows) > self.max_bytes - self._held_elsewhere()
+            or self._estimate(count) > self.max_bytes - self._held_elsewhere()
         ):
             yield _ignore_commit
             return
@@ -298,8 +298,9 @@ class UnindexedFragments:
         with self._lock:
             self._appending.append(event)
         try:
-            matrix, norms = self._vectors(rows)
-            yield lambda ds: self._adopt(ds, rows, matrix, norms)
+            batch = rows()
+            matrix, norms = self._vectors(batch)
+            yield lambda ds: self._adopt(ds, batch, matrix, norms)
         finally:
             with self._lock:
                 self._appending.remove(event)
@@ -409,7 +410,7 @@ class FlushedText:
 
     @contextmanager
     def appending(
-        self, rows: pa.RecordBatch, memtable: Memtable | None = None
+        self, count: int, rows: Callable[[], pa.RecordBatch], memtable: Memtable | None = None
     ) -> Iterator[Callable[[lance.LanceDataset], None]]:
         """`engine.table.AppendWatcher`: keep `memtable`'s view once its rows are committed."""
         if memtable is None or not self._enabled():
@@ -417,10 +418,10 @@ class FlushedText:
             return
         view = memtable.view()
         nbytes = memtable.memory_size
-        if sum(b.num_rows for b in view.batches) != rows.num_rows:  # partly flushed before
+        if sum(b.num_rows for b in view.batches) != count:  # partly flushed before
             yield _ignore_commit
             return
-        yield lambda ds: self._adopt(ds, view, rows.num_rows, nbytes)
+        yield lambda ds: self._adopt(ds, view, count, nbytes)
 
     def _adopt(self, ds: lance.LanceDataset, view: MemtableView, rows: int, nbytes: int) -> None:
         fragments = [

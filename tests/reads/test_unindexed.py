@@ -202,7 +202,7 @@ def test_a_query_waits_for_an_append_being_handed_over(make_harness: MakeHarness
     table = pa.Table.from_batches([rows]).select(h.spec.table_schema.names)
     record = table.cast(h.spec.table_schema).combine_chunks().to_batches()[0]
     results: list[list[int]] = []
-    with cache.appending(record) as committed:
+    with cache.appending(record.num_rows, lambda: record) as committed:
         ds = lance.write_dataset(pa.Table.from_batches([record]), h.spec.uri, mode="append")
         query = threading.Thread(
             target=lambda: results.append(search(h, vectors(np.array([5100]), DIM)[0])[0])
