@@ -312,3 +312,27 @@ def test_rare_term_df_counts_the_indexed_fragments_while_the_text_index_lags(
     assert h.reader._text_index_coverage(base, "text") == 1.0
     h.reader._stats.clear()  # the estimate would be reused for a while (STATS_MAX_AGE_S)
     assert h.reader._base_df(base, "text", "golf") == everything
+
+
+def test_queries_after_close_search_the_base_inline_with_the_same_results(
+    make_harness: MakeHarness,
+) -> None:
+    """The base is searched on a worker thread while the memtables are searched; once the
+    reader is closed the base is searched inline, with the same results."""
+    h = make_harness(dim=DIM)
+    spread(h)
+    q = vectors(np.array([1500]), DIM)[0] + 0.01
+    before = [
+        h.reader.search_vector(q, k=10, columns=["_offset"]),
+        h.reader.search_vector(q, k=10, filter="n < 2400", columns=["_offset"]),
+        h.reader.search_text("alpha row2100 row12", k=10, columns=["_offset"]),
+    ]
+    assert before[0].column("_offset")[0].as_py() == 1500
+    h.reader.close()
+    after = [
+        h.reader.search_vector(q, k=10, columns=["_offset"]),
+        h.reader.search_vector(q, k=10, filter="n < 2400", columns=["_offset"]),
+        h.reader.search_text("alpha row2100 row12", k=10, columns=["_offset"]),
+    ]
+    for a, b in zip(before, after, strict=True):
+        assert a.column("_offset").to_pylist() == b.column("_offset").to_pylist()
