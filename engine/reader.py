@@ -689,9 +689,9 @@ class Reader:
         assert self.spec.vector is not None
         out = []
         for fragment in fragments:
-            if not fragment.batch.num_rows:
+            if not fragment.num_rows:
                 continue
-            eligible = None if predicate is None else predicate.mask(fragment.batch)
+            eligible = None if predicate is None else predicate.mask(fragment.rows)
             rows, dist = _exact_knn(
                 fragment.matrix,
                 fragment.row_norms,
@@ -701,8 +701,7 @@ class Reader:
                 self.spec.vector.metric,
             )
             if len(rows):
-                taken = fragment.batch.select(fetch).take(pa.array(rows, pa.int64()))
-                table = pa.Table.from_batches([taken])
+                table = fragment.take(fetch, rows)
                 out.append(table.append_column(DISTANCE, pa.array(dist, pa.float32())))
         return out
 

@@ -53,14 +53,13 @@ class AppendWatcher(Protocol):
     """Told about the rows an append flush writes, around its commit (the reader's
     unindexed-fragment cache takes them over instead of reading them back from storage).
 
-    `appending(count, rows, memtable)` is entered before the commit, with the number of rows,
-    a function that returns them as one batch in the order they are written (combined on
-    the first call only: a watcher that does not keep them costs no copy) and the memtable
-    they come from (None if unknown); the callable it yields is called with the committed
-    dataset once the commit succeeded (not if it failed); the context exits after either."""
+    `appending(rows, memtable)` is entered before the commit, with the rows in the order
+    they are written (the memtable's batches, not copied) and the memtable they come from
+    (None if unknown); the callable it yields is called with the committed dataset once the
+    commit succeeded (not if it failed); the context exits after either."""
 
     def appending(
-        self, count: int, rows: Callable[[], pa.RecordBatch], memtable: Memtable | None
+        self, rows: pa.Table, memtable: Memtable | None
     ) -> AbstractContextManager[Callable[[lance.LanceDataset], None]]: ...
 
 
@@ -158,20 +157,10 @@ class BaseTable:
             watchers = list(self._watchers)
         if not watchers or not table.num_rows:
             return self._write(table, properties)
-        combined: list[pa.RecordBatch] = []
-
-        def rows() -> pa.RecordBatch:
-            if not combined:
-                combined.append(table.combine_chunks().to_batches()[0])
-            return combined[0]
-
         with ExitStack() as stack:
-            committed = [
-                stack.enter_context(w.appending(table.num_rows, rows, memtable)) for w in watchers
-            ]
-            # A watcher that keeps the rows has them as one batch: write that (one copy).
-            written = pa.Table.from_batches(combined) if combined else table
-            ds = self._write(written, properties)
+            committed = [stack.enter_context(w.appending(table, memtable)) for w in watchers]
+            # As the memtable's batches: Lance wrote 100k x 384 rows 3x slower as one batch.
+            ds = self._write(table, properties)
             for notify in committed:
                 try:
                     notify(ds)

@@ -8,8 +8,8 @@ rows in memory. Under ingestion that flat scan took most of the CPU, which slowe
 optimisation, which grew the unindexed part: base queries went from 18 ms to 500 ms.
 
 What: `UnindexedFragments` holds, per fragment the vector index does not cover, that
-fragment's rows (deletions applied) as one Arrow batch plus its contiguous float32 vector
-matrix. A vector query on an indexed base then runs Lance's ANN on the indexed fragments only
+fragment's rows (deletions applied): its vectors as one contiguous float32 matrix, its other
+columns as Arrow arrays. A vector query on an indexed base then runs Lance's ANN on the indexed fragments only
 (``fast_search``) and faiss over these matrices (`Reader._knn_base`), and merges by distance.
 
 Consistency: a Lance fragment's rows never change; only its deletion file does (an upsert
@@ -18,7 +18,8 @@ and its deletion file, so a query on a base version uses exactly that version's 
 fragment whose deletion file changed is loaded again, and one that compaction removed or the
 index now covers is dropped at the next refresh.
 
-Bounds: at most `max_bytes` of fragments (the vector matrix plus the Arrow batch). When the
+Bounds: at most `max_bytes` of fragments (the vector matrix plus the other columns), shared
+with `FlushedText`. When the
 unindexed part of the base is larger, queries fall back to Lance's own search of the whole
 base (correct, as slow as before) until maintenance catches up. A fragment missing at query
 time is loaded by that query (one loader per fragment; concurrent queries wait for it); a
@@ -27,8 +28,9 @@ as a base version with them appears, so queries rarely pay for a load.
 
 Handoff: the fragments this process's own append flushes write are not read back. The
 reader watches the base table's appends (`engine.table.AppendWatcher`): before a flush
-commits, the cache takes the flushed rows (the memtable's, as one batch) and prepares their
-matrix; once the commit succeeded, it files them under the new fragments' keys. A query that
+commits, the cache takes the flushed rows (the memtable's batches: their columns are kept
+zero-copy, the vectors copied into one matrix); once the commit succeeded, it files them
+under the new fragments' keys. A query that
 meets a fragment missing from the cache while such an append is in flight waits for it
 (at most `HANDOFF_WAIT_S`) instead of loading it: loading 100k x 384 rows back took ~200 ms,
 the slowest part of a query under ingestion. Upsert flushes (merge-insert: rows reordered,
@@ -71,22 +73,42 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class CachedFragment:
-    """The visible rows of one unindexed base fragment."""
+    """The visible rows of one unindexed base fragment: every column but the vector one
+    (`rows`), the vectors as one contiguous float32 matrix, and (cosine tables) their norms."""
 
     key: FragmentKey
-    batch: pa.RecordBatch
+    rows: pa.Table
     matrix: np.ndarray
     norms: np.ndarray
+    vector: pa.Field
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.matrix.shape[0])
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the batch, the norms and the matrix if it is not a view of the batch."""
-        matrix = self.matrix.nbytes if self.matrix.flags.owndata else 0
-        return int(self.batch.nbytes + matrix + self.norms.nbytes)
+        return int(self.rows.nbytes + self.matrix.nbytes + self.norms.nbytes)
 
     def row_norms(self) -> np.ndarray:
         """The Euclidean norm of every row's vector (cosine search)."""
         return self.norms
+
+    def take(self, columns: list[str], rows: np.ndarray) -> pa.Table:
+        """`columns` of the given rows (the vector column rebuilt from the matrix)."""
+        index = pa.array(rows, pa.int64())
+        arrays = []
+        for name in columns:
+            if name == self.vector.name:
+                values = pa.array(self.matrix[rows].reshape(-1), pa.float32())
+                vectors = pa.FixedSizeListArray.from_arrays(values, self.matrix.shape[1])
+                arrays.append(vectors.cast(self.vector.type))
+            else:
+                arrays.append(self.rows.column(name).take(index))
+        fields = [
+            self.vector if c == self.vector.name else self.rows.schema.field(c) for c in columns
+        ]
+        return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
 
 def fragment_key(fragment: lance.LanceFragment) -> FragmentKey:
@@ -253,11 +275,7 @@ class UnindexedFragments:
     def _load(self, key: FragmentKey, fragment: lance.LanceFragment) -> CachedFragment | None:
         assert self.spec.vector is not None
         names = self.spec.table_schema.names
-        table = fragment.to_table(columns=names).combine_chunks()
-        batches = table.to_batches()
-        record = batches[0] if batches else pa.RecordBatch.from_pylist([], schema=table.schema)
-        matrix, norms = self._vectors(record)
-        entry = CachedFragment(key, record, matrix, norms)
+        entry = self._entry(key, fragment.to_table(columns=names))
         elsewhere = self._held_elsewhere()
         with self._lock:
             used = sum(e.nbytes for e in self._entries.values()) + elsewhere
@@ -267,30 +285,42 @@ class UnindexedFragments:
             self.loads += 1
         return entry
 
-    def _vectors(self, rows: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
-        """The contiguous float32 vector matrix of `rows` (a view of the batch's buffer when
-        it is contiguous float32 already) and every row's norm."""
+    def _entry(self, key: FragmentKey, table: pa.Table) -> CachedFragment:
+        """An entry for `table` (a fragment's rows in order): its vectors are copied into one
+        contiguous matrix (a view when they are one float32 chunk already), the other
+        columns are kept as they are (zero-copy)."""
         assert self.spec.vector is not None
-        matrix = np.ascontiguousarray(
-            vector_matrix(rows.column(self.column), self.spec.vector.dim), dtype=np.float32
-        )
-        norms = np.sqrt(np.einsum("ij,ij->i", matrix, matrix)).astype(np.float32)
-        return matrix, norms
+        dim = self.spec.vector.dim
+        chunks = table.column(self.column).chunks
+        if len(chunks) == 1:
+            matrix = np.ascontiguousarray(vector_matrix(chunks[0], dim), dtype=np.float32)
+        else:
+            matrix = np.empty((table.num_rows, dim), dtype=np.float32)
+            start = 0
+            for chunk in chunks:
+                matrix[start : start + len(chunk)] = vector_matrix(chunk, dim)
+                start += len(chunk)
+        if self.spec.vector.metric == "cosine":
+            norms = np.sqrt(np.einsum("ij,ij->i", matrix, matrix)).astype(np.float32)
+        else:
+            norms = np.empty(0, dtype=np.float32)
+        rows = table.drop_columns([self.column])
+        return CachedFragment(key, rows, matrix, norms, table.schema.field(self.column))
 
     # ------------------------------------------------------------------ handoff
 
     @contextmanager
     def appending(
-        self, count: int, rows: Callable[[], pa.RecordBatch], memtable: Memtable | None = None
+        self, rows: pa.Table, memtable: Memtable | None = None
     ) -> Iterator[Callable[[lance.LanceDataset], None]]:
-        """`engine.table.AppendWatcher`: a flush of this process appends `count` rows.
+        """`engine.table.AppendWatcher`: a flush of this process appends `rows`.
 
         Nothing is taken before the first vector query used the cache, after `close`, or when
         the rows do not fit in the bound."""
         if (
             self._loader.thread is None
             or self._loader.closed
-            or self._estimate(count) > self.max_bytes - self._held_elsewhere()
+            or self._estimate(rows.num_rows) > self.max_bytes - self._held_elsewhere()
         ):
             yield _ignore_commit
             return
@@ -298,24 +328,22 @@ class UnindexedFragments:
         with self._lock:
             self._appending.append(event)
         try:
-            batch = rows()
-            matrix, norms = self._vectors(batch)
-            yield lambda ds: self._adopt(ds, batch, matrix, norms)
+            whole = self._entry((-1, None), rows)
+            yield lambda ds: self._adopt(ds, whole)
         finally:
             with self._lock:
                 self._appending.remove(event)
             event.set()
 
-    def _adopt(
-        self, ds: lance.LanceDataset, rows: pa.RecordBatch, matrix: np.ndarray, norms: np.ndarray
-    ) -> None:
-        """File the appended `rows` under the fragments the commit `ds` made of them: the
-        unindexed fragments with the highest ids (an append's new fragments get ids above
-        every existing one), in id order, whose row counts add up to the rows written."""
+    def _adopt(self, ds: lance.LanceDataset, whole: CachedFragment) -> None:
+        """File the appended rows (`whole`) under the fragments the commit `ds` made of them:
+        the unindexed fragments with the highest ids (an append's new fragments get ids
+        above every existing one), in id order, whose row counts add up to the rows written."""
         wanted = self._unindexed(ds)
         if wanted is None:  # no vector index yet: Lance searches every fragment itself
             return
-        mine = newest_fragments([(key[0], key, count) for key, _, count in wanted], rows.num_rows)
+        counted = [(key[0], key, count) for key, _, count in wanted]
+        mine = newest_fragments(counted, whole.num_rows)
         if mine is None or any(key[1] is not None for key, _ in mine):
             return  # not the fragments as written (rows deleted already)
         entries = []
@@ -323,7 +351,13 @@ class UnindexedFragments:
         for key, count in mine:
             end = start + count
             entries.append(
-                CachedFragment(key, rows.slice(start, count), matrix[start:end], norms[start:end])
+                CachedFragment(
+                    key,
+                    whole.rows.slice(start, count),
+                    whole.matrix[start:end],
+                    whole.norms[start:end],
+                    whole.vector,
+                )
             )
             start = end
         elsewhere = self._held_elsewhere()
@@ -410,7 +444,7 @@ class FlushedText:
 
     @contextmanager
     def appending(
-        self, count: int, rows: Callable[[], pa.RecordBatch], memtable: Memtable | None = None
+        self, rows: pa.Table, memtable: Memtable | None = None
     ) -> Iterator[Callable[[lance.LanceDataset], None]]:
         """`engine.table.AppendWatcher`: keep `memtable`'s view once its rows are committed."""
         if memtable is None or not self._enabled():
@@ -418,10 +452,10 @@ class FlushedText:
             return
         view = memtable.view()
         nbytes = memtable.memory_size
-        if sum(b.num_rows for b in view.batches) != count:  # partly flushed before
+        if sum(b.num_rows for b in view.batches) != rows.num_rows:  # partly flushed before
             yield _ignore_commit
             return
-        yield lambda ds: self._adopt(ds, view, count, nbytes)
+        yield lambda ds: self._adopt(ds, view, rows.num_rows, nbytes)
 
     def _adopt(self, ds: lance.LanceDataset, view: MemtableView, rows: int, nbytes: int) -> None:
         fragments = [

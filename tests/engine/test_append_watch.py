@@ -27,11 +27,11 @@ class Recorder:
 
     @contextmanager
     def appending(
-        self, count: int, rows: Callable[[], pa.RecordBatch], memtable: Memtable | None
+        self, rows: pa.Table, memtable: Memtable | None
     ) -> Iterator[Callable[[lance.LanceDataset], None]]:
-        self.events.append(("appending", count))
+        self.events.append(("appending", rows.num_rows))
         if self.keep:
-            self.events.append(("rows", rows()))
+            self.events.append(("rows", rows))
 
         def committed(ds: lance.LanceDataset) -> None:
             self.events.append(("committed", int(ds.version)))

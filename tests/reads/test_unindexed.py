@@ -187,6 +187,15 @@ def test_own_flushes_hand_their_rows_over_without_a_load(
     for offset in (3001, 3399, 3400, 3650):
         got, dist = search(cached, vectors(np.array([offset]), DIM)[0])
         assert got[0] == offset
+    # Every column comes back as Lance stores it, the vector rebuilt from the matrix.
+    q = vectors(np.array([3650]), DIM)[0]
+    columns = ["_offset", "vec", "text", "ts"]
+    got_rows = cached.reader.search_vector(q, k=5, columns=columns, nprobes=4, refine_factor=50)
+    want_rows = lance_only.reader.search_vector(
+        q, k=5, columns=columns, nprobes=4, refine_factor=50
+    )
+    assert got_rows.schema == want_rows.schema
+    assert got_rows.select(columns).to_pylist() == want_rows.select(columns).to_pylist()
     assert (cache.loads, cache.handoffs, cache.fallbacks) == (1, 2, 0)
 
 
@@ -202,7 +211,7 @@ def test_a_query_waits_for_an_append_being_handed_over(make_harness: MakeHarness
     table = pa.Table.from_batches([rows]).select(h.spec.table_schema.names)
     record = table.cast(h.spec.table_schema).combine_chunks().to_batches()[0]
     results: list[list[int]] = []
-    with cache.appending(record.num_rows, lambda: record) as committed:
+    with cache.appending(pa.Table.from_batches([record])) as committed:
         ds = lance.write_dataset(pa.Table.from_batches([record]), h.spec.uri, mode="append")
         query = threading.Thread(
             target=lambda: results.append(search(h, vectors(np.array([5100]), DIM)[0])[0])
