@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
-from config.settings import ENV_NESTED_DELIMITER, ENV_PREFIX, Settings
+from config.settings import ENV_NESTED_DELIMITER, ENV_PREFIX, KeyedError, Settings
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +152,9 @@ def _problems(
     env_upper = {k.upper() for k in env}
     for err in exc.errors(include_url=False):
         loc = [str(p) for p in err["loc"]]
+        cause = (err.get("ctx") or {}).get("error")
+        if not loc and isinstance(cause, KeyedError):  # a check across sections
+            loc = cause.key.split(".")
         key = ".".join(loc)
         reason = err["msg"].removeprefix("Value error, ")
         if err["type"] == "missing":
@@ -170,6 +173,8 @@ def _origin(
     env_upper: set[str],
 ) -> str:
     """Say which source supplied the value at `loc` (highest precedence first)."""
+    if not loc:
+        return "the configuration as a whole"
     if _has(cli_data, loc):
         return "flag --set " + ".".join(loc)
     var = ENV_PREFIX + ENV_NESTED_DELIMITER.join(p.upper() for p in loc)

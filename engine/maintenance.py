@@ -29,6 +29,8 @@ outcome ``done`` / ``skipped`` / ``conflict`` / ``failed``:
   on every `fts_columns` column that has none, once the table has rows. The reader
   tokenises memtables with the same default tokenizer.
 - ``key_index``: a BTREE index on a single-column primary key (fast `lookup` on the base).
+- ``scalar_indexes``: the BTREE / BITMAP index of every `scalar_indexes` column that has
+  none, once the table has rows (Lance pre-filters base rows with them).
 - ``optimize_indices``: each index on its own, once it lacks `optimize_unindexed_rows` rows:
   scalar indexes (BTREE, INVERTED: cheap) first, the vector index (slow: PQ-encodes every
   new row) last, so a slow vector pass never delays the text index. The new rows become a
@@ -105,10 +107,14 @@ ROWS_PER_PARTITION_MIN = 256
 #: rewrites the index) amortised.
 MAX_INDEX_SEGMENTS = 8
 
+#: How `describe_indices` names the scalar index kinds of `scalar_indexes`.
+SCALAR_INDEX_TYPES = {"BTREE": "BTree", "BITMAP": "Bitmap"}
+
 TASKS = (
     "vector_index",
     "fts_index",
     "key_index",
+    "scalar_indexes",
     "optimize_indices",
     "optimize_vector_index",
     "compact",
@@ -231,6 +237,7 @@ class Maintenance:
             "vector_index": self.vector_index,
             "fts_index": self.fts_index,
             "key_index": self.key_index,
+            "scalar_indexes": self.scalar_indexes,
             "optimize_indices": self.optimize_indices,
             "compact": self.compact,
             "cleanup": self.cleanup,
@@ -312,6 +319,26 @@ class Maintenance:
         if index_on(ds, key, "BTree") or ds.count_rows() == 0:
             raise _Skip
         ds.create_scalar_index(key, "BTREE")
+
+    def scalar_indexes(self) -> None:
+        """Create the configured BTREE / BITMAP indexes that do not exist yet."""
+        wanted = self.settings.scalar_indexes
+        if not wanted:
+            raise _Skip
+        ds = self.table.dataset()
+        if ds.count_rows() == 0:
+            raise _Skip
+        missing = [
+            (column, kind)
+            for column, kind in wanted.items()
+            if index_on(ds, column, SCALAR_INDEX_TYPES[kind]) is None
+        ]
+        if not missing:
+            raise _Skip
+        for column, kind in missing:
+            # Named by kind: a column may carry an INVERTED index (`<column>_idx`) as well.
+            ds.create_scalar_index(column, kind, name=f"{column}_{kind.lower()}")
+            ds = self.table.dataset()
 
     def unindexed_rows(self) -> int:
         """Rows of the base not covered by its least complete index (0 without indexes),

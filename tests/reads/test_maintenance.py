@@ -138,6 +138,50 @@ def test_creates_each_index_and_answers_do_not_change(make_harness: MakeHarness)
     assert again["vector_index"] == again["fts_index"] == again["key_index"] == "skipped"
 
 
+def test_scalar_indexes_on_filter_columns_keep_filtered_answers(
+    make_harness: MakeHarness,
+) -> None:
+    """BITMAP and BTREE indexes are built on the configured columns (also a column with an
+    INVERTED index), once; filtered queries return the same rows with them."""
+    h = make_harness()
+    w = h.open()
+    h.put(w, range(700))
+    h.flush(w)
+    h.put(w, range(700, 760))
+
+    def filtered() -> tuple[Any, ...]:
+        q = vectors(np.array([5]), 16)[0]
+        return (
+            h.reader.scan(filter="n < 300 AND flag", columns=["_offset"], limit=1000)
+            .column("_offset")
+            .to_pylist(),
+            h.reader.search_vector(q, k=10, filter="f >= 40.5", columns=["_offset"])
+            .column("_offset")
+            .to_pylist(),
+            h.reader.search_text("alpha", k=20, filter="flag", columns=["_offset"])
+            .column("_offset")
+            .to_pylist(),
+        )
+
+    assert maintenance(h).run_once()["scalar_indexes"] == "skipped"  # none configured
+    before = filtered()
+    wanted = {"n": "BTREE", "flag": "BITMAP", "text": "BTREE"}
+    m = maintenance(h, scalar_indexes=wanted)
+    assert m.run_once()["scalar_indexes"] == "done"
+    kinds = {
+        (tuple(i.field_names), str(i.type_url).rsplit(".", 1)[-1])
+        for i in h.table.dataset().describe_indices()
+    }
+    assert {
+        (("n",), "BTreeIndexDetails"),
+        (("flag",), "BitmapIndexDetails"),
+        (("text",), "BTreeIndexDetails"),
+        (("text",), "InvertedIndexDetails"),
+    } <= kinds
+    assert filtered() == before
+    assert m.run_once()["scalar_indexes"] == "skipped"
+
+
 def test_optimize_indices_past_the_threshold(make_harness: MakeHarness) -> None:
     h = make_harness()
     w = h.open()
@@ -198,13 +242,14 @@ def test_the_thread_optimizes_between_full_runs(make_harness: MakeHarness) -> No
     events = Recorder()
     m = maintenance(h, events, interval_s=3600, optimize_interval_s=1)
     m.run_once()
+    full_run = len(events.events)
     h.put(w, range(700, 800))
     h.flush(w)
     m.start()
     try:
         deadline = time.monotonic() + 30
         while not {("optimize_indices", "done"), ("optimize_vector_index", "done")} <= set(
-            events.events[6:]
+            events.events[full_run:]
         ):
             assert time.monotonic() < deadline, events.events
             time.sleep(0.05)
@@ -213,7 +258,7 @@ def test_the_thread_optimizes_between_full_runs(make_harness: MakeHarness) -> No
     ds = h.table.dataset()
     assert all(i.num_rows_indexed == ds.count_rows() for i in ds.describe_indices())
     # Only the optimize tasks ran in between: the full run is an hour away.
-    assert {t for t, _ in events.events[6:]} == {"optimize_indices", "optimize_vector_index"}
+    assert {t for t, _ in events.events[full_run:]} == {"optimize_indices", "optimize_vector_index"}
 
 
 def test_compaction_merges_small_fragments(make_harness: MakeHarness) -> None:

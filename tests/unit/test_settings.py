@@ -206,6 +206,38 @@ def test_fts_column_must_be_a_string_column(tmp_path: Path) -> None:
     assert "'nope'" in reason
 
 
+def test_scalar_indexes_name_table_columns_and_kinds(tmp_path: Path) -> None:
+    good = MINIMAL + '\n[maintenance.scalar_indexes]\nid = "BTREE"\nbody = "BITMAP"\n'
+    assert load_settings(write(tmp_path, good)).maintenance.scalar_indexes == {
+        "id": "BTREE",
+        "body": "BITMAP",
+    }
+    path = write(tmp_path, MINIMAL + '\n[maintenance.scalar_indexes]\nnope = "BITMAP"\n')
+    [(key, origin, reason)] = problems(path)
+    assert (key, origin) == ("maintenance.scalar_indexes", f"file {path}")
+    assert reason == "not scalar table columns: nope"
+    path = write(tmp_path, MINIMAL + '\n[maintenance.scalar_indexes]\nbody = "HASH"\n')
+    [(key, _origin, reason)] = problems(path)
+    assert key == "maintenance.scalar_indexes.body"
+    assert "'BTREE' or 'BITMAP'" in reason
+
+
+def test_checks_across_sections_name_their_key(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + '\n[source.columns]\nnope = "$.x"\n')
+    [(key, origin, reason)] = problems(path)
+    assert (key, origin) == ("source.columns", f"file {path}")
+    assert reason == "maps unknown table columns: nope"
+    path = write(tmp_path, MINIMAL)
+    [(key, origin, reason)] = problems(
+        path, ["backpressure.process_budget_bytes=1000", "memtable.max_bytes=1000"]
+    )
+    assert (key, origin) == (
+        "backpressure.process_budget_bytes",
+        "flag --set backpressure.process_budget_bytes",
+    )
+    assert reason.startswith("must be at least 2 x memtable.max_bytes")
+
+
 def test_env_value_is_named_as_the_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LANCE_SINK__MEMTABLE__MAX_ROWS", "zero")
     [(key, origin, _reason)] = problems(write(tmp_path, MINIMAL))
