@@ -44,6 +44,7 @@ class KeyedError(ValueError):
         super().__init__(reason)
         self.key = key
 
+
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 Port = Annotated[int, Field(ge=0, le=65535)]
