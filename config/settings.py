@@ -588,6 +588,14 @@ class QuerySettings(_Section):
         "get 503. Bounds the threads and memory a burst of slow queries can take.",
     )
     max_k: PositiveInt = Field(default=1_000, le=100_000, description="Largest k a query may ask.")
+    lance_cpu_threads: PositiveInt | None = Field(
+        default=None,
+        le=1_024,
+        description="Threads of Lance's CPU pool, which queries, flushes and maintenance share "
+        "in this process (LANCE_CPU_THREADS; default: that variable if set, else half the "
+        "CPUs, at least 1). With every CPU in it, an index optimisation took them all and "
+        "queries waited behind it.",
+    )
     nprobes: PositiveInt = Field(default=20, description="IVF partitions probed on the base.")
     refine_factor: PositiveInt | None = Field(
         default=None, description="Re-rank k*refine_factor candidates with exact distances."

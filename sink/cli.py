@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import math
 import os
 import signal
 import sys
@@ -122,7 +123,7 @@ def disable_transparent_huge_pages() -> bool:
         return False
 
 
-def tune_process() -> bool:
+def tune_process(lance_cpu_threads: int | None = None) -> bool:
     """Process settings `lance-sink run` applies to itself before the engine starts
     (benchmarks that stand in for the sink process apply them too). Returns whether
     transparent huge pages are off.
@@ -131,10 +132,36 @@ def tune_process() -> bool:
     - GIL switch interval `LOOP_SWITCH_INTERVAL_S`: decode, WAL and flush threads hold the
       GIL in turns; the consumer loop, which notices durable puts and commits, gets it back
       within 1 ms instead of Python's 5 ms.
+    - Lance's CPU pool (`LANCE_CPU_THREADS`, read by Lance on first use): `lance_cpu_threads`
+      (`query.lance_cpu_threads`), else the variable as set, else half the CPUs (at least
+      1). Lance sizes it to every CPU, so one index optimisation (seconds of PQ encoding)
+      took them all and queries queued behind it: on 2 CPUs under ingestion, query p99
+      went from 174-246 ms to 121 ms with 1 thread, idle latency unchanged.
     """
     thp_off = disable_transparent_huge_pages()
     sys.setswitchinterval(LOOP_SWITCH_INTERVAL_S)
+    if lance_cpu_threads is not None:
+        os.environ[LANCE_CPU_THREADS] = str(lance_cpu_threads)
+    else:
+        os.environ.setdefault(LANCE_CPU_THREADS, str(max(1, available_cpus() // 2)))
     return thp_off
+
+
+LANCE_CPU_THREADS = "LANCE_CPU_THREADS"
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (a pod's
+    CPU limit)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = cpus or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -143,7 +170,7 @@ def _run(args: argparse.Namespace) -> int:
     configure_logging(obs.log_level, obs.log_format)
     log = structlog.get_logger("lance_sink")
     log.info("config_loaded", config=redacted(settings))
-    if not tune_process():
+    if not tune_process(settings.query.lance_cpu_threads):
         log.info("transparent_huge_pages_left_on")
     from engine.errors import LanceSinkError  # noqa: PLC0415 - keep `check-config` light
     from sink.service import SinkService  # noqa: PLC0415
