@@ -830,7 +830,7 @@ def render(report: dict[str, Any], runs: int) -> list[str]:
             f"{end['text_key_indexes']:,} when it ended (base {end['base_rows']:,}), at most "
             f"{peak['vector_index']:,} / {peak['text_key_indexes']:,}"
         ),
-        "maintenance (default settings: "
+        "maintenance (settings: "
         + ", ".join(
             f"{k}={ing['maintenance_settings'][k]}"
             for k in (

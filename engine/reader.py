@@ -403,6 +403,12 @@ class Reader:
                 done.set_exception(exc)
             return done
 
+    @property
+    def unindexed_bytes(self) -> int:
+        """Bytes held under `unindexed_cache_bytes`: the vector cache and the flushed
+        memtables kept for text search."""
+        return self._held_bytes(vector=True) + self._held_bytes(vector=False)
+
     def _held_bytes(self, *, vector: bool) -> int:
         """Bytes held for unindexed base rows by the vector cache or by the text holder."""
         held = self.unindexed if vector else self.flushed_text

@@ -201,7 +201,8 @@ class Metrics:
         )
         self.unindexed_cache_bytes = gauge(
             "query_unindexed_cache_bytes",
-            "Bytes of unindexed base fragments held in memory for vector queries.",
+            "Bytes of base rows the indexes do not cover yet, held in memory for queries "
+            "(vector matrices, flushed memtables kept for text search).",
         )
         self.unindexed_fallbacks = counter(
             "query_unindexed_fallbacks",

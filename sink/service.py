@@ -914,8 +914,9 @@ class SinkService:
             self.metrics.budget_usage(controller.used_bytes(), controller.budget)
         self.metrics.base_unindexed(self.maintenance.unindexed_rows())
         cache = self.reader.unindexed
-        if cache is not None:
-            self.metrics.unindexed_cache(cache.nbytes, cache.fallbacks)
+        self.metrics.unindexed_cache(
+            self.reader.unindexed_bytes, 0 if cache is None else cache.fallbacks
+        )
 
     # ------------------------------------------------------------------ observability
 

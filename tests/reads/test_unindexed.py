@@ -278,6 +278,7 @@ def test_flushed_memtables_answer_text_until_the_index_covers_them(
     views = holder.views(held.table.dataset(), "text")
     assert views is not None
     assert sum(b.num_rows for v in views for b in v.batches) == 600
+    assert held.reader.unindexed_bytes >= holder.nbytes > 0  # under the shared bound
     for text, kw in [
         ("row1234", {}),
         ("alpha", {}),

@@ -36,7 +36,8 @@ EXPECTED = {
     "lance_sink_partition_paused": "1 while the partition is paused.",
     "lance_sink_query_seconds": "Query latency by kind.",
     "lance_sink_query_unindexed_cache_bytes": (
-        "Bytes of unindexed base fragments held in memory for vector queries."
+        "Bytes of base rows the indexes do not cover yet, held in memory for queries "
+        "(vector matrices, flushed memtables kept for text search)."
     ),
     "lance_sink_query_unindexed_fallbacks": (
         "Vector queries that searched the unindexed base with Lance's flat scan (over the "
