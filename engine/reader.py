@@ -762,11 +762,14 @@ class Reader:
 
         return _BaseKnn(lance_rows, fresh_rows)
 
+    def _any_keys(self, snap: Snapshot) -> bool:
+        """May a fresh memtable decide some base rows' keys (upserts or deletes)?"""
+        return self.spec.upsert and any(t.view.keys for t in snap.tiers)
+
     def _base_limit(self, snap: Snapshot, k: int) -> int:
         """Base rows fetched first: k, plus `BASE_OVERFETCH` when fresh memtables may
         decide some base rows' keys."""
-        any_keys = self.spec.upsert and any(t.view.keys for t in snap.tiers)
-        return k + (BASE_OVERFETCH if any_keys else 0)
+        return k + (BASE_OVERFETCH if self._any_keys(snap) else 0)
 
     def _base_overfetch(
         self,
@@ -778,7 +781,7 @@ class Reader:
         """Fetch the base's top rows, dropping those decided by a fresh memtable, asking for
         more (4x per round) while hidden rows leave fewer than k. `first` is the first
         round's result when the caller fetched it already."""
-        any_keys = self.spec.upsert and any(t.view.keys for t in snap.tiers)
+        any_keys = self._any_keys(snap)
         limit = self._base_limit(snap, k)
         for _ in range(MAX_FETCH_ROUNDS):
             table = first if first is not None else fetch_rows(limit)

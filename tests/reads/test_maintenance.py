@@ -364,6 +364,13 @@ def test_reads_stay_correct_while_maintenance_runs_during_ingestion(
             q = vectors(np.array([floor - 1]), 16)[0]
             hit = h.reader.search_vector(q, k=1, columns=["_offset"], nprobes=64)
             assert hit.column("_offset").to_pylist() == [floor - 1]
+            # Each row's unique text marker, newest and flushed ones: memtables, flushed
+            # memtables held while the text index lags, the indexed base.
+            for offset in (floor - 1, floor - 2, floor // 3):
+                if offset % 11 == 5:  # rows without text
+                    continue
+                hit = h.reader.search_text(f"row{offset}", k=3, columns=["_offset"])
+                assert hit.column("_offset").to_pylist() == [offset]
     finally:
         stop.set()
         producer.join(30)
@@ -371,3 +378,5 @@ def test_reads_stay_correct_while_maintenance_runs_during_ingestion(
     assert not errors
     done = {task for task, outcome in events.events if outcome == "done"}
     assert {"vector_index", "fts_index", "compact"} <= done
+    assert h.reader.flushed_text is not None
+    assert h.reader.flushed_text.handoffs > 0  # text queries met flushed memtables held
