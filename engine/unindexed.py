@@ -31,11 +31,12 @@ Handoff: the fragments this process's own append flushes write are not read back
 reader watches the base table's appends (`engine.table.AppendWatcher`): before a flush
 commits, the cache takes the flushed rows (the memtable's batches: their columns are kept
 zero-copy, the vectors copied into one matrix); once the commit succeeded, it files them
-under the new fragments' keys. A query that
-meets a fragment missing from the cache while such an append is in flight waits for it
-(at most `HANDOFF_WAIT_S`) instead of loading it: loading 100k x 384 rows back took ~200 ms,
-the slowest part of a query under ingestion. Upsert flushes (merge-insert: rows reordered,
-deletions elsewhere) and other processes' flushes are loaded as before.
+under the new fragments' keys. A query that meets a fragment missing from the cache while
+such an append is in flight, and whose id is above the highest fragment id when the append
+began (it may be the append's), waits for it (at most `HANDOFF_WAIT_S`) instead of loading
+it: loading 100k x 384 rows back took ~200 ms, the slowest part of a query under
+ingestion. Upsert flushes (merge-insert: rows reordered, deletions elsewhere) and other
+processes' flushes are loaded as before.
 """
 
 from __future__ import annotations
@@ -179,7 +180,8 @@ class UnindexedFragments:
         self._entries: dict[FragmentKey, CachedFragment] = {}
         self._loading: dict[FragmentKey, threading.Event] = {}
         self._versions: dict[int, list[tuple[FragmentKey, lance.LanceFragment, int]] | None] = {}
-        self._appending: list[threading.Event] = []
+        #: In-flight appends of this process: (their fragment-id floor, set when handed over).
+        self._appending: list[tuple[int, threading.Event]] = []
         self._lock = threading.Lock()
         self._loader = PeriodicThread(
             "reader-unindexed", REFRESH_INTERVAL_S, self.refresh, "reader_unindexed_refresh_failed"
@@ -239,7 +241,8 @@ class UnindexedFragments:
     ) -> CachedFragment | None:
         with self._lock:
             entry = self._entries.get(key)
-            appending = list(self._appending)
+            # An append's fragments get ids above every fragment that existed before it.
+            appending = [event for floor, event in self._appending if key[0] > floor]
         if entry is not None:
             return entry
         deadline = time.monotonic() + HANDOFF_WAIT_S
@@ -325,16 +328,16 @@ class UnindexedFragments:
         ):
             yield _ignore_commit
             return
-        event = threading.Event()
+        pending = (_max_fragment_id(self._open_base()), threading.Event())
         with self._lock:
-            self._appending.append(event)
+            self._appending.append(pending)
         try:
             whole = self._entry((-1, None), rows)
             yield lambda ds: self._adopt(ds, whole)
         finally:
             with self._lock:
-                self._appending.remove(event)
-            event.set()
+                self._appending.remove(pending)
+            pending[1].set()
 
     def _adopt(self, ds: lance.LanceDataset, whole: CachedFragment) -> None:
         """File the appended rows (`whole`) under the fragments the commit `ds` made of them:
@@ -396,6 +399,11 @@ class UnindexedFragments:
         self._loader.close(timeout)
         with self._lock:
             self._entries.clear()
+
+
+def _max_fragment_id(ds: lance.LanceDataset) -> int:
+    """The highest fragment id of `ds` (-1 when it has none)."""
+    return max((int(f.fragment_id) for f in ds.get_fragments()), default=-1)
 
 
 def _ignore_commit(ds: lance.LanceDataset) -> None:

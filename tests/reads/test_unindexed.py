@@ -226,6 +226,31 @@ def test_a_query_waits_for_an_append_being_handed_over(make_harness: MakeHarness
     assert (cache.loads, cache.handoffs) == (1, 1)
 
 
+def test_a_query_does_not_wait_for_an_append_that_cannot_hold_its_fragment(
+    make_harness: MakeHarness,
+) -> None:
+    """A fragment older than an in-flight append (here another process's) cannot be that
+    append's: a query that needs it loads it at once."""
+    h = make_harness(dim=DIM)
+    indexed_then_fresh(h)
+    cache = h.reader.unindexed
+    assert cache is not None
+    search(h, vectors(np.array([1]), DIM)[0])
+    append_elsewhere(h, range(6000, 6100))
+    record = pa.Table.from_batches([rows_batch(h.spec, list(range(7000, 7010)))])
+    pending = record.select(h.spec.table_schema.names).cast(h.spec.table_schema)
+    results: list[list[int]] = []
+    with cache.appending(pending):
+        query = threading.Thread(
+            target=lambda: results.append(search(h, vectors(np.array([6050]), DIM)[0])[0])
+        )
+        query.start()
+        query.join(1.5)  # HANDOFF_WAIT_S is 2 s
+        assert not query.is_alive(), "the query waited for an unrelated append"
+    assert results
+    assert results[0][0] == 6050
+
+
 def test_a_fragment_that_fails_to_load_falls_back_to_lance(
     make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
