@@ -328,11 +328,17 @@ class UnindexedFragments:
         ):
             yield _ignore_commit
             return
-        pending = (_max_fragment_id(self._open_base()), threading.Event())
+        try:
+            floor = _max_fragment_id(self._open_base())
+            whole = self._entry((-1, None), rows)
+        except Exception as exc:  # noqa: BLE001 - a cache miss later, never a failed flush
+            log.warning("reader_unindexed_handoff_failed", error=str(exc))
+            yield _ignore_commit
+            return
+        pending = (floor, threading.Event())
         with self._lock:
             self._appending.append(pending)
         try:
-            whole = self._entry((-1, None), rows)
             yield lambda ds: self._adopt(ds, whole)
         finally:
             with self._lock:

@@ -251,6 +251,28 @@ def test_a_query_does_not_wait_for_an_append_that_cannot_hold_its_fragment(
     assert results[0][0] == 6050
 
 
+def test_a_failed_handoff_never_fails_the_flush(
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = make_harness(dim=DIM)
+    indexed_then_fresh(h)
+    cache = h.reader.unindexed
+    assert cache is not None
+    search(h, vectors(np.array([1]), DIM)[0])
+
+    def unreachable() -> None:
+        raise OSError("storage unreachable")
+
+    monkeypatch.setattr(cache, "_open_base", unreachable)
+    h.put(h.writers[0], range(8000, 8100))
+    h.flush(h.writers[0])  # asserts the flush completed
+    monkeypatch.undo()
+    assert cache.handoffs == 0
+    got, _ = search(h, vectors(np.array([8042]), DIM)[0])
+    assert got[0] == 8042
+    assert cache.loads == 2  # read back instead
+
+
 def test_a_fragment_that_fails_to_load_falls_back_to_lance(
     make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
