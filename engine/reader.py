@@ -267,9 +267,9 @@ class _Tier:
 
 @dataclass(frozen=True, slots=True)
 class _BaseKnn:
-    """A vector query's base search in two parts: Lance's top `limit` rows (only the
-    indexed fragments when the unindexed ones are cached), and the top `limit` of each
-    cached unindexed fragment (faiss)."""
+    """A vector query's base search in two parts that run in parallel: Lance's top `limit`
+    rows (only the indexed fragments when the unindexed ones are cached), and the top
+    `limit` of each cached unindexed fragment (faiss)."""
 
     lance: Callable[[int], pa.Table]
     fresh: Callable[[int], list[pa.Table]]
@@ -568,15 +568,18 @@ class Reader:
         fetch = self._fetch_columns(out_cols)
         snap = self.snapshot()
 
-        # The base (Lance, then its cached unindexed fragments) on a base worker meanwhile;
-        # the memtables here: two similar shares of work under ingestion.
+        # Lance searches the base on a base worker meanwhile; faiss the memtables and the
+        # base's unindexed fragments here.
         base = self._knn_base(snap, query, predicate, fetch, nprobes, refine_factor)
-        first = self._meanwhile(base.fetch, self._base_limit(snap, k))
+        limit = self._base_limit(snap, k)
+        lance_first = self._meanwhile(base.lance, limit)
         candidates: list[_Candidates] = []
         for tier in snap.tiers:
             candidates.extend(self._knn_tier(tier, query, k, predicate))
         parts = self._materialise(candidates, k, fetch, DISTANCE, ascending=True)
-        parts.append(self._base_overfetch(snap, k, base.fetch, first.result()))
+        fresh_first = base.fresh(limit)
+        first = _top([lance_first.result(), *fresh_first], DISTANCE, limit, ascending=True)
+        parts.append(self._base_overfetch(snap, k, base.fetch, first))
         merged = _top(parts, DISTANCE, k, ascending=True)
         return self._finish("vector", started, [merged], out_cols, DISTANCE)
 
