@@ -14,6 +14,7 @@ import pyarrow as pa
 import pytest
 
 from engine.reader import ReaderSettings
+from engine.unindexed import UnindexedFragments
 from tests.reads.conftest import ReadHarness, rows_batch, vectors
 
 pytestmark = pytest.mark.timeout(180)
@@ -37,6 +38,17 @@ def indexed_then_fresh(h: ReadHarness, metric: str = "l2") -> None:
 def search(h: ReadHarness, q: np.ndarray, **kw: object) -> tuple[list[int], np.ndarray]:
     got = h.reader.search_vector(q, k=10, columns=["_offset"], nprobes=4, refine_factor=50, **kw)
     return got.column("_offset").to_pylist(), got.column("_distance").to_numpy()
+
+
+def cache_in_use(make_harness: MakeHarness) -> tuple[ReadHarness, UnindexedFragments]:
+    """`indexed_then_fresh`, then a first vector query: the cache holds the unindexed
+    fragment and its background loader runs."""
+    h = make_harness(dim=DIM)
+    indexed_then_fresh(h)
+    cache = h.reader.unindexed
+    assert cache is not None
+    search(h, vectors(np.array([1]), DIM)[0])
+    return h, cache
 
 
 @pytest.mark.parametrize("metric", ["l2", "cosine", "dot"])
@@ -132,11 +144,7 @@ def append_elsewhere(h: ReadHarness, offsets: range) -> None:
 def test_other_fragments_load_in_the_background_and_leave_once_indexed(
     make_harness: MakeHarness,
 ) -> None:
-    h = make_harness(dim=DIM)
-    indexed_then_fresh(h)
-    cache = h.reader.unindexed
-    assert cache is not None
-    search(h, vectors(np.array([1]), DIM)[0])  # first use starts the loader
+    h, cache = cache_in_use(make_harness)
     assert cache.loads == 1
     append_elsewhere(h, range(3000, 3500))
     deadline = time.monotonic() + 10
@@ -202,11 +210,7 @@ def test_own_flushes_hand_their_rows_over_without_a_load(
 def test_a_query_waits_for_an_append_being_handed_over(make_harness: MakeHarness) -> None:
     """While an append is between its commit and its handoff, a query that meets the new
     fragment waits for the handoff instead of loading the fragment itself."""
-    h = make_harness(dim=DIM)
-    indexed_then_fresh(h)
-    cache = h.reader.unindexed
-    assert cache is not None
-    search(h, vectors(np.array([1]), DIM)[0])
+    h, cache = cache_in_use(make_harness)
     rows = rows_batch(h.spec, list(range(5000, 5300)))
     table = pa.Table.from_batches([rows]).select(h.spec.table_schema.names)
     record = table.cast(h.spec.table_schema).combine_chunks().to_batches()[0]
@@ -231,11 +235,7 @@ def test_a_query_does_not_wait_for_an_append_that_cannot_hold_its_fragment(
 ) -> None:
     """A fragment older than an in-flight append (here another process's) cannot be that
     append's: a query that needs it loads it at once."""
-    h = make_harness(dim=DIM)
-    indexed_then_fresh(h)
-    cache = h.reader.unindexed
-    assert cache is not None
-    search(h, vectors(np.array([1]), DIM)[0])
+    h, cache = cache_in_use(make_harness)
     append_elsewhere(h, range(6000, 6100))
     record = pa.Table.from_batches([rows_batch(h.spec, list(range(7000, 7010)))])
     pending = record.select(h.spec.table_schema.names).cast(h.spec.table_schema)
@@ -254,11 +254,7 @@ def test_a_query_does_not_wait_for_an_append_that_cannot_hold_its_fragment(
 def test_a_failed_handoff_never_fails_the_flush(
     make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    h = make_harness(dim=DIM)
-    indexed_then_fresh(h)
-    cache = h.reader.unindexed
-    assert cache is not None
-    search(h, vectors(np.array([1]), DIM)[0])
+    h, cache = cache_in_use(make_harness)
 
     def unreachable() -> None:
         raise OSError("storage unreachable")
