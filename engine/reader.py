@@ -363,6 +363,7 @@ class Reader:
             table.watch_appends(self.unindexed)
         if spec.fts_columns and bound > 0:
             self.flushed_text = FlushedText(
+                spec.fts_columns,
                 bound,
                 lambda: self._tokenizer.thread is not None and not self._closed.is_set(),
                 lambda: self._held_bytes(vector=True),

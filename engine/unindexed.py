@@ -442,8 +442,13 @@ class FlushedText:
     """
 
     def __init__(
-        self, max_bytes: int, enabled: Callable[[], bool], held_elsewhere: Callable[[], int]
+        self,
+        columns: tuple[str, ...],
+        max_bytes: int,
+        enabled: Callable[[], bool],
+        held_elsewhere: Callable[[], int],
     ) -> None:
+        self.columns = columns  # the full-text columns, each with its own index
         self.max_bytes = max_bytes
         self._enabled = enabled
         self._held_elsewhere = held_elsewhere
@@ -504,16 +509,21 @@ class FlushedText:
         return found
 
     def _views(self, base: lance.LanceDataset, column: str) -> list[MemtableView] | None:
-        covered = covered_fragments(base, column, text=True)
-        if covered is None:
-            return None
         present = {int(f.fragment_id) for f in base.get_fragments()}
-        unindexed = present - covered
+        lacking: dict[str, set[int]] = {}  # per indexed column: the fragments it lacks
+        for name in self.columns:
+            covered = covered_fragments(base, name, text=True)
+            if covered is not None:
+                lacking[name] = present - covered
+        if column not in lacking:
+            return None  # no index on it: Lance searches every fragment itself
+        unindexed = lacking[column]
+        needed = set().union(*lacking.values())
         newest = max(present, default=-1)
         with self._lock:
-            # Held rows the index now covers, or compaction rewrote, are not needed any more;
-            # rows flushed after `base` (fragment ids above its newest) may be for later queries.
-            kept = [h for h in self._held if h.fragments & unindexed or min(h.fragments) > newest]
+            # Held rows every index now covers, or compaction rewrote, are not needed any
+            # more; rows flushed after `base` (ids above its newest) may be for later queries.
+            kept = [h for h in self._held if h.fragments & needed or min(h.fragments) > newest]
             if len(kept) < len(self._held):  # older versions' lists would pin dropped views
                 version = int(base.version)
                 self._found = {k: v for k, v in self._found.items() if k[0] > version}
@@ -522,6 +532,8 @@ class FlushedText:
         out = []
         found: set[int] = set()
         for h in held:
+            if not h.fragments & unindexed:
+                continue  # this column's index covers it (another column's does not)
             if not h.fragments <= unindexed:
                 return None  # partly indexed: its rows cannot be split between the tiers
             out.append(h.view)

@@ -30,7 +30,13 @@ WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel
 EPOCH = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
 
-def read_spec(uri: str, mode: str = "append", dim: int = 16, metric: str = "l2") -> TableSpec:
+def read_spec(
+    uri: str,
+    mode: str = "append",
+    dim: int = 16,
+    metric: str = "l2",
+    fts_columns: tuple[str, ...] = ("text",),
+) -> TableSpec:
     raw: dict[str, Any] = {
         "uri": uri,
         "mode": mode,
@@ -43,7 +49,7 @@ def read_spec(uri: str, mode: str = "append", dim: int = 16, metric: str = "l2")
             {"name": "text", "type": "string"},
         ],
         "vector": {"column": "vec", "dim": dim, "metric": metric},
-        "fts_columns": ["text"],
+        "fts_columns": list(fts_columns),
     }
     if mode == "upsert":
         raw["primary_key"] = ["id"]
@@ -115,8 +121,9 @@ class ReadHarness:
         metric: str = "l2",
         max_rows: int = 10_000,
         settings: ReaderSettings | None = None,
+        fts_columns: tuple[str, ...] = ("text",),
     ) -> None:
-        self.spec = read_spec(str(root / "table.lance"), mode, dim, metric)
+        self.spec = read_spec(str(root / "table.lance"), mode, dim, metric, fts_columns)
         self.table = BaseTable(self.spec)
         self.table.open()
         self.storage = open_storage(str(root / "wal"))

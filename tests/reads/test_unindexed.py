@@ -351,3 +351,36 @@ def test_flushed_memtables_are_held_only_within_the_bound(make_harness: MakeHarn
     assert holder.nbytes == 0
     assert holder.views(small.table.dataset(), "text") is None  # Lance searches it all
     assert offsets_found(small, "row1234") == [1234]
+
+
+def test_each_text_column_uses_the_held_memtables_until_its_own_index_covers_them(
+    make_harness: MakeHarness,
+) -> None:
+    """Two full-text columns, two indexes: once one index covers the flushed rows, queries
+    on it use Lance alone, while the other column's queries keep using the held memtable."""
+    h = make_harness(dim=DIM, fts_columns=("text", "id"))
+    w = h.open()
+    h.put(w, range(1000))
+    h.flush(w)
+    for column in ("text", "id"):
+        h.table.dataset().create_scalar_index(column, "INVERTED", with_position=True)
+    h.reader.search_text("alpha", k=1)  # the first text query: flushed memtables are held
+    h.put(w, range(1000, 1600))
+    h.flush(w)
+    holder = h.reader.flushed_text
+    assert holder is not None
+    assert holder.handoffs == 1
+    # Only the `text` index catches up.
+    h.table.dataset().optimize.optimize_indices(index_names=["text_idx"])
+    base = h.table.dataset()
+    assert holder.views(base, "text") == []
+    id_views = holder.views(base, "id")
+    assert id_views is not None
+    assert sum(b.num_rows for v in id_views for b in v.batches) == 600
+    assert offsets_found(h, "row1234") == [1234]
+    assert offsets_found(h, "k1234", column="id") == [1234]
+    assert holder.nbytes > 0  # still needed by `id`
+    h.table.dataset().optimize.optimize_indices(index_names=["id_idx"])
+    assert holder.views(h.table.dataset(), "id") == []
+    assert holder.nbytes == 0
+    assert offsets_found(h, "k1234", column="id") == [1234]
