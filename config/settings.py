@@ -34,6 +34,9 @@ ENV_PREFIX = "LANCE_SINK__"
 ENV_NESTED_DELIMITER = "__"
 
 PositiveBytes = Annotated[ByteSize, Field(gt=0)]
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+Port = Annotated[int, Field(ge=0, le=65535)]
 
 
 class KeyedError(ValueError):
@@ -44,10 +47,6 @@ class KeyedError(ValueError):
         super().__init__(reason)
         self.key = key
 
-
-PositiveInt = Annotated[int, Field(gt=0)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
-Port = Annotated[int, Field(ge=0, le=65535)]
 
 #: Table URI schemes the storage layer can open.
 SUPPORTED_URI_SCHEMES = frozenset({"", "file", "s3"})
