@@ -559,10 +559,9 @@ def main() -> None:
     report["probe_s"] = args.probe_s
     print("max put rate", report["max_put_rows_per_s"], flush=True)
 
-    # ---- under ingestion at half the max rate, with maintenance running as the sink runs
-    # it (engine.maintenance with the default settings and cadence, plus the filter column's
-    # index), on a second shard,
-    # for a fixed time.
+    # ---- under ingestion at half the sink's max rate, with maintenance running as the sink
+    # runs it (engine.maintenance with the default settings and cadence, plus the filter
+    # column's index), on a second shard, for a fixed time.
     rows_before = table.dataset().count_rows()
     maint_log = MaintenanceLog()
     maint_settings = MaintenanceSettings(scalar_indexes=SCALAR_INDEXES)
