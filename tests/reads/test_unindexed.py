@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import lance
 import numpy as np
@@ -35,8 +36,13 @@ def indexed_then_fresh(h: ReadHarness, metric: str = "l2") -> None:
     h.flush(w)
 
 
+#: Every IVF partition probed, every candidate re-ranked exactly (k x refine > rows): two
+#: harnesses train their own index, and their approximations must not decide a comparison.
+EXACT: dict[str, Any] = {"nprobes": 4, "refine_factor": 1000}
+
+
 def search(h: ReadHarness, q: np.ndarray, **kw: object) -> tuple[list[int], np.ndarray]:
-    got = h.reader.search_vector(q, k=10, columns=["_offset"], nprobes=4, refine_factor=50, **kw)
+    got = h.reader.search_vector(q, k=10, columns=["_offset"], **EXACT, **kw)
     return got.column("_offset").to_pylist(), got.column("_distance").to_numpy()
 
 
@@ -198,9 +204,12 @@ def test_own_flushes_hand_their_rows_over_without_a_load(
     # Every column comes back as Lance stores it, the vector rebuilt from the matrix.
     q = vectors(np.array([3650]), DIM)[0]
     columns = ["_offset", "vec", "text", "ts"]
-    got_rows = cached.reader.search_vector(q, k=5, columns=columns, nprobes=4, refine_factor=50)
+    got_rows = cached.reader.search_vector(q, k=5, columns=columns, **EXACT)
     want_rows = lance_only.reader.search_vector(
-        q, k=5, columns=columns, nprobes=4, refine_factor=50
+        q,
+        k=5,
+        columns=columns,
+        **EXACT,
     )
     assert got_rows.schema == want_rows.schema
     assert got_rows.select(columns).to_pylist() == want_rows.select(columns).to_pylist()
