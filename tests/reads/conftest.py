@@ -164,6 +164,10 @@ class ReadHarness:
         writer.seal()
         assert writer.wait_flushed(60)
 
+    def index_text(self, column: str = "text") -> None:
+        """Build the base's INVERTED index on `column` as maintenance does (with positions)."""
+        self.table.dataset().create_scalar_index(column, "INVERTED", with_position=True)
+
     def hold_flushes(self) -> threading.Event:
         """Keep sealed memtables frozen: occupy the single flush worker until the returned
         event is set (flushes queue behind it)."""

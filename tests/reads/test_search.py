@@ -172,7 +172,7 @@ def test_fulltext_finds_fresh_and_flushed_rows(make_harness: MakeHarness) -> Non
         offsets = got.column("_offset").to_pylist()
         assert len(offsets) == 50
         assert all(lo <= o < hi for o in offsets)
-    h.table.dataset().create_scalar_index("text", "INVERTED", with_position=True)
+    h.index_text()
     for offset in [12, 2100, 2701]:
         got = h.reader.search_text(f"row{offset}", k=3, columns=["_offset"])
         assert got.column("_offset").to_pylist() == [offset]
@@ -189,7 +189,7 @@ def test_bm25_scores_compare_across_tiers(make_harness: MakeHarness, indexed: bo
     flushed.put(wb, range(300))
     flushed.flush(wb)
     if indexed:
-        flushed.table.dataset().create_scalar_index("text", "INVERTED", with_position=True)
+        flushed.index_text()
     for query in ["alpha", "bravo delta", "golf hotel row7"]:
         a = fresh.reader.search_text(query, k=20, columns=["_offset"])
         b = flushed.reader.search_text(query, k=20, columns=["_offset"])
@@ -213,7 +213,7 @@ def test_phrase_query_in_both_tiers(make_harness: MakeHarness) -> None:
     w = h.open()
     h.put(w, range(100))
     h.flush(w)
-    h.table.dataset().create_scalar_index("text", "INVERTED", with_position=True)
+    h.index_text()
     h.put(w, range(100, 200))
     # text_of: words step by 3 through WORDS, so "delta golf" is a phrase only where the
     # row has at least two words starting at delta (offset % 8 == 3, offset % 4 >= 1).
@@ -294,7 +294,7 @@ def test_rare_term_df_counts_the_indexed_fragments_while_the_text_index_lags(
     w = h.open()
     h.put(w, range(1200))
     h.flush(w)
-    h.table.dataset().create_scalar_index("text", "INVERTED", with_position=True)
+    h.index_text()
     h.put(w, range(1200, 1600))
     h.flush(w)
     base = h.reader.snapshot().base

@@ -303,7 +303,7 @@ def text_indexed_then_flushed(h: ReadHarness) -> None:
     w = h.open()
     h.put(w, range(1000))
     h.flush(w)
-    h.table.dataset().create_scalar_index("text", "INVERTED", with_position=True)
+    h.index_text()
     h.reader.search_text("alpha", k=1)  # the first text query: flushed memtables are held
     h.put(w, range(1000, 1600))
     h.flush(w)
@@ -372,7 +372,7 @@ def test_each_text_column_uses_the_held_memtables_until_its_own_index_covers_the
     h.put(w, range(1000))
     h.flush(w)
     for column in ("text", "id"):
-        h.table.dataset().create_scalar_index(column, "INVERTED", with_position=True)
+        h.index_text(column)
     h.reader.search_text("alpha", k=1)  # the first text query: flushed memtables are held
     h.put(w, range(1000, 1600))
     h.flush(w)
