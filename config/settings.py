@@ -149,16 +149,16 @@ class KafkaSettings(_Section):
         "per-call cost, smaller ones lower latency.",
     )
     consume_timeout_ms: PositiveInt = Field(
-        default=10,
+        default=5,
         description="Longest a consume() call waits for messages. The loop notices durable "
-        "puts between calls, so this bounds how late a commit follows durability; half the "
-        "WAL flush interval keeps the commit delay within a few flush intervals.",
+        "puts between calls, so this bounds how late a commit follows durability; a quarter "
+        "of the WAL flush interval keeps the commit delay within a few flush intervals.",
     )
     commit_interval_ms: PositiveInt = Field(
-        default=20,
+        default=10,
         description="Least time between two asynchronous commits of durable offsets (also "
-        "committed synchronously on revoke and shutdown). Equal to the WAL flush interval: "
-        "each group commit is followed by one offset commit.",
+        "committed synchronously on revoke and shutdown). Half the WAL flush interval: a "
+        "group commit waits at most this long for its offset commit.",
     )
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
         default="PLAINTEXT", description="How the clients talk to the brokers."
@@ -392,8 +392,8 @@ class WalSettings(_Section):
     max_wal_flush_interval_ms: NonNegativeInt = Field(
         default=20,
         validate_default=True,
-        description="Group-commit window: puts arriving within it share one WAL entry. Small "
-        "against consume_timeout_ms so a commit follows each batch quickly.",
+        description="Group-commit window: puts arriving within it share one WAL entry, whose "
+        "offsets are committed within kafka.commit_interval_ms of it.",
     )
     max_wal_buffer_size: PositiveBytes = Field(
         default=ByteSize(16 << 20),
