@@ -19,8 +19,13 @@ and its deletion file, so a query on a base version uses exactly that version's 
 fragment whose deletion file changed is loaded again, and one that compaction removed or the
 index now covers is dropped at the next refresh.
 
-Bounds: at most `max_bytes` of fragments (the vector matrix plus the other columns), shared
-with `FlushedText`. When the
+Pruners: the background loader also builds each fragment's int8 `engine.prune.Pruner`
+(fragments of `PRUNE_MIN_ROWS` or more), so a query scans codes and re-ranks candidates
+exactly instead of scanning the whole matrix, with the same answer.
+
+Bounds: at most `max_bytes` of fragments (the vector matrix, the other columns and the
+pruner's codes), shared with `FlushedText`. Codes are built only where they fit and are
+the first thing given up when a fragment needs room. When the
 unindexed part of the base is larger, queries fall back to Lance's own search of the whole
 base (correct, as slow as before) until maintenance catches up. A fragment missing at query
 time is loaded by that query (one loader per fragment; concurrent queries wait for it); a
@@ -45,7 +50,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import lance
@@ -55,6 +60,7 @@ import structlog
 
 from engine.memtable import Memtable, MemtableView
 from engine.periodic import PeriodicThread
+from engine.prune import PRUNE_MIN_ROWS, Pruner, build_pruner
 from engine.schema import TableSpec, vector_matrix
 from engine.table import index_on
 
@@ -76,13 +82,15 @@ T = TypeVar("T")
 @dataclass(frozen=True, slots=True)
 class CachedFragment:
     """The visible rows of one unindexed base fragment: every column but the vector one
-    (`rows`), the vectors as one contiguous float32 matrix, and (cosine tables) their norms."""
+    (`rows`), the vectors as one contiguous float32 matrix, (cosine tables) their norms, and
+    once the background loader built it, the matrix's int8 `engine.prune.Pruner`."""
 
     key: FragmentKey
     rows: pa.Table
     matrix: np.ndarray
     norms: np.ndarray
     vector: pa.Field
+    pruner: Pruner | None = None
 
     @property
     def num_rows(self) -> int:
@@ -90,7 +98,8 @@ class CachedFragment:
 
     @property
     def nbytes(self) -> int:
-        return int(self.rows.nbytes + self.matrix.nbytes + self.norms.nbytes)
+        pruned = 0 if self.pruner is None else self.pruner.nbytes
+        return int(self.rows.nbytes + self.matrix.nbytes + self.norms.nbytes + pruned)
 
     def row_norms(self) -> np.ndarray:
         """The Euclidean norm of every row's vector (cosine search)."""
@@ -182,6 +191,8 @@ class UnindexedFragments:
         self._versions: dict[int, list[tuple[FragmentKey, lance.LanceFragment, int]] | None] = {}
         #: In-flight appends of this process: (their fragment-id floor, set when handed over).
         self._appending: list[tuple[int, threading.Event]] = []
+        #: Entries whose pruner was built, found impossible, or shed for room (not retried).
+        self._prune_tried: set[FragmentKey] = set()
         self._lock = threading.Lock()
         self._loader = PeriodicThread(
             "reader-unindexed", REFRESH_INTERVAL_S, self.refresh, "reader_unindexed_refresh_failed"
@@ -189,6 +200,7 @@ class UnindexedFragments:
         self.loads = 0
         self.handoffs = 0
         self.fallbacks = 0
+        self.pruners = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -216,6 +228,12 @@ class UnindexedFragments:
     def nbytes(self) -> int:
         with self._lock:
             return sum(e.nbytes for e in self._entries.values())
+
+    @property
+    def pruner_bytes(self) -> int:
+        """The part of `nbytes` that the fragments' int8 pruners take."""
+        with self._lock:
+            return sum(e.pruner.nbytes for e in self._entries.values() if e.pruner is not None)
 
     def _estimate(self, rows: int) -> int:
         """Bytes a fragment of `rows` rows takes at least (its vectors and norms)."""
@@ -282,12 +300,23 @@ class UnindexedFragments:
         entry = self._entry(key, fragment.to_table(columns=names))
         elsewhere = self._held_elsewhere()
         with self._lock:
-            used = sum(e.nbytes for e in self._entries.values()) + elsewhere
-            if used + entry.nbytes > self.max_bytes:
+            if not self._make_room(entry.nbytes + elsewhere):
                 return None
             self._entries[key] = entry
             self.loads += 1
         return entry
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Whether `nbytes` more fit in the bound, shedding pruners (an optional speed-up)
+        until they do. Holds the lock."""
+        used = sum(e.nbytes for e in self._entries.values())
+        for key, entry in list(self._entries.items()):
+            if used + nbytes <= self.max_bytes:
+                break
+            if entry.pruner is not None:
+                used -= entry.pruner.nbytes
+                self._entries[key] = replace(entry, pruner=None)
+        return used + nbytes <= self.max_bytes
 
     def _entry(self, key: FragmentKey, table: pa.Table) -> CachedFragment:
         """An entry for `table` (a fragment's rows in order): its vectors are copied into one
@@ -372,8 +401,7 @@ class UnindexedFragments:
             start = end
         elsewhere = self._held_elsewhere()
         with self._lock:
-            used = sum(e.nbytes for e in self._entries.values()) + elsewhere
-            if used + sum(e.nbytes for e in entries) > self.max_bytes:
+            if not self._make_room(sum(e.nbytes for e in entries) + elsewhere):
                 return
             for entry in entries:
                 self._entries.setdefault(entry.key, entry)
@@ -389,6 +417,7 @@ class UnindexedFragments:
         with self._lock:
             for key in [k for k in self._entries if k not in keep]:
                 del self._entries[key]
+            self._prune_tried &= keep
         if wanted is None:
             return
         if sum(self._estimate(rows) for _, _, rows in wanted) > self.max_bytes - (
@@ -399,6 +428,35 @@ class UnindexedFragments:
             if self._loader.closed:
                 return
             self._get_or_load(key, fragment)
+        self._build_pruners()
+
+    def _build_pruners(self) -> None:
+        """Build the int8 pruner (`engine.prune`) of every cached fragment that has none
+        yet, as far as the bound has room: queries then scan codes instead of vectors."""
+        assert self.spec.vector is not None
+        metric = self.spec.vector.metric
+        with self._lock:
+            todo = [e for k, e in self._entries.items() if k not in self._prune_tried]
+            self._prune_tried.update(e.key for e in todo)
+        for entry in todo:
+            if self._loader.closed:
+                return
+            if entry.num_rows < PRUNE_MIN_ROWS:
+                continue
+            codes = entry.num_rows * int(entry.matrix.shape[1])
+            elsewhere = self._held_elsewhere()
+            with self._lock:
+                used = sum(e.nbytes for e in self._entries.values()) + elsewhere
+            if used + codes > self.max_bytes:
+                continue
+            pruner = build_pruner(entry.matrix, metric, PRUNE_MIN_ROWS)
+            if pruner is None:
+                continue
+            with self._lock:
+                used = sum(e.nbytes for e in self._entries.values()) + elsewhere
+                if self._entries.get(entry.key) is entry and used + codes <= self.max_bytes:
+                    self._entries[entry.key] = replace(entry, pruner=pruner)
+                    self.pruners += 1
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the background loader (idempotent) and free the cached fragments."""

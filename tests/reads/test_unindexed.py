@@ -14,6 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from engine import prune
+from engine import unindexed as unindexed_module
 from engine.reader import ReaderSettings
 from engine.unindexed import UnindexedFragments
 from tests.reads.conftest import ReadHarness, rows_batch, vectors
@@ -138,6 +140,87 @@ def test_over_the_bound_lance_searches_the_unindexed_part(make_harness: MakeHarn
     assert cache.loads == 0
     assert cache.fallbacks >= 1
     assert cache.nbytes == 0
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def pruned_harness(
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch, name: str, **kw: Any
+) -> ReadHarness:
+    """Offsets 0..1999 indexed, 2000..6999 in one unindexed fragment, pruners built for
+    fragments from 1000 rows."""
+    monkeypatch.setattr(unindexed_module, "PRUNE_MIN_ROWS", 1000)
+    h = make_harness(name, dim=DIM, **kw)
+    indexed_then_fresh(h)
+    h.put(h.writers[0], range(3000, 7000))
+    h.flush(h.writers[0])
+    return h
+
+
+def test_cached_fragments_get_int8_pruners_and_answer_as_lance_does(
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The background loader gives each cached fragment its int8 codes (`engine.prune`);
+    queries then re-rank the codes' candidates exactly and return Lance's rows."""
+    cached = pruned_harness(make_harness, monkeypatch, "cached")
+    lance_only = pruned_harness(
+        make_harness, monkeypatch, "lance", settings=ReaderSettings(unindexed_cache_bytes=0)
+    )
+    cache = cached.reader.unindexed
+    assert cache is not None
+    search(cached, vectors(np.array([1]), DIM)[0])  # first use: loads, then codes built
+    wait_for(lambda: cache.pruners == 2, "no pruners were built")
+    assert cache.pruner_bytes == 5000 * DIM
+    searches: list[int] = []
+    original = prune.Pruner.search
+
+    def counted(self: prune.Pruner, *args: Any) -> Any:
+        searches.append(self.num_rows)
+        return original(self, *args)
+
+    monkeypatch.setattr(prune.Pruner, "search", counted)
+    rng = np.random.default_rng(9)
+    queries = np.vstack(
+        [rng.standard_normal((5, DIM)), vectors(np.array([2100, 3500, 5000, 6999]), DIM) + 0.01]
+    ).astype(np.float32)
+    for q in queries:
+        for where in (None, "n >= 2400 AND n < 6500"):
+            got, dist = search(cached, q, filter=where)
+            want, want_dist = search(lance_only, q, filter=where)
+            assert got == want, where
+            np.testing.assert_allclose(dist, want_dist, rtol=1e-4, atol=1e-4)
+    assert searches, "no query used a pruner"
+    assert cache.fallbacks == 0
+
+
+def test_pruners_give_way_to_fragments_within_the_bound(
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Codes are an optional speed-up: a fragment that needs their room gets it, and the
+    cache never falls back to Lance for want of it."""
+    h = pruned_harness(make_harness, monkeypatch, "shed")
+    cache = h.reader.unindexed
+    assert cache is not None
+    search(h, vectors(np.array([1]), DIM)[0])
+    wait_for(lambda: cache.pruners == 2, "no pruners were built")
+    codes = cache.pruner_bytes
+    # Room for the fragments held and another 4000 rows of the same kind, but not for the
+    # codes on top.
+    per_row = (cache.nbytes - codes) / 6000
+    cache.max_bytes = int(cache.nbytes + 4000 * per_row + 4000 * DIM - codes / 2)
+    append_elsewhere(h, range(7000, 11000))
+    wait_for(lambda: cache.loads == 3, "the new fragment was not loaded")
+    assert cache.nbytes <= cache.max_bytes
+    assert cache.pruner_bytes < codes
+    for offset in (3000, 9000):
+        got, _ = search(h, vectors(np.array([offset]), DIM)[0])
+        assert got[0] == offset
+    assert cache.fallbacks == 0
 
 
 def append_elsewhere(h: ReadHarness, offsets: range) -> None:
