@@ -336,3 +336,28 @@ def test_queries_after_close_search_the_base_inline_with_the_same_results(
     ]
     for a, b in zip(before, after, strict=True):
         assert a.column("_offset").to_pylist() == b.column("_offset").to_pylist()
+
+
+def test_a_batch_is_tokenised_as_its_documents_are_one_by_one() -> None:
+    """The memtable tokenizer splits one joined tokenizer call back into documents: the same
+    terms and positions as tokenising each document alone (None, empty and stop-word-only
+    documents included), and the separator never becomes a term of any document."""
+    texts: list[str | None] = [
+        "The quick brown foxes were running",
+        None,
+        "",
+        "the and of",
+        "Élan naïve CAFÉ café",
+        "dogs dogs dogs",
+    ]
+    vocab: dict[str, int] = {}
+    batch = fts._batch_terms(texts, vocab)
+    words = {i: w for w, i in vocab.items()}
+    for row, text in enumerate(texts):
+        mine = batch.doc == row
+        alone = fts.tokenize(text or "")
+        assert [words[int(t)] for t in batch.term[mine]] == [t for t, _ in alone]
+        assert batch.pos[mine].tolist() == [p for _, p in alone]
+        assert batch.doc_len[row] == len(alone)
+    assert batch.valid.tolist() == [t is not None for t in texts]
+    assert fts._separator_token() not in {words[int(t)] for t in batch.term}
