@@ -233,7 +233,10 @@ class UnindexedFragments:
     def pruner_bytes(self) -> int:
         """The part of `nbytes` that the fragments' int8 pruners take."""
         with self._lock:
-            return sum(e.pruner.nbytes for e in self._entries.values() if e.pruner is not None)
+            return self._codes_bytes()
+
+    def _codes_bytes(self) -> int:
+        return sum(e.pruner.nbytes for e in self._entries.values() if e.pruner is not None)
 
     def _estimate(self, rows: int) -> int:
         """Bytes a fragment of `rows` rows takes at least (its vectors and norms)."""
@@ -308,8 +311,10 @@ class UnindexedFragments:
 
     def _make_room(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit in the bound, shedding pruners (an optional speed-up)
-        until they do. Holds the lock."""
+        until they do; none is shed when even that would not make room. Holds the lock."""
         used = sum(e.nbytes for e in self._entries.values())
+        if used - self._codes_bytes() + nbytes > self.max_bytes:
+            return False
         for key, entry in list(self._entries.items()):
             if used + nbytes <= self.max_bytes:
                 break
