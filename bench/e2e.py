@@ -353,7 +353,13 @@ def main() -> None:
         help="vector messages (a run at 200k lasts ~6 s, and start-up and the last commit "
         "weigh on its rate)",
     )
-    parser.add_argument("--repeat", type=int, default=3, help="runs per data set (medians)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=5,
+        help="runs per data set (medians; with 3, one run on a busy minute moved the vector "
+        "ratio's median by up to 0.1x on the 2-core development machine)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     lines: list[str] = []
