@@ -393,7 +393,7 @@ class WalSettings(_Section):
         default=20,
         validate_default=True,
         description="Group-commit window: puts arriving within it share one WAL entry, whose "
-        "offsets are committed within kafka.commit_interval_ms of it.",
+        "offsets the next offset commit (every kafka.commit_interval_ms) takes.",
     )
     max_wal_buffer_size: PositiveBytes = Field(
         default=ByteSize(16 << 20),
