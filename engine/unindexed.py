@@ -227,13 +227,16 @@ class UnindexedFragments:
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(e.nbytes for e in self._entries.values())
+            return self._used_bytes()
 
     @property
     def pruner_bytes(self) -> int:
         """The part of `nbytes` that the fragments' int8 pruners take."""
         with self._lock:
             return self._codes_bytes()
+
+    def _used_bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
 
     def _codes_bytes(self) -> int:
         return sum(e.pruner.nbytes for e in self._entries.values() if e.pruner is not None)
@@ -312,7 +315,7 @@ class UnindexedFragments:
     def _make_room(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit in the bound, shedding pruners (an optional speed-up)
         until they do; none is shed when even that would not make room. Holds the lock."""
-        used = sum(e.nbytes for e in self._entries.values())
+        used = self._used_bytes()
         if used - self._codes_bytes() + nbytes > self.max_bytes:
             return False
         for key, entry in list(self._entries.items()):
@@ -451,14 +454,14 @@ class UnindexedFragments:
             codes = entry.num_rows * int(entry.matrix.shape[1])
             elsewhere = self._held_elsewhere()
             with self._lock:
-                used = sum(e.nbytes for e in self._entries.values()) + elsewhere
+                used = self._used_bytes() + elsewhere
             if used + codes > self.max_bytes:
                 continue
             pruner = build_pruner(entry.matrix, metric, PRUNE_MIN_ROWS)
             if pruner is None:
                 continue
             with self._lock:
-                used = sum(e.nbytes for e in self._entries.values()) + elsewhere
+                used = self._used_bytes() + elsewhere
                 if self._entries.get(entry.key) is entry and used + codes <= self.max_bytes:
                     self._entries[entry.key] = replace(entry, pruner=pruner)
                     self.pruners += 1
