@@ -479,6 +479,19 @@ class MaintenanceSettings(_Section):
     """Background upkeep of the base table: indexes, compaction, old versions."""
 
     enabled: bool = Field(default=True, description="Run base-table maintenance in this process.")
+    process: bool = Field(
+        default=True,
+        description="Run maintenance in a child process with its own Lance runtime (false: "
+        "threads of the sink process). Index builds in the sink process made queries wait "
+        "inside Lance for over a second.",
+    )
+    nice: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description="CPU niceness added to the maintenance process, so ingestion and "
+        "queries get the CPU first (0 = the sink's priority).",
+    )
     interval_s: PositiveInt = Field(default=30, description="Time between maintenance runs.")
     vector_index: Literal["IVF_PQ", "IVF_HNSW_SQ"] = Field(
         default="IVF_PQ", description="Kind of vector index built on the base table."

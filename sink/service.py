@@ -23,6 +23,7 @@ puts return futures that are checked on each iteration; `consume()` is called ev
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import threading
@@ -40,14 +41,14 @@ from config.settings import Settings
 from engine.backpressure import BudgetController
 from engine.engine import Engine
 from engine.errors import Backpressure, Fenced, InvalidRecord, LanceSinkError, Poisoned
-from engine.maintenance import Maintenance
+from engine.maintenance import Maintenance, MaintenanceProcess
 from engine.reader import Reader, ReaderSettings
 from engine.shard import PutResult, ShardWriter
 from engine.wal import SourceRange
 from sink.decode import DeadLetter, Decoded, Decoder
 from sink.dlq import DeadLetterBatch, DeadLetterProducer
 from sink.http import ServerHandle, create_query_app, run_server
-from sink.log import librdkafka_logger
+from sink.log import configure_logging, librdkafka_logger
 from sink.metrics import Metrics
 from sink.server import create_ops_app
 
@@ -225,13 +226,24 @@ class SinkService:
             ReaderSettings.from_settings(settings.query),
             events=self.metrics,
         )
-        self.maintenance = Maintenance(
-            self.engine.spec,
-            self.engine.table,
-            self.engine.storage,
-            settings.maintenance,
-            events=self.metrics,
-        )
+        self.maintenance: Maintenance | MaintenanceProcess
+        if settings.maintenance.process:
+            obs = settings.observability
+            self.maintenance = MaintenanceProcess(
+                self.engine.spec,
+                self.engine.storage.uri,
+                settings.maintenance,
+                events=self.metrics,
+                init=functools.partial(configure_logging, obs.log_level, obs.log_format),
+            )
+        else:
+            self.maintenance = Maintenance(
+                self.engine.spec,
+                self.engine.table,
+                self.engine.storage,
+                settings.maintenance,
+                events=self.metrics,
+            )
         self.servers: list[ServerHandle] = []
         self.partitions: dict[tuple[str, int], PartitionState] = {}
         self.end_offsets: dict[tuple[str, int], int] = {}

@@ -4,9 +4,15 @@ what a shard's crash-window search needs, and the reader's answers never change.
 
 from __future__ import annotations
 
+import os
+import pickle
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +22,7 @@ from config.settings import MaintenanceSettings
 from engine.maintenance import (
     MAX_INDEX_SEGMENTS,
     Maintenance,
+    MaintenanceProcess,
     derived_partitions,
     derived_sub_vectors,
     is_conflict,
@@ -39,7 +46,7 @@ class Recorder:
         self.events.append((task, outcome))
 
 
-def maintenance(h: ReadHarness, events: Recorder | None = None, **settings: Any) -> Maintenance:
+def maintenance_settings(**settings: Any) -> MaintenanceSettings:
     values: dict[str, Any] = {
         "vector_index_min_rows": 600,
         "optimize_unindexed_rows": 50,
@@ -47,11 +54,15 @@ def maintenance(h: ReadHarness, events: Recorder | None = None, **settings: Any)
         "cleanup_retention_s": 3600,
         **settings,
     }
+    return MaintenanceSettings(**values)
+
+
+def maintenance(h: ReadHarness, events: Recorder | None = None, **settings: Any) -> Maintenance:
     return Maintenance(
         h.spec,
         h.table,
         h.storage,
-        MaintenanceSettings(**values),
+        maintenance_settings(**settings),
         events,
         min_retained_versions=2,
     )
@@ -383,3 +394,136 @@ def test_reads_stay_correct_while_maintenance_runs_during_ingestion(
     assert {"vector_index", "fts_index", "compact"} <= done
     assert h.reader.flushed_text is not None
     assert h.reader.flushed_text.handoffs > 0  # text queries met flushed memtables held
+
+
+# ---------------------------------------------------------------- in a child process
+
+
+def exited(pid: int) -> bool:
+    """Has the process exited (gone, or a zombie nobody reaped yet)?"""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: object = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_the_process_runs_the_tasks_at_lower_priority_and_reports_them(
+    make_harness: MakeHarness,
+) -> None:
+    h = make_harness()
+    w = h.open()
+    h.put(w, range(700))
+    h.flush(w)
+    events = Recorder()
+    m = MaintenanceProcess(
+        h.spec,
+        h.storage.uri,
+        maintenance_settings(interval_s=1, optimize_interval_s=1, optimize_unindexed_rows=500),
+        events,
+    )
+    m.start()
+    try:
+        wait_for(lambda: m.pid() is not None, 30)
+        pid = m.pid()
+        assert pid is not None
+        assert pid != os.getpid()
+        nice = min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)
+        wait_for(lambda: os.getpriority(os.PRIO_PROCESS, pid) == nice, 30)  # once started
+        # The child builds the indexes (its own commits, seen by this process's reader)...
+        wait_for(
+            lambda: {("vector_index", "done"), ("fts_index", "done")} <= set(events.events),
+            90,
+            events.events,
+        )
+        types = {str(i.type_url).rsplit(".", 1)[-1] for i in h.table.dataset().describe_indices()}
+        assert "InvertedIndexDetails" in types
+        assert len(types) == 2
+        # ... reports the unindexed rows it measured (100: not yet worth an optimisation)...
+        h.put(w, range(700, 800))
+        h.flush(w)
+        wait_for(lambda: m.unindexed_rows() == 100, 30, m.unindexed_rows())
+        # ... and indexes them once 500 are due.
+        h.put(w, range(800, 1300))
+        h.flush(w)
+        wait_for(lambda: m.unindexed_rows() == 0, 60, m.unindexed_rows())
+        ds = h.table.dataset()
+        assert all(i.num_rows_indexed == ds.count_rows() == 1300 for i in ds.describe_indices())
+        # The reader finds flushed rows through the child's indexes.
+        got = h.reader.search_text("row1250", k=3, columns=["_offset"]).column("_offset")
+        assert got.to_pylist()[0] == 1250
+    finally:
+        started = time.monotonic()
+        m.stop(timeout=30)
+    assert time.monotonic() - started < 30
+    assert exited(pid)
+    assert m.restarts == 0
+
+
+def test_a_dead_child_is_restarted_and_a_stuck_one_killed_at_stop(
+    make_harness: MakeHarness,
+) -> None:
+    h = make_harness()
+    m = MaintenanceProcess(h.spec, h.storage.uri, maintenance_settings(interval_s=3600))
+    m.start()
+    try:
+        wait_for(lambda: m.pid() is not None, 30)
+        first = m.pid()
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: m.pid() not in (None, first), 30, m.pid())
+        assert m.restarts == 1
+        second = m.pid()
+        assert second is not None
+        os.kill(second, signal.SIGSTOP)  # cannot answer: stop must not wait past its bound
+    finally:
+        started = time.monotonic()
+        m.stop(timeout=1)
+    assert time.monotonic() - started < 8
+    assert exited(second)
+    assert m.restarts == 1  # stopping is not a crash: no restart
+
+
+PARENT = """
+import sys, time
+from config.settings import MaintenanceSettings
+from engine.maintenance import MaintenanceProcess
+import pickle
+spec = pickle.loads(bytes.fromhex(sys.argv[1]))
+m = MaintenanceProcess(spec, sys.argv[2], MaintenanceSettings(interval_s=3600))
+m.start()
+while m.pid() is None:
+    time.sleep(0.05)
+print("child", m.pid(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_child_exits_when_the_sink_is_killed(make_harness: MakeHarness) -> None:
+    h = make_harness()
+    with subprocess.Popen(
+        [sys.executable, "-c", PARENT, pickle.dumps(h.spec).hex(), h.storage.uri],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    ) as parent:
+        try:
+            assert parent.stdout is not None
+            line = ""
+            while not line.startswith("child "):  # after the log lines (structlog's stdout)
+                line = parent.stdout.readline()
+                assert line, "the parent exited"
+            child = int(line.split()[1])
+            assert not exited(child)
+            parent.kill()  # as SIGKILL would: no shutdown code of the parent runs
+            parent.wait(10)
+            wait_for(lambda: exited(child), 15, "the maintenance child outlived the sink")
+        finally:
+            parent.kill()
