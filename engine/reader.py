@@ -130,6 +130,13 @@ DF_SAMPLE_MIN_HITS = 20
 #: scaled to the whole base while the index covers at least this share of its rows (a flush
 #: or two behind); below it, or with no index, Lance counts every row.
 MIN_TEXT_INDEX_COVERAGE = 0.5
+#: A query waits this long for a rare term's first count (Lance's FTS count: a few ms idle,
+#: ~0.5 s while maintenance and flushes keep the CPUs busy: the text p99 under ingestion);
+#: past it the query uses the sample's estimate, and the count, which goes on on the stats
+#: thread, serves the next queries.
+DF_WAIT_S = 0.05
+#: What a failed background statistic run returns (its old value, if any, stays in use).
+_FAILED = object()
 #: Cached base statistics (df per term, documents, avgdl) for this many columns x terms.
 STATS_CACHE_ENTRIES = 16_384
 #: Base statistics computed at an older base version are reused while they are younger than
@@ -348,7 +355,7 @@ class Reader:
         self._norms_lock = threading.Lock()
         self._stats: dict[tuple[Any, ...], Any] = {}
         self._stats_lock = threading.Lock()
-        self._refreshing: set[tuple[Any, ...]] = set()
+        self._refreshing: dict[tuple[Any, ...], Future[Any]] = {}
         self._stats_pool: ThreadPoolExecutor | None = None
         self._base_pool = ThreadPoolExecutor(
             self.settings.base_workers, thread_name_prefix="reader-base"
@@ -970,12 +977,18 @@ class Reader:
         compute: Callable[[], Any],
         *,
         reuse: bool = True,
+        wait_s: float | None = None,
+        estimate: Any = None,
     ) -> Any:
         """`compute()` for this base version, or (with `reuse`) a recent value computed at a
         similar version (see `STATS_MAX_AGE_S`). With `reuse`, an older value is returned
         as it is while `compute()` runs again on the background stats thread (one run per
         key at a time): recounting a 1M-row base's documents took hundreds of ms, which a
-        query then waited for every 30 s (the text p99 under ingestion)."""
+        query then waited for every 30 s (the text p99 under ingestion).
+
+        With `wait_s`, a value not cached yet is computed on the stats thread too, and
+        waited for at most `wait_s` seconds; past that (or if it fails) the query gets
+        `estimate`, and the value, once computed, serves the next queries."""
         version, rows, now = int(base.version), base.count_rows(), time.monotonic()
         with self._stats_lock:
             hit = self._stats.get(key)
@@ -988,6 +1001,14 @@ class Reader:
                 if now - at_time >= STATS_MAX_AGE_S or drift >= STATS_MAX_DRIFT:
                     self._refresh_stats(key, compute, version, rows)
                 return value
+        if wait_s is not None:
+            future = self._refresh_stats(key, compute, version, rows)
+            if future is not None:  # None: the reader is closed, compute inline
+                try:
+                    value = future.result(timeout=wait_s)
+                except TimeoutError:
+                    return estimate
+                return estimate if value is _FAILED else value
         value = compute()
         self._store_stats(key, value, version, rows, now)
         return value
@@ -1002,27 +1023,34 @@ class Reader:
 
     def _refresh_stats(
         self, key: tuple[Any, ...], compute: Callable[[], Any], version: int, rows: int
-    ) -> None:
-        """Recompute a stale statistic on the background stats thread (at most one run per
-        key queued or running; a failure keeps the old value, logged)."""
+    ) -> Future[Any] | None:
+        """Recompute a statistic on the background stats thread (at most one run per key
+        queued or running: returns that run's future, whose result is the value or
+        `_FAILED`; a failure keeps the old value, logged). None once the reader is closed."""
         with self._stats_lock:
-            if key in self._refreshing or self._closed.is_set():
-                return
-            self._refreshing.add(key)
+            running = self._refreshing.get(key)
+            if running is not None or self._closed.is_set():
+                return running
             if self._stats_pool is None:
                 self._stats_pool = ThreadPoolExecutor(1, thread_name_prefix="reader-stats")
             pool = self._stats_pool
 
-        def run() -> None:
-            try:
-                self._store_stats(key, compute(), version, rows, time.monotonic())
-            except Exception as exc:  # noqa: BLE001 - the old value stays in use
-                log.warning("reader_stats_refresh_failed", key=str(key), error=str(exc))
-            finally:
-                with self._stats_lock:
-                    self._refreshing.discard(key)
+            def run() -> Any:
+                try:
+                    value = compute()
+                except Exception as exc:  # noqa: BLE001 - the old value stays in use
+                    log.warning("reader_stats_refresh_failed", key=str(key), error=str(exc))
+                    value = _FAILED
+                else:
+                    self._store_stats(key, value, version, rows, time.monotonic())
+                finally:
+                    with self._stats_lock:
+                        self._refreshing.pop(key, None)
+                return value
 
-        pool.submit(run)
+            future = pool.submit(run)
+            self._refreshing[key] = future
+            return future
 
     def _base_text_stats(
         self, base: lance.LanceDataset, column: str
@@ -1063,6 +1091,9 @@ class Reader:
             return hits
         if hits >= DF_SAMPLE_MIN_HITS:
             return round(hits / sample_n * n)
+        # While a first count takes longer than DF_WAIT_S: the sample's estimate (half a
+        # document for a term the sample lacks).
+        estimate = round(max(hits, 0.5) / sample_n * n)
 
         def compute() -> int:
             query = MatchQuery(term, column)
@@ -1075,7 +1106,9 @@ class Reader:
             indexed = int(base.scanner(full_text_query=query, fast_search=True).count_rows())
             return round(indexed / covered)
 
-        result: int = self._cached(base, ("df", column, term), compute)
+        result: int = self._cached(
+            base, ("df", column, term), compute, wait_s=DF_WAIT_S, estimate=estimate
+        )
         return result
 
     def _text_index_coverage(self, base: lance.LanceDataset, column: str) -> float | None:

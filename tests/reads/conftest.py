@@ -18,6 +18,7 @@ import pyarrow as pa
 import pytest
 
 from config.settings import TableSettings
+from engine import reader as reader_module
 from engine.backpressure import BlockingValve
 from engine.reader import Reader, ReaderSettings
 from engine.schema import OP_DELETE, OP_UPSERT, TableSpec
@@ -25,6 +26,15 @@ from engine.shard import Flusher, ShardWriter
 from engine.storage import open_storage
 from engine.table import BaseTable
 from tests.support.engine import source, writer_config
+
+
+@pytest.fixture(autouse=True)
+def exact_text_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Queries wait for every base document-frequency count (`DF_WAIT_S`), so BM25 scores
+    are exact however slow the machine: tests compare them across tiers. The bound itself is
+    tested on its own."""
+    monkeypatch.setattr(reader_module, "DF_WAIT_S", 60.0)
+
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
 EPOCH = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)

@@ -293,3 +293,42 @@ def test_stale_base_statistics_are_served_while_recomputed_in_the_background(
         assert time.monotonic() < deadline, "the background refresh never landed"
         time.sleep(0.01)
     assert len(calls) == 1
+
+
+def test_a_first_statistic_is_waited_for_at_most_its_bound(make_harness: MakeHarness) -> None:
+    """With `wait_s`, a statistic not cached yet is computed on the stats thread; a query
+    waits for it at most `wait_s` and otherwise (or when it fails) gets the estimate; the
+    value then serves the next queries. A closed reader computes inline."""
+    h = make_harness()
+    w = h.open()
+    h.put(w, range(100))
+    h.flush(w)
+    reader = h.reader
+    base = reader.snapshot().base
+    gate = threading.Event()
+    calls = []
+
+    def slow() -> str:
+        calls.append(1)
+        gate.wait(30)
+        return "counted"
+
+    started = time.monotonic()
+    assert reader._cached(base, ("k",), slow, wait_s=0.05, estimate="guess") == "guess"
+    assert reader._cached(base, ("k",), slow, wait_s=0.05, estimate="guess") == "guess"
+    assert time.monotonic() - started < 5
+    gate.set()
+    deadline = time.monotonic() + 10
+    while reader._cached(base, ("k",), slow, wait_s=0.05, estimate="guess") != "counted":
+        assert time.monotonic() < deadline, "the background count never landed"
+        time.sleep(0.01)
+    assert len(calls) == 1  # the second query waited on the first one's run
+    # Within the bound: the value itself.
+    assert reader._cached(base, ("fast",), lambda: 7, wait_s=10, estimate=0) == 7
+
+    def broken() -> int:
+        raise OSError("the count failed")
+
+    assert reader._cached(base, ("broken",), broken, wait_s=10, estimate=3) == 3
+    reader.close()
+    assert reader._cached(base, ("closed",), lambda: 5, wait_s=0.0, estimate=0) == 5

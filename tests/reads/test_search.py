@@ -4,6 +4,7 @@ and BM25 scores that compare across tiers; full-text finds fresh and flushed row
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -282,6 +283,40 @@ def test_new_memtable_batches_are_tokenised_off_the_query_path(
     thread = h.reader._tokenizer.thread
     assert thread is not None
     assert not thread.is_alive()
+
+
+def test_a_rare_terms_first_count_is_estimated_while_it_is_slow(
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A query waits `DF_WAIT_S` at most for a rare term's first count; past it, it scores
+    with the sample's estimate, and the exact count serves the queries after."""
+    monkeypatch.setattr(reader_module, "AVGDL_SAMPLE_ROWS", 40)  # "golf" is rare in 40 docs
+    monkeypatch.setattr(reader_module, "DF_WAIT_S", 0.05)
+    h = make_harness(dim=DIM)
+    w = h.open()
+    h.put(w, range(1200))
+    h.flush(w)
+    h.index_text()
+    base = h.reader.snapshot().base
+    n, _, sample_n, sample_df = h.reader._base_text_stats(base, "text")
+    hits = sample_df.get("golf", 0)
+    assert hits < reader_module.DF_SAMPLE_MIN_HITS
+    everything = base.scanner(full_text_query=MatchQuery("golf", "text")).count_rows()
+    estimate = round(max(hits, 0.5) / sample_n * n)
+    assert estimate != everything
+    # The stats thread is busy with a slow statistic: the count waits in line behind it.
+    gate = threading.Event()
+    h.reader._refresh_stats(("busy",), lambda: gate.wait(30), int(base.version), n)
+    started = time.monotonic()
+    assert h.reader._base_df(base, "text", "golf") == estimate
+    assert time.monotonic() - started < 5
+    found = h.reader.search_text("golf", k=5, columns=["_offset"])  # scored with it
+    assert found.num_rows == 5
+    gate.set()
+    deadline = time.monotonic() + 30
+    while h.reader._base_df(base, "text", "golf") != everything:
+        assert time.monotonic() < deadline, "the exact count never landed"
+        time.sleep(0.01)
 
 
 def test_rare_term_df_counts_the_indexed_fragments_while_the_text_index_lags(
