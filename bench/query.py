@@ -304,6 +304,9 @@ class MaintenanceLog:
         with self._lock:
             self.runs.append((task, outcome, seconds))
 
+    def process_exited(self, exitcode: int | None) -> None:
+        self.ran("process_exited", f"exit code {exitcode}", 0.0)
+
     def summary(self) -> dict[str, str]:
         with self._lock:
             runs = list(self.runs)

@@ -132,11 +132,17 @@ class MaintenanceEvents(Protocol):
 
     def ran(self, task: str, outcome: str, seconds: float) -> None: ...
 
+    def process_exited(self, exitcode: int | None) -> None:
+        """The `MaintenanceProcess` child exited on its own (it is restarted)."""
+
 
 class NoMaintenanceEvents:
     """MaintenanceEvents that records nothing."""
 
     def ran(self, task: str, outcome: str, seconds: float) -> None:
+        return None
+
+    def process_exited(self, exitcode: int | None) -> None:
         return None
 
 
@@ -577,6 +583,7 @@ class MaintenanceProcess:
             if self._stop.is_set():
                 return
             self.restarts += 1
+            self._report(self.events.process_exited, process.exitcode)
             if time.monotonic() - started > RESTART_BACKOFF_MAX_S:
                 backoff = RESTART_BACKOFF_S
             log.warning(
@@ -597,10 +604,14 @@ class MaintenanceProcess:
             except (EOFError, OSError):
                 return
             self._unindexed = unindexed
-            try:
-                self.events.ran(task, outcome, seconds)
-            except Exception as exc:  # noqa: BLE001 - a metrics failure must not stop upkeep
-                log.warning("maintenance_event_failed", task=task, error=str(exc))
+            self._report(self.events.ran, task, outcome, seconds)
+
+    @staticmethod
+    def _report(event: Callable[..., None], *args: Any) -> None:
+        try:
+            event(*args)
+        except Exception as exc:  # noqa: BLE001 - a metrics failure must not stop upkeep
+            log.warning("maintenance_event_failed", event=event.__name__, error=str(exc))
 
 
 class _PipeEvents:
@@ -616,6 +627,9 @@ class _PipeEvents:
         unindexed = self.maintenance.unindexed_rows() if self.maintenance is not None else 0
         with self._lock, contextlib.suppress(OSError, ValueError):
             self.conn.send((task, outcome, seconds, unindexed))
+
+    def process_exited(self, exitcode: int | None) -> None:
+        return None  # the parent's supervisor reports its child's exits
 
 
 def run_child(

@@ -215,6 +215,11 @@ class Metrics:
             "Base-table maintenance tasks run, by outcome.",
             ["task", "outcome"],
         )
+        self.maintenance_process_exits = counter(
+            "maintenance_process_exits_total",
+            "Times the maintenance child process exited on its own (crash, OOM kill); each "
+            "is restarted with backoff.",
+        )
         self.query_seconds = Histogram(
             f"{PREFIX}_query_seconds",
             "Query latency by kind.",
@@ -386,6 +391,10 @@ class Metrics:
     def ran(self, task: str, outcome: str, seconds: float) -> None:
         """A maintenance task ran (MaintenanceEvents)."""
         self.maintenance_runs.labels(task, outcome).inc()
+
+    def process_exited(self, exitcode: int | None) -> None:
+        """The maintenance child process exited on its own (MaintenanceEvents)."""
+        self.maintenance_process_exits.inc()
 
     def base_unindexed(self, rows: int) -> None:
         self.unindexed_rows.set(rows)

@@ -94,6 +94,7 @@ METRICS = {
     "lance_sink_budget_bytes",
     "lance_sink_base_unindexed_rows",
     "lance_sink_maintenance_runs_total",
+    "lance_sink_maintenance_process_exits_total",
     "lance_sink_query_seconds",
     "lance_sink_query_unindexed_cache_bytes",
     "lance_sink_query_unindexed_fallbacks_total",

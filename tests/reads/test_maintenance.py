@@ -45,6 +45,9 @@ class Recorder:
         assert seconds >= 0
         self.events.append((task, outcome))
 
+    def process_exited(self, exitcode: int | None) -> None:
+        self.events.append(("process_exited", str(exitcode)))
+
 
 def maintenance_settings(**settings: Any) -> MaintenanceSettings:
     values: dict[str, Any] = {
@@ -471,7 +474,8 @@ def test_a_dead_child_is_restarted_and_a_stuck_one_killed_at_stop(
     make_harness: MakeHarness,
 ) -> None:
     h = make_harness()
-    m = MaintenanceProcess(h.spec, h.storage.uri, maintenance_settings(interval_s=3600))
+    events = Recorder()
+    m = MaintenanceProcess(h.spec, h.storage.uri, maintenance_settings(interval_s=3600), events)
     m.start()
     try:
         wait_for(lambda: m.pid() is not None, 30)
@@ -480,6 +484,7 @@ def test_a_dead_child_is_restarted_and_a_stuck_one_killed_at_stop(
         os.kill(first, signal.SIGKILL)
         wait_for(lambda: m.pid() not in (None, first), 30, m.pid())
         assert m.restarts == 1
+        assert events.events == [("process_exited", str(-signal.SIGKILL))]
         second = m.pid()
         assert second is not None
         os.kill(second, signal.SIGSTOP)  # cannot answer: stop must not wait past its bound
@@ -489,6 +494,7 @@ def test_a_dead_child_is_restarted_and_a_stuck_one_killed_at_stop(
     assert time.monotonic() - started < 8
     assert exited(second)
     assert m.restarts == 1  # stopping is not a crash: no restart
+    assert events.events == [("process_exited", str(-signal.SIGKILL))]
 
 
 PARENT = """

@@ -30,6 +30,10 @@ EXPECTED = {
     ),
     "lance_sink_lag_seconds": "Age of the oldest message not yet durable (0 when caught up).",
     "lance_sink_log_end_offset": "Log end offset (high watermark).",
+    "lance_sink_maintenance_process_exits": (
+        "Times the maintenance child process exited on its own (crash, OOM kill); each is "
+        "restarted with backoff."
+    ),
     "lance_sink_maintenance_runs": "Base-table maintenance tasks run, by outcome.",
     "lance_sink_memtable_bytes": "Resident bytes of the active memtable.",
     "lance_sink_memtable_index_bytes": "Resident bytes of in-memory indexes (all memtables).",
