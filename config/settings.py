@@ -478,7 +478,9 @@ class FlushSettings(_Section):
 class MaintenanceSettings(_Section):
     """Background upkeep of the base table: indexes, compaction, old versions."""
 
-    enabled: bool = Field(default=True, description="Run base-table maintenance in this process.")
+    enabled: bool = Field(
+        default=True, description="Run base-table maintenance from this sink process."
+    )
     process: bool = Field(
         default=True,
         description="Run maintenance in a child process with its own Lance runtime (false: "
