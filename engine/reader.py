@@ -100,11 +100,14 @@ FLUSHED_TIER = "(flushed)"
 #: excluded ones; above it, copy the eligible rows and search those. 4096 extra heap slots
 #: cost ~1 ms on a 100k-row batch, about what copying 5% of it costs.
 FAST_EXCLUDED_MAX = 4096
-#: Filtered batch search above `FAST_EXCLUDED_MAX` excluded rows: ask faiss for up to this
-#: many nearest rows of the whole batch (the heap stays small: as fast as k = 10 on a
-#: 100k-row batch) and keep the eligible ones; a selectivity under ~2%, where that many
-#: would not hold k eligible rows, copies the eligible rows and searches those instead (on
-#: a 50% filter the copy made the memtable part 2x slower).
+#: Filtered batch search: ask faiss for up to this many nearest rows of the whole batch
+#: (enough to hold k eligible rows twice over at the batch's selectivity; the heap stays
+#: small: as fast as k = 10 on a 100k-row batch) and keep the eligible ones. Tried before
+#: the fast path whenever its heap is the smaller one: on 500-row batches (one put each) with
+#: a 50% filter, k + excluded = 260 heap slots made the memtable part 1.5x slower (15.9 vs
+#: 10.9 ms per 100k rows). A selectivity under ~2%, where that many would not hold k
+#: eligible rows, copies the eligible rows and searches those instead (on a 50% filter the
+#: copy made the memtable part 2x slower).
 FILTER_OVERFETCH_MAX = 1024
 #: A cached fragment's pruned search (`engine.prune`) re-ranks this many int8 candidates
 #: first (on random 384-dim rows, the worst case, 256 of 100k proved the top 10), then
@@ -1352,6 +1355,17 @@ def _exact_knn(
     if excluded == n:
         return np.empty(0, np.int64), np.empty(0, np.float32)
     q = query.reshape(1, -1)
+    if metric != "cosine" and eligible is not None and excluded:
+        # The nearest kk rows of the whole matrix, of which the eligible ones are the exact
+        # top of the eligible rows if there are k of them (an eligible row outside is
+        # farther than all kk). kk expects k eligible rows twice over at the matrix's
+        # selectivity; otherwise the fast path or the copy below.
+        kk = math.ceil(2 * k * n / (n - excluded)) + 16
+        if kk <= FILTER_OVERFETCH_MAX and kk < min(n, k + excluded):
+            rows, dist = _faiss_knn(q, matrix, kk, metric)
+            keep = eligible[rows]
+            if int(keep.sum()) >= k:
+                return rows[keep][:k], dist[keep][:k]
     if metric != "cosine" and excluded <= FAST_EXCLUDED_MAX:
         kk = min(n, k + excluded)
         rows, dist = _faiss_knn(q, matrix, kk, metric)
@@ -1359,17 +1373,6 @@ def _exact_knn(
             keep = eligible[rows]
             rows, dist = rows[keep], dist[keep]
         return rows[:k], dist[:k]
-    if metric != "cosine" and eligible is not None:
-        # Many rows excluded: the nearest kk rows of the whole matrix, of which the eligible
-        # ones are the exact top of the eligible rows if there are k of them (an eligible
-        # row outside is farther than all kk). kk expects k eligible rows twice over at the
-        # matrix's selectivity; otherwise copy the eligible rows below.
-        kk = math.ceil(2 * k * n / (n - excluded)) + 16
-        if kk <= FILTER_OVERFETCH_MAX and kk < n:
-            rows, dist = _faiss_knn(q, matrix, kk, metric)
-            keep = eligible[rows]
-            if int(keep.sum()) >= k:
-                return rows[keep][:k], dist[keep][:k]
     index = np.flatnonzero(eligible) if eligible is not None else None
     sub = matrix if index is None else matrix[index]
     if metric == "cosine":

@@ -162,6 +162,30 @@ def test_filtered_memtable_knn_overfetches_instead_of_copying(
             assert (searched[0] == 3000) is whole
 
 
+def test_a_filtered_batch_asks_faiss_for_the_smaller_heap(
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Half of a batch filtered out: faiss is asked for enough rows to hold k matching ones
+    twice over (56), not k + the excluded rows (1510), and the answer is still exact."""
+    asked: list[int] = []
+    real = reader_module._faiss_knn
+
+    def spy(q: np.ndarray, matrix: np.ndarray, k: int, metric: str) -> tuple[Any, Any]:
+        asked.append(k)
+        return real(q, matrix, k, metric)
+
+    monkeypatch.setattr(reader_module, "_faiss_knn", spy)
+    h = make_harness(dim=DIM)
+    w = h.open()
+    h.put(w, range(3000))  # one 3000-row batch
+    data = vectors(np.arange(3000), DIM)
+    q = vectors(np.array([2507]), DIM, version=1)[0]
+    got = h.reader.search_vector(q, k=10, filter="_offset < 1500", columns=["_offset"])
+    assert asked == [56]  # ceil(2 * 10 * 3000 / 1500) + 16
+    truth = np.argsort(((data[:1500] - q) ** 2).sum(1))[:10]
+    assert sorted(got.column("_offset").to_pylist()) == sorted(truth.tolist())
+
+
 def test_fulltext_finds_fresh_and_flushed_rows(make_harness: MakeHarness) -> None:
     h = make_harness(dim=DIM)
     spread(h)
