@@ -608,6 +608,8 @@ def test_pod_hardening_and_probes(rendered: dict[str, list[dict[str, Any]]], sce
             values["config"]["query"]["unindexed_cache_bytes"]
         )
         derived_mib += math.ceil(cache / 2**20)
+    if values["config"]["maintenance"]["enabled"] and values["config"]["maintenance"]["process"]:
+        derived_mib += values["resources"]["memory"]["maintenanceProcessMiB"]
     assert container["resources"]["limits"]["memory"] == f"{derived_mib}Mi"
     assert container["resources"]["requests"]["memory"] == f"{derived_mib}Mi"
 
@@ -621,15 +623,41 @@ def test_memory_limit_formula_and_override(helm: str, tmp_path: Path) -> None:
                     "backpressure": {"process_budget_bytes": 3_000_000_000},
                     "query": {"unindexed_cache_bytes": "256MiB"},
                 },
-                "resources": {"memory": {"budgetFactor": 2, "overheadMiB": 100}},
+                "resources": {
+                    "memory": {"budgetFactor": 2, "overheadMiB": 100, "maintenanceProcessMiB": 50}
+                },
             }
         )
     )
     assert _values("object-storage-values")["config"]["table"]["vector"]
     docs = _template(helm, _scenario("object-storage-values"), path)
     assert _container(docs)["resources"]["limits"]["memory"] == (
-        f"{math.ceil(3_000_000_000 * 2 / 2**20) + 100 + 256}Mi"
+        f"{math.ceil(3_000_000_000 * 2 / 2**20) + 100 + 256 + 50}Mi"
     )
+    # Maintenance in threads of the sink process (or off): no second process.
+    for maintenance in ({"process": False}, {"enabled": False}):
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "config": {
+                        "backpressure": {"process_budget_bytes": 3_000_000_000},
+                        "query": {"unindexed_cache_bytes": "256MiB"},
+                        "maintenance": maintenance,
+                    },
+                    "resources": {
+                        "memory": {
+                            "budgetFactor": 2,
+                            "overheadMiB": 100,
+                            "maintenanceProcessMiB": 50,
+                        }
+                    },
+                }
+            )
+        )
+        docs = _template(helm, _scenario("object-storage-values"), path)
+        assert _container(docs)["resources"]["limits"]["memory"] == (
+            f"{math.ceil(3_000_000_000 * 2 / 2**20) + 100 + 256}Mi"
+        )
     # Without the query API, no unindexed-fragment cache is held.
     path.write_text(
         yaml.safe_dump(
@@ -637,6 +665,7 @@ def test_memory_limit_formula_and_override(helm: str, tmp_path: Path) -> None:
                 "config": {
                     "backpressure": {"process_budget_bytes": 3_000_000_000},
                     "query": {"enabled": False, "unindexed_cache_bytes": "256MiB"},
+                    "maintenance": {"enabled": False},
                 },
                 "resources": {"memory": {"budgetFactor": 2, "overheadMiB": 100}},
             }
@@ -659,8 +688,9 @@ def test_memory_limit_from_set_flags(helm: str) -> None:
         extra=("--set", "config.backpressure.process_budget_bytes=3221225472"),
     )
     cache_mib = 1024  # the default query.unindexed_cache_bytes (the scenario has a vector)
+    maintenance_mib = 256  # maintenance runs in its child process by default
     assert _container(docs)["resources"]["limits"]["memory"] == (
-        f"{3 * 1024 * 3 // 2 + 768 + cache_mib}Mi"
+        f"{3 * 1024 * 3 // 2 + 768 + cache_mib + maintenance_mib}Mi"
     )
 
 

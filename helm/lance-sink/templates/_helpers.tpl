@@ -143,7 +143,8 @@ Call with (list "config.key" value).
 The container memory limit derived from the backpressure budget:
   ceil(process_budget_bytes x resources.memory.budgetFactor / 1 MiB) + resources.memory.overheadMiB
   + ceil(query.unindexed_cache_bytes / 1 MiB) when the query API is on and the table has a vector
-  or full-text column  (Mi)
+  or full-text column
+  + resources.memory.maintenanceProcessMiB when maintenance runs in its child process  (Mi)
 */}}
 {{- define "lance-sink.memoryLimit" -}}
 {{- if .Values.resources.limits.memory -}}
@@ -156,7 +157,11 @@ The container memory limit derived from the backpressure budget:
 {{- $cacheBytes := include "lance-sink.bytes" (list "config.query.unindexed_cache_bytes" .Values.config.query.unindexed_cache_bytes) | float64 -}}
 {{- $cache = divf $cacheBytes 1048576 | ceil | int64 -}}
 {{- end -}}
-{{- printf "%dMi" (add $mib (int64 .Values.resources.memory.overheadMiB) $cache) -}}
+{{- $maintenance := 0 -}}
+{{- if and .Values.config.maintenance.enabled .Values.config.maintenance.process -}}
+{{- $maintenance = int64 .Values.resources.memory.maintenanceProcessMiB -}}
+{{- end -}}
+{{- printf "%dMi" (add $mib (int64 .Values.resources.memory.overheadMiB) $cache $maintenance) -}}
 {{- end -}}
 {{- end -}}
 
