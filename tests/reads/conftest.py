@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,14 @@ def exact_text_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
     are exact however slow the machine: tests compare them across tiers. The bound itself is
     tested on its own."""
     monkeypatch.setattr(reader_module, "DF_WAIT_S", 60.0)
+
+
+def wait_for(condition: Callable[[], bool], what: object, timeout: float = 10) -> None:
+    """Poll `condition` until it holds; fail with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
 
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]

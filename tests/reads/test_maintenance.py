@@ -30,7 +30,7 @@ from engine.maintenance import (
 from engine.manifest import ManifestStore
 from engine.reader import ReaderSettings
 from engine.table import flush_properties
-from tests.reads.conftest import ReadHarness, rows_batch, vectors
+from tests.reads.conftest import ReadHarness, rows_batch, vectors, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -411,13 +411,6 @@ def exited(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
-def wait_for(condition: Callable[[], bool], timeout: float, what: object = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 def test_the_process_runs_the_tasks_at_lower_priority_and_reports_them(
     make_harness: MakeHarness,
 ) -> None:
@@ -434,17 +427,17 @@ def test_the_process_runs_the_tasks_at_lower_priority_and_reports_them(
     )
     m.start()
     try:
-        wait_for(lambda: m.pid() is not None, 30)
+        wait_for(lambda: m.pid() is not None, "the child did not start", 30)
         pid = m.pid()
         assert pid is not None
         assert pid != os.getpid()
         nice = min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)
-        wait_for(lambda: os.getpriority(os.PRIO_PROCESS, pid) == nice, 30)  # once started
+        wait_for(lambda: os.getpriority(os.PRIO_PROCESS, pid) == nice, "niceness not set", 30)
         # The child builds the indexes (its own commits, seen by this process's reader)...
         wait_for(
             lambda: {("vector_index", "done"), ("fts_index", "done")} <= set(events.events),
-            90,
             events.events,
+            90,
         )
         types = {str(i.type_url).rsplit(".", 1)[-1] for i in h.table.dataset().describe_indices()}
         assert "InvertedIndexDetails" in types
@@ -452,11 +445,11 @@ def test_the_process_runs_the_tasks_at_lower_priority_and_reports_them(
         # ... reports the unindexed rows it measured (100: not yet worth an optimisation)...
         h.put(w, range(700, 800))
         h.flush(w)
-        wait_for(lambda: m.unindexed_rows() == 100, 30, m.unindexed_rows())
+        wait_for(lambda: m.unindexed_rows() == 100, "100 unindexed rows not reported", 30)
         # ... and indexes them once 500 are due.
         h.put(w, range(800, 1300))
         h.flush(w)
-        wait_for(lambda: m.unindexed_rows() == 0, 60, m.unindexed_rows())
+        wait_for(lambda: m.unindexed_rows() == 0, "the new rows were not indexed", 60)
         ds = h.table.dataset()
         assert all(i.num_rows_indexed == ds.count_rows() == 1300 for i in ds.describe_indices())
         # The reader finds flushed rows through the child's indexes.
@@ -478,11 +471,11 @@ def test_a_dead_child_is_restarted_and_a_stuck_one_killed_at_stop(
     m = MaintenanceProcess(h.spec, h.storage.uri, maintenance_settings(interval_s=3600), events)
     m.start()
     try:
-        wait_for(lambda: m.pid() is not None, 30)
+        wait_for(lambda: m.pid() is not None, "the child did not start", 30)
         first = m.pid()
         assert first is not None
         os.kill(first, signal.SIGKILL)
-        wait_for(lambda: m.pid() not in (None, first), 30, m.pid())
+        wait_for(lambda: m.pid() not in (None, first), "the child was not restarted", 30)
         assert m.restarts == 1
         assert events.events == [("process_exited", str(-signal.SIGKILL))]
         second = m.pid()
@@ -530,6 +523,6 @@ def test_the_child_exits_when_the_sink_is_killed(make_harness: MakeHarness) -> N
             assert not exited(child)
             parent.kill()  # as SIGKILL would: no shutdown code of the parent runs
             parent.wait(10)
-            wait_for(lambda: exited(child), 15, "the maintenance child outlived the sink")
+            wait_for(lambda: exited(child), "the maintenance child outlived the sink", 15)
         finally:
             parent.kill()

@@ -18,7 +18,7 @@ from engine import prune
 from engine import unindexed as unindexed_module
 from engine.reader import ReaderSettings
 from engine.unindexed import UnindexedFragments
-from tests.reads.conftest import ReadHarness, rows_batch, vectors
+from tests.reads.conftest import ReadHarness, rows_batch, vectors, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -140,13 +140,6 @@ def test_over_the_bound_lance_searches_the_unindexed_part(make_harness: MakeHarn
     assert cache.loads == 0
     assert cache.fallbacks >= 1
     assert cache.nbytes == 0
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def pruned_harness(
