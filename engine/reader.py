@@ -1002,10 +1002,10 @@ class Reader:
                 return value
             if reuse and at_rows > 0:
                 if now - at_time >= STATS_MAX_AGE_S or drift >= STATS_MAX_DRIFT:
-                    self._refresh_stats(key, compute, version, rows)
+                    self._stats_in_background(key, compute, version, rows)
                 return value
         if wait_s is not None:
-            future = self._refresh_stats(key, compute, version, rows)
+            future = self._stats_in_background(key, compute, version, rows)
             if future is not None:  # None: the reader is closed, compute inline
                 try:
                     value = future.result(timeout=wait_s)
@@ -1024,12 +1024,13 @@ class Reader:
                 self._stats.clear()
             self._stats[key] = (value, version, rows, at)
 
-    def _refresh_stats(
+    def _stats_in_background(
         self, key: tuple[Any, ...], compute: Callable[[], Any], version: int, rows: int
     ) -> Future[Any] | None:
-        """Recompute a statistic on the background stats thread (at most one run per key
-        queued or running: returns that run's future, whose result is the value or
-        `_FAILED`; a failure keeps the old value, logged). None once the reader is closed."""
+        """Compute a statistic on the background stats thread: a stale value's refresh, or
+        a first value a query waits for at most `wait_s` (at most one run per key queued or
+        running: returns that run's future, whose result is the value or `_FAILED`; a
+        failure keeps the old value, logged). None once the reader is closed."""
         with self._stats_lock:
             running = self._refreshing.get(key)
             if running is not None or self._closed.is_set():

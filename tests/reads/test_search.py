@@ -330,7 +330,7 @@ def test_a_rare_terms_first_count_is_estimated_while_it_is_slow(
     assert estimate != everything
     # The stats thread is busy with a slow statistic: the count waits in line behind it.
     gate = threading.Event()
-    h.reader._refresh_stats(("busy",), lambda: gate.wait(30), int(base.version), n)
+    h.reader._stats_in_background(("busy",), lambda: gate.wait(30), int(base.version), n)
     started = time.monotonic()
     assert h.reader._base_df(base, "text", "golf") == estimate
     assert time.monotonic() - started < 5
