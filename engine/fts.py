@@ -149,6 +149,23 @@ class MemtableTermCache:
                 )
             return entry.vocab, entry.batches[: len(batches)]
 
+    def carry_over(self, old: Memtable, new: Memtable) -> None:
+        """Let `new`, a projection of `old`'s rows (`Memtable.without_column`), use the
+        tokens cached for `old` (the same entries: either may extend them), accounted to
+        `new` too: it outlives `old` (`engine.unindexed.FlushedText`)."""
+        with self._lock:
+            per_column = self._cache.get(old)
+            if per_column is None:
+                return
+            self._cache[new] = per_column
+            entries = list(per_column.values())
+        nbytes = 0
+        for entry in entries:
+            with entry.lock:
+                nbytes += sum(b.nbytes for b in entry.batches)
+                nbytes += len(entry.vocab) * _VOCAB_ENTRY_BYTES
+        new.account_cache(nbytes)
+
     def terms_ready(self, memtable: Memtable, column: str) -> int:
         """How many leading batches of `memtable` have their `column` tokenised."""
         with self._lock:

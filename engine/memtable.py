@@ -183,6 +183,29 @@ class Memtable:
             + len(self._dead)
         )
 
+    def without_column(self, name: str) -> Memtable:
+        """A frozen memtable of this one's rows without column `name`, zero-copy: it holds
+        only the other columns' buffers (the batches own theirs, see `insert`). What the
+        reader keeps of a flushed memtable for full-text search without its vectors
+        (`engine.unindexed.FlushedText`). Append tables only (no primary-key map)."""
+        if self._keys is not None:
+            raise ValueError("an upsert memtable's rows are not projected")
+        with self._lock:
+            batches = list(self.batches)
+            positions = list(self.batch_positions)
+        out = Memtable(self.spec, self.generation)
+        out.batches = [b.drop_columns([name]) if name in b.schema.names else b for b in batches]
+        out.batch_positions = positions
+        out.first_position = self.first_position
+        out.last_position = self.last_position
+        out.sources = list(self.sources)
+        out.rows = sum(b.num_rows for b in out.batches)
+        out.data_bytes = sum(b.get_total_buffer_size() for b in out.batches)
+        out.frozen = True
+        out.commit_floor = self.commit_floor
+        out.committed_version = self.committed_version
+        return out
+
     def view(self) -> MemtableView:
         """An immutable snapshot for readers."""
         with self._lock:

@@ -85,7 +85,13 @@ from engine.periodic import PeriodicThread
 from engine.schema import TableSpec, vector_matrix
 from engine.shard import ShardWriter
 from engine.table import BaseTable
-from engine.unindexed import CachedFragment, FlushedText, UnindexedFragments, covered_fragments
+from engine.unindexed import (
+    CachedFragment,
+    FlushedText,
+    HeldText,
+    UnindexedFragments,
+    covered_fragments,
+)
 
 log = structlog.get_logger("lance_sink.reader")
 
@@ -282,6 +288,45 @@ class _Tier:
             (any(t.holds(k) for t in self.newer) for k in keys), dtype=bool, count=len(keys)
         )
 
+    def take(self, batch_idx: int, rows: np.ndarray, columns: list[str]) -> pa.Table:
+        """`columns` of the given rows of batch `batch_idx`."""
+        batch = self.view.batches[batch_idx]
+        taken = batch.select(columns).take(pa.array(rows, pa.int64()))
+        schema = pa.schema([self.spec.table_schema.field(c) for c in columns])
+        return pa.Table.from_batches([pa.RecordBatch.from_arrays(taken.columns, schema=schema)])
+
+
+class _FlushedTier(_Tier):
+    """A flushed memtable `FlushedText` keeps (for text search), in place of the base
+    fragments it was written to. Its batches lack the vector column: rows asked for with it
+    take it from those fragments, in the query's base version (a fragment's rows never
+    change; an append table's have no deletions)."""
+
+    def __init__(self, held: HeldText, base: lance.LanceDataset, spec: TableSpec) -> None:
+        super().__init__(FLUSHED_TIER, held.view, (), spec)
+        self.held = held
+        self.base = base
+
+    def take(self, batch_idx: int, rows: np.ndarray, columns: list[str]) -> pa.Table:
+        names = self.view.batches[batch_idx].schema.names
+        missing = [c for c in columns if c not in names]
+        if not missing:
+            return super().take(batch_idx, rows, columns)
+        kept = super().take(batch_idx, rows, [c for c in columns if c in names])
+        pieces, order = [], []
+        for fragment_id, offsets, picked in self.held.locate(self.starts[batch_idx] + rows):
+            fragment = self.base.get_fragment(fragment_id)
+            assert fragment is not None, "FlushedText.views holds fragments of this base only"
+            ascending = np.argsort(offsets)  # Lance takes rows in increasing order only
+            pieces.append(fragment.take(offsets[ascending].tolist(), columns=missing))
+            order.append(picked[ascending])
+        found = pa.concat_tables(pieces)
+        found = found.take(pa.array(np.argsort(np.concatenate(order)), pa.int64()))
+        for column in missing:
+            field = self.spec.table_schema.field(column)
+            kept = kept.append_column(field, found.column(column).cast(field.type))
+        return kept.select(columns)
+
 
 @dataclass(frozen=True, slots=True)
 class _BaseKnn:
@@ -385,6 +430,8 @@ class Reader:
                 bound,
                 lambda: self._tokenizer.thread is not None and not self._closed.is_set(),
                 lambda: self._held_bytes(vector=True),
+                self.terms,
+                None if spec.vector is None else spec.vector.name,
             )
             table.watch_appends(self.flushed_text)
         faiss.omp_set_num_threads(1)
@@ -521,14 +568,6 @@ class Reader:
         """The primary-key value of every row (scalars, or tuples for a composite key)."""
         return key_values(table, self.spec.primary_key)
 
-    def _memtable_rows(
-        self, tier: _Tier, batch_idx: int, rows: np.ndarray, columns: list[str]
-    ) -> pa.Table:
-        batch = tier.view.batches[batch_idx]
-        taken = batch.select(columns).take(pa.array(rows, pa.int64()))
-        schema = pa.schema([self.spec.table_schema.field(c) for c in columns])
-        return pa.Table.from_batches([pa.RecordBatch.from_arrays(taken.columns, schema=schema)])
-
     def _visible_in_tier(self, tier: _Tier, batch_idx: int, rows: np.ndarray) -> np.ndarray:
         """Subset of `rows` (of batch `batch_idx`) not decided by a newer tier."""
         if not tier.newer or not len(rows) or tier.view.keys is None:
@@ -625,7 +664,7 @@ class Reader:
         for c in np.unique(owner[best]):
             mine = positions[best[owner[best] == c]]
             cand = candidates[int(c)]
-            table = self._memtable_rows(cand.tier, cand.batch, cand.rows[mine], fetch)
+            table = cand.tier.take(cand.batch, cand.rows[mine], fetch)
             out.append(table.append_column(column, pa.array(cand.values[mine], pa.float32())))
         return out
 
@@ -860,7 +899,7 @@ class Reader:
         # Flushed memtables standing for base fragments the text index lacks: scored here,
         # counted in the base's statistics already, and Lance searches only indexed rows.
         held = None if self.flushed_text is None else self.flushed_text.views(snap.base, column)
-        flushed = [_Tier(FLUSHED_TIER, view, (), self.spec) for view in held or ()]
+        flushed = [_FlushedTier(h, snap.base, self.spec) for h in held or ()]
         base = self._meanwhile(
             self._text_base, snap, text, column, phrase, predicate, k, fetch, held is not None
         )
@@ -1169,7 +1208,7 @@ class Reader:
                 rows = np.arange(batch.num_rows) if eligible is None else np.flatnonzero(eligible)
                 rows = self._visible_in_tier(tier, i, rows)[:remaining]
                 if len(rows):
-                    parts.append(self._memtable_rows(tier, i, rows, fetch))
+                    parts.append(tier.take(i, rows, fetch))
                     remaining -= len(rows)
         if remaining > 0 and snap.base.count_rows():
 
@@ -1277,7 +1316,7 @@ class Reader:
             if live is not None:
                 rows = rows[live[rows]]
             if len(rows):
-                out.append(self._memtable_rows(tier, int(b), rows, fetch))
+                out.append(tier.take(int(b), rows, fetch))
         return out
 
     def _lookup_append_tier(
@@ -1295,7 +1334,7 @@ class Reader:
                 mask &= live
             rows = np.flatnonzero(mask)
             if len(rows):
-                out.append(self._memtable_rows(tier, i, rows, fetch))
+                out.append(tier.take(i, rows, fetch))
         return out
 
     def _key_value_sets(self, keys: list[Any]) -> list[pa.Array]:

@@ -58,6 +58,7 @@ import numpy as np
 import pyarrow as pa
 import structlog
 
+from engine.fts import MemtableTermCache
 from engine.memtable import Memtable, MemtableView
 from engine.periodic import PeriodicThread
 from engine.prune import PRUNE_MIN_ROWS, Pruner, build_pruner
@@ -483,10 +484,35 @@ def _ignore_commit(ds: lance.LanceDataset) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class _Flushed:
-    fragments: frozenset[int]
+class HeldText:
+    """A flushed memtable `FlushedText` keeps: its rows without the vector column (`view`,
+    a `Memtable.without_column` copy), and the base fragments they were written to, in
+    order, as (fragment id, row count)."""
+
     view: MemtableView
-    nbytes: int
+    fragments: tuple[tuple[int, int], ...]
+
+    @property
+    def ids(self) -> frozenset[int]:
+        return frozenset(i for i, _ in self.fragments)
+
+    @property
+    def nbytes(self) -> int:
+        """Its rows and its term cache (which queries may still extend)."""
+        return self.view.memtable.memory_size
+
+    def locate(self, rows: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """Where rows of the view (its row numbers, in view order) are in the base: per
+        fragment holding some, (fragment id, their offsets in it, their indices in
+        `rows`)."""
+        ends = np.cumsum([count for _, count in self.fragments])
+        which = np.searchsorted(ends, rows, side="right")
+        out = []
+        for f in np.unique(which):
+            picked = np.flatnonzero(which == f)
+            start = int(ends[f - 1]) if f else 0
+            out.append((self.fragments[int(f)][0], rows[picked] - start, picked))
+        return out
 
 
 class FlushedText:
@@ -499,12 +525,21 @@ class FlushedText:
     reader's term cache), so the reader keeps its view and scores it with its own BM25, while
     Lance searches the indexed fragments only (``fast_search``).
 
+    Without vectors: a memtable is kept as `Memtable.without_column` of its vector column,
+    its term cache carried over (`fts.MemtableTermCache.carry_over`): 100k rows of 384-dim
+    vectors held 167 MiB, most of it vectors the vector cache holds as well, and under
+    ingestion the two together outgrew the bound they share, so a flushed memtable was not
+    kept and the text queries of the next seconds scanned its rows flat (p99 0.5 s). A text
+    result asking for the vector column takes the winners' vectors from their base fragment
+    (`HeldText.locate`).
+
     `appending` (`engine.table.AppendWatcher`) takes the memtable of an append flush (not
     before the first text query, nor when it does not fit in the bound it shares with the
-    vector cache) and files its view under the new fragments' ids once committed.
-    `views(base, column)` returns the views that stand for `base`'s fragments the index on
-    `column` lacks, or None when some such fragment is not held (then Lance searches them
-    all, as before). Views whose fragments are all covered, or gone (compacted), are dropped.
+    vector cache) and files it under the new fragments' ids once committed.
+    `views(base, column)` returns the memtables that stand for `base`'s fragments the index
+    on `column` lacks, or None when some such fragment is not held (then Lance searches them
+    all, as before; counted in `fallbacks`). Memtables whose fragments are all covered, or
+    gone (compacted), are dropped.
     """
 
     def __init__(
@@ -513,37 +548,42 @@ class FlushedText:
         max_bytes: int,
         enabled: Callable[[], bool],
         held_elsewhere: Callable[[], int],
+        terms: MemtableTermCache,
+        vector: str | None = None,
     ) -> None:
         self.columns = columns  # the full-text columns, each with its own index
         self.max_bytes = max_bytes
         self._enabled = enabled
         self._held_elsewhere = held_elsewhere
-        self._held: list[_Flushed] = []
-        self._found: dict[tuple[int, str], list[MemtableView]] = {}
+        self._terms = terms
+        self._vector = vector
+        self._held: list[HeldText] = []
+        self._found: dict[tuple[int, str], list[HeldText]] = {}
         self._lock = threading.Lock()
         self.handoffs = 0
+        self.refused = 0  # flushed memtables not kept: no room in the bound
+        self.fallbacks = 0  # `views` found an indexed column's unindexed rows not all held
 
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(h.nbytes for h in self._held)
+            held = list(self._held)
+        return sum(h.nbytes for h in held)
 
     @contextmanager
     def appending(
         self, rows: pa.Table, memtable: Memtable | None = None
     ) -> Iterator[Callable[[lance.LanceDataset], None]]:
-        """`engine.table.AppendWatcher`: keep `memtable`'s view once its rows are committed."""
+        """`engine.table.AppendWatcher`: keep `memtable`'s rows once they are committed."""
         if memtable is None or not self._enabled():
             yield _ignore_commit
             return
-        view = memtable.view()
-        nbytes = memtable.memory_size
-        if sum(b.num_rows for b in view.batches) != rows.num_rows:  # partly flushed before
-            yield _ignore_commit
+        if sum(b.num_rows for b in memtable.view().batches) != rows.num_rows:
+            yield _ignore_commit  # partly flushed before
             return
-        yield lambda ds: self._adopt(ds, view, rows.num_rows, nbytes)
+        yield lambda ds: self._adopt(ds, memtable, rows.num_rows)
 
-    def _adopt(self, ds: lance.LanceDataset, view: MemtableView, rows: int, nbytes: int) -> None:
+    def _adopt(self, ds: lance.LanceDataset, memtable: Memtable, rows: int) -> None:
         fragments = [
             (int(f.fragment_id), int(f.fragment_id), int(f.metadata.physical_rows))
             for f in ds.get_fragments()
@@ -551,30 +591,38 @@ class FlushedText:
         mine = newest_fragments(fragments, rows)
         if mine is None:
             return
-        held = _Flushed(frozenset(i for i, _ in mine), view, nbytes)
+        kept = memtable
+        if self._vector is not None:
+            kept = memtable.without_column(self._vector)
+            self._terms.carry_over(memtable, kept)
+        held = HeldText(kept.view(), tuple(mine))
         elsewhere = self._held_elsewhere()
         with self._lock:
-            if sum(h.nbytes for h in self._held) + elsewhere + nbytes > self.max_bytes:
+            if sum(h.nbytes for h in self._held) + elsewhere + held.nbytes > self.max_bytes:
+                self.refused += 1
                 return
             self._held.append(held)
             self.handoffs += 1
 
-    def views(self, base: lance.LanceDataset, column: str) -> list[MemtableView] | None:
-        """The held views standing for the fragments of `base` the index on `column` lacks,
-        or None (see the class docstring). Found lists are kept per base version."""
+    def views(self, base: lance.LanceDataset, column: str) -> list[HeldText] | None:
+        """The held memtables standing for the fragments of `base` the index on `column`
+        lacks, or None (see the class docstring). Found lists are kept per base version."""
         key = (int(base.version), column)
         with self._lock:
             if key in self._found:
                 return self._found[key]
-        found = self._views(base, column)
-        if found is not None:  # None may change within a version: an adoption pending
-            with self._lock:
+        found, indexed = self._views(base, column)
+        with self._lock:
+            if found is not None:  # None may change within a version: an adoption pending
                 self._found[key] = found
                 while len(self._found) > VERSIONS_KEPT:
                     del self._found[min(self._found)]
+            elif indexed:
+                self.fallbacks += 1
         return found
 
-    def _views(self, base: lance.LanceDataset, column: str) -> list[MemtableView] | None:
+    def _views(self, base: lance.LanceDataset, column: str) -> tuple[list[HeldText] | None, bool]:
+        """`views`, and whether `column` has an index."""
         present = {int(f.fragment_id) for f in base.get_fragments()}
         lacking: dict[str, set[int]] = {}  # per indexed column: the fragments it lacks
         for name in self.columns:
@@ -582,29 +630,29 @@ class FlushedText:
             if covered is not None:
                 lacking[name] = present - covered
         if column not in lacking:
-            return None  # no index on it: Lance searches every fragment itself
+            return None, False  # no index on it: Lance searches every fragment itself
         unindexed = lacking[column]
         needed = set().union(*lacking.values())
         newest = max(present, default=-1)
         with self._lock:
             # Held rows every index now covers, or compaction rewrote, are not needed any
             # more; rows flushed after `base` (ids above its newest) may be for later queries.
-            kept = [h for h in self._held if h.fragments & needed or min(h.fragments) > newest]
+            kept = [h for h in self._held if h.ids & needed or min(h.ids) > newest]
             if len(kept) < len(self._held):  # older versions' lists would pin dropped views
                 version = int(base.version)
                 self._found = {k: v for k, v in self._found.items() if k[0] > version}
             self._held = kept
-            held = [h for h in self._held if min(h.fragments) <= newest]
+            held = [h for h in self._held if min(h.ids) <= newest]
         out = []
         found: set[int] = set()
         for h in held:
-            if not h.fragments & unindexed:
+            if not h.ids & unindexed:
                 continue  # this column's index covers it (another column's does not)
-            if not h.fragments <= unindexed:
-                return None  # partly indexed: its rows cannot be split between the tiers
-            out.append(h.view)
-            found |= h.fragments
-        return out if found == unindexed else None
+            if not h.ids <= unindexed:
+                return None, True  # partly indexed: its rows cannot be split between tiers
+            out.append(h)
+            found |= h.ids
+        return (out if found == unindexed else None), True
 
     def clear(self) -> None:
         with self._lock:

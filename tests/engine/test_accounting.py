@@ -60,3 +60,29 @@ def test_own_copy_drops_the_parent_buffer(tmp_path: Path) -> None:
     assert owned.to_pylist() == piece.to_pylist()
     whole = make_batch(spec, 0, 100)
     assert own_copy(whole) is whole  # compact batches are not copied
+
+
+def test_a_copy_without_the_vectors_keeps_only_the_other_columns(tmp_path: Path) -> None:
+    """`Memtable.without_column` is zero-copy and, once the memtable is gone, keeps resident
+    what it accounts: the other columns' buffers, not the vectors."""
+    spec = make_spec(tmp_path / "t.lance", dim=256)
+    assert spec.vector is not None
+    gc.collect()
+    before = pa.total_allocated_bytes()
+    memtable = Memtable(spec, 1)
+    fill(memtable, 4000, 500)
+    copy = memtable.without_column(spec.vector.name)
+    assert copy.rows == memtable.rows
+    assert copy.frozen
+    assert [b.column("id") for b in copy.batches] == [b.column("id") for b in memtable.batches]
+    first, kept = memtable.batches[0], copy.batches[0]
+    assert kept.column("id").buffers()[-1].address == first.column("id").buffers()[-1].address
+    assert spec.vector.name not in kept.schema.names
+    assert copy.data_bytes < memtable.data_bytes - 4000 * 256 * 4 * 0.95
+    del memtable, first
+    gc.collect()
+    resident = pa.total_allocated_bytes() - before
+    assert abs(copy.memory_size - resident) / resident <= 0.20, (copy.memory_size, resident)
+    upsert = Memtable(make_spec(tmp_path / "u.lance", "upsert"), 1)
+    with pytest.raises(ValueError, match="upsert"):
+        upsert.without_column("vec")

@@ -17,7 +17,7 @@ import pytest
 from engine import prune
 from engine import unindexed as unindexed_module
 from engine.reader import ReaderSettings
-from engine.unindexed import UnindexedFragments
+from engine.unindexed import HeldText, UnindexedFragments
 from tests.reads.conftest import ReadHarness, rows_batch, vectors, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -405,7 +405,7 @@ def test_flushed_memtables_answer_text_until_the_index_covers_them(
     assert holder.handoffs == 1
     views = holder.views(held.table.dataset(), "text")
     assert views is not None
-    assert sum(b.num_rows for v in views for b in v.batches) == 600
+    assert sum(b.num_rows for v in views for b in v.view.batches) == 600
     assert held.reader.unindexed_bytes >= holder.nbytes > 0  # under the shared bound
     for text, kw in [
         ("row1234", {}),
@@ -420,6 +420,7 @@ def test_flushed_memtables_answer_text_until_the_index_covers_them(
     want = lance_only.reader.search_text("row1234", k=1, columns=["_offset"])
     assert top.column("_offset").to_pylist() == [1234]
     assert top.column("_score")[0].as_py() == pytest.approx(want.column("_score")[0].as_py(), 0.2)
+    assert holder.fallbacks == 0
     # Once the index covers the flushed fragment, the memtable is let go.
     held.table.dataset().optimize.optimize_indices()
     assert offsets_found(held, "row1234") == [1234]
@@ -433,9 +434,76 @@ def test_flushed_memtables_are_held_only_within_the_bound(make_harness: MakeHarn
     holder = small.reader.flushed_text
     assert holder is not None
     assert holder.handoffs == 0
+    assert holder.refused == 1
     assert holder.nbytes == 0
     assert holder.views(small.table.dataset(), "text") is None  # Lance searches it all
     assert offsets_found(small, "row1234") == [1234]
+    assert holder.fallbacks == 2  # counted: both the views call and the query
+
+
+def test_a_held_memtable_keeps_no_vectors(make_harness: MakeHarness) -> None:
+    """The held copy has every column but the vector one, zero-copy, and the term cache of
+    the flushed memtable (nothing is tokenised again); its bytes are counted without the
+    vectors, so a bound too small for the vectors still holds it."""
+    dim = 256  # 600 rows x 1 KiB of vectors: most of a memtable's bytes
+    probe = make_harness("probe", dim=dim)
+    w = probe.open()
+    probe.put(w, range(1000))
+    probe.flush(w)
+    probe.index_text()
+    probe.put(w, range(1000, 1600))
+    probe.reader.search_text("alpha", k=1)  # tokenises the memtable, then holds it flushed
+    probe.flush(w)
+    held = probe.reader.flushed_text
+    assert held is not None
+    views = held.views(probe.table.dataset(), "text")
+    assert views is not None
+    (one,) = views
+    assert all("vec" not in b.schema.names for b in one.view.batches)
+    assert one.nbytes == held.nbytes < 600 * dim * 4
+    assert probe.reader.terms.terms_ready(one.view.memtable, "text") == len(one.view.batches)
+    bound = held.nbytes + 16 * 1024  # the text rows fit; with their vectors they would not
+    small = make_harness("small", dim=dim, settings=ReaderSettings(unindexed_cache_bytes=bound))
+    text_indexed_then_flushed(small)
+    holder = small.reader.flushed_text
+    assert holder is not None
+    assert holder.handoffs == 1
+    assert offsets_found(small, "row1234") == [1234]
+    assert holder.fallbacks == 0
+
+
+def test_text_results_of_a_held_memtable_carry_their_vectors(make_harness: MakeHarness) -> None:
+    """Every column, the vector one included, of rows scored from a held memtable equals
+    what Lance returns for them (the vectors are taken from their base fragments)."""
+    h = make_harness(dim=DIM)
+    w = h.open()
+    h.put(w, range(1000))
+    h.flush(w)
+    h.index_text()
+    h.reader.search_text("alpha", k=1)
+    for start in (1000, 1300):  # two flushes: two held memtables
+        h.put(w, range(start, start + 300))
+        h.flush(w)
+    holder = h.reader.flushed_text
+    assert holder is not None
+    assert holder.handoffs == 2
+    got = h.reader.search_text("alpha bravo", k=200)
+    offsets = got.column("_offset").to_pylist()
+    assert sum(o >= 1000 for o in offsets) > 50  # rows of both held memtables
+    assert sum(o >= 1300 for o in offsets) > 20
+    want = rows_batch(h.spec, offsets)
+    for column in h.spec.table_schema.names:
+        assert got.column(column).to_pylist() == want.column(column).to_pylist(), column
+    assert holder.fallbacks == 0
+
+
+def test_held_rows_are_located_in_their_fragments() -> None:
+    """A held memtable written as fragments 5 (3 rows) then 9 (4 rows): its rows 0..6 are
+    fragment 5's offsets 0..2, then fragment 9's 0..3."""
+    held = HeldText(view=None, fragments=((5, 3), (9, 4)))  # type: ignore[arg-type]
+    rows = np.array([6, 0, 3, 2])
+    located = {f: (list(offsets), list(picked)) for f, offsets, picked in held.locate(rows)}
+    assert located == {5: ([0, 2], [1, 3]), 9: ([3, 0], [0, 2])}
 
 
 def test_each_text_column_uses_the_held_memtables_until_its_own_index_covers_them(
@@ -461,7 +529,7 @@ def test_each_text_column_uses_the_held_memtables_until_its_own_index_covers_the
     assert holder.views(base, "text") == []
     id_views = holder.views(base, "id")
     assert id_views is not None
-    assert sum(b.num_rows for v in id_views for b in v.batches) == 600
+    assert sum(b.num_rows for v in id_views for b in v.view.batches) == 600
     assert offsets_found(h, "row1234") == [1234]
     assert offsets_found(h, "k1234", column="id") == [1234]
     assert holder.nbytes > 0  # still needed by `id`
