@@ -592,7 +592,7 @@ def main() -> None:
     target_rate = args.rate if args.rate is not None else HALF_SINK_MAX_RATE
     producer = Producer(ingest, prebuilt, 30_000_000, target_rate)
     rotation = TimedRotation({**kinds, **yard}, args.query_timeout_s)
-    monitor = Monitor(table, producer, rotation)
+    monitor = Monitor(table, producer, rotation, reader)
     maintenance.start()
     producer.start()
     monitor.start()
@@ -632,6 +632,7 @@ def main() -> None:
         "unindexed_at_end": backlog_end,
         "unindexed_max": monitor.max_unindexed(),
         "stragglers_at_end": rotation.running(),
+        "held": monitor.held(),
         "maintenance": maint_log.summary(),
         "maintenance_overran": maintenance_overran,
         "maintenance_settings": maint_settings.model_dump(),
@@ -713,11 +714,15 @@ class TimedRotation:
 class Monitor:
     """Samples the base's unindexed rows every 2 s and prints progress every ~10 s."""
 
-    def __init__(self, table: BaseTable, producer: Producer, rotation: TimedRotation) -> None:
+    def __init__(
+        self, table: BaseTable, producer: Producer, rotation: TimedRotation, reader: Reader
+    ) -> None:
+        self.reader = reader
         self.table = table
         self.producer = producer
         self.rotation = rotation
         self.samples: list[dict[str, int]] = []
+        self.held_samples: list[dict[str, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="monitor", daemon=True)
         self._started = 0.0
@@ -744,6 +749,24 @@ class Monitor:
                 scalar = max(scalar, missing)
         return {"base_rows": rows, "vector_index": vector, "text_key_indexes": scalar}
 
+    def cache(self) -> dict[str, int]:
+        """What the reader holds of the unindexed base now, and its fallbacks so far."""
+        vector, text = self.reader.unindexed, self.reader.flushed_text
+        return {
+            "vector_mib": 0 if vector is None else round(vector.nbytes / 2**20),
+            "text_mib": 0 if text is None else round(text.nbytes / 2**20),
+            "vector_fallbacks": 0 if vector is None else vector.fallbacks,
+            "text_fallbacks": 0 if text is None else text.fallbacks,
+            "text_refused": 0 if text is None else text.refused,
+        }
+
+    def held(self) -> dict[str, int]:
+        """`cache()` now, with the bytes at their largest sample."""
+        out = self.cache()
+        for key in ("vector_mib", "text_mib"):
+            out[key] = max([out[key], *(s[key] for s in self.held_samples)])
+        return out
+
     def max_unindexed(self) -> dict[str, int]:
         keys = ("vector_index", "text_key_indexes")
         return {k: max((s[k] for s in self.samples), default=0) for k in keys}
@@ -757,6 +780,8 @@ class Monitor:
                 print("progress: sample failed", exc, flush=True)
                 continue
             self.samples.append(now)
+            cache = self.cache()
+            self.held_samples.append(cache)
             if time.monotonic() - last_print >= 10.0:
                 last_print = time.monotonic()
                 print(
@@ -764,7 +789,9 @@ class Monitor:
                     f"{self.producer.rows:,} rows, base {now['base_rows']:,} rows, unindexed "
                     f"{now['vector_index']:,} (vector) / {now['text_key_indexes']:,} "
                     f"(text, key), queries done {self.rotation.done} "
-                    f"(timed out {sum(self.rotation.timeouts.values())})",
+                    f"(timed out {sum(self.rotation.timeouts.values())}); held "
+                    f"{cache['vector_mib']} MiB (vector) / {cache['text_mib']} MiB (text), "
+                    f"fallbacks {cache['vector_fallbacks']} / {cache['text_fallbacks']}",
                     flush=True,
                 )
 
@@ -813,6 +840,7 @@ def render(report: dict[str, Any], runs: int) -> list[str]:
             f"{idle['vector']['p50_ms'] / idle['lance_lsm_planner_vector']['p50_ms']:.2f}x"
         )
     start, end, peak = ing["unindexed_at_start"], ing["unindexed_at_end"], ing["unindexed_max"]
+    held = ing["held"]
     lines += [
         "",
         (
@@ -846,6 +874,13 @@ def render(report: dict[str, Any], runs: int) -> list[str]:
             f"(base {start['base_rows']:,}), {end['vector_index']:,} / "
             f"{end['text_key_indexes']:,} when it ended (base {end['base_rows']:,}), at most "
             f"{peak['vector_index']:,} / {peak['text_key_indexes']:,}"
+        ),
+        (
+            "rows held for the unindexed base (query.unindexed_cache_bytes), at most: vector "
+            f"cache {held['vector_mib']:,} MiB, flushed memtables for text {held['text_mib']:,} "
+            f"MiB; queries that scanned it flat instead: vector {held['vector_fallbacks']}, "
+            f"text {held['text_fallbacks']} (flushed memtables not held for room: "
+            f"{held['text_refused']})"
         ),
         "maintenance (settings: "
         + ", ".join(

@@ -206,10 +206,11 @@ class Metrics:
         )
         self.unindexed_fallbacks = counter(
             "query_unindexed_fallbacks",
-            "Vector queries that searched the unindexed base with Lance's flat scan (over the "
-            "cache bound, or a fragment failed to load).",
+            "Queries that searched the unindexed base with Lance's flat scan, by kind (vector, "
+            "text): its rows not all held within the cache bound, or a fragment failed to load.",
+            ["kind"],
         )
-        self._fallbacks_seen = 0
+        self._fallbacks_seen = {"vector": 0, "text": 0}
         self.maintenance_runs = counter(
             "maintenance_runs_total",
             "Base-table maintenance tasks run, by outcome.",
@@ -399,12 +400,14 @@ class Metrics:
     def base_unindexed(self, rows: int) -> None:
         self.unindexed_rows.set(rows)
 
-    def unindexed_cache(self, nbytes: int, fallbacks: int) -> None:
-        """The reader's unindexed-fragment cache: bytes held, fallbacks so far (a total)."""
+    def unindexed_cache(self, nbytes: int, vector_fallbacks: int, text_fallbacks: int) -> None:
+        """The reader's holders of unindexed base rows: bytes held, and each kind's fallbacks
+        so far (totals)."""
         self.unindexed_cache_bytes.set(nbytes)
-        if fallbacks > self._fallbacks_seen:
-            self.unindexed_fallbacks.inc(fallbacks - self._fallbacks_seen)
-            self._fallbacks_seen = fallbacks
+        for kind, total in (("vector", vector_fallbacks), ("text", text_fallbacks)):
+            if total > self._fallbacks_seen[kind]:
+                self.unindexed_fallbacks.labels(kind).inc(total - self._fallbacks_seen[kind])
+                self._fallbacks_seen[kind] = total
 
     def query(self, kind: str, seconds: float, rows: int = 0) -> None:
         """A query completed (ReaderEvents)."""

@@ -925,9 +925,11 @@ class SinkService:
         if isinstance(controller, BudgetController):
             self.metrics.budget_usage(controller.used_bytes(), controller.budget)
         self.metrics.base_unindexed(self.maintenance.unindexed_rows())
-        cache = self.reader.unindexed
+        vector, text = self.reader.unindexed, self.reader.flushed_text
         self.metrics.unindexed_cache(
-            self.reader.unindexed_bytes, 0 if cache is None else cache.fallbacks
+            self.reader.unindexed_bytes,
+            0 if vector is None else vector.fallbacks,
+            0 if text is None else text.fallbacks,
         )
 
     # ------------------------------------------------------------------ observability

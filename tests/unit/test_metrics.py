@@ -44,8 +44,8 @@ EXPECTED = {
         "(vector matrices, flushed memtables kept for text search)."
     ),
     "lance_sink_query_unindexed_fallbacks": (
-        "Vector queries that searched the unindexed base with Lance's flat scan (over the "
-        "cache bound, or a fragment failed to load)."
+        "Queries that searched the unindexed base with Lance's flat scan, by kind (vector, "
+        "text): its rows not all held within the cache bound, or a fragment failed to load."
     ),
     "lance_sink_rebalance_events": "Partitions assigned, revoked or lost.",
     "lance_sink_replay_rows": "Rows replayed from the WAL.",
@@ -94,9 +94,11 @@ def test_counters_end_in_total_and_units_are_named() -> None:
 
 def test_unindexed_cache_gauge_and_fallback_total_follow_the_reader() -> None:
     metrics = Metrics()
-    metrics.unindexed_cache(4096, 3)
-    metrics.unindexed_cache(1024, 5)
-    metrics.unindexed_cache(1024, 5)
+    metrics.unindexed_cache(4096, 3, 0)
+    metrics.unindexed_cache(1024, 5, 2)
+    metrics.unindexed_cache(1024, 5, 2)
     registry = metrics.registry
     assert registry.get_sample_value("lance_sink_query_unindexed_cache_bytes") == 1024
-    assert registry.get_sample_value("lance_sink_query_unindexed_fallbacks_total") == 5
+    fallbacks = "lance_sink_query_unindexed_fallbacks_total"
+    assert registry.get_sample_value(fallbacks, {"kind": "vector"}) == 5
+    assert registry.get_sample_value(fallbacks, {"kind": "text"}) == 2
