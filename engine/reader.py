@@ -425,11 +425,11 @@ class Reader:
             )
             table.watch_appends(self.unindexed)
         if spec.fts_columns and bound > 0:
+            vectors = self.unindexed
             self.flushed_text = FlushedText(
                 spec.fts_columns,
-                bound,
                 lambda: self._tokenizer.thread is not None and not self._closed.is_set(),
-                lambda: self._held_bytes(vector=True),
+                (lambda n: n <= bound) if vectors is None else vectors.room_beside,
                 self.terms,
                 None if spec.vector is None else spec.vector.name,
             )

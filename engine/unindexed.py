@@ -313,6 +313,12 @@ class UnindexedFragments:
             self.loads += 1
         return entry
 
+    def room_beside(self, nbytes: int) -> bool:
+        """Whether `nbytes` held elsewhere under the same bound (`FlushedText`, all of it)
+        fit beside this cache, which sheds pruners to make room for them."""
+        with self._lock:
+            return self._make_room(nbytes)
+
     def _make_room(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit in the bound, shedding pruners (an optional speed-up)
         until they do; none is shed when even that would not make room. Holds the lock."""
@@ -535,7 +541,10 @@ class FlushedText:
 
     `appending` (`engine.table.AppendWatcher`) takes the memtable of an append flush (not
     before the first text query, nor when it does not fit in the bound it shares with the
-    vector cache) and files it under the new fragments' ids once committed.
+    vector cache, `fits`) and files it under the new fragments' ids once committed. The
+    vector cache gives up its int8 codes for it (`UnindexedFragments.room_beside`): a
+    memtable's text takes a tenth of what its vectors do, and without it text queries scan
+    its rows flat, while without the codes vector queries only scan vectors instead.
     `views(base, column)` returns the memtables that stand for `base`'s fragments the index
     on `column` lacks, or None when some such fragment is not held (then Lance searches them
     all, as before; counted in `fallbacks`). Memtables whose fragments are all covered, or
@@ -545,16 +554,14 @@ class FlushedText:
     def __init__(
         self,
         columns: tuple[str, ...],
-        max_bytes: int,
         enabled: Callable[[], bool],
-        held_elsewhere: Callable[[], int],
+        fits: Callable[[int], bool],
         terms: MemtableTermCache,
         vector: str | None = None,
     ) -> None:
         self.columns = columns  # the full-text columns, each with its own index
-        self.max_bytes = max_bytes
         self._enabled = enabled
-        self._held_elsewhere = held_elsewhere
+        self._fits = fits  # would this holder's bytes fit in the bound (beside the vector cache)?
         self._terms = terms
         self._vector = vector
         self._held: list[HeldText] = []
@@ -596,11 +603,11 @@ class FlushedText:
             kept = memtable.without_column(self._vector)
             self._terms.carry_over(memtable, kept)
         held = HeldText(kept.view(), tuple(mine))
-        elsewhere = self._held_elsewhere()
-        with self._lock:
-            if sum(h.nbytes for h in self._held) + elsewhere + held.nbytes > self.max_bytes:
+        if not self._fits(self.nbytes + held.nbytes):
+            with self._lock:
                 self.refused += 1
-                return
+            return
+        with self._lock:
             self._held.append(held)
             self.handoffs += 1
 

@@ -441,6 +441,51 @@ def test_flushed_memtables_are_held_only_within_the_bound(make_harness: MakeHarn
     assert holder.fallbacks == 2  # counted: both the views call and the query
 
 
+def test_the_vector_cache_gives_its_codes_up_for_a_flushed_memtables_text(
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the shared bound full of vectors and their int8 codes, a flushed memtable is
+    still held for text: the vector cache sheds codes (an optional speed-up) to make room,
+    so text queries do not scan its rows flat."""
+
+    def run(name: str, bound: int | None = None) -> ReadHarness:
+        h = pruned_harness(make_harness, monkeypatch, name)
+        h.index_text()
+        cache = h.reader.unindexed
+        assert cache is not None
+        search(h, vectors(np.array([1]), DIM)[0])
+        wait_for(lambda: cache.pruners == 2, "no pruners were built")
+        if bound is not None:
+            cache.max_bytes = bound
+        h.put(h.writers[0], range(7000, 7200))
+        h.reader.search_text("alpha", k=1)  # tokenised before the flush: same bytes in both
+        h.flush(h.writers[0])
+        return h
+
+    probe = run("probe")  # what the flush adds to each holder, with room for everything
+    cache, text = probe.reader.unindexed, probe.reader.flushed_text
+    assert cache is not None
+    assert text is not None
+    assert text.handoffs == 1
+    codes = cache.pruner_bytes
+    assert codes > 0
+    # Room for the vectors and the text, but for only half of the codes beside them.
+    h = run("tight", bound=cache.nbytes + text.nbytes - codes // 2)
+    cache, text = h.reader.unindexed, h.reader.flushed_text
+    assert cache is not None
+    assert text is not None
+    assert text.handoffs == 1
+    assert text.refused == 0
+    assert cache.handoffs == 1  # the flush's vectors were held too
+    assert cache.pruner_bytes < codes
+    assert cache.nbytes + text.nbytes <= cache.max_bytes
+    assert offsets_found(h, "row7123") == [7123]
+    assert text.fallbacks == 0
+    left = cache.pruner_bytes
+    assert cache.room_beside(cache.max_bytes) is False  # more than shedding all would free
+    assert cache.pruner_bytes == left  # so nothing is shed in vain
+
+
 def test_a_held_memtable_keeps_no_vectors(make_harness: MakeHarness) -> None:
     """The held copy has every column but the vector one, zero-copy, and the term cache of
     the flushed memtable (nothing is tokenised again); its bytes are counted without the
