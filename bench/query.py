@@ -303,6 +303,8 @@ class MaintenanceLog:
     def ran(self, task: str, outcome: str, seconds: float) -> None:
         with self._lock:
             self.runs.append((task, outcome, seconds))
+        if outcome != "skipped":
+            print(f"{time.strftime('%H:%M:%S')} maintenance {task} {outcome} in {seconds:.1f} s")
 
     def process_exited(self, exitcode: int | None) -> None:
         self.ran("process_exited", f"exit code {exitcode}", 0.0)
@@ -648,6 +650,11 @@ def main() -> None:
         args.out.write_text("\n".join(lines) + "\n")
 
 
+#: Queries at least this slow under ingestion are printed with the time they ended (to line
+#: them up with the flushes and maintenance tasks logged around them).
+SLOW_MS = 150.0
+
+
 class TimedRotation:
     """Times every kind in rotation for a fixed time; each call runs on a daemon thread of
     its own and is waited for at most `timeout_s` (a slower call counts as `timeout_s`, is
@@ -708,6 +715,8 @@ class TimedRotation:
         if "error" in result:
             raise RuntimeError(f"query {name} failed") from result["error"]
         ms: float = result["ms"]
+        if ms >= SLOW_MS and not name.startswith("lance_"):  # Lance's own are slow throughout
+            print(f"{time.strftime('%H:%M:%S')} slow query: {name} {ms:.0f} ms", flush=True)
         return ms
 
 
