@@ -433,6 +433,12 @@ class MemtableSettings(_Section):
     max_batches: PositiveInt = Field(
         default=4_096, description="Seal at this many batches (bounds per-query batch overhead)."
     )
+    max_age_s: NonNegativeInt = Field(
+        default=300,
+        description="Seal a memtable this many seconds after its first row, so a slow "
+        "partition's rows reach the Lance table (and other pods' queries) within about this "
+        "long plus one flush (0 = seal on size only). Replay seals on size only.",
+    )
 
 
 class BackpressureSettings(_Section):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,6 +98,7 @@ class Memtable:
         self.batch_positions: list[int] = []  # WAL position of each batch
         self.first_position = 0
         self.last_position = 0
+        self.first_insert_at: float | None = None  # time.monotonic() of the first insert
         self.sources: list[SourceRange] = []
         self.rows = 0
         self.data_bytes = 0
@@ -136,6 +138,8 @@ class Memtable:
         """
         if self.first_position == 0:
             self.first_position = position
+        if self.first_insert_at is None:
+            self.first_insert_at = time.monotonic()
         self.last_position = position
         self.sources = merge_ranges([*self.sources, *sources])
         for batch in batches:

@@ -86,6 +86,8 @@ class WriterConfig:
     flush_retry_max_s: float = 10.0
     flush_max_attempts: int = 8
     fence_check_interval_s: float = 0.0
+    #: Seal the active memtable once its first row is this old (0 = on size only).
+    max_age_s: float = 0.0
 
 
 class EngineEvents(Protocol):
@@ -459,6 +461,7 @@ class ShardWriter:
         interval = self.config.max_wal_flush_interval_s
         while True:
             with self._lock:
+                self._seal_if_old_locked()
                 if self._idle():
                     self._wake.wait(timeout=IDLE_WAKE_S)
                     idle = self._idle()
@@ -496,6 +499,18 @@ class ShardWriter:
             nbytes += put.nbytes
         taken, self._pending = self._pending[:count], self._pending[count:]
         return taken
+
+    def _seal_if_old_locked(self) -> None:
+        """Seal the active memtable once its first row is `max_age_s` old, so a slow
+        partition's rows reach the Lance table (and other pods' queries) within about that
+        long plus one flush. Checked on every WAL-thread wake (at least every
+        `IDLE_WAKE_S`); a seal the controller refuses now is tried again at the next."""
+        age = self.config.max_age_s
+        first = self._active.first_insert_at
+        if age <= 0 or first is None or self._poison is not None:
+            return
+        if time.monotonic() - first >= age and self.controller.may_seal(self.memory):
+            self._seal_locked(reason="age")
 
     def _honour_seal_request_locked(self) -> None:
         """Seal the active memtable if a controller asked (ShardMemory.request_seal)."""

@@ -4,12 +4,14 @@ seals, flushes, replay, upserts and bad input."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import lance
 import pyarrow as pa
 import pytest
 
+from engine.backpressure import BlockingValve, ShardMemory
 from engine.errors import InvalidRecord, SchemaMismatch
 from engine.schema import OP_DELETE
 from engine.shard import NoEvents
@@ -122,6 +124,63 @@ def test_thresholds_seal_and_flush_to_lance(
     tx = h.table.dataset().get_transactions(1)[0]
     assert tx.transaction_properties[PROP_SHARD] == h.shard
     assert int(tx.transaction_properties[PROP_WAL_END]) == stats.flushed_position
+    writer.close(flush=False)
+
+
+class SealGate(BlockingValve):
+    """A valve whose `may_seal` answers `allowed` (and counts the questions)."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 40)
+        self.allowed = True
+        self.asked = 0
+
+    def may_seal(self, shard: ShardMemory) -> bool:
+        self.asked += 1
+        return self.allowed
+
+
+def wait_until(condition: Callable[[], bool], timeout: float) -> float:
+    """Seconds until `condition` held (polled); fails after `timeout`."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout, "condition not met in time"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def test_a_memtable_is_sealed_and_flushed_at_its_max_age(local_harness: MakeHarness) -> None:
+    """Rows of a slow partition reach the table `max_age_s` after the memtable's first row,
+    without more puts, however far from the size limits; the next memtable's age starts at
+    its own first row. A seal the controller refuses waits until it allows one."""
+    gate = SealGate()
+    h = local_harness(config=writer_config(max_rows=10**6, max_age_s=0.5), controller=gate)
+    writer = h.open()
+    started = time.monotonic()
+    writer.put(make_batch(h.spec, 0, 10), source(0, 10)).result(10)
+    wait_until(lambda: h.base_rows().num_rows == 10, timeout=10)
+    assert time.monotonic() - started >= 0.5
+    assert writer.stats().generation == 2
+    assert visible_rows(writer) == []
+    gate.allowed = False
+    writer.put(make_batch(h.spec, 10, 5), source(10, 5)).result(10)
+    asked = gate.asked
+    wait_until(lambda: gate.asked >= asked + 3, timeout=10)  # asked on later wakes too
+    assert writer.stats().generation == 2
+    assert offsets(visible_rows(writer)) == list(range(10, 15))
+    gate.allowed = True
+    wait_until(lambda: h.base_rows().num_rows == 15, timeout=10)
+    assert writer.stats().generation == 3
+    writer.close(flush=False)
+
+
+def test_without_a_max_age_a_memtable_seals_on_size_only(local_harness: MakeHarness) -> None:
+    h = local_harness(config=writer_config(max_rows=10**6))  # max_age_s = 0
+    writer = h.open()
+    writer.put(make_batch(h.spec, 0, 10), source(0, 10)).result(10)
+    time.sleep(1.5)  # three times the age the test above seals at
+    assert h.base_rows().num_rows == 0
+    assert writer.stats().generation == 1
     writer.close(flush=False)
 
 
