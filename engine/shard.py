@@ -507,7 +507,7 @@ class ShardWriter:
         `IDLE_WAKE_S`); a seal the controller refuses now is tried again at the next."""
         age = self.config.max_age_s
         first = self._active.first_insert_at
-        if age <= 0 or first is None or self._poison is not None:
+        if age <= 0 or first is None or not self._active.rows or self._poison is not None:
             return
         if time.monotonic() - first >= age and self.controller.may_seal(self.memory):
             self._seal_locked(reason="age")
