@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from config import ConfigError, load_settings, redacted
+from engine.engine import writer_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "config" / "examples"
@@ -307,3 +308,13 @@ def test_version() -> None:
     result = cli("--version")
     assert result.returncode == 0
     assert result.stdout.startswith("lance-sink ")
+
+
+def test_the_writer_tuning_comes_from_the_settings(tmp_path: Path) -> None:
+    """Each seal limit, the max age included, reaches the shard writers' configuration."""
+    text = MINIMAL + "\n[memtable]\nmax_rows = 1234\nmax_batches = 56\nmax_age_s = 7\n"
+    config = writer_config(load_settings(write(tmp_path, text)))
+    assert (config.limits.max_rows, config.limits.max_batches) == (1234, 56)
+    assert config.max_age_s == 7
+    default = writer_config(load_settings(write(tmp_path, MINIMAL, "default.toml")))
+    assert default.max_age_s == 300
