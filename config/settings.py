@@ -401,9 +401,12 @@ class WalSettings(_Section):
         "at most this many (one larger put is an entry of its own).",
     )
     fence_check_interval_ms: NonNegativeInt = Field(
-        default=0,
-        description="How stale a writer's knowledge of being fenced may be on reads: 0 "
-        "checks the shard manifest on every read (strict; one LIST per read on S3).",
+        default=1000,
+        description="How stale a writer's knowledge of being fenced may be on reads: an "
+        "idle writer checks the shard manifest this often in the background (one LIST per "
+        "shard on S3; a busy writer learns it at its next WAL append), and queries do no "
+        "storage I/O for it. 0 checks on every read of every shard instead (strict; one LIST "
+        "per shard per query on S3).",
     )
 
     @field_validator("uri")

@@ -21,7 +21,10 @@ Lifecycle (who calls what, and when):
 - Flushes run on the shared `Flusher` pool, oldest frozen memtable first, one at a time per
   shard. A failed flush keeps its memtable frozen and counted (I8) and is retried with
   backoff; after `max_attempts` the writer is poisoned (I6).
-- `view()` (readers) returns the visible memtables; fails with the poison error.
+- `view()` (readers) returns the visible memtables; fails with the poison error. With
+  `fence_check_interval_s` = 0 it first probes the manifest for a fence (storage I/O on
+  every read); otherwise it does no I/O and relies on the WAL thread, which probes at most
+  that often while idle (a busy writer finds a fence at its next append).
 - `close(flush=...)` (the sink on revoke/shutdown; always called, also after poisoning)
   stops accepting puts, writes what is buffered, force-seals the active memtable and,
   with `flush=True`, waits (bounded) for every frozen memtable to flush; what is left is
@@ -786,8 +789,8 @@ class ShardWriter:
 
     def view(self) -> ShardView:
         """The visible memtables, newest first. Raises the poison error (I5, I6)."""
-        if self._poison is None:
-            self._maybe_check_fence()
+        if self._poison is None and self.config.fence_check_interval_s <= 0:
+            self._maybe_check_fence()  # strict: every read probes (see the module docstring)
         if self._poison is not None:
             raise self._poison
         with self._lock:

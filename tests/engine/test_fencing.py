@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -65,3 +66,59 @@ def test_fenced_writer_does_not_flush(any_harness: MakeHarness) -> None:
     new.close(flush=True)
     old.close(flush=True)
     assert sorted(h.base_rows().column("_offset").to_pylist()) == list(range(10))
+
+
+def test_with_an_interval_reads_do_no_io_and_learn_of_a_fence_in_the_background(
+    any_harness: MakeHarness,
+) -> None:
+    """`fence_check_interval_s` > 0: reads never probe the manifest themselves (no storage
+    I/O on the query path); the idle writer's WAL thread probes at most that often, and its
+    reads fail with Fenced soon after a newer writer claimed the shard."""
+    h = any_harness(config=writer_config(fence_check_interval_s=0.2))
+    old = h.open()
+    old.put(make_batch(h.spec, 0, 10), source(0, 10)).result(30)
+    probes: list[str] = []
+    superseded = old.manifests.superseded
+
+    def probe(current: object) -> bool:
+        probes.append(threading.current_thread().name)
+        return superseded(current)  # type: ignore[arg-type]
+
+    old.manifests.superseded = probe  # type: ignore[method-assign]
+    for _ in range(4):  # reads spaced beyond the interval: each could have probed
+        assert len(visible_rows(old)) == 10
+        time.sleep(0.25)
+    assert threading.current_thread().name not in probes
+    assert probes  # the WAL thread did, in the background
+    new = h.open()
+    deadline = time.monotonic() + 10
+    while old.poisoned is None:
+        assert time.monotonic() < deadline, "the idle writer never learned of the fence"
+        time.sleep(0.02)
+    with pytest.raises(Fenced):
+        old.view()
+    assert probes
+    assert threading.current_thread().name not in probes
+    new.close(flush=False)
+    old.close(flush=False)
+
+
+def test_with_no_interval_every_read_probes_first(any_harness: MakeHarness) -> None:
+    h = any_harness(config=writer_config(fence_check_interval_s=0))
+    old = h.open()
+    probes: list[str] = []
+    superseded = old.manifests.superseded
+
+    def probe(current: object) -> bool:
+        probes.append(threading.current_thread().name)
+        return superseded(current)  # type: ignore[arg-type]
+
+    old.manifests.superseded = probe  # type: ignore[method-assign]
+    for _ in range(5):
+        old.view()
+    assert probes.count(threading.current_thread().name) == 5
+    new = h.open()
+    with pytest.raises(Fenced):
+        old.view()
+    new.close(flush=False)
+    old.close(flush=False)
