@@ -343,7 +343,7 @@ class UnindexedFragments:
         if len(chunks) == 1:
             matrix = np.ascontiguousarray(vector_matrix(chunks[0], dim), dtype=np.float32)
         else:
-            matrix = np.empty((table.num_rows, dim), dtype=np.float32)
+            matrix = pool_matrix(table.num_rows, dim)
             start = 0
             for chunk in chunks:
                 matrix[start : start + len(chunk)] = vector_matrix(chunk, dim)
@@ -478,6 +478,17 @@ class UnindexedFragments:
         self._loader.close(timeout)
         with self._lock:
             self._entries.clear()
+
+
+def pool_matrix(rows: int, dim: int) -> np.ndarray:
+    """An uninitialised (rows, dim) float32 matrix in Arrow's memory pool, not malloc's.
+
+    Why: malloc maps an allocation this large fresh and unmaps it when freed, so each
+    flush's handoff wrote 150 MB (100k x 384) into pages never touched before. On the
+    development VM that took 0.3-1.2 s instead of the copy's ~25 ms. Arrow's pool keeps
+    freed memory for reuse: 10-12 ms per 150 MB allocation and copy, every time."""
+    buffer = pa.allocate_buffer(rows * dim * 4)
+    return np.frombuffer(buffer, dtype=np.float32).reshape(rows, dim)
 
 
 def _max_fragment_id(ds: lance.LanceDataset) -> int:

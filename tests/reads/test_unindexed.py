@@ -582,3 +582,19 @@ def test_each_text_column_uses_the_held_memtables_until_its_own_index_covers_the
     assert holder.views(h.table.dataset(), "id") == []
     assert holder.nbytes == 0
     assert offsets_found(h, "k1234", column="id") == [1234]
+
+
+def test_a_handed_over_matrix_lives_in_arrows_memory_pool() -> None:
+    """`pool_matrix` is writable, float32, C-contiguous, and counted by Arrow's pool while it
+    lives (malloc would map fresh pages for every flush's copy)."""
+    before = pa.total_allocated_bytes()
+    matrix = unindexed_module.pool_matrix(1000, 64)
+    assert matrix.shape == (1000, 64)
+    assert matrix.dtype == np.float32
+    assert matrix.flags.c_contiguous
+    assert matrix.flags.writeable
+    assert pa.total_allocated_bytes() - before >= 1000 * 64 * 4
+    matrix[:] = 1.5
+    assert float(matrix.sum()) == 1.5 * 1000 * 64
+    del matrix
+    assert pa.total_allocated_bytes() - before < 1000 * 64 * 4
