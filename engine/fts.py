@@ -64,6 +64,19 @@ class BatchTerms:
         arrays = (self.term, self.doc, self.pos, self.doc_len, self.valid)
         return int(sum(a.nbytes for a in arrays))
 
+    @staticmethod
+    def concat(parts: list[BatchTerms]) -> BatchTerms:
+        """The tokens of consecutive batches as those of one batch (their rows in order)."""
+        rows = np.cumsum([0, *(len(p.doc_len) for p in parts)])
+        docs = [p.doc + np.int32(start) for p, start in zip(parts, rows[:-1], strict=True)]
+        return BatchTerms(
+            term=np.concatenate([p.term for p in parts]).astype(np.int32, copy=False),
+            doc=np.concatenate(docs).astype(np.int32, copy=False),
+            pos=np.concatenate([p.pos for p in parts]).astype(np.int32, copy=False),
+            doc_len=np.concatenate([p.doc_len for p in parts]).astype(np.int32, copy=False),
+            valid=np.concatenate([p.valid for p in parts]).astype(bool, copy=False),
+        )
+
 
 @dataclass
 class _MemtableTerms:
@@ -149,21 +162,20 @@ class MemtableTermCache:
                 )
             return entry.vocab, entry.batches[: len(batches)]
 
-    def carry_over(self, old: Memtable, new: Memtable) -> None:
-        """Let `new`, a projection of `old`'s rows (`Memtable.without_column`), use the
-        tokens cached for `old` (the same entries: either may extend them), accounted to
-        `new` too: it outlives `old` (`engine.unindexed.FlushedText`)."""
-        with self._lock:
-            per_column = self._cache.get(old)
-            if per_column is None:
-                return
-            self._cache[new] = per_column
-            entries = list(per_column.values())
+    def hand_over(self, old: Memtable, new: Memtable, columns: tuple[str, ...]) -> None:
+        """Give `new`, `old`'s rows as one batch (`Memtable.without_column`), the tokens of
+        `old`'s `columns` as that one batch's (tokenising what is left first), accounted to
+        `new`: it outlives `old` (`engine.unindexed.FlushedText`)."""
+        per_column: dict[str, _MemtableTerms] = {}
         nbytes = 0
-        for entry in entries:
-            with entry.lock:
-                nbytes += sum(b.nbytes for b in entry.batches)
-                nbytes += len(entry.vocab) * _VOCAB_ENTRY_BYTES
+        batches = tuple(old.batches)
+        for column in columns:
+            vocab, parts = self.terms(old, column, batches)
+            merged = BatchTerms.concat(parts) if len(parts) != 1 else parts[0]
+            per_column[column] = _MemtableTerms(vocab, [merged])
+            nbytes += merged.nbytes + len(vocab) * _VOCAB_ENTRY_BYTES
+        with self._lock:
+            self._cache[new] = per_column
         new.account_cache(nbytes)
 
     def terms_ready(self, memtable: Memtable, column: str) -> int:

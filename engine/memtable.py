@@ -187,19 +187,22 @@ class Memtable:
             + len(self._dead)
         )
 
-    def without_column(self, name: str) -> Memtable:
-        """A frozen memtable of this one's rows without column `name`, zero-copy: it holds
-        only the other columns' buffers (the batches own theirs, see `insert`). What the
-        reader keeps of a flushed memtable for full-text search without its vectors
+    def without_column(self, name: str | None) -> Memtable:
+        """A frozen memtable of this one's rows without column `name` (None: with every
+        column), as one batch (a copy). What the reader keeps of a flushed memtable for full-text
+        search, without its vectors and scored in one pass instead of one per put
         (`engine.unindexed.FlushedText`). Append tables only (no primary-key map)."""
         if self._keys is not None:
             raise ValueError("an upsert memtable's rows are not projected")
         with self._lock:
             batches = list(self.batches)
-            positions = list(self.batch_positions)
         out = Memtable(self.spec, self.generation)
-        out.batches = [b.drop_columns([name]) if name in b.schema.names else b for b in batches]
-        out.batch_positions = positions
+        if batches:
+            kept = pa.Table.from_batches(batches)
+            if name is not None:
+                kept = kept.drop_columns([name])
+            out.batches = kept.combine_chunks().to_batches(max_chunksize=kept.num_rows)
+            out.batch_positions = [self.last_position]
         out.first_position = self.first_position
         out.last_position = self.last_position
         out.sources = list(self.sources)

@@ -542,13 +542,14 @@ class FlushedText:
     reader's term cache), so the reader keeps its view and scores it with its own BM25, while
     Lance searches the indexed fragments only (``fast_search``).
 
-    Without vectors: a memtable is kept as `Memtable.without_column` of its vector column,
-    its term cache carried over (`fts.MemtableTermCache.carry_over`): 100k rows of 384-dim
-    vectors held 167 MiB, most of it vectors the vector cache holds as well, and under
-    ingestion the two together outgrew the bound they share, so a flushed memtable was not
-    kept and the text queries of the next seconds scanned its rows flat (p99 0.5 s). A text
-    result asking for the vector column takes the winners' vectors from their base fragment
-    (`HeldText.locate`).
+    Without vectors, as one batch: a memtable is kept as `Memtable.without_column` of its
+    vector column, its tokens handed over as that batch's (`fts.MemtableTermCache.hand_over`).
+    100k rows of 384-dim vectors held 167 MiB, most of it vectors the vector cache holds as
+    well, and under ingestion the two together outgrew the bound they share, so a flushed
+    memtable was not kept and the text queries of the next seconds scanned its rows flat
+    (p99 0.5 s). One batch instead of one per put (hundreds) makes a query score it in one
+    pass. A text result asking for the vector column takes the winners' vectors from their
+    base fragment (`HeldText.locate`).
 
     `appending` (`engine.table.AppendWatcher`) takes the memtable of an append flush (not
     before the first text query, nor when it does not fit in the bound it shares with the
@@ -609,10 +610,8 @@ class FlushedText:
         mine = newest_fragments(fragments, rows)
         if mine is None:
             return
-        kept = memtable
-        if self._vector is not None:
-            kept = memtable.without_column(self._vector)
-            self._terms.carry_over(memtable, kept)
+        kept = memtable.without_column(self._vector)
+        self._terms.hand_over(memtable, kept, self.columns)
         held = HeldText(kept.view(), tuple(mine))
         if not self._fits(self.nbytes + held.nbytes):
             with self._lock:

@@ -374,14 +374,16 @@ def test_a_fragment_that_fails_to_load_falls_back_to_lance(
 
 
 def text_indexed_then_flushed(h: ReadHarness) -> None:
-    """Offsets 0..999 in the text index, 1000..1599 flushed after it (first text query in
-    between, so this process's reader holds the flushed memtable)."""
+    """Offsets 0..999 in the text index, 1000..1599 flushed after it in three puts (first
+    text query in between, so this process's reader holds the flushed memtable, its three
+    batches as one)."""
     w = h.open()
     h.put(w, range(1000))
     h.flush(w)
     h.index_text()
     h.reader.search_text("alpha", k=1)  # the first text query: flushed memtables are held
-    h.put(w, range(1000, 1600))
+    for start in (1000, 1200, 1400):
+        h.put(w, range(start, start + 200))
     h.flush(w)
 
 
@@ -496,7 +498,8 @@ def test_a_held_memtable_keeps_no_vectors(make_harness: MakeHarness) -> None:
     probe.put(w, range(1000))
     probe.flush(w)
     probe.index_text()
-    probe.put(w, range(1000, 1600))
+    for start in (1000, 1300):
+        probe.put(w, range(start, start + 300))
     probe.reader.search_text("alpha", k=1)  # tokenises the memtable, then holds it flushed
     probe.flush(w)
     held = probe.reader.flushed_text
@@ -504,6 +507,7 @@ def test_a_held_memtable_keeps_no_vectors(make_harness: MakeHarness) -> None:
     views = held.views(probe.table.dataset(), "text")
     assert views is not None
     (one,) = views
+    assert len(one.view.batches) == 1  # its puts' batches as one
     assert all("vec" not in b.schema.names for b in one.view.batches)
     assert one.nbytes == held.nbytes < 600 * dim * 4
     assert probe.reader.terms.terms_ready(one.view.memtable, "text") == len(one.view.batches)
