@@ -8,6 +8,8 @@ import time
 import pytest
 
 from engine.errors import Fenced
+from engine.manifest import ShardManifest
+from engine.shard import ShardWriter
 from tests.engine.conftest import MakeHarness
 from tests.support.engine import make_batch, source, visible_rows, writer_config
 
@@ -68,6 +70,19 @@ def test_fenced_writer_does_not_flush(any_harness: MakeHarness) -> None:
     assert sorted(h.base_rows().column("_offset").to_pylist()) == list(range(10))
 
 
+def probes_of(writer: ShardWriter) -> list[str]:
+    """The names of the threads that probe `writer`'s manifest for a fence from now on."""
+    probes: list[str] = []
+    superseded = writer.manifests.superseded
+
+    def probe(current: ShardManifest) -> bool:
+        probes.append(threading.current_thread().name)
+        return superseded(current)
+
+    writer.manifests.superseded = probe  # type: ignore[method-assign]
+    return probes
+
+
 def test_with_an_interval_reads_do_no_io_and_learn_of_a_fence_in_the_background(
     any_harness: MakeHarness,
 ) -> None:
@@ -77,14 +92,7 @@ def test_with_an_interval_reads_do_no_io_and_learn_of_a_fence_in_the_background(
     h = any_harness(config=writer_config(fence_check_interval_s=0.2))
     old = h.open()
     old.put(make_batch(h.spec, 0, 10), source(0, 10)).result(30)
-    probes: list[str] = []
-    superseded = old.manifests.superseded
-
-    def probe(current: object) -> bool:
-        probes.append(threading.current_thread().name)
-        return superseded(current)  # type: ignore[arg-type]
-
-    old.manifests.superseded = probe  # type: ignore[method-assign]
+    probes = probes_of(old)
     for _ in range(4):  # reads spaced beyond the interval: each could have probed
         assert len(visible_rows(old)) == 10
         time.sleep(0.25)
@@ -97,7 +105,6 @@ def test_with_an_interval_reads_do_no_io_and_learn_of_a_fence_in_the_background(
         time.sleep(0.02)
     with pytest.raises(Fenced):
         old.view()
-    assert probes
     assert threading.current_thread().name not in probes
     new.close(flush=False)
     old.close(flush=False)
@@ -106,14 +113,7 @@ def test_with_an_interval_reads_do_no_io_and_learn_of_a_fence_in_the_background(
 def test_with_no_interval_every_read_probes_first(any_harness: MakeHarness) -> None:
     h = any_harness(config=writer_config(fence_check_interval_s=0))
     old = h.open()
-    probes: list[str] = []
-    superseded = old.manifests.superseded
-
-    def probe(current: object) -> bool:
-        probes.append(threading.current_thread().name)
-        return superseded(current)  # type: ignore[arg-type]
-
-    old.manifests.superseded = probe  # type: ignore[method-assign]
+    probes = probes_of(old)
     for _ in range(5):
         old.view()
     assert probes.count(threading.current_thread().name) == 5
