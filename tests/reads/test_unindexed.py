@@ -489,7 +489,7 @@ def test_the_vector_cache_gives_its_codes_up_for_a_flushed_memtables_text(
 
 
 def test_a_held_memtable_keeps_no_vectors(make_harness: MakeHarness) -> None:
-    """The held copy has every column but the vector one, zero-copy, and the term cache of
+    """The held copy has every column but the vector one, as one batch, and the tokens of
     the flushed memtable (nothing is tokenised again); its bytes are counted without the
     vectors, so a bound too small for the vectors still holds it."""
     dim = 256  # 600 rows x 1 KiB of vectors: most of a memtable's bytes
