@@ -70,11 +70,11 @@ class BatchTerms:
         rows = np.cumsum([0, *(len(p.doc_len) for p in parts)])
         docs = [p.doc + np.int32(start) for p, start in zip(parts, rows[:-1], strict=True)]
         return BatchTerms(
-            term=np.concatenate([p.term for p in parts]).astype(np.int32, copy=False),
-            doc=np.concatenate(docs).astype(np.int32, copy=False),
-            pos=np.concatenate([p.pos for p in parts]).astype(np.int32, copy=False),
-            doc_len=np.concatenate([p.doc_len for p in parts]).astype(np.int32, copy=False),
-            valid=np.concatenate([p.valid for p in parts]).astype(bool, copy=False),
+            term=np.concatenate([p.term for p in parts]),
+            doc=np.concatenate(docs),
+            pos=np.concatenate([p.pos for p in parts]),
+            doc_len=np.concatenate([p.doc_len for p in parts]),
+            valid=np.concatenate([p.valid for p in parts]),
         )
 
 

@@ -597,7 +597,7 @@ class FlushedText:
         if memtable is None or not self._enabled():
             yield _ignore_commit
             return
-        if sum(b.num_rows for b in memtable.view().batches) != rows.num_rows:
+        if memtable.rows != rows.num_rows:
             yield _ignore_commit  # partly flushed before
             return
         yield lambda ds: self._adopt(ds, memtable, rows.num_rows)
