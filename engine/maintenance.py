@@ -45,10 +45,11 @@ outcome ``done`` / ``skipped`` / ``conflict`` / ``failed``:
 
 Version retention. A shard writer's open (`BaseTable.find_flush`) reads the transaction
 properties of every version above the `lance_version` in its shard manifest, to find a
-flush that committed just before a crash (the crash window, I3); `get_transactions` silently
-stops at the oldest version still present, so deleting such a version would make replay
-flush a memtable twice. Readers (`holds_generation`) read the versions above a running
-flush's commit floor. The rule, applied to each candidate version v:
+flush that committed just before a crash (the crash window, I3), one version at a time
+(`engine.table.flush_commits`), and stops at the newest version no longer present, so
+deleting such a version would make replay flush a memtable twice. Readers
+(`holds_generation`) read the versions above a running flush's commit floor. The rule,
+applied to each candidate version v:
 
 1. v is older than `cleanup_retention_s` (Lance's `older_than`, also passed to Lance) and
    at least `MIN_RETAINED_VERSIONS` below the latest (covers readers and running flushes);
@@ -84,7 +85,7 @@ from config.settings import MaintenanceSettings
 from engine.manifest import ManifestStore
 from engine.schema import TableSpec
 from engine.storage import Storage, open_storage
-from engine.table import PROP_SHARD, BaseTable, index_on
+from engine.table import PROP_SHARD, BaseTable, index_on, transaction_properties
 
 log = structlog.get_logger("lance_sink.maintenance")
 
@@ -432,8 +433,7 @@ class Maintenance:
         manifests: dict[str, int] = {}
         allowed = []
         for version in old:  # oldest first; stop at the first version a shard still needs
-            txs = ds.checkout_version(version).get_transactions(1)
-            props = (getattr(txs[0], "transaction_properties", None) or {}) if txs else {}
+            props = transaction_properties(ds, version) or {}
             shard = props.get(PROP_SHARD)
             if shard is not None:
                 if shard not in manifests:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -201,22 +201,58 @@ class BaseTable:
         """The newest flush of `shard` committed after `after_version`, if any (searching
         the latest version, or `ds`)."""
         ds = ds or self.dataset()
-        newer = int(ds.version) - after_version
-        if newer <= 0:
-            return None
-        latest = int(ds.version)
-        for age, tx in enumerate(ds.get_transactions(newer)):  # newest first
-            props = getattr(tx, "transaction_properties", None) or {}
+        for version, props in flush_commits(ds, after_version):  # newest first
             if props.get(PROP_SHARD) != shard:
                 continue
             return FlushMark(
                 wal_end=int(props[PROP_WAL_END]),
                 epoch=int(props[PROP_EPOCH]),
                 generation=int(props[PROP_GENERATION]),
-                version=latest - age,
+                version=version,
                 offsets={k: int(v) for k, v in json.loads(props.get(PROP_OFFSETS, "{}")).items()},
             )
         return None
+
+
+def transaction_properties(ds: lance.LanceDataset, version: int) -> dict[str, str] | None:
+    """The transaction properties of the commit that made table version `version`: {} when
+    its transaction cannot be decoded, None when the version no longer exists (cleaned up).
+
+    Reads one version's transaction at a time, never a range: pylance 14.0.2 cannot decode a
+    compaction's Rewrite transaction once any index exists (`get_transactions` raises
+    TypeError from `RewrittenIndex.__init__`), and one such commit must neither hide our
+    flushes nor fail a flush. Only our flush commits (Append, Update) carry `lance_sink.*`
+    properties, and those decode; a commit that cannot be decoded is another writer's
+    (compaction, index), so it counts as carrying no properties.
+
+    Raises:
+        OSError: reading the version's manifest or transaction file failed (retriable).
+    """
+    try:
+        tx = ds.read_transaction(version)
+    except (TypeError, AttributeError, NotImplementedError) as exc:  # undecodable operation
+        log.debug("transaction_undecodable", version=version, error=str(exc))
+        return {}
+    except OSError as exc:
+        if "not found" in str(exc).lower():
+            return None
+        raise
+    return dict(getattr(tx, "transaction_properties", None) or {})
+
+
+def flush_commits(
+    ds: lance.LanceDataset, after_version: int
+) -> Iterator[tuple[int, dict[str, str]]]:
+    """(version, properties) of every flush commit (one carrying a shard property) in
+    `ds`'s history above `after_version`, newest first. Stops at the newest version that no
+    longer exists: versions are cleaned up oldest first (see maintenance's "Version
+    retention"), so nothing older is left either."""
+    for version in range(int(ds.version), after_version, -1):
+        props = transaction_properties(ds, version)
+        if props is None:
+            return
+        if PROP_SHARD in props:
+            yield version, props
 
 
 def index_on(ds: lance.LanceDataset, column: str, kind: str | None) -> Any:
@@ -236,14 +272,10 @@ def index_on(ds: lance.LanceDataset, column: str, kind: str | None) -> Any:
 def holds_generation(ds: lance.LanceDataset, shard: str, generation: int, floor: int) -> bool:
     """Does table version `ds` hold the flush of `generation` of `shard`, committed at a
     version above `floor`? Reads only the transactions of versions (floor, ds.version]."""
-    newer = int(ds.version) - floor
-    if newer <= 0:
-        return False
-    for tx in ds.get_transactions(newer):
-        props = getattr(tx, "transaction_properties", None) or {}
-        if props.get(PROP_SHARD) == shard and props.get(PROP_GENERATION) == str(generation):
-            return True
-    return False
+    return any(
+        props.get(PROP_SHARD) == shard and props.get(PROP_GENERATION) == str(generation)
+        for _version, props in flush_commits(ds, floor)
+    )
 
 
 def flush_properties(

@@ -330,6 +330,31 @@ def test_cleanup_keeps_what_a_shard_replay_needs(make_harness: MakeHarness) -> N
     assert h.reader.scan(columns=["_offset"]).num_rows == 85
 
 
+def test_cleanup_and_flushes_pass_a_compaction_of_indexed_fragments(
+    make_harness: MakeHarness,
+) -> None:
+    """pylance cannot decode the Rewrite transaction of a compaction over indexed fragments
+    (TypeError): cleanup reads past it, and the next flush of the shard succeeds."""
+    h = make_harness()
+    w = h.open()
+    for first in range(0, 60, 10):
+        h.put(w, range(first, first + 10))
+        h.flush(w)
+    m = maintenance(h, cleanup_retention_s=1, compact_min_fragments=4)
+    outcomes = m.run_once()
+    assert outcomes["compact"] == "done"
+    ds = h.table.dataset()
+    assert ds.describe_indices()
+    with pytest.raises(TypeError, match="RewrittenIndex"):
+        ds.get_transactions(3)
+    h.put(w, range(60, 70))
+    h.flush(w)
+    assert w.stats().flush_failures_total == 0
+    time.sleep(1.2)
+    assert m.run_once()["cleanup"] == "done"
+    assert h.reader.scan(columns=["_offset"]).num_rows == 70
+
+
 def test_cleanup_respects_the_retention(make_harness: MakeHarness) -> None:
     h = make_harness()
     w = h.open()
