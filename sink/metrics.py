@@ -117,6 +117,12 @@ class Metrics:
         )
         self.paused = gauge("partition_paused", "1 while the partition is paused.", tp)
         self.writer_poisoned = gauge("writer_poisoned", "1 while the shard writer is poisoned.", tp)
+        self.shard_open_failures = counter(
+            "shard_open_failures_total",
+            "Failed attempts to open (claim and replay) a partition's shard writer; each is "
+            "retried with backoff while the partition consumes nothing.",
+            tp,
+        )
         self.rows_ingested = counter("rows_ingested_total", "Rows made durable and visible.", tp)
         self.bytes_ingested = counter(
             "bytes_ingested_total", "Arrow bytes of the rows made durable and visible.", tp
@@ -274,6 +280,9 @@ class Metrics:
     def partition_poisoned(self, topic: str, partition: int, poisoned: bool) -> None:
         self.writer_poisoned.labels(topic, str(partition)).set(1 if poisoned else 0)
 
+    def shard_open_failed(self, topic: str, partition: int) -> None:
+        self.shard_open_failures.labels(topic, str(partition)).inc()
+
     def ingested(self, topic: str, partition: int, rows: int, nbytes: int) -> None:
         self.rows_ingested.labels(topic, str(partition)).inc(rows)
         self.bytes_ingested.labels(topic, str(partition)).inc(nbytes)
@@ -311,6 +320,7 @@ class Metrics:
             self.lag_seconds,
             self.paused,
             self.writer_poisoned,
+            self.shard_open_failures,
             self.rows_ingested,
             self.bytes_ingested,
         ):

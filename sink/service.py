@@ -56,7 +56,17 @@ log = structlog.get_logger("lance_sink.sink")
 
 OFFSET_INVALID = confluent_kafka.OFFSET_INVALID
 METRICS_INTERVAL_S = 1.0  # how often gauges are refreshed: matches a typical scrape
-RECOVERY_BACKOFF_S = 1.0  # wait before reopening a poisoned writer
+RECOVERY_BACKOFF_S = 1.0  # wait before reopening a poisoned writer (doubles per failure)
+# Longest wait between two attempts to open a shard that keeps failing: long enough not to
+# hammer a failing store, short enough that a fixed cause is noticed within half a minute.
+RECOVERY_BACKOFF_MAX_S = 30.0
+# Committed-offset look-ups on assign (a broker round trip; bounded by the drain deadline
+# while stopping).
+COMMITTED_TIMEOUT_S = 30.0
+# What the drain keeps for the steps after the partitions and the maintenance child
+# (closing the reader, the engine and the servers): the maintenance child may use the
+# drain deadline less this (see `_drain`).
+DRAIN_RESERVE_S = 2.0
 # Consumed messages waiting for (or in) decoding, in consume() batches: a bound on what the
 # loop takes from librdkafka before the decode workers catch up (a fixed memory overhead).
 DECODE_QUEUE_BATCHES = 2
@@ -187,6 +197,13 @@ class PartitionState:
     fenced_at: float | None = None
     stopped: str | None = None  # why the partition stopped for good (no dead-letter topic)
     recover_at: float = 0.0
+    # Opening the shard writer (on assign, or to recover it) on the open pool; while it
+    # fails, `open_error` says why and `open_failures` counts the attempts in a row.
+    opening: Future[tuple[ShardWriter, int | None]] | None = None
+    open_error: str | None = None
+    open_failures: int = 0
+    committed_known: bool = True  # False: the committed-offset look-up failed; retried
+    assigned: bool = True  # handed to the consumer (incremental_assign) already
 
     @property
     def tp(self) -> TopicPartition:
@@ -253,6 +270,7 @@ class SinkService:
         self._opening = False
         self.ready = threading.Event()
         self._stop = threading.Event()
+        self._stop_at: float | None = None  # when the drain was asked for (monotonic)
         self._fatal: str | None = None
         self._open_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="open")
         self._decode_pool = ThreadPoolExecutor(
@@ -279,8 +297,18 @@ class SinkService:
     # ------------------------------------------------------------------ control
 
     def stop(self) -> None:
-        """Ask the loop to drain and return (signal handlers call this)."""
+        """Ask the loop to drain and return (signal handlers call this). The drain deadline
+        (`shutdown.drain_deadline_s`) counts from the first call."""
+        if self._stop_at is None:
+            self._stop_at = time.monotonic()
         self._stop.set()
+
+    def _drain_left(self) -> float | None:
+        """Seconds left until the drain deadline (None while not stopping)."""
+        if self._stop_at is None:
+            return None
+        deadline = self._stop_at + self.settings.shutdown.drain_deadline_s
+        return max(deadline - time.monotonic(), 0.0)
 
     @property
     def stopping(self) -> bool:
@@ -605,49 +633,151 @@ class SinkService:
             return
         self.metrics.partition_poisoned(state.topic, state.partition, True)
         state.writer.close(flush=False, timeout=5)
-        state.writer = None
+        with self._lock:
+            state.writer = None
         state.inflight.clear()
         state.held = None
         self._drop_decoding(state)
-        if not state.paused:
-            self.consumer.pause([state.tp])
-            state.paused = True
-            self.metrics.partition_paused(state.topic, state.partition, True)
         if isinstance(exc, Fenced):
+            if not state.paused:
+                self.consumer.pause([state.tp])
+                state.paused = True
+                self.metrics.partition_paused(state.topic, state.partition, True)
             state.fenced = True
             state.fenced_at = time.monotonic()
             log.error(
                 "partition_fenced", topic=state.topic, partition=state.partition, error=str(exc)
             )
-        else:
-            state.recover_at = time.monotonic() + RECOVERY_BACKOFF_S
+            return
+        log.error(
+            "partition_poisoned", topic=state.topic, partition=state.partition, error=str(exc)
+        )
+        # Recover: take the partition out of the consumer's assignment (nothing is fetched
+        # meanwhile), reopen the shard (replay), and assign it again at the resume offset.
+        self._unassign(state)
+        self._open_failed(state, exc, event=None)
+
+    def _unassign(self, state: PartitionState) -> None:
+        if not state.assigned:
+            return
+        try:
+            self.consumer.incremental_unassign([state.tp])
+        except confluent_kafka.KafkaException as exc:
+            log.warning(
+                "unassign_failed", topic=state.topic, partition=state.partition, error=str(exc)
+            )
+        state.assigned = False
+        state.paused = False
+
+    def _open_failed(self, state: PartitionState, exc: BaseException, event: str | None) -> None:
+        """Opening (or keeping) the partition's shard writer failed: retry with backoff
+        (`_maybe_recover`), visible meanwhile in /readyz, /v1/status, the writer-poisoned
+        gauge, a counter and a log event. Never fatal: a cause that goes away (a store
+        outage, a bug in reading a table version) must not become a crash loop."""
+        delay = min(RECOVERY_BACKOFF_S * 2**state.open_failures, RECOVERY_BACKOFF_MAX_S)
+        state.open_failures += 1
+        state.open_error = f"{type(exc).__name__}: {exc}"
+        state.recover_at = time.monotonic() + delay
+        self.metrics.partition_poisoned(state.topic, state.partition, True)
+        if event is not None:
+            self.metrics.shard_open_failed(state.topic, state.partition)
             log.error(
-                "partition_poisoned", topic=state.topic, partition=state.partition, error=str(exc)
+                event,
+                topic=state.topic,
+                partition=state.partition,
+                error=state.open_error,
+                attempt=state.open_failures,
+                retry_in_s=delay,
             )
 
     def _maybe_recover(self, state: PartitionState) -> None:
-        if time.monotonic() < state.recover_at:
+        """Reopen the shard writer of a partition that has none (poisoned, or its open
+        failed), on the open pool, once its backoff has passed; install it when done."""
+        if state.opening is not None:
+            if state.opening.done():
+                self._take_opened(state)
             return
+        if time.monotonic() < state.recover_at or self._stop.is_set():
+            return
+        state.opening = self._open_pool.submit(
+            self._open_partition, state.topic, state.partition, not state.committed_known
+        )
+
+    def _open_partition(
+        self, topic: str, partition: int, look_up_committed: bool
+    ) -> tuple[ShardWriter, int | None]:
+        """Open pool: claim and replay the shard; with `look_up_committed`, also fetch the
+        group's committed offset (-1: none), which a failed look-up on assign left unknown."""
+        writer = self.engine.open_shard(topic, partition)
+        if not look_up_committed:
+            return writer, None
         try:
-            writer = self.engine.open_shard(state.topic, state.partition)
-        except LanceSinkError as exc:
-            state.recover_at = time.monotonic() + RECOVERY_BACKOFF_S
-            log.error(
-                "partition_recovery_failed",
-                topic=state.topic,
-                partition=state.partition,
-                error=str(exc),
+            found = self.consumer.committed(
+                [TopicPartition(topic, partition)], timeout=COMMITTED_TIMEOUT_S
             )
-            return
-        durable = writer.durable_offsets.get((state.topic, state.partition))
-        restart = state.done if state.done is not None else 0
+        except BaseException:
+            self.engine.close_shard(writer, flush=False, timeout=5)
+            raise
+        return writer, max(found[0].offset, -1)
+
+    def _take_opened(
+        self, state: PartitionState, assign: list[TopicPartition] | None = None
+    ) -> bool:
+        """Install the writer `state.opening` opened and assign the partition at the
+        resume offset (now, or by adding it to `assign` for the caller's one
+        `incremental_assign`), or record why the open failed (retried). True if installed."""
+        future, state.opening = state.opening, None
+        assert future is not None
+        try:
+            writer, committed = future.result()
+        except Exception as exc:  # noqa: BLE001 - any failure is retried, none is fatal
+            self._open_failed(state, exc, event="partition_open_failed")
+            return False
+        if committed is not None:
+            state.committed, state.committed_known = committed, True
+        key = (state.topic, state.partition)
+        durable = writer.durable_offsets.get(key)
+        # Resume after the last durable offset, or at the committed one if later (I3).
+        start = state.done
+        if start is None and state.committed >= 0:
+            start = state.committed
         if durable is not None:
-            restart = max(restart, durable + 1)
+            start = max(start or 0, durable + 1)
         with self._lock:
             state.writer = writer
-        state.position = state.done = restart
+        state.position = state.done = start
+        if state.open_error is not None:
+            log.info(
+                "partition_recovered",
+                topic=state.topic,
+                partition=state.partition,
+                attempts=state.open_failures,
+            )
+        state.open_error, state.open_failures = None, 0
         self.metrics.partition_poisoned(state.topic, state.partition, False)
-        self._resume(state)
+        log.info(
+            "partition_assigned",
+            topic=state.topic,
+            partition=state.partition,
+            shard=writer.shard,
+            epoch=writer.epoch,
+            committed=state.committed if state.committed >= 0 else None,
+            durable=durable,
+            start=start,
+        )
+        if not state.assigned:
+            tp = TopicPartition(
+                state.topic, state.partition, OFFSET_INVALID if start is None else start
+            )
+            if assign is not None:
+                assign.append(tp)
+            else:
+                self.consumer.incremental_assign([tp])
+                # A partition paused before it was taken out of the assignment may keep
+                # its pause in librdkafka.
+                self.consumer.resume([state.tp])
+            state.assigned = True
+        return True
 
     def _on_message_error(self, err: confluent_kafka.KafkaError) -> None:
         if err.fatal():
@@ -732,61 +862,115 @@ class SinkService:
 
     def _assign(self, consumer: confluent_kafka.Consumer, partitions: list[TopicPartition]) -> None:
         started = time.monotonic()
-        futures = {
-            (tp.topic, tp.partition): self._open_pool.submit(
-                self.engine.open_shard, tp.topic, tp.partition
+        if self._stop.is_set():
+            # Draining: a shard opened now would be claimed and replayed only to be closed
+            # again, holding the drain up. The group takes the partitions back on close.
+            consumer.incremental_assign(partitions)
+            log.info("assignment_ignored_while_draining", count=len(partitions))
+            return
+        states = [
+            PartitionState(
+                tp.topic,
+                tp.partition,
+                None,
+                None,
+                None,
+                -1,
+                opening=self._open_pool.submit(self._open_partition, tp.topic, tp.partition, False),
+                assigned=False,
             )
             for tp in partitions
-        }
-        committed: dict[tuple[str, int], int] = {
-            (tp.topic, tp.partition): tp.offset
-            for tp in consumer.committed(partitions, timeout=30)
-            if tp.offset >= 0
-        }
-        assign = []
-        for tp in partitions:
-            key = (tp.topic, tp.partition)
-            writer = futures[key].result()
-            durable = writer.durable_offsets.get(key)
-            # Resume after the last durable offset, or at the committed one if later (I3).
-            start: int | None = committed.get(key)
-            if durable is not None:
-                start = max(start or 0, durable + 1)
-            state = PartitionState(
-                tp.topic, tp.partition, writer, start, start, committed.get(key, -1)
-            )
+        ]
+        committed, known = self._committed_offsets(consumer, partitions)
+        self._wait_opening(states)
+        # One incremental_assign of the partitions whose writer opened, empty or not: a
+        # callback that assigns nothing would have the client assign every partition.
+        assign: list[TopicPartition] = []
+        for state in states:
+            state.committed = committed.get((state.topic, state.partition), -1)
+            state.committed_known = known
             with self._lock:
-                self.partitions[key] = state
-            assign.append(
-                TopicPartition(tp.topic, tp.partition, OFFSET_INVALID if start is None else start)
-            )
-            log.info(
-                "partition_assigned",
-                topic=tp.topic,
-                partition=tp.partition,
-                shard=writer.shard,
-                epoch=writer.epoch,
-                committed=committed.get(key),
-                durable=durable,
-                start=start,
-            )
+                self.partitions[(state.topic, state.partition)] = state
+            if state.opening is None:  # abandoned: the drain started
+                continue
+            if not known and state.opening.exception() is None:
+                # The writer opened, but where to resume is unknown: close it and reopen
+                # with the look-up, on the open pool after the backoff.
+                writer, _ = state.opening.result()
+                state.opening = None
+                self.engine.close_shard(writer, flush=False, timeout=5)
+                self._open_failed(
+                    state,
+                    RuntimeError("the committed offset look-up failed"),
+                    event="partition_open_failed",
+                )
+                continue
+            self._take_opened(state, assign)
         consumer.incremental_assign(assign)
+        if assign:  # one paused by this process before a revoke may keep its pause
+            consumer.resume([TopicPartition(tp.topic, tp.partition) for tp in assign])
         self.metrics.rebalance("assigned", len(partitions))
         self.ready.set()
         log.info(
-            "partitions_opened", count=len(partitions), seconds=round(time.monotonic() - started, 3)
+            "partitions_opened",
+            count=sum(1 for s in states if s.writer is not None),
+            failed=sum(1 for s in states if s.writer is None),
+            seconds=round(time.monotonic() - started, 3),
         )
+
+    def _committed_offsets(
+        self, consumer: confluent_kafka.Consumer, partitions: list[TopicPartition]
+    ) -> tuple[dict[tuple[str, int], int], bool]:
+        """The group's committed offsets of `partitions` (bounded by the drain deadline
+        while stopping), and whether the look-up succeeded."""
+        left = self._drain_left()
+        timeout = COMMITTED_TIMEOUT_S if left is None else min(COMMITTED_TIMEOUT_S, left)
+        try:
+            found = consumer.committed(partitions, timeout=max(timeout, 0.1))
+        except confluent_kafka.KafkaException as exc:
+            log.error("committed_offsets_failed", partitions=len(partitions), error=str(exc))
+            return {}, False
+        return {(tp.topic, tp.partition): tp.offset for tp in found if tp.offset >= 0}, True
+
+    def _wait_opening(self, states: list[PartitionState]) -> None:
+        """Wait for the shard opens of an assignment. Replay takes as long as it takes,
+        unless a drain starts meanwhile: then only until its deadline; opens still running
+        are closed when they end, and their partitions stay unassigned."""
+        pending = {s.opening for s in states if s.opening is not None}
+        while pending:
+            _, pending = wait(pending, timeout=0.2)
+            left = self._drain_left()
+            if left is not None and left <= DRAIN_RESERVE_S and pending:
+                break
+        for state in states:
+            future = state.opening
+            if future is not None and not future.done():
+                state.opening = None
+                future.add_done_callback(self._close_abandoned)
+                log.warning(
+                    "partition_open_abandoned", topic=state.topic, partition=state.partition
+                )
+
+    def _close_abandoned(self, future: Future[tuple[ShardWriter, int | None]]) -> None:
+        """A shard open the drain stopped waiting for: close its writer when it ends
+        (its rows stay in the WAL for the next owner)."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        writer, _ = future.result()
+        self.engine.close_shard(writer, flush=False, timeout=5)
 
     def _on_revoke(
         self, consumer: confluent_kafka.Consumer, partitions: list[TopicPartition]
     ) -> None:
         states = [s for tp in partitions if (s := self.partitions.get((tp.topic, tp.partition)))]
         if states:
-            self._wait_inflight(states, self.settings.shutdown.drain_deadline_s)
+            left = self._drain_left()
+            deadline = self.settings.shutdown.drain_deadline_s if left is None else left
+            self._wait_inflight(states, deadline)
             self._commit(asynchronous=False, states=states)
             for state in states:
                 self._release(state, flush=False)
-        consumer.incremental_unassign(partitions)
+        consumer.incremental_unassign(self._locally_assigned(partitions, states))
         self.metrics.rebalance("revoked", len(partitions))
         for tp in partitions:
             log.info("partition_revoked", topic=tp.topic, partition=tp.partition)
@@ -794,18 +978,32 @@ class SinkService:
     def _on_lost(
         self, consumer: confluent_kafka.Consumer, partitions: list[TopicPartition]
     ) -> None:
+        states = []
         for tp in partitions:
             state = self.partitions.get((tp.topic, tp.partition))
             if state is not None:
+                states.append(state)
                 self._release(state, flush=False)
             log.warning("partition_lost", topic=tp.topic, partition=tp.partition)
-        consumer.incremental_unassign(partitions)
+        consumer.incremental_unassign(self._locally_assigned(partitions, states))
         self.metrics.rebalance("lost", len(partitions))
+
+    @staticmethod
+    def _locally_assigned(
+        partitions: list[TopicPartition], states: list[PartitionState]
+    ) -> list[TopicPartition]:
+        """Those of `partitions` in the consumer's own assignment: a partition whose shard
+        writer has not opened (yet, or again) was never handed to it, or was taken back."""
+        unassigned = {(s.topic, s.partition) for s in states if not s.assigned}
+        return [tp for tp in partitions if (tp.topic, tp.partition) not in unassigned]
 
     def _release(self, state: PartitionState, *, flush: bool, timeout: float = 30.0) -> None:
         with self._lock:
             self.partitions.pop((state.topic, state.partition), None)
         self._drop_decoding(state)
+        if state.opening is not None:  # an open (or reopen) still running: close it after
+            state.opening.add_done_callback(self._close_abandoned)
+            state.opening = None
         shard = None
         if state.writer is not None:
             shard = state.writer.shard
@@ -967,7 +1165,11 @@ class SinkService:
             elif state.stopped:
                 reasons.append(f"{topic}[{partition}]: stopped, {state.stopped}")
             elif state.writer is None:
-                reasons.append(f"{topic}[{partition}]: shard writer poisoned, recovering")
+                why = state.open_error or "shard writer poisoned"
+                reasons.append(
+                    f"{topic}[{partition}]: no shard writer ({why}), retrying "
+                    f"(attempt {state.open_failures + 1})"
+                )
         if self._fatal:
             reasons.append(self._fatal)
         return not reasons, reasons
@@ -1013,6 +1215,12 @@ class SinkService:
             "inflight_puts": len(state.inflight),
             "held": state.held is not None,
         }
+        if state.writer is None and not state.fenced:
+            entry["open"] = {
+                "error": state.open_error,
+                "failures": state.open_failures,
+                "retry_in_s": round(max(state.recover_at - time.monotonic(), 0.0), 1),
+            }
         writer = state.writer
         if writer is not None:
             st = writer.stats()

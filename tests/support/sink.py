@@ -22,7 +22,11 @@ DIM = 8
 
 
 def toml_value(value: Any) -> str:
-    return json.dumps(value) if not isinstance(value, bool) else str(value).lower()
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, dict):  # an inline table
+        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
+    return json.dumps(value)
 
 
 def write_config(
