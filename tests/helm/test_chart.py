@@ -197,6 +197,31 @@ def _values(name: str) -> dict[str, Any]:
     return _merge(_chart_values(), yaml.safe_load(_scenario(name).read_text()))
 
 
+_QUANTITY_SUFFIXES = {
+    "": 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+}
+
+
+def _quantity_bytes(quantity: str | int) -> int:
+    """Bytes of a Kubernetes memory quantity (the suffixes the tests use)."""
+    if isinstance(quantity, int):
+        return quantity
+    match = re.fullmatch(r"([0-9.]+)(?:[eE]\+?([0-9]+)|([A-Za-z]*))", quantity)
+    assert match, quantity
+    number, exponent, suffix = match.groups()
+    if exponent is not None:
+        return int(float(number) * 10 ** int(exponent))
+    return int(float(number) * _QUANTITY_SUFFIXES[suffix])
+
+
 # ---------------------------------------------------------------- every scenario
 
 
@@ -528,6 +553,31 @@ INVALID = {
         {"config": {"kafka": {"group_instance_id": "a"}}},
         "group_instance_id must be unique per pod",
     ),
+    "budget above the memory limit": (
+        {
+            "config": {"backpressure": {"process_budget_bytes": "8GiB"}},
+            "resources": {"limits": {"memory": "2Gi"}},
+        },
+        (
+            "config.backpressure.process_budget_bytes (8GiB = 8589934592 bytes) does not fit "
+            "in resources.limits.memory (2Gi): the pod needs 14336Mi"
+        ),
+    ),
+    "memory limit below the fixed part": (
+        {"resources": {"limits": {"memory": "1Gi"}}},
+        "Raise resources.limits.memory to at least 5120Mi, or leave it null",
+    ),
+    "memory limit that is not a quantity": (
+        {"resources": {"limits": {"memory": "6GB"}}},
+        'resources.limits.memory: cannot read "6GB" as a Kubernetes memory quantity',
+    ),
+    "memtable above what the budget allows": (
+        {"config": {"memtable": {"max_bytes": "2GiB"}}},
+        (
+            "config.memtable.max_bytes (2GiB = 2147483648 bytes) is above what "
+            "config.backpressure.process_budget_bytes (2GiB = 2147483648 bytes) allows"
+        ),
+    ),
 }
 
 
@@ -610,8 +660,13 @@ def test_pod_hardening_and_probes(rendered: dict[str, list[dict[str, Any]]], sce
         derived_mib += math.ceil(cache / 2**20)
     if values["config"]["maintenance"]["enabled"] and values["config"]["maintenance"]["process"]:
         derived_mib += values["resources"]["memory"]["maintenanceProcessMiB"]
-    assert container["resources"]["limits"]["memory"] == f"{derived_mib}Mi"
-    assert container["resources"]["requests"]["memory"] == f"{derived_mib}Mi"
+    limits = values["resources"]["limits"]
+    if limits["memory"] is None:
+        assert container["resources"]["limits"]["memory"] == f"{derived_mib}Mi"
+        assert container["resources"]["requests"]["memory"] == f"{derived_mib}Mi"
+    else:  # set by the operator: rendered as is, and it holds what the budget needs
+        assert container["resources"]["limits"]["memory"] == limits["memory"]
+        assert _quantity_bytes(limits["memory"]) >= derived_mib * 2**20
 
 
 def test_memory_limit_formula_and_override(helm: str, tmp_path: Path) -> None:
@@ -791,6 +846,94 @@ def test_keda_scales_on_lag_capped_at_partitions(
         "minAvailable": 1,
         "selector": _one(docs, "Deployment")["spec"]["selector"],
     }
+
+
+def test_memory_limit_must_hold_the_budget(helm: str, tmp_path: Path) -> None:
+    """A set resources.limits.memory renders exactly when it holds what the derived formula
+    needs for the budget (whatever the quantity's unit), and fails one MiB below."""
+    need_mib = math.ceil(2 * 2**30 * 1.5 / 2**20) + 768 + 1024 + 256  # the scenario's settings
+    path = tmp_path / "values.yaml"
+
+    def renders(limit: str | int) -> bool:
+        path.write_text(yaml.safe_dump({"resources": {"limits": {"memory": limit}}}))
+        proc = _helm(
+            helm, "template", RELEASE, str(CHART), "--values",
+            str(_scenario("object-storage-values")), "--values", str(path),
+        )  # fmt: skip
+        assert proc.returncode == 0 or "does not fit in resources.limits.memory" in proc.stderr, (
+            proc.stderr
+        )
+        return proc.returncode == 0
+
+    assert renders(f"{need_mib}Mi")
+    assert not renders(f"{need_mib - 1}Mi")
+    assert renders(need_mib * 2**20)
+    assert not renders(need_mib * 2**20 - 1)
+    assert need_mib == 5 * 1024
+    assert renders("5Gi")
+    assert renders("5.5G")  # 5.5e9 bytes > 5 GiB
+    assert not renders("5.3G")  # 5.3e9 bytes < 5 GiB
+    assert renders("54e8")
+    assert not renders("53e8")
+    assert renders("5.4e+09")
+
+
+def test_memtable_rule_mirrors_the_settings(helm: str, tmp_path: Path) -> None:
+    """The chart refuses memtable.max_bytes above half the budget exactly where the settings
+    model (what the pod runs at start) refuses it, and accepts what the model accepts."""
+    path = tmp_path / "values.yaml"
+    budget = 1 << 30
+    for memtable, ok in ((budget // 2, True), (budget // 2 + 1, False)):
+        override = {
+            "config": {
+                "backpressure": {"process_budget_bytes": budget},
+                "memtable": {"max_bytes": memtable},
+            }
+        }
+        path.write_text(yaml.safe_dump(override))
+        args = [
+            "template",
+            RELEASE,
+            str(CHART),
+            "--values",
+            str(_scenario("object-storage-values")),
+        ]
+        proc = _helm(helm, *args, "--values", str(path))
+        assert (proc.returncode == 0) is ok, proc.stderr
+        if ok:
+            docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+            _check_config(docs, tmp_path)  # the loader accepts it too
+            toml = tomllib.loads(_sink_toml(docs))
+        else:
+            assert "is above what config.backpressure.process_budget_bytes" in proc.stderr
+            # The same settings, past the chart: the sink refuses to start on them.
+            toml["memtable"]["max_bytes"] = memtable
+            bad = tmp_path / "bad.toml"
+            bad.write_text(_toml_dump(toml))
+            env = {k: v for k, v in os.environ.items() if not k.startswith("LANCE_SINK__")}
+            checked = subprocess.run(
+                [str(_lance_sink_bin()), "check-config", str(bad)],
+                capture_output=True, text=True, env=env, timeout=60, check=False,
+            )  # fmt: skip
+            assert checked.returncode == 2, checked.stderr
+            assert "backpressure.process_budget_bytes" in checked.stderr
+            assert "at least 2 x memtable.max_bytes" in checked.stderr
+
+
+def _toml_dump(data: dict[str, Any]) -> str:
+    """sink.toml from its parsed form: sections of scalars, lists and inline tables."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{json.dumps(k)} = {value(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return json.dumps(v)
+
+    return "".join(
+        f"[{section}]\n" + "".join(f"{json.dumps(k)} = {value(v)}\n" for k, v in fields.items())
+        for section, fields in data.items()
+    )
 
 
 # ---------------------------------------------------------------- monitoring

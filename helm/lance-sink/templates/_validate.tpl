@@ -95,4 +95,33 @@ checks only cover what is about how Kubernetes runs it, or what would leak a sec
 {{/* derived numbers fail on their own when invalid */}}
 {{- $_ := include "lance-sink.gracePeriod" . -}}
 {{- $_ := include "lance-sink.memoryLimit" . -}}
+
+{{/* memory: the settings' own rule (config/settings.py Settings._cross), then the pod's limit */}}
+{{- $budgetRaw := $c.backpressure.process_budget_bytes -}}
+{{- $budget := include "lance-sink.bytes" (list "config.backpressure.process_budget_bytes" $budgetRaw) | int64 -}}
+{{- $memtable := include "lance-sink.bytes" (list "config.memtable.max_bytes" $c.memtable.max_bytes) | int64 -}}
+{{- $budgetShow := printf "%d bytes" $budget -}}
+{{- if kindIs "string" $budgetRaw -}}{{- $budgetShow = printf "%s = %s" $budgetRaw $budgetShow -}}{{- end -}}
+{{- if lt $budget (mul 2 $memtable) -}}
+{{- $memtableShow := printf "%d bytes" $memtable -}}
+{{- if kindIs "string" $c.memtable.max_bytes -}}{{- $memtableShow = printf "%s = %s" $c.memtable.max_bytes $memtableShow -}}{{- end -}}
+{{- fail (printf "config.memtable.max_bytes (%s) is above what config.backpressure.process_budget_bytes (%s) allows: the budget must be at least 2 x memtable.max_bytes (one memtable fills while the previous one flushes; the sink refuses to start otherwise). Lower memtable.max_bytes to at most %d bytes or raise the budget to at least %d bytes." $memtableShow $budgetShow (div $budget 2) (mul 2 $memtable)) -}}
+{{- end -}}
+{{- with .Values.resources.limits.memory -}}
+{{- $limit := include "lance-sink.quantityBytes" (list "resources.limits.memory" .) | float64 -}}
+{{- $needMiB := include "lance-sink.memoryNeedMiB" $ | int64 -}}
+{{- if gt (mulf $needMiB 1048576) $limit -}}
+{{- $factor := $.Values.resources.memory.budgetFactor -}}
+{{- $budgetMiB := divf (mulf $budget $factor) 1048576 | ceil | int64 -}}
+{{- $fixedMiB := sub $needMiB $budgetMiB -}}
+{{- $roomMiB := subf (divf $limit 1048576) $fixedMiB -}}
+{{- $fix := "Raise" -}}
+{{- if gt $roomMiB 0.0 -}}
+{{- $fix = printf "Lower the budget to at most %dMiB, raise" (divf $roomMiB $factor | floor | int64) -}}
+{{- end -}}
+{{- $limitShow := printf "%d bytes" (int64 $limit) -}}
+{{- if kindIs "string" . -}}{{- $limitShow = . -}}{{- end -}}
+{{- fail (printf "config.backpressure.process_budget_bytes (%s) does not fit in resources.limits.memory (%s): the pod needs %dMi = %dMi for the budget (x resources.memory.budgetFactor %v) + %dMi resources.memory.overheadMiB + %dMi for the query API's unindexed cache and the maintenance process, so the kernel would OOM-kill the sink before backpressure pauses a partition. %s resources.limits.memory to at least %dMi, or leave it null to derive it." $budgetShow $limitShow $needMiB $budgetMiB $factor (int64 $.Values.resources.memory.overheadMiB) (sub $fixedMiB (int64 $.Values.resources.memory.overheadMiB)) $fix $needMiB) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
