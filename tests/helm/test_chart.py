@@ -578,6 +578,23 @@ INVALID = {
             "config.backpressure.process_budget_bytes (2GiB = 2147483648 bytes) allows"
         ),
     ),
+    "KEDA on SASL_SSL without authenticationRef": (
+        {
+            "keda": {"enabled": True, "partitions": 4},
+            "config": {
+                "kafka": {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512"}
+            },
+            "secrets": {"kafkaSasl": {"existingSecret": "kafka-user"}},
+        },
+        "keda.enabled with config.kafka.security_protocol=SASL_SSL needs keda.authenticationRef",
+    ),
+    "KEDA on SSL without authenticationRef": (
+        {
+            "keda": {"enabled": True, "partitions": 4},
+            "config": {"kafka": {"security_protocol": "SSL"}},
+        },
+        "security_protocol=SSL needs keda.authenticationRef",
+    ),
 }
 
 
@@ -934,6 +951,32 @@ def _toml_dump(data: dict[str, Any]) -> str:
         f"[{section}]\n" + "".join(f"{json.dumps(k)} = {value(v)}\n" for k, v in fields.items())
         for section, fields in data.items()
     )
+
+
+def test_local_volume_has_a_headless_governing_service(
+    helm: str, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """The StatefulSet's serviceName is a headless Service selecting its pod, published before
+    it is ready, without the metrics port (scraped through the ordinary Service only)."""
+    assert not any(
+        d["metadata"]["name"].endswith("-headless") for d in rendered["object-storage-values"]
+    )
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"config": {"query": {"enabled": True}}}))
+    query_off = rendered["local-volume-values"]
+    query_on = _template(helm, _scenario("local-volume-values"), path)
+    for docs, ports in ((query_off, []), (query_on, [("query", 8080)])):
+        sts = _one(docs, "StatefulSet")
+        headless = _one(docs, "Service", "-headless")
+        assert sts["spec"]["serviceName"] == headless["metadata"]["name"]
+        assert headless["spec"]["clusterIP"] == "None"
+        assert headless["spec"]["publishNotReadyAddresses"] is True
+        assert headless["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
+        found = [(p["name"], p["port"]) for p in headless["spec"].get("ports", [])]
+        assert found == ports
+        assert _one(docs, "Service")["spec"].get("clusterIP") != "None"
+        for version in KUBE_VERSIONS:
+            _validate(headless, version)
 
 
 # ---------------------------------------------------------------- monitoring

@@ -69,6 +69,9 @@ checks only cover what is about how Kubernetes runs it, or what would leak a sec
 {{- if kindIs "invalid" .Values.keda.partitions -}}
 {{- fail "keda.enabled needs keda.partitions: the partition count of the largest topic (maxReplicaCount is capped at it; a pod beyond one per partition idles)" -}}
 {{- end -}}
+{{- if and (ne $c.kafka.security_protocol "PLAINTEXT") (not .Values.keda.authenticationRef) -}}
+{{- fail (printf "keda.enabled with config.kafka.security_protocol=%s needs keda.authenticationRef: the name of an existing TriggerAuthentication holding what the scaler needs to reach the brokers (sasl, username, password for SASL; tls, ca, cert, key for TLS); without it KEDA connects unauthenticated and never reads the lag" $c.kafka.security_protocol) -}}
+{{- end -}}
 {{- if gt (int64 .Values.keda.minReplicaCount) (int64 (include "lance-sink.kedaMaxReplicas" .)) -}}
 {{- fail (printf "keda.minReplicaCount (%v) is above the replica cap min(keda.maxReplicaCount, keda.partitions) = %s" .Values.keda.minReplicaCount (include "lance-sink.kedaMaxReplicas" .)) -}}
 {{- end -}}
