@@ -52,6 +52,7 @@ KUBE_VERSIONS = ("1.29.0", "1.35.0")
 CORE_KINDS = {
     "ConfigMap",
     "Deployment",
+    "NetworkPolicy",
     "PodDisruptionBudget",
     "Service",
     "ServiceAccount",
@@ -232,6 +233,7 @@ def test_scenarios_cover_the_modes() -> None:
         "keda-values",
         "monitoring-values",
         "sasl-ssl-values",
+        "production-values",
     }
 
 
@@ -595,6 +597,47 @@ INVALID = {
         },
         "security_protocol=SSL needs keda.authenticationRef",
     ),
+    "strategy with a local volume": (
+        {
+            "storage": {"mode": "localVolume"},
+            "replicaCount": 1,
+            "strategy": {"type": "Recreate"},
+            "config": {"table": {"uri": "/data/t.lance"}},
+        },
+        "strategy applies to the objectStore Deployment only",
+    ),
+    "Recreate with rollingUpdate": (
+        {"strategy": {"type": "Recreate", "rollingUpdate": {"maxSurge": 0}}},
+        "strategy.rollingUpdate is only for strategy.type RollingUpdate",
+    ),
+    "a rollout that can never replace a pod": (
+        {"strategy": {"rollingUpdate": {"maxSurge": 0, "maxUnavailable": "0%"}}},
+        "maxSurge and maxUnavailable cannot both be 0",
+    ),
+    "unknown strategy key": (
+        {"strategy": {"rollingUpdate": {"maxSurges": 0}}},
+        "additional properties 'maxSurges' not allowed",
+    ),
+    "image digest that is not a digest": (
+        {"image": {"digest": "4c8ad1c1"}},
+        "/image/digest",
+    ),
+    "topology spread without a topology key": (
+        {"topologySpreadConstraints": [{"maxSkew": 1, "whenUnsatisfiable": "DoNotSchedule"}]},
+        "missing property 'topologyKey'",
+    ),
+    "network policy hiding the metrics from Prometheus": (
+        {"networkPolicy": {"enabled": True}, "monitoring": {"serviceMonitor": {"enabled": True}}},
+        "networkPolicy.enabled with monitoring.serviceMonitor.enabled needs networkPolicy.metrics",
+    ),
+    "network policy with no egress at all": (
+        {"networkPolicy": {"enabled": True, "egress": []}},
+        "networkPolicy.egress: [] would block the sink's connections",
+    ),
+    "unknown network policy peer field": (
+        {"networkPolicy": {"enabled": True, "query": {"from": [{"podSelectors": {}}]}}},
+        "additional properties 'podSelectors' not allowed",
+    ),
 }
 
 
@@ -953,6 +996,92 @@ def _toml_dump(data: dict[str, Any]) -> str:
     )
 
 
+def test_production_scenario(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The operator's knobs: digest pin, surge 0, own spread constraints, NetworkPolicy with
+    restricted egress, KEDA through a TriggerAuthentication."""
+    docs = rendered["production-values"]
+    values = _values("production-values")
+    deployment = _one(docs, "Deployment")
+    assert _container(docs)["image"] == (
+        "registry.example.com/data/lance-sink@" + values["image"]["digest"]
+    )
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+    }
+    selector = deployment["spec"]["selector"]
+    zone, host = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert zone == {
+        "maxSkew": 1,
+        "topologyKey": "topology.kubernetes.io/zone",
+        "whenUnsatisfiable": "DoNotSchedule",
+        "labelSelector": selector,  # filled in: the constraint had none
+    }
+    assert host["labelSelector"] == {"matchLabels": {"app.kubernetes.io/name": "lance-sink"}}
+    for trigger in _one(docs, "ScaledObject")["spec"]["triggers"]:
+        assert trigger["authenticationRef"] == {"name": "kafka-scaler-auth"}
+
+    policy = _one(docs, "NetworkPolicy")["spec"]
+    sink_pods = {"podSelector": selector}
+    assert policy["podSelector"] == selector
+    assert policy["policyTypes"] == ["Ingress", "Egress"]
+    query, metrics = policy["ingress"]
+    assert query["ports"] == [{"port": 8080, "protocol": "TCP"}]
+    assert query["from"] == [sink_pods, *values["networkPolicy"]["query"]["from"]]
+    assert metrics["ports"] == [{"port": 9102, "protocol": "TCP"}]
+    assert metrics["from"] == values["networkPolicy"]["metrics"]["from"]
+    fan_out, *rules = policy["egress"]
+    assert fan_out == {"ports": [{"port": 8080, "protocol": "TCP"}], "to": [sink_pods]}
+    assert rules == values["networkPolicy"]["egress"]
+
+
+def test_default_pod_spread_and_no_network_policy(
+    helm: str, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """By default the pods spread softly over zones and nodes (Deployment and StatefulSet),
+    the image goes by tag, the strategy is Kubernetes' own, and there is no NetworkPolicy;
+    [] turns the spread off."""
+    for scenario in ("object-storage-values", "local-volume-values"):
+        docs = rendered[scenario]
+        workload = _workload(docs)
+        constraints = workload["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        assert [(c["topologyKey"], c["whenUnsatisfiable"], c["maxSkew"]) for c in constraints] == [
+            ("topology.kubernetes.io/zone", "ScheduleAnyway", 1),
+            ("kubernetes.io/hostname", "ScheduleAnyway", 1),
+        ]
+        for c in constraints:
+            assert c["labelSelector"] == workload["spec"]["selector"]
+        assert "strategy" not in workload["spec"]
+        assert _container(docs)["image"] == "lance-sink:0.1.0"
+        assert not any(d["kind"] == "NetworkPolicy" for d in docs)
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"topologySpreadConstraints": []}))
+    docs = _template(helm, _scenario("object-storage-values"), path)
+    assert "topologySpreadConstraints" not in _workload(docs)["spec"]["template"]["spec"]
+
+
+def test_network_policy_defaults(helm: str, tmp_path: Path) -> None:
+    """Enabled with no peers: the query port is open to the sink's own pods only, nothing may
+    scrape, egress stays open; without the query API and peers, no ingress at all."""
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"networkPolicy": {"enabled": True}}))
+    docs = _template(helm, _scenario("object-storage-values"), path)
+    policy = _one(docs, "NetworkPolicy")["spec"]
+    selector = _workload(docs)["spec"]["selector"]
+    assert policy["policyTypes"] == ["Ingress"]
+    assert "egress" not in policy
+    assert policy["ingress"] == [
+        {"ports": [{"port": 8080, "protocol": "TCP"}], "from": [{"podSelector": selector}]}
+    ]
+    for version in KUBE_VERSIONS:
+        _validate(_one(docs, "NetworkPolicy"), version)
+    docs = _template(helm, _scenario("local-volume-values"), path)  # query API off
+    policy = _one(docs, "NetworkPolicy")["spec"]
+    assert policy["ingress"] == []
+    for version in KUBE_VERSIONS:
+        _validate(_one(docs, "NetworkPolicy"), version)
+
+
 def test_local_volume_has_a_headless_governing_service(
     helm: str, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
@@ -1035,12 +1164,17 @@ def test_grafana_dashboard(rendered: dict[str, list[dict[str, Any]]]) -> None:
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     for scenario, docs in rendered.items():
-        if scenario != "monitoring-values":
-            assert not any(
-                d["kind"] in {"ServiceMonitor", "PrometheusRule"}
-                or d["metadata"]["name"].endswith("-dashboard")
-                for d in docs
-            ), f"{scenario}: monitoring objects are opt-in"
+        monitoring = _values(scenario)["monitoring"]
+        rendered_kinds = {
+            "ServiceMonitor": any(d["kind"] == "ServiceMonitor" for d in docs),
+            "PrometheusRule": any(d["kind"] == "PrometheusRule" for d in docs),
+            "dashboard": any(d["metadata"]["name"].endswith("-dashboard") for d in docs),
+        }
+        assert rendered_kinds == {
+            "ServiceMonitor": monitoring["serviceMonitor"]["enabled"],
+            "PrometheusRule": monitoring["prometheusRule"]["enabled"],
+            "dashboard": monitoring["grafanaDashboard"]["enabled"],
+        }, f"{scenario}: monitoring objects are opt-in"
 
 
 # ---------------------------------------------------------------- docs of the chart

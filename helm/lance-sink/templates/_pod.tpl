@@ -146,6 +146,19 @@ spec:
   affinity:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+  {{- with .Values.topologySpreadConstraints }}
+  # Spread over zones and nodes; a constraint without labelSelector counts this release's pods.
+  topologySpreadConstraints:
+    {{- $constraints := list }}
+    {{- range . }}
+    {{- $constraint := deepCopy . }}
+    {{- if not (hasKey $constraint "labelSelector") }}
+    {{- $_ := set $constraint "labelSelector" (dict "matchLabels" (include "lance-sink.selectorLabels" $ | fromYaml)) }}
+    {{- end }}
+    {{- $constraints = append $constraints $constraint }}
+    {{- end }}
+    {{- toYaml $constraints | nindent 4 }}
+  {{- end }}
 {{- end -}}
 
 

@@ -62,6 +62,9 @@ checks only cover what is about how Kubernetes runs it, or what would leak a sec
 {{- if .Values.keda.enabled -}}
 {{- fail "keda.enabled: storage.mode localVolume runs exactly one pod and cannot scale; use storage.mode objectStore with KEDA" -}}
 {{- end -}}
+{{- if .Values.strategy -}}
+{{- fail "strategy: storage.mode localVolume runs a StatefulSet, which replaces its one pod in place (the volume is ReadWriteOnce); strategy applies to the objectStore Deployment only, leave it {}" -}}
+{{- end -}}
 {{- end -}}
 
 {{/* KEDA */}}
@@ -88,6 +91,27 @@ checks only cover what is about how Kubernetes runs it, or what would leak a sec
 {{- end -}}
 {{- if and $c.query.enabled (eq (int $c.query.port) (int $c.observability.metrics_port)) -}}
 {{- fail (printf "config.query.port and config.observability.metrics_port are both %v: the query API and /metrics need their own ports" $c.query.port) -}}
+{{- end -}}
+
+{{/* Deployment strategy and NetworkPolicy */}}
+{{- with .Values.strategy -}}
+{{- if and (eq (default "RollingUpdate" .type) "Recreate") .rollingUpdate -}}
+{{- fail "strategy.rollingUpdate is only for strategy.type RollingUpdate (Recreate stops every pod first): remove one of them" -}}
+{{- end -}}
+{{- with .rollingUpdate -}}
+{{- if and (hasKey . "maxSurge") (hasKey . "maxUnavailable") (has (toString .maxSurge) (list "0" "0%")) (has (toString .maxUnavailable) (list "0" "0%")) -}}
+{{- fail "strategy.rollingUpdate: maxSurge and maxUnavailable cannot both be 0 (the rollout could never replace a pod); with maxSurge 0 set maxUnavailable to 1" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $np := .Values.networkPolicy -}}
+{{- if $np.enabled -}}
+{{- if and .Values.monitoring.serviceMonitor.enabled (not $np.metrics.from) -}}
+{{- fail "networkPolicy.enabled with monitoring.serviceMonitor.enabled needs networkPolicy.metrics.from: the peers Prometheus scrapes from (e.g. [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: monitoring}}}]), or the policy blocks every scrape" -}}
+{{- end -}}
+{{- if and (kindIs "slice" $np.egress) (not $np.egress) -}}
+{{- fail "networkPolicy.egress: [] would block the sink's connections to the Kafka brokers and the object store: list the rules that allow DNS, the brokers and the object store, or set null to leave egress open" -}}
+{{- end -}}
 {{- end -}}
 
 {{- $pdb := .Values.podDisruptionBudget -}}
