@@ -52,6 +52,7 @@ KUBE_VERSIONS = ("1.29.0", "1.35.0")
 CORE_KINDS = {
     "ConfigMap",
     "Deployment",
+    "NetworkPolicy",
     "PodDisruptionBudget",
     "Service",
     "ServiceAccount",
@@ -197,6 +198,31 @@ def _values(name: str) -> dict[str, Any]:
     return _merge(_chart_values(), yaml.safe_load(_scenario(name).read_text()))
 
 
+_QUANTITY_SUFFIXES = {
+    "": 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+}
+
+
+def _quantity_bytes(quantity: str | int) -> int:
+    """Bytes of a Kubernetes memory quantity (the suffixes the tests use)."""
+    if isinstance(quantity, int):
+        return quantity
+    match = re.fullmatch(r"([0-9.]+)(?:[eE]\+?([0-9]+)|([A-Za-z]*))", quantity)
+    assert match, quantity
+    number, exponent, suffix = match.groups()
+    if exponent is not None:
+        return int(float(number) * 10 ** int(exponent))
+    return int(float(number) * _QUANTITY_SUFFIXES[suffix])
+
+
 # ---------------------------------------------------------------- every scenario
 
 
@@ -207,6 +233,7 @@ def test_scenarios_cover_the_modes() -> None:
         "keda-values",
         "monitoring-values",
         "sasl-ssl-values",
+        "production-values",
     }
 
 
@@ -528,6 +555,89 @@ INVALID = {
         {"config": {"kafka": {"group_instance_id": "a"}}},
         "group_instance_id must be unique per pod",
     ),
+    "budget above the memory limit": (
+        {
+            "config": {"backpressure": {"process_budget_bytes": "8GiB"}},
+            "resources": {"limits": {"memory": "2Gi"}},
+        },
+        (
+            "config.backpressure.process_budget_bytes (8GiB = 8589934592 bytes) does not fit "
+            "in resources.limits.memory (2Gi): the pod needs 14336Mi"
+        ),
+    ),
+    "memory limit below the fixed part": (
+        {"resources": {"limits": {"memory": "1Gi"}}},
+        "Raise resources.limits.memory to at least 5120Mi, or leave it null",
+    ),
+    "memory limit that is not a quantity": (
+        {"resources": {"limits": {"memory": "6GB"}}},
+        'resources.limits.memory: cannot read "6GB" as a Kubernetes memory quantity',
+    ),
+    "memtable above what the budget allows": (
+        {"config": {"memtable": {"max_bytes": "2GiB"}}},
+        (
+            "config.memtable.max_bytes (2GiB = 2147483648 bytes) is above what "
+            "config.backpressure.process_budget_bytes (2GiB = 2147483648 bytes) allows"
+        ),
+    ),
+    "KEDA on SASL_SSL without authenticationRef": (
+        {
+            "keda": {"enabled": True, "partitions": 4},
+            "config": {
+                "kafka": {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512"}
+            },
+            "secrets": {"kafkaSasl": {"existingSecret": "kafka-user"}},
+        },
+        "keda.enabled with config.kafka.security_protocol=SASL_SSL needs keda.authenticationRef",
+    ),
+    "KEDA on SSL without authenticationRef": (
+        {
+            "keda": {"enabled": True, "partitions": 4},
+            "config": {"kafka": {"security_protocol": "SSL"}},
+        },
+        "security_protocol=SSL needs keda.authenticationRef",
+    ),
+    "strategy with a local volume": (
+        {
+            "storage": {"mode": "localVolume"},
+            "replicaCount": 1,
+            "strategy": {"type": "Recreate"},
+            "config": {"table": {"uri": "/data/t.lance"}},
+        },
+        "strategy applies to the objectStore Deployment only",
+    ),
+    "Recreate with rollingUpdate": (
+        {"strategy": {"type": "Recreate", "rollingUpdate": {"maxSurge": 0}}},
+        "strategy.rollingUpdate is only for strategy.type RollingUpdate",
+    ),
+    "a rollout that can never replace a pod": (
+        {"strategy": {"rollingUpdate": {"maxSurge": 0, "maxUnavailable": "0%"}}},
+        "maxSurge and maxUnavailable cannot both be 0",
+    ),
+    "unknown strategy key": (
+        {"strategy": {"rollingUpdate": {"maxSurges": 0}}},
+        "additional properties 'maxSurges' not allowed",
+    ),
+    "image digest that is not a digest": (
+        {"image": {"digest": "4c8ad1c1"}},
+        "/image/digest",
+    ),
+    "topology spread without a topology key": (
+        {"topologySpreadConstraints": [{"maxSkew": 1, "whenUnsatisfiable": "DoNotSchedule"}]},
+        "missing property 'topologyKey'",
+    ),
+    "network policy hiding the metrics from Prometheus": (
+        {"networkPolicy": {"enabled": True}, "monitoring": {"serviceMonitor": {"enabled": True}}},
+        "networkPolicy.enabled with monitoring.serviceMonitor.enabled needs networkPolicy.metrics",
+    ),
+    "network policy with no egress at all": (
+        {"networkPolicy": {"enabled": True, "egress": []}},
+        "networkPolicy.egress: [] would block the sink's connections",
+    ),
+    "unknown network policy peer field": (
+        {"networkPolicy": {"enabled": True, "query": {"from": [{"podSelectors": {}}]}}},
+        "additional properties 'podSelectors' not allowed",
+    ),
 }
 
 
@@ -610,8 +720,13 @@ def test_pod_hardening_and_probes(rendered: dict[str, list[dict[str, Any]]], sce
         derived_mib += math.ceil(cache / 2**20)
     if values["config"]["maintenance"]["enabled"] and values["config"]["maintenance"]["process"]:
         derived_mib += values["resources"]["memory"]["maintenanceProcessMiB"]
-    assert container["resources"]["limits"]["memory"] == f"{derived_mib}Mi"
-    assert container["resources"]["requests"]["memory"] == f"{derived_mib}Mi"
+    limits = values["resources"]["limits"]
+    if limits["memory"] is None:
+        assert container["resources"]["limits"]["memory"] == f"{derived_mib}Mi"
+        assert container["resources"]["requests"]["memory"] == f"{derived_mib}Mi"
+    else:  # set by the operator: rendered as is, and it holds what the budget needs
+        assert container["resources"]["limits"]["memory"] == limits["memory"]
+        assert _quantity_bytes(limits["memory"]) >= derived_mib * 2**20
 
 
 def test_memory_limit_formula_and_override(helm: str, tmp_path: Path) -> None:
@@ -793,6 +908,206 @@ def test_keda_scales_on_lag_capped_at_partitions(
     }
 
 
+def test_memory_limit_must_hold_the_budget(helm: str, tmp_path: Path) -> None:
+    """A set resources.limits.memory renders exactly when it holds what the derived formula
+    needs for the budget (whatever the quantity's unit), and fails one MiB below."""
+    need_mib = math.ceil(2 * 2**30 * 1.5 / 2**20) + 768 + 1024 + 256  # the scenario's settings
+    path = tmp_path / "values.yaml"
+
+    def renders(limit: str | int) -> bool:
+        path.write_text(yaml.safe_dump({"resources": {"limits": {"memory": limit}}}))
+        proc = _helm(
+            helm, "template", RELEASE, str(CHART), "--values",
+            str(_scenario("object-storage-values")), "--values", str(path),
+        )  # fmt: skip
+        assert proc.returncode == 0 or "does not fit in resources.limits.memory" in proc.stderr, (
+            proc.stderr
+        )
+        return proc.returncode == 0
+
+    assert renders(f"{need_mib}Mi")
+    assert not renders(f"{need_mib - 1}Mi")
+    assert renders(need_mib * 2**20)
+    assert not renders(need_mib * 2**20 - 1)
+    assert need_mib == 5 * 1024
+    assert renders("5Gi")
+    assert renders("5.5G")  # 5.5e9 bytes > 5 GiB
+    assert not renders("5.3G")  # 5.3e9 bytes < 5 GiB
+    assert renders("54e8")
+    assert not renders("53e8")
+    assert renders("5.4e+09")
+
+
+def test_memtable_rule_mirrors_the_settings(helm: str, tmp_path: Path) -> None:
+    """The chart refuses memtable.max_bytes above half the budget exactly where the settings
+    model (what the pod runs at start) refuses it, and accepts what the model accepts."""
+    path = tmp_path / "values.yaml"
+    budget = 1 << 30
+    for memtable, ok in ((budget // 2, True), (budget // 2 + 1, False)):
+        override = {
+            "config": {
+                "backpressure": {"process_budget_bytes": budget},
+                "memtable": {"max_bytes": memtable},
+            }
+        }
+        path.write_text(yaml.safe_dump(override))
+        args = [
+            "template",
+            RELEASE,
+            str(CHART),
+            "--values",
+            str(_scenario("object-storage-values")),
+        ]
+        proc = _helm(helm, *args, "--values", str(path))
+        assert (proc.returncode == 0) is ok, proc.stderr
+        if ok:
+            docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+            _check_config(docs, tmp_path)  # the loader accepts it too
+            toml = tomllib.loads(_sink_toml(docs))
+        else:
+            assert "is above what config.backpressure.process_budget_bytes" in proc.stderr
+            # The same settings, past the chart: the sink refuses to start on them.
+            toml["memtable"]["max_bytes"] = memtable
+            bad = tmp_path / "bad.toml"
+            bad.write_text(_toml_dump(toml))
+            env = {k: v for k, v in os.environ.items() if not k.startswith("LANCE_SINK__")}
+            checked = subprocess.run(
+                [str(_lance_sink_bin()), "check-config", str(bad)],
+                capture_output=True, text=True, env=env, timeout=60, check=False,
+            )  # fmt: skip
+            assert checked.returncode == 2, checked.stderr
+            assert "backpressure.process_budget_bytes" in checked.stderr
+            assert "at least 2 x memtable.max_bytes" in checked.stderr
+
+
+def _toml_dump(data: dict[str, Any]) -> str:
+    """sink.toml from its parsed form: sections of scalars, lists and inline tables."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{json.dumps(k)} = {value(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return json.dumps(v)
+
+    return "".join(
+        f"[{section}]\n" + "".join(f"{json.dumps(k)} = {value(v)}\n" for k, v in fields.items())
+        for section, fields in data.items()
+    )
+
+
+def test_production_scenario(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The operator's knobs: digest pin, surge 0, own spread constraints, NetworkPolicy with
+    restricted egress, KEDA through a TriggerAuthentication."""
+    docs = rendered["production-values"]
+    values = _values("production-values")
+    deployment = _one(docs, "Deployment")
+    assert _container(docs)["image"] == (
+        "registry.example.com/data/lance-sink@" + values["image"]["digest"]
+    )
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+    }
+    selector = deployment["spec"]["selector"]
+    zone, host = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert zone == {
+        "maxSkew": 1,
+        "topologyKey": "topology.kubernetes.io/zone",
+        "whenUnsatisfiable": "DoNotSchedule",
+        "labelSelector": selector,  # filled in: the constraint had none
+    }
+    assert host["labelSelector"] == {"matchLabels": {"app.kubernetes.io/name": "lance-sink"}}
+    for trigger in _one(docs, "ScaledObject")["spec"]["triggers"]:
+        assert trigger["authenticationRef"] == {"name": "kafka-scaler-auth"}
+
+    policy = _one(docs, "NetworkPolicy")["spec"]
+    sink_pods = {"podSelector": selector}
+    assert policy["podSelector"] == selector
+    assert policy["policyTypes"] == ["Ingress", "Egress"]
+    query, metrics = policy["ingress"]
+    assert query["ports"] == [{"port": 8080, "protocol": "TCP"}]
+    assert query["from"] == [sink_pods, *values["networkPolicy"]["query"]["from"]]
+    assert metrics["ports"] == [{"port": 9102, "protocol": "TCP"}]
+    assert metrics["from"] == values["networkPolicy"]["metrics"]["from"]
+    fan_out, *rules = policy["egress"]
+    assert fan_out == {"ports": [{"port": 8080, "protocol": "TCP"}], "to": [sink_pods]}
+    assert rules == values["networkPolicy"]["egress"]
+
+
+def test_default_pod_spread_and_no_network_policy(
+    helm: str, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """By default the pods spread softly over zones and nodes (Deployment and StatefulSet),
+    the image goes by tag, the strategy is Kubernetes' own, and there is no NetworkPolicy;
+    [] turns the spread off."""
+    for scenario in ("object-storage-values", "local-volume-values"):
+        docs = rendered[scenario]
+        workload = _workload(docs)
+        constraints = workload["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        assert [(c["topologyKey"], c["whenUnsatisfiable"], c["maxSkew"]) for c in constraints] == [
+            ("topology.kubernetes.io/zone", "ScheduleAnyway", 1),
+            ("kubernetes.io/hostname", "ScheduleAnyway", 1),
+        ]
+        for c in constraints:
+            assert c["labelSelector"] == workload["spec"]["selector"]
+        assert "strategy" not in workload["spec"]
+        assert _container(docs)["image"] == "lance-sink:0.1.0"
+        assert not any(d["kind"] == "NetworkPolicy" for d in docs)
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"topologySpreadConstraints": []}))
+    docs = _template(helm, _scenario("object-storage-values"), path)
+    assert "topologySpreadConstraints" not in _workload(docs)["spec"]["template"]["spec"]
+
+
+def test_network_policy_defaults(helm: str, tmp_path: Path) -> None:
+    """Enabled with no peers: the query port is open to the sink's own pods only, nothing may
+    scrape, egress stays open; without the query API and peers, no ingress at all."""
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"networkPolicy": {"enabled": True}}))
+    docs = _template(helm, _scenario("object-storage-values"), path)
+    policy = _one(docs, "NetworkPolicy")["spec"]
+    selector = _workload(docs)["spec"]["selector"]
+    assert policy["policyTypes"] == ["Ingress"]
+    assert "egress" not in policy
+    assert policy["ingress"] == [
+        {"ports": [{"port": 8080, "protocol": "TCP"}], "from": [{"podSelector": selector}]}
+    ]
+    for version in KUBE_VERSIONS:
+        _validate(_one(docs, "NetworkPolicy"), version)
+    docs = _template(helm, _scenario("local-volume-values"), path)  # query API off
+    policy = _one(docs, "NetworkPolicy")["spec"]
+    assert policy["ingress"] == []
+    for version in KUBE_VERSIONS:
+        _validate(_one(docs, "NetworkPolicy"), version)
+
+
+def test_local_volume_has_a_headless_governing_service(
+    helm: str, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """The StatefulSet's serviceName is a headless Service selecting its pod, published before
+    it is ready, without the metrics port (scraped through the ordinary Service only)."""
+    assert not any(
+        d["metadata"]["name"].endswith("-headless") for d in rendered["object-storage-values"]
+    )
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"config": {"query": {"enabled": True}}}))
+    query_off = rendered["local-volume-values"]
+    query_on = _template(helm, _scenario("local-volume-values"), path)
+    for docs, ports in ((query_off, []), (query_on, [("query", 8080)])):
+        sts = _one(docs, "StatefulSet")
+        headless = _one(docs, "Service", "-headless")
+        assert sts["spec"]["serviceName"] == headless["metadata"]["name"]
+        assert headless["spec"]["clusterIP"] == "None"
+        assert headless["spec"]["publishNotReadyAddresses"] is True
+        assert headless["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
+        found = [(p["name"], p["port"]) for p in headless["spec"].get("ports", [])]
+        assert found == ports
+        assert _one(docs, "Service")["spec"].get("clusterIP") != "None"
+        for version in KUBE_VERSIONS:
+            _validate(headless, version)
+
+
 # ---------------------------------------------------------------- monitoring
 
 
@@ -849,12 +1164,17 @@ def test_grafana_dashboard(rendered: dict[str, list[dict[str, Any]]]) -> None:
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     for scenario, docs in rendered.items():
-        if scenario != "monitoring-values":
-            assert not any(
-                d["kind"] in {"ServiceMonitor", "PrometheusRule"}
-                or d["metadata"]["name"].endswith("-dashboard")
-                for d in docs
-            ), f"{scenario}: monitoring objects are opt-in"
+        monitoring = _values(scenario)["monitoring"]
+        rendered_kinds = {
+            "ServiceMonitor": any(d["kind"] == "ServiceMonitor" for d in docs),
+            "PrometheusRule": any(d["kind"] == "PrometheusRule" for d in docs),
+            "dashboard": any(d["metadata"]["name"].endswith("-dashboard") for d in docs),
+        }
+        assert rendered_kinds == {
+            "ServiceMonitor": monitoring["serviceMonitor"]["enabled"],
+            "PrometheusRule": monitoring["prometheusRule"]["enabled"],
+            "dashboard": monitoring["grafanaDashboard"]["enabled"],
+        }, f"{scenario}: monitoring objects are opt-in"
 
 
 # ---------------------------------------------------------------- docs of the chart

@@ -38,8 +38,13 @@ app.kubernetes.io/component: sink
 {{- end -}}
 {{- end -}}
 
+{{/* repository@digest when image.digest is set (the tag is then ignored), else repository:tag. */}}
 {{- define "lance-sink.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Where the ConfigMap's sink.toml is mounted and what the container runs. */}}
@@ -140,16 +145,42 @@ Call with (list "config.key" value).
 {{- end -}}
 
 {{/*
-The container memory limit derived from the backpressure budget:
+Bytes of a Kubernetes quantity (resources.limits.memory): an integer, a decimal exponent
+(129e6, 1e+09), or a number with a binary (Ki, Mi, Gi, Ti, Pi, Ei) or decimal (k, M, G, T, P, E)
+suffix. Call with (list "values.key" value).
+*/}}
+{{- define "lance-sink.quantityBytes" -}}
+{{- $key := index . 0 -}}
+{{- $v := index . 1 -}}
+{{- if or (kindIs "float64" $v) (kindIs "int64" $v) (kindIs "int" $v) -}}
+{{- int64 $v -}}
+{{- else -}}
+{{- $s := toString $v -}}
+{{- if regexMatch "^[0-9]+(\\.[0-9]+)?[eE]\\+?[0-9]+$" $s -}}
+{{- $num := regexReplaceAll "^([0-9.]+)[eE]\\+?([0-9]+)$" $s "${1}" -}}
+{{- $exp := regexReplaceAll "^([0-9.]+)[eE]\\+?0*([0-9]+)$" $s "${2}" | int -}}
+{{- $scale := 1 -}}
+{{- range until $exp -}}{{- $scale = mul $scale 10 -}}{{- end -}}
+{{- mulf (float64 $num) $scale | floor | int64 -}}
+{{- else if regexMatch "^[0-9]+(\\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$" $s -}}
+{{- $num := regexReplaceAll "^([0-9.]+)([A-Za-z]*)$" $s "${1}" -}}
+{{- $unit := regexReplaceAll "^([0-9.]+)([A-Za-z]*)$" $s "${2}" -}}
+{{- $units := dict "" 1 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "P" 1000000000000000 "E" 1000000000000000000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "Pi" 1125899906842624 "Ei" 1152921504606846976 -}}
+{{- mulf (float64 $num) (index $units $unit) | floor | int64 -}}
+{{- else -}}
+{{- fail (printf "%s: cannot read %q as a Kubernetes memory quantity (use e.g. 4Gi, 3500Mi or 4G)" $key $s) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+MiB of memory the sink needs for its settings, an integer (the derived memory limit):
   ceil(process_budget_bytes x resources.memory.budgetFactor / 1 MiB) + resources.memory.overheadMiB
   + ceil(query.unindexed_cache_bytes / 1 MiB) when the query API is on and the table has a vector
   or full-text column
-  + resources.memory.maintenanceProcessMiB when maintenance runs in its child process  (Mi)
+  + resources.memory.maintenanceProcessMiB when maintenance runs in its child process
 */}}
-{{- define "lance-sink.memoryLimit" -}}
-{{- if .Values.resources.limits.memory -}}
-{{- .Values.resources.limits.memory -}}
-{{- else -}}
+{{- define "lance-sink.memoryNeedMiB" -}}
 {{- $budget := include "lance-sink.bytes" (list "config.backpressure.process_budget_bytes" .Values.config.backpressure.process_budget_bytes) | float64 -}}
 {{- $mib := divf (mulf $budget .Values.resources.memory.budgetFactor) 1048576 | ceil | int64 -}}
 {{- $cache := 0 -}}
@@ -161,7 +192,18 @@ The container memory limit derived from the backpressure budget:
 {{- if and .Values.config.maintenance.enabled .Values.config.maintenance.process -}}
 {{- $maintenance = int64 .Values.resources.memory.maintenanceProcessMiB -}}
 {{- end -}}
-{{- printf "%dMi" (add $mib (int64 .Values.resources.memory.overheadMiB) $cache $maintenance) -}}
+{{- add $mib (int64 .Values.resources.memory.overheadMiB) $cache $maintenance -}}
+{{- end -}}
+
+{{/*
+The container memory limit: resources.limits.memory when set (the validation checks that the
+budget fits in it), else derived from the backpressure budget (lance-sink.memoryNeedMiB, in Mi).
+*/}}
+{{- define "lance-sink.memoryLimit" -}}
+{{- if .Values.resources.limits.memory -}}
+{{- .Values.resources.limits.memory -}}
+{{- else -}}
+{{- printf "%sMi" (include "lance-sink.memoryNeedMiB" .) -}}
 {{- end -}}
 {{- end -}}
 

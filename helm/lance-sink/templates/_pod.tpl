@@ -96,7 +96,8 @@ spec:
           cpu: {{ . | quote }}
           {{- end }}
           # Derived from config.backpressure.process_budget_bytes unless resources.limits.memory
-          # is set: ceil(budget x {{ .Values.resources.memory.budgetFactor }} / 1 MiB) + {{ .Values.resources.memory.overheadMiB }} Mi.
+          # is set (then checked to hold it): ceil(budget x {{ .Values.resources.memory.budgetFactor }} / 1 MiB) + {{ .Values.resources.memory.overheadMiB }} Mi
+          # + the query API's unindexed cache + the maintenance process = {{ include "lance-sink.memoryNeedMiB" . }}Mi.
           memory: {{ include "lance-sink.memoryLimit" . | quote }}
       volumeMounts:
         - name: config
@@ -144,6 +145,19 @@ spec:
   {{- with .Values.affinity }}
   affinity:
     {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.topologySpreadConstraints }}
+  # Spread over zones and nodes; a constraint without labelSelector counts this release's pods.
+  topologySpreadConstraints:
+    {{- $constraints := list }}
+    {{- range . }}
+    {{- $constraint := deepCopy . }}
+    {{- if not (hasKey $constraint "labelSelector") }}
+    {{- $_ := set $constraint "labelSelector" (dict "matchLabels" (include "lance-sink.selectorLabels" $ | fromYaml)) }}
+    {{- end }}
+    {{- $constraints = append $constraints $constraint }}
+    {{- end }}
+    {{- toYaml $constraints | nindent 4 }}
   {{- end }}
 {{- end -}}
 

@@ -62,12 +62,18 @@ checks only cover what is about how Kubernetes runs it, or what would leak a sec
 {{- if .Values.keda.enabled -}}
 {{- fail "keda.enabled: storage.mode localVolume runs exactly one pod and cannot scale; use storage.mode objectStore with KEDA" -}}
 {{- end -}}
+{{- if .Values.strategy -}}
+{{- fail "strategy: storage.mode localVolume runs a StatefulSet, which replaces its one pod in place (the volume is ReadWriteOnce); strategy applies to the objectStore Deployment only, leave it {}" -}}
+{{- end -}}
 {{- end -}}
 
 {{/* KEDA */}}
 {{- if .Values.keda.enabled -}}
 {{- if kindIs "invalid" .Values.keda.partitions -}}
 {{- fail "keda.enabled needs keda.partitions: the partition count of the largest topic (maxReplicaCount is capped at it; a pod beyond one per partition idles)" -}}
+{{- end -}}
+{{- if and (ne $c.kafka.security_protocol "PLAINTEXT") (not .Values.keda.authenticationRef) -}}
+{{- fail (printf "keda.enabled with config.kafka.security_protocol=%s needs keda.authenticationRef: the name of an existing TriggerAuthentication holding what the scaler needs to reach the brokers (sasl, username, password for SASL; tls, ca, cert, key for TLS); without it KEDA connects unauthenticated and never reads the lag" $c.kafka.security_protocol) -}}
 {{- end -}}
 {{- if gt (int64 .Values.keda.minReplicaCount) (int64 (include "lance-sink.kedaMaxReplicas" .)) -}}
 {{- fail (printf "keda.minReplicaCount (%v) is above the replica cap min(keda.maxReplicaCount, keda.partitions) = %s" .Values.keda.minReplicaCount (include "lance-sink.kedaMaxReplicas" .)) -}}
@@ -87,6 +93,27 @@ checks only cover what is about how Kubernetes runs it, or what would leak a sec
 {{- fail (printf "config.query.port and config.observability.metrics_port are both %v: the query API and /metrics need their own ports" $c.query.port) -}}
 {{- end -}}
 
+{{/* Deployment strategy and NetworkPolicy */}}
+{{- with .Values.strategy -}}
+{{- if and (eq (default "RollingUpdate" .type) "Recreate") .rollingUpdate -}}
+{{- fail "strategy.rollingUpdate is only for strategy.type RollingUpdate (Recreate stops every pod first): remove one of them" -}}
+{{- end -}}
+{{- with .rollingUpdate -}}
+{{- if and (hasKey . "maxSurge") (hasKey . "maxUnavailable") (has (toString .maxSurge) (list "0" "0%")) (has (toString .maxUnavailable) (list "0" "0%")) -}}
+{{- fail "strategy.rollingUpdate: maxSurge and maxUnavailable cannot both be 0 (the rollout could never replace a pod); with maxSurge 0 set maxUnavailable to 1" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $np := .Values.networkPolicy -}}
+{{- if $np.enabled -}}
+{{- if and .Values.monitoring.serviceMonitor.enabled (not $np.metrics.from) -}}
+{{- fail "networkPolicy.enabled with monitoring.serviceMonitor.enabled needs networkPolicy.metrics.from: the peers Prometheus scrapes from (e.g. [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: monitoring}}}]), or the policy blocks every scrape" -}}
+{{- end -}}
+{{- if and (kindIs "slice" $np.egress) (not $np.egress) -}}
+{{- fail "networkPolicy.egress: [] would block the sink's connections to the Kafka brokers and the object store: list the rules that allow DNS, the brokers and the object store, or set null to leave egress open" -}}
+{{- end -}}
+{{- end -}}
+
 {{- $pdb := .Values.podDisruptionBudget -}}
 {{- if and $pdb.enabled (not (kindIs "invalid" $pdb.minAvailable)) (not (kindIs "invalid" $pdb.maxUnavailable)) -}}
 {{- fail "podDisruptionBudget: set minAvailable or maxUnavailable, not both (set the other to null)" -}}
@@ -95,4 +122,33 @@ checks only cover what is about how Kubernetes runs it, or what would leak a sec
 {{/* derived numbers fail on their own when invalid */}}
 {{- $_ := include "lance-sink.gracePeriod" . -}}
 {{- $_ := include "lance-sink.memoryLimit" . -}}
+
+{{/* memory: the settings' own rule (config/settings.py Settings._cross), then the pod's limit */}}
+{{- $budgetRaw := $c.backpressure.process_budget_bytes -}}
+{{- $budget := include "lance-sink.bytes" (list "config.backpressure.process_budget_bytes" $budgetRaw) | int64 -}}
+{{- $memtable := include "lance-sink.bytes" (list "config.memtable.max_bytes" $c.memtable.max_bytes) | int64 -}}
+{{- $budgetShow := printf "%d bytes" $budget -}}
+{{- if kindIs "string" $budgetRaw -}}{{- $budgetShow = printf "%s = %s" $budgetRaw $budgetShow -}}{{- end -}}
+{{- if lt $budget (mul 2 $memtable) -}}
+{{- $memtableShow := printf "%d bytes" $memtable -}}
+{{- if kindIs "string" $c.memtable.max_bytes -}}{{- $memtableShow = printf "%s = %s" $c.memtable.max_bytes $memtableShow -}}{{- end -}}
+{{- fail (printf "config.memtable.max_bytes (%s) is above what config.backpressure.process_budget_bytes (%s) allows: the budget must be at least 2 x memtable.max_bytes (one memtable fills while the previous one flushes; the sink refuses to start otherwise). Lower memtable.max_bytes to at most %d bytes or raise the budget to at least %d bytes." $memtableShow $budgetShow (div $budget 2) (mul 2 $memtable)) -}}
+{{- end -}}
+{{- with .Values.resources.limits.memory -}}
+{{- $limit := include "lance-sink.quantityBytes" (list "resources.limits.memory" .) | float64 -}}
+{{- $needMiB := include "lance-sink.memoryNeedMiB" $ | int64 -}}
+{{- if gt (mulf $needMiB 1048576) $limit -}}
+{{- $factor := $.Values.resources.memory.budgetFactor -}}
+{{- $budgetMiB := divf (mulf $budget $factor) 1048576 | ceil | int64 -}}
+{{- $fixedMiB := sub $needMiB $budgetMiB -}}
+{{- $roomMiB := subf (divf $limit 1048576) $fixedMiB -}}
+{{- $fix := "Raise" -}}
+{{- if gt $roomMiB 0.0 -}}
+{{- $fix = printf "Lower the budget to at most %dMiB, raise" (divf $roomMiB $factor | floor | int64) -}}
+{{- end -}}
+{{- $limitShow := printf "%d bytes" (int64 $limit) -}}
+{{- if kindIs "string" . -}}{{- $limitShow = . -}}{{- end -}}
+{{- fail (printf "config.backpressure.process_budget_bytes (%s) does not fit in resources.limits.memory (%s): the pod needs %dMi = %dMi for the budget (x resources.memory.budgetFactor %v) + %dMi resources.memory.overheadMiB + %dMi for the query API's unindexed cache and the maintenance process, so the kernel would OOM-kill the sink before backpressure pauses a partition. %s resources.limits.memory to at least %dMi, or leave it null to derive it." $budgetShow $limitShow $needMiB $budgetMiB $factor (int64 $.Values.resources.memory.overheadMiB) (sub $fixedMiB (int64 $.Values.resources.memory.overheadMiB)) $fix $needMiB) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
