@@ -216,6 +216,11 @@ class Maintenance:
         )
         self._vector_thread.start()
 
+    def request_stop(self, timeout: float) -> None:
+        """Ask the threads to stop after the current task, without waiting (`stop` waits);
+        `timeout` is for the child process's interface (see `MaintenanceProcess`)."""
+        self._stop.set()
+
     def stop(self, timeout: float = 30.0) -> None:
         """Ask the thread to stop after the current task, and wait (bounded)."""
         self._stop.set()
@@ -520,6 +525,7 @@ class MaintenanceProcess:
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
         self._supervisor: threading.Thread | None = None
+        self._stop_sent = False
         self._unindexed = 0
 
     def start(self) -> None:
@@ -532,16 +538,25 @@ class MaintenanceProcess:
         )
         self._supervisor.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Ask the child to stop after its current task; kill it if it has not within
-        `timeout` seconds."""
-        deadline = time.monotonic() + timeout
+    def request_stop(self, timeout: float) -> None:
+        """Ask the child to stop after its current task, which it may finish within
+        `timeout` seconds; returns at once (`stop` waits, and kills)."""
         self._stop.set()
+        with self._lock:
+            conn = self._conn
+        if conn is not None and not self._stop_sent:
+            self._stop_sent = True
+            with contextlib.suppress(OSError, ValueError):  # the child is gone already
+                conn.send(("stop", timeout))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ask the child to stop after its current task (unless `request_stop` did); kill
+        it if it has not stopped within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        self.request_stop(timeout)
         with self._lock:
             process, conn = self._process, self._conn
         if process is not None and conn is not None:
-            with contextlib.suppress(OSError, ValueError):  # the child is gone already
-                conn.send(("stop", timeout))
             process.join(max(deadline - time.monotonic(), 0.01))
             if process.is_alive():
                 log.warning("maintenance_process_killed", pid=process.pid, after_s=timeout)
@@ -575,6 +590,7 @@ class MaintenanceProcess:
                 process.start()
                 child.close()
                 self._process, self._conn = process, parent
+                self._stop_sent = False
             started = time.monotonic()
             log.info("maintenance_process_started", pid=process.pid)
             self._forward(parent)

@@ -20,6 +20,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -191,7 +192,18 @@ def _run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    return service.run()
+    code = service.run()
+    # The drain is over (bounded by shutdown.drain_deadline_s): what is acknowledged is
+    # durable and committed. Threads still running (a slow query inside Lance, an open the
+    # drain stopped waiting for) would hold the interpreter's exit, which joins every
+    # executor thread, daemon or not: abandon them.
+    main_thread = threading.main_thread()
+    lingering = [t.name for t in threading.enumerate() if t is not main_thread and t.is_alive()]
+    if lingering:
+        log.info("threads_abandoned_at_exit", threads=lingering)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _lag(args: argparse.Namespace) -> int:

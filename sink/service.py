@@ -1024,36 +1024,55 @@ class SinkService:
     # ------------------------------------------------------------------ shutdown
 
     def _drain(self) -> None:
-        """Stop fetching, finish in-flight appends, commit, flush (bounded), close."""
-        deadline = time.monotonic() + self.settings.shutdown.drain_deadline_s
+        """Stop fetching, finish in-flight appends, commit, flush, close: all within
+        `shutdown.drain_deadline_s` of the stop request.
+
+        The maintenance child is asked to stop first and finishes its current task (each
+        is one or a few atomic Lance commits) concurrently with the partitions' drain; it
+        may use the whole deadline less DRAIN_RESERVE_S, and is killed then (an index build
+        not finished by then is lost and rebuilt by the next run: raise the deadline to
+        keep long builds). Each later step gets what is left; queries still running when
+        the servers stop are abandoned (`lance-sink run` exits without waiting for them).
+        """
+        if self._stop_at is None:  # a fatal error, not a signal: the deadline starts now
+            self._stop_at = time.monotonic()
+        deadline = self._stop_at + self.settings.shutdown.drain_deadline_s
+
+        def left(reserve: float = 0.0) -> float:
+            return max(deadline - reserve - time.monotonic(), 0.0)
+
         states = list(self.partitions.values())
-        log.info("sink_draining", partitions=len(states))
+        log.info("sink_draining", partitions=len(states), deadline_s=round(left(), 1))
+        self.maintenance.request_stop(left(DRAIN_RESERVE_S))
         if states:
             try:
                 self.consumer.pause([s.tp for s in states])
             except confluent_kafka.KafkaException as exc:
                 log.warning("pause_failed", error=str(exc))
-        self._wait_inflight(states, max(deadline - time.monotonic(), 0) / 2)
+        self._wait_inflight(states, left(DRAIN_RESERVE_S) / 2)
         self._commit(asynchronous=False, states=states)
         for state in states:
-            remaining = max(deadline - time.monotonic(), 0.1)
-            self._release(state, flush=True, timeout=remaining)
+            self._release(state, flush=True, timeout=max(left(DRAIN_RESERVE_S), 0.1))
         try:
             self.consumer.close()
         except (RuntimeError, confluent_kafka.KafkaException) as exc:
             log.warning("consumer_close_failed", error=str(exc))
         if self.dlq is not None:
-            left = self.dlq.close(max(deadline - time.monotonic(), 0.1))
-            if left:
-                log.warning("dlq_undelivered_at_shutdown", messages=left)
-        self.maintenance.stop(timeout=max(deadline - time.monotonic(), 1))
-        self.reader.close(timeout=1)
-        self.engine.close(flush=False, timeout=1)
-        self._open_pool.shutdown(wait=False)
+            undelivered = self.dlq.close(max(left(DRAIN_RESERVE_S), 0.1))
+            if undelivered:
+                log.warning("dlq_undelivered_at_shutdown", messages=undelivered)
+        self.maintenance.stop(timeout=max(left(DRAIN_RESERVE_S), 0.1))
+        self.reader.close(timeout=min(left(), 1.0))
+        self.engine.close(flush=False, timeout=min(left(), 1.0))
+        self._open_pool.shutdown(wait=False, cancel_futures=True)
         self._decode_pool.shutdown(wait=False, cancel_futures=True)
         for server in self.servers:
-            server.stop()
-        log.info("sink_stopped")
+            server.stop(timeout=max(min(left() / 2, 5.0), 0.1))
+        log.info(
+            "sink_stopped",
+            seconds=round(time.monotonic() - self._stop_at, 3),
+            deadline_s=self.settings.shutdown.drain_deadline_s,
+        )
 
     # ------------------------------------------------------------------ metrics
 

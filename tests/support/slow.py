@@ -11,6 +11,8 @@ still happen, only later.
     LANCE_SINK_TEST_REPLAY_DELAY_S  sleep in every shard open (claim + replay)
     LANCE_SINK_TEST_DECODE_JITTER_S a random sleep of up to this long in every decode, so
                                     decode workers finish batches out of order
+    LANCE_SINK_TEST_LOOKUP_DELAY_S  sleep in every key lookup (a query still running when
+                                    the sink stops)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from typing import Any
 
 from engine.backpressure import BudgetController
+from engine.reader import Reader
 from engine.shard import ShardWriter
 from engine.storage import LocalStorage
 from engine.table import BaseTable
@@ -34,6 +37,16 @@ def controller(*, process_budget_bytes: int, max_unflushed_memtable_bytes: int) 
     stall_after = int(os.environ.get("LANCE_SINK_TEST_WAL_STALL_AFTER", "5"))
     replay_delay = float(os.environ.get("LANCE_SINK_TEST_REPLAY_DELAY_S", "0"))
     decode_jitter = float(os.environ.get("LANCE_SINK_TEST_DECODE_JITTER_S", "0"))
+    lookup_delay = float(os.environ.get("LANCE_SINK_TEST_LOOKUP_DELAY_S", "0"))
+    if lookup_delay:
+        lookup = Reader.lookup
+
+        def slow_lookup(self: Reader, *args: Any, **kwargs: Any) -> Any:
+            print("TEST_LOOKUP_STARTED", flush=True)
+            time.sleep(lookup_delay)
+            return lookup(self, *args, **kwargs)
+
+        Reader.lookup = slow_lookup  # type: ignore[method-assign]
     if decode_jitter:
         decode = Decoder.decode
         rng = random.Random(7)
