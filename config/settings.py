@@ -524,7 +524,8 @@ class BackpressureSettings(_Section):
     controller: str = Field(
         default="budget",
         description="'budget' (process-wide byte budget, rejects with Backpressure; what the "
-        "sink uses), 'valve' (per-shard blocking valve) or 'module:factory' for your own.",
+        "sink uses), 'valve' (per-shard blocking valve) or 'module:factory' for your own "
+        "(imported when the config loads; check-config and run call it once to check it).",
     )
     process_budget_bytes: PositiveBytes = Field(
         default=ByteSize(1 << 30),
