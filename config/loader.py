@@ -20,7 +20,13 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
-from config.settings import ENV_NESTED_DELIMITER, ENV_PREFIX, KeyedError, Settings
+from config.settings import (
+    ENV_NESTED_DELIMITER,
+    ENV_PREFIX,
+    KeyedError,
+    Settings,
+    mask_librdkafka_secrets,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +74,13 @@ def read_config_file(path: Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([ConfigProblem("", origin, f"cannot read: {exc.strerror}")]) from exc
+    except UnicodeDecodeError as exc:
+        line = exc.object[: exc.start].count(b"\n") + 1
+        reason = (
+            f"not valid UTF-8: byte 0x{exc.object[exc.start]:02x} at line {line} "
+            f"(byte offset {exc.start}); save the file as UTF-8"
+        )
+        raise ConfigError([ConfigProblem("", origin, reason)]) from exc
     try:
         if path.suffix in {".yaml", ".yml"}:
             data = yaml.safe_load(text) or {}
@@ -114,13 +127,7 @@ def load_settings(
         ConfigError: with one `ConfigProblem` per invalid or missing key.
     """
     file_data = read_config_file(path) if path is not None else {}
-    cli_data: dict[str, Any] = {}
-    for assignment in overrides or []:
-        keys, value = parse_override(assignment)
-        node = cli_data
-        for part in keys[:-1]:
-            node = node.setdefault(part, {})
-        node[keys[-1]] = value
+    cli_data = _overrides_data(overrides)
 
     class _Loaded(Settings):
         @classmethod
@@ -139,6 +146,29 @@ def load_settings(
         return _Loaded(**cli_data)
     except ValidationError as exc:
         raise ConfigError(_problems(exc, path, file_data, cli_data, os.environ)) from exc
+
+
+def _overrides_data(overrides: list[str] | None) -> dict[str, Any]:
+    cli_data: dict[str, Any] = {}
+    for assignment in overrides or []:
+        keys, value = parse_override(assignment)
+        node = cli_data
+        for part in keys[:-1]:
+            node = node.setdefault(part, {})
+        node[keys[-1]] = value
+    return cli_data
+
+
+def problem_at(
+    key: str, reason: str, path: Path | None = None, overrides: list[str] | None = None
+) -> ConfigProblem:
+    """A problem with the loaded value of `key` found after loading (e.g. when `check-config`
+    builds what the setting names), with its origin worked out as `load_settings` does."""
+    file_data = read_config_file(path) if path is not None else {}
+    loc = key.split(".")
+    env_upper = {k.upper() for k in os.environ}
+    origin = _origin(loc, path, file_data, _overrides_data(overrides), env_upper)
+    return ConfigProblem(key, origin, reason)
 
 
 def _problems(
@@ -201,6 +231,25 @@ def _has(data: Mapping[str, Any], loc: list[str]) -> bool:
     return True
 
 
+#: Settings fields holding librdkafka pass-through properties, wherever they are in the tree
+#: (`kafka.librdkafka`, and any other section's): their secret-holding keys are masked.
+LIBRDKAFKA_FIELD = "librdkafka"
+
+
 def redacted(settings: Settings) -> dict[str, Any]:
-    """The effective configuration as plain data with every secret masked."""
-    return settings.model_dump(mode="json")
+    """The effective configuration as plain data with every secret masked: `SecretStr`
+    fields (typed secrets, object-store `storage_options`) and the secret-holding keys of
+    every librdkafka pass-through map (`mask_librdkafka_secrets`)."""
+    return _mask_pass_through(settings.model_dump(mode="json"))
+
+
+def _mask_pass_through(data: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == LIBRDKAFKA_FIELD and isinstance(value, dict):
+            out[key] = mask_librdkafka_secrets(value)
+        elif isinstance(value, dict):
+            out[key] = _mask_pass_through(value)
+        else:
+            out[key] = value
+    return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal
 from urllib.parse import urlparse
 
@@ -79,6 +80,53 @@ SINK_OWNED_LIBRDKAFKA_KEYS: dict[str, str] = {
 }
 
 
+#: librdkafka properties whose values are secrets, from librdkafka's own list (the
+#: properties its CONFIGURATION.md and `rdkafka_conf.c` flag `_RK_SENSITIVE`: credentials,
+#: private keys and their passphrases, the OAUTHBEARER configuration; not the path
+#: `ssl.key.location`) plus the OIDC and JWT-assertion secrets it does not flag. Masked
+#: wherever the configuration is printed.
+LIBRDKAFKA_SECRET_KEYS = frozenset(
+    {
+        "sasl.username",
+        "sasl.password",
+        "sasl.oauthbearer.config",
+        "sasl.oauthbearer.client.secret",
+        "sasl.oauthbearer.client.credentials.client.secret",
+        "sasl.oauthbearer.assertion.private.key.passphrase",
+        "sasl.oauthbearer.assertion.private.key.pem",
+        "ssl.key.password",
+        "ssl.key.pem",
+        "ssl.keystore.password",
+        "ssl.ca.pem",
+    }
+)
+
+#: Names that hold a secret whatever librdkafka version adds them (a new `*.password`,
+#: `*.secret`, passphrase, private key or token): masked too. Not `credentials` (the OIDC
+#: client id is `...client.credentials.client.id`) nor the token endpoint (a URL).
+_SECRET_KEY_RE = re.compile(r"password|passphrase|secret|private\.key|key\.pem|(^|\.)token$")
+
+#: What a masked value prints as (the same as pydantic's `SecretStr`).
+MASK = "**********"
+
+
+def is_secret_librdkafka_key(key: str) -> bool:
+    """Whether the librdkafka property `key` holds a secret (see `LIBRDKAFKA_SECRET_KEYS`)."""
+    key = key.strip().lower()
+    return key in LIBRDKAFKA_SECRET_KEYS or _SECRET_KEY_RE.search(key) is not None
+
+
+def mask_librdkafka_secrets(conf: Mapping[str, object]) -> dict[str, object]:
+    """A copy of librdkafka properties with the value of every secret-holding key masked,
+    for printing (`config.loader.redacted`, logs); the clients get the original."""
+    return {k: MASK if is_secret_librdkafka_key(k) else v for k, v in conf.items()}
+
+
+#: SASL mechanisms that authenticate with `sasl_username` and `sasl_password`
+#: (OAUTHBEARER gets a token instead).
+SASL_PASSWORD_MECHANISMS = frozenset({"PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"})
+
+
 class _Section(BaseModel):
     """Base for every sub-model: frozen, unknown keys rejected."""
 
@@ -110,7 +158,10 @@ def check_librdkafka_keys(conf: dict[str, str | int | float | bool], role: str) 
                 probe["group.id"] = "lance-sink-config-check"
                 ck.Consumer(probe).close()
         except ck.KafkaException as exc:
-            raise ValueError(f"{key!r}: librdkafka says {exc.args[0].str()}") from exc
+            reason = exc.args[0].str()
+            if is_secret_librdkafka_key(key) and str(value):
+                reason = reason.replace(str(value), MASK)  # the reason may quote the value
+            raise ValueError(f"{key!r}: librdkafka says {reason}") from exc
 
 
 class KafkaSettings(_Section):
@@ -170,9 +221,16 @@ class KafkaSettings(_Section):
             description="SASL mechanism; required with a SASL security_protocol.",
         )
     )
-    sasl_username: str | None = Field(default=None, description="SASL user name.")
+    sasl_username: str | None = Field(
+        default=None,
+        validate_default=True,
+        description="SASL user name; required with PLAIN and SCRAM mechanisms.",
+    )
     sasl_password: SecretStr | None = Field(
-        default=None, description="SASL password (secret; set it through the environment)."
+        default=None,
+        validate_default=True,
+        description="SASL password (secret; set it through the environment); required with "
+        "PLAIN and SCRAM mechanisms.",
     )
     ssl_ca_location: str | None = Field(default=None, description="CA certificate file (PEM).")
     ssl_certificate_location: str | None = Field(
@@ -193,6 +251,22 @@ class KafkaSettings(_Section):
     def _sasl(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is None and str(info.data.get("security_protocol", "")).startswith("SASL"):
             raise ValueError("required with a SASL security_protocol")
+        return value
+
+    @field_validator("sasl_username", "sasl_password")
+    @classmethod
+    def _sasl_credentials(
+        cls, value: str | SecretStr | None, info: ValidationInfo
+    ) -> str | SecretStr | None:
+        mechanism = info.data.get("sasl_mechanism")
+        sasl = str(info.data.get("security_protocol", "")).startswith("SASL")
+        if sasl and mechanism in SASL_PASSWORD_MECHANISMS:
+            text = value.get_secret_value() if isinstance(value, SecretStr) else value
+            if not text:
+                raise ValueError(
+                    f"required with sasl_mechanism {mechanism} (the brokers would refuse "
+                    "to authenticate)"
+                )
         return value
 
     @field_validator("librdkafka")
@@ -450,7 +524,8 @@ class BackpressureSettings(_Section):
     controller: str = Field(
         default="budget",
         description="'budget' (process-wide byte budget, rejects with Backpressure; what the "
-        "sink uses), 'valve' (per-shard blocking valve) or 'module:factory' for your own.",
+        "sink uses), 'valve' (per-shard blocking valve) or 'module:factory' for your own "
+        "(imported when the config loads; check-config and run call it once to check it).",
     )
     process_budget_bytes: PositiveBytes = Field(
         default=ByteSize(1 << 30),
@@ -464,9 +539,40 @@ class BackpressureSettings(_Section):
     @field_validator("controller")
     @classmethod
     def _controller(cls, value: str) -> str:
-        if value not in {"budget", "valve"} and not re.match(r"^[\w.]+:[\w.]+$", value):
+        if value in {"budget", "valve"}:
+            return value
+        if not re.match(r"^[\w.]+:[\w.]+$", value):
             raise ValueError("use 'budget', 'valve' or an import path 'package.module:factory'")
+        resolve_factory(value)
         return value
+
+
+def resolve_factory(path: str) -> Callable[..., object]:
+    """Import `package.module:attr.attr` and return the callable it names.
+
+    Importing runs the module's top-level code, as starting the sink would: `check-config`
+    fails on what `run` would fail on.
+
+    Raises:
+        ValueError: the module cannot be imported, has no such attribute, or it is not
+            callable (the reason says which).
+    """
+    module_name, _, attr = path.partition(":")
+    try:
+        target: object = importlib.import_module(module_name)
+    except Exception as exc:  # any failure of the import is the user's module
+        raise ValueError(
+            f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"module {module_name!r} has no attribute {attr!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(  # noqa: TRY004 - pydantic reports only ValueError as a problem
+            f"{path!r} is not callable (a factory is called with the limits)"
+        )
+    return target
 
 
 class FlushSettings(_Section):

@@ -29,7 +29,7 @@ from typing import Any
 import confluent_kafka
 import structlog
 
-from config import ConfigError, Settings, load_settings, redacted
+from config import ConfigError, Settings, load_settings, problem_at, redacted
 from sink import __version__
 from sink.log import configure_logging
 
@@ -103,8 +103,35 @@ def _load(path: Path, overrides: list[str]) -> Settings:
 
 def _check_config(args: argparse.Namespace) -> int:
     settings = _load(args.file, args.overrides)
+    check_controller(settings, args.file, args.overrides)
     print(json.dumps(redacted(settings), indent=2, sort_keys=False))
     return EXIT_OK
+
+
+def check_controller(settings: Settings, path: Path | None, overrides: list[str]) -> None:
+    """Build the backpressure controller `backpressure.controller` names, once, and discard
+    it: loading the settings imported a custom factory; this calls it with the configured
+    limits and checks it returns a `BackpressureController`. `check-config` and `run` (before
+    the engine builds its own) both call it, so a factory is called twice per start and must
+    not hold resources it cannot drop.
+
+    Raises:
+        ConfigError: naming `backpressure.controller`, its origin and what went wrong.
+    """
+    from engine.backpressure import build_controller  # noqa: PLC0415 - keep `check-config` light
+
+    bp = settings.backpressure
+    if bp.controller in {"budget", "valve"}:
+        return
+    try:
+        build_controller(
+            bp.controller,
+            process_budget_bytes=int(bp.process_budget_bytes),
+            max_unflushed_memtable_bytes=int(bp.max_unflushed_memtable_bytes),
+        )
+    except Exception as exc:  # whatever the user's factory raises is the answer
+        reason = f"the factory failed: {type(exc).__name__}: {exc}"
+        raise ConfigError([problem_at("backpressure.controller", reason, path, overrides)]) from exc
 
 
 PR_SET_THP_DISABLE = 41  # linux/prctl.h
@@ -171,6 +198,7 @@ def _run(args: argparse.Namespace) -> int:
     configure_logging(obs.log_level, obs.log_format)
     log = structlog.get_logger("lance_sink")
     log.info("config_loaded", config=redacted(settings))
+    check_controller(settings, args.config, args.overrides)
     if not tune_process(settings.query.lance_cpu_threads):
         log.info("transparent_huge_pages_left_on")
     from engine.errors import LanceSinkError  # noqa: PLC0415 - keep `check-config` light

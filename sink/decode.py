@@ -54,6 +54,12 @@ not JSON is ``invalid_json`` and JSON that is not an object (``null`` included) 
 ``not_an_object``. When one message has several faults, the first found in this order is
 reported: message-level, primary key, then columns in table order.
 
+A dead letter's detail says what is wrong and where it came from: the column, its source as
+configured (``$.a.b``, ``@key``, ``@headers.NAME``; a tombstone's key is ``@key``), and the
+value (a number, a short string, a JSON kind) or the vector component at fault, e.g.
+``'n' ($.n) is 1.5, expected an integer`` or ``vector 'vec' ($.vec) component 3 is 1e+39,
+beyond the float32 range``.
+
 Tombstones (value ``None``): on an upsert table a tombstone is a delete row (``_op`` = 1)
 whose single-column primary key comes from the Kafka key (string key: the UTF-8 key bytes;
 integer key: its decimal text; binary key: the bytes); a missing or unusable key is
@@ -92,7 +98,7 @@ import json
 import math
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal, Protocol, TypeAlias, cast
 
 import numpy as np
@@ -462,7 +468,13 @@ class Decoder:
             )
         candidates = np.flatnonzero((sizes >= 0) & (sizes <= self._max_bytes))
         dead: dict[int, _Fault] = {
-            int(i): ("oversized", f"value is {int(sizes[i])} bytes, more than {self._max_bytes}")
+            int(i): (
+                "oversized",
+                (
+                    f"value is {int(sizes[i])} bytes, more than source.max_message_bytes "
+                    f"({self._max_bytes})"
+                ),
+            )
             for i in np.flatnonzero(sizes > self._max_bytes)
         }
         payloads: list[bytes] = (
@@ -533,7 +545,7 @@ class Decoder:
             if col.type_name == "binary":
                 arr = _from_base64(arr, col, rows)
             elif col.type_name == "vector":
-                self._check_vectors(arr, col, rows)
+                self._check_vectors(arr, col, rows, meta)
         elif col.kind == "none":
             arr = pa.nulls(len(rows.index), col.arrow_type)
         elif col.kind == "bytes":
@@ -550,8 +562,12 @@ class Decoder:
             rows.fault(nulls, (reason, what))
         return arr
 
-    def _check_vectors(self, arr: pa.Array, col: _Column, rows: _Rows) -> None:
-        """Fault rows whose vector has the wrong length, a null, or (unless allowed) NaN/inf."""
+    def _check_vectors(self, arr: pa.Array, col: _Column, rows: _Rows, meta: _Metadata) -> None:
+        """Fault rows whose vector has the wrong length, a null, or (unless allowed) NaN/inf.
+
+        A component is non-finite in the float32 column when the JSON has NaN or an infinity
+        or a number beyond the float32 range; the faulted rows' payloads are read again to
+        say which component and which of these (only bad rows pay for it)."""
         assert self._spec.vector is not None
         dim = self._spec.vector.dim
         lengths = pc.fill_null(pc.list_value_length(arr), dim).to_numpy()
@@ -564,21 +580,17 @@ class Decoder:
             return
         if flat.null_count:
             nulls = flat.is_null().to_numpy(zero_copy_only=False)
-            parents = pc.list_parent_indices(arr).to_numpy()
-            rows.fault(
-                np.unique(parents[nulls]),
-                ("wrong_type", f"vector {col.name!r} ({col.where}) has a null component"),
-            )
+            for pos, first in _first_in_row(nulls, arr):
+                what = f"vector {col.name!r} ({col.where}) component {first} is null"
+                rows.fault((pos,), ("wrong_type", what))
             flat = pc.fill_null(flat, 0.0)
         if self._allow_nan:
             return
         finite = np.isfinite(flat.to_numpy())
         if not finite.all():
-            parents = pc.list_parent_indices(arr).to_numpy()
-            rows.fault(
-                np.unique(parents[~finite]),
-                ("nan_in_vector", f"vector {col.name!r} ({col.where}) has NaN or infinity"),
-            )
+            for pos, first in _first_in_row(~finite, arr):
+                what = _non_finite(col, first, meta.value(int(rows.index[pos])))
+                rows.fault((pos,), ("nan_in_vector", what))
 
     # -- JSON: one bulk parse, bisection when it fails -----------------------------------
 
@@ -601,7 +613,10 @@ class Decoder:
             if not _is_utf8_buffer(cast("bytes", buf)):
                 good = [pos for pos, p in enumerate(run) if _is_utf8(p)]
                 for pos in sorted(set(range(len(run))) - set(good)):
-                    faults[lo + pos] = ("invalid_utf8", "value is not UTF-8")
+                    faults[lo + pos] = (
+                        "invalid_utf8",
+                        f"value is not UTF-8{_utf8_error(run[pos])}",
+                    )
                 keep = keep[np.asarray(good, np.int64)]
                 run = [run[pos] for pos in good]
                 buf = None
@@ -751,8 +766,11 @@ class Decoder:
                 if item is None:
                     break
                 if not isinstance(item, dict):
-                    kind = _json_kind(item)
-                    return ("wrong_type", f"{col.name!r}: {where} is a {kind}, not an object")
+                    kind = _a(_json_kind(item))
+                    return (
+                        "wrong_type",
+                        f"{col.name!r} ({col.where}): {where} is {kind}, not an object",
+                    )
                 item = item.get(name)
                 where += "." + name
             problem = _kind_problem(item, col.type_name)
@@ -763,7 +781,7 @@ class Decoder:
                 else:
                     leaves[path] = [arr]
             if problem is not None:
-                return ("wrong_type", f"{col.name!r}: {where} {problem}")
+                return ("wrong_type", f"{col.name!r} ({col.where}) {problem}")
         return _Parsed(np.zeros(1, np.int64), leaves, [pa.array([True])]) if build else None
 
     # -- tombstones and assembly ----------------------------------------------------------
@@ -772,14 +790,21 @@ class Decoder:
         """The primary key value a tombstone deletes, or why it has none."""
         col = self._tombstone_key
         if col is None:
-            return None, ("missing_primary_key", "tombstone on a table with a composite key")
+            keys = ", ".join(self._spec.primary_key)
+            return None, (
+                "missing_primary_key",
+                (
+                    f"tombstone cannot delete: the primary key ({keys}) has several columns "
+                    "and a Kafka key gives one"
+                ),
+            )
         if key is None:
-            return None, ("missing_primary_key", "tombstone without a Kafka key")
+            return None, ("missing_primary_key", "tombstone cannot delete: it has no Kafka key")
         probe = _Rows(index=np.zeros(1, np.int64))
-        arr = _bytes_to(pa.array([key], pa.binary()), col, probe)
+        from_key = replace(col, kind="bytes", path=("@key",))
+        arr = _bytes_to(pa.array([key], pa.binary()), from_key, probe)
         if probe.faults:
-            why = probe.faults[0][1]
-            return None, ("missing_primary_key", f"tombstone key is no {col.name!r}: {why}")
+            return None, ("missing_primary_key", f"tombstone cannot delete: {probe.faults[0][1]}")
         return arr[0].as_py(), None
 
     def _assemble(
@@ -851,6 +876,10 @@ class _Metadata:
         self._topic = topic
         self._partition = partition
         self._cache: dict[tuple[str, ...], pa.Array] = {}
+
+    def value(self, i: int) -> bytes | None:
+        """The payload of message `i`."""
+        return self._values[i]
 
     def bytes_source(self, path: _Path) -> pa.Array:
         """@key, @value or @headers.NAME as a binary array over all messages."""
@@ -1005,20 +1034,20 @@ def _bytes_to(arr: pa.Array, col: _Column, rows: _Rows) -> pa.Array:
     try:
         text = arr.cast(pa.string())
     except pa.ArrowInvalid:
-        ok = [v is None or _is_utf8(v) for v in arr.to_pylist()]
-        rows.fault(
-            (i for i, good in enumerate(ok) if not good),
-            ("invalid_utf8", f"{col.name!r} ({col.where}) is not UTF-8"),
-        )
+        values = arr.to_pylist()
+        ok = [v is None or _is_utf8(v) for v in values]
+        for pos in (i for i, good in enumerate(ok) if not good):
+            what = f"{col.name!r} ({col.where}) is not UTF-8{_utf8_error(values[pos])}"
+            rows.fault((pos,), ("invalid_utf8", what))
         text = pc.if_else(pa.array(ok), arr, pa.scalar(None, pa.binary())).cast(pa.string())
     if col.type_name == "string":
         return text
     decimal = pc.fill_null(pc.match_substring_regex(text, _DECIMAL_RE), True)
     if decimal.false_count:
-        rows.fault(
-            np.flatnonzero(~decimal.to_numpy(zero_copy_only=False)),
-            ("wrong_type", f"{col.name!r} ({col.where}) is not a decimal integer"),
-        )
+        for pos in np.flatnonzero(~decimal.to_numpy(zero_copy_only=False)).tolist():
+            shown = _show(text[pos].as_py())
+            what = f"{col.name!r} ({col.where}) is {shown}, not a decimal integer"
+            rows.fault((pos,), ("wrong_type", what))
         text = pc.if_else(decimal, text, pa.scalar(None, pa.string()))
     try:
         return text.cast(col.arrow_type)
@@ -1028,7 +1057,11 @@ def _bytes_to(arr: pa.Array, col: _Column, rows: _Rows) -> pa.Array:
         for pos, item in enumerate(text.to_pylist()):
             number = None if item is None else int(item)
             if number is not None and not low <= number <= high:
-                rows.fault((pos,), ("wrong_type", f"{col.name!r} ({col.where}) is out of range"))
+                range_name = _RANGE_NAMES[col.type_name]
+                what = (
+                    f"{col.name!r} ({col.where}) is {_show(number)}, outside the {range_name} range"
+                )
+                rows.fault((pos,), ("wrong_type", what))
                 number = None
             ints.append(number)
         return pa.array(ints, col.arrow_type)
@@ -1086,11 +1119,12 @@ def _kind_problem(item: Any, type_name: str) -> str | None:
         if kind is int and type_name in _INT_RANGES:
             low, high = _INT_RANGES[type_name]
             if not low <= item <= high:
-                return f"is a number, expected {_EXPECTED[type_name]} in range"
+                return f"is {_show(item)}, outside the {_RANGE_NAMES[type_name]} range"
         elif type_name == "vector" and not set(map(type, item)) <= _NUMBER_TYPES:
-            return f"is an array, expected {_EXPECTED[type_name]} (a component is not)"
+            first = next(i for i, x in enumerate(item) if type(x) not in _NUMBER_TYPES)
+            return f"component {first} is {_described(item[first])}, expected a number"
         return None
-    return f"is a {_json_kind(item)}, expected {_EXPECTED[type_name]}"
+    return f"is {_described(item)}, expected {_EXPECTED[type_name]}"
 
 
 def _coerce_one(item: Any, type_name: str) -> pa.Array | str:
@@ -1114,7 +1148,89 @@ def _coerce_one(item: Any, type_name: str) -> pa.Array | str:
             return pa.array([pa.array(floats, pa.float64()).cast(pa.float32())], target)
         return pa.array([item], target)
     except (pa.ArrowInvalid, UnicodeEncodeError) as exc:
-        return f"does not convert to {_EXPECTED[type_name]} ({exc})"
+        if type_name == "timestamp" and isinstance(item, str):
+            return f"is {_show(item)}, not an ISO-8601 date or date-time"
+        return f"is {_show(item)}, which does not convert to {_EXPECTED[type_name]} ({exc})"
+
+
+#: How a dead-letter detail names an integer column's range.
+_RANGE_NAMES: Final = {"int32": "int32", "int64": "int64", "timestamp": "int64 milliseconds"}
+#: Longest text of a value quoted in a dead-letter detail.
+_SHOW_CHARS: Final = 40
+#: Largest finite float32; JSON numbers beyond it become infinity in a float32 vector.
+_FLOAT32_MAX: Final = float(np.finfo(np.float32).max)
+
+
+def _a(kind: str) -> str:
+    """A JSON kind with its article: 'an object', 'an array', 'a string', 'null'."""
+    if kind == "null":
+        return kind
+    return ("an " if kind[0] in "aeiou" else "a ") + kind
+
+
+def _show(item: Any) -> str:
+    """A JSON or key value as quoted in a dead-letter detail (long ones cut)."""
+    if isinstance(item, float):
+        text = "NaN" if math.isnan(item) else repr(item).replace("inf", "Infinity")
+    elif isinstance(item, int):
+        text = (
+            str(item)
+            if abs(item) < 10**_SHOW_CHARS
+            else f"{str(item)[:12]}... ({len(str(abs(item)))} digits)"
+        )
+    else:
+        text = repr(item)
+    return text if len(text) <= _SHOW_CHARS else text[: _SHOW_CHARS - 3] + "..."
+
+
+def _described(item: Any) -> str:
+    """A JSON value that does not fit, for a dead-letter detail: a number or string as itself
+    ("1.5", "NaN", "a string ('7')"), anything else by its kind ("an object")."""
+    if isinstance(item, float):
+        return _show(item)
+    if isinstance(item, str):
+        return f"a string ({_show(item)})"
+    return _a(_json_kind(item))
+
+
+def _utf8_error(data: bytes) -> str:
+    """Where `data` stops being UTF-8, as a suffix for a dead-letter detail."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f" (byte 0x{data[exc.start]:02x} at offset {exc.start})"
+    return ""
+
+
+def _first_in_row(bad: np.ndarray, lists: pa.Array) -> list[tuple[int, int]]:
+    """For each list of `lists` that has a `bad` element (`bad`: one flag per element of
+    the flattened lists): its position and the index of its first bad element in it."""
+    parents = pc.list_parent_indices(lists).to_numpy()  # ascending
+    where = np.flatnonzero(bad)
+    rows, first = np.unique(parents[where], return_index=True)
+    components = where[first] - np.searchsorted(parents, rows, side="left")
+    return list(zip(rows.tolist(), components.tolist(), strict=True))
+
+
+def _non_finite(col: _Column, component: int, payload: bytes | None) -> str:
+    """Why component `component` of the vector in `payload` is not a finite float32."""
+    head = f"vector {col.name!r} ({col.where}) component {component}"
+    try:
+        item: Any = json.loads(payload or b"")
+        for name in col.path:
+            item = item[name]
+        number = item[component]
+    except (ValueError, KeyError, IndexError, TypeError, RecursionError):
+        return f"{head} is NaN or infinite"  # not reached: the payload parsed before
+    value = _to_float(number)
+    if math.isnan(value):
+        return f"{head} is NaN"
+    if math.isinf(value) and isinstance(number, float):
+        return f"{head} is {_show(number)} (infinite in the JSON or beyond the double range)"
+    return (
+        f"{head} is {_show(number)}, beyond the float32 range (largest "
+        f"{_FLOAT32_MAX:.7g}); it would be stored as infinity"
+    )
 
 
 def _to_ms_timestamp(arr: pa.Array) -> pa.Array:

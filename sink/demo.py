@@ -7,8 +7,13 @@
 3. Runs the real sink (`lance-sink run`, a child process) with the quickstart config into a
    local Lance table, and shows live progress from its status endpoint.
 4. When caught up, runs one vector, one full-text, one filtered and one lookup query through
-   the HTTP API, checks that each returns the documents it should, and prints them with the
-   metrics URL and `curl` examples. `--follow` keeps producing until Ctrl-C.
+   the HTTP API, checks that each returns the documents it should, and prints them with
+   `curl` commands for the query API, the status and the metrics.
+5. Keeps the sink and the broker serving those commands until Ctrl-C when it runs on a
+   terminal (stdin is a TTY) or with `--serve`; `--follow` also keeps producing. Otherwise
+   (a script, CI) it says so and stops them. Ctrl-C drains the sink (SIGTERM), then stops the
+   broker: the sink and the broker run in their own sessions, so the terminal's Ctrl-C reaches
+   only the demo, which stops them in that order.
 
 The broker is the mock cluster, which keeps only ~5 MiB per partition: the stream is
 produced at a bounded rate (`--rate`) that the sink keeps up with.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import hashlib
 import json
 import logging
@@ -140,8 +146,30 @@ def serve_mock_broker() -> None:
         producer.poll(0.5)
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _stop_with_parent() -> None:
+    """In a child before exec: SIGTERM it when the demo dies, even by SIGKILL (Linux).
+
+    The children run in their own sessions, so nothing else would stop them."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: Ctrl-C still stops them
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def _child(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """Start a demo child (broker or sink) in its own session, stopped with the demo: a
+    terminal's Ctrl-C reaches only the demo, which drains the sink, then stops the broker."""
+    return subprocess.Popen(
+        args,
+        start_new_session=True,
+        preexec_fn=_stop_with_parent,  # noqa: PLW1509 - both start before the demo's threads
+        **kwargs,
+    )
+
+
 def start_broker() -> tuple[subprocess.Popen[bytes], str]:
-    proc = subprocess.Popen(
+    proc = _child(
         [sys.executable, "-m", "sink.demo", "--serve-broker"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -286,11 +314,39 @@ def run_queries(base: str, console: Console) -> bool:
     return ok
 
 
+def commands(query: str, metrics: str) -> list[str]:
+    """The `curl` commands the demo prints for a newcomer to paste (tested verbatim)."""
+    post = "curl -s {url} -H 'content-type: application/json' -d '{body}'"
+    return [
+        post.format(url=f"{query}/v1/search", body='{"text": "sharp knife", "k": 3}'),
+        post.format(
+            url=f"{query}/v1/search",
+            body='{"text": "mystery novel", "filter": "rating >= 4", "k": 3}',
+        ),
+        post.format(url=f"{query}/v1/lookup", body='{"keys": ["r-0000042"]}'),
+        f"curl -s {metrics}/v1/status",
+        f"curl -s {metrics}/metrics | grep _lag_messages",
+    ]
+
+
+#: Ends the line after which the demo serves until Ctrl-C (tests wait for it).
+SERVING = "the commands above work until Ctrl-C"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lance-sink demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=10_000, help="reviews to produce")
     parser.add_argument("--rate", type=float, default=2_000, help="reviews per second (0 = max)")
-    parser.add_argument("--follow", action="store_true", help="keep producing until Ctrl-C")
+    parser.add_argument(
+        "--follow", action="store_true", help="keep producing and serving until Ctrl-C"
+    )
+    parser.add_argument(
+        "--serve",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep the sink and the broker up for queries until Ctrl-C (default: when stdin "
+        "is a terminal)",
+    )
     parser.add_argument("--dir", type=Path, default=Path("demo-data"), help="where data lives")
     parser.add_argument("--query-port", type=int, default=8080)
     parser.add_argument("--metrics-port", type=int, default=9102)
@@ -299,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_broker:
         serve_mock_broker()
         return 0
+    # Ctrl-C and SIGTERM both stop the demo the same way: drain the sink, stop the broker.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     console = Console()
     data = args.dir.resolve()
     if data.exists():
@@ -309,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     config = write_config(data / "sink.toml", bootstrap, data, args.query_port, args.metrics_port)
     log_path = data / "sink.log"
     log_file = log_path.open("wb")
-    sink = subprocess.Popen(
+    sink = _child(
         [sys.executable, "-m", "sink.cli", "run", "--config", str(config)],
         stdout=log_file,
         stderr=subprocess.STDOUT,
@@ -351,17 +410,31 @@ def main(argv: list[str] | None = None) -> int:
         ok = run_queries(query, console)
         console.print(
             f"\ndata: Lance table {data / 'reviews.lance'} (WAL in its _lance_sink folder)\n"
-            f"metrics: {metrics}/metrics   status: {metrics}/v1/status   logs: {log_path}\n"
-            f"query:  curl -s {query}/v1/search -H 'content-type: application/json' "
-            '-d \'{"text": "sharp knife", "k": 3}\'\n'
-            f"lookup: curl -s {query}/v1/lookup -H 'content-type: application/json' "
-            '-d \'{"keys": ["r-0000042"]}\''
+            f"metrics: {metrics}/metrics   status: {metrics}/v1/status   logs: {log_path}",
+            soft_wrap=True,
         )
-        if args.follow:
-            console.print("\n--follow: producing more reviews; Ctrl-C to stop")
+        on_terminal = sys.stdin is not None and sys.stdin.isatty()
+        serve = args.follow or (on_terminal if args.serve is None else args.serve)
+        console.print("\ntry it (from another terminal, while the demo serves):")
+        for command in commands(query, metrics):
+            # Plain output: no markup or wrapping, so a command pastes as printed.
+            console.print(command, soft_wrap=True, markup=False, highlight=False)
+        if serve:
+            what = "producing more reviews and serving" if args.follow else "serving"
+            console.print(f"\n{what} queries and metrics: {SERVING}", markup=False)
             with contextlib.suppress(KeyboardInterrupt):
                 while sink.poll() is None:
                     time.sleep(0.5)
+            if sink.returncode is not None:
+                raise RuntimeError(f"the sink exited ({sink.returncode}); see {log_path}")
+        else:
+            console.print(
+                "\nstopping the sink and the broker now (stdin is not a terminal), so the "
+                "commands above get 'connection refused' from here on. `lance-sink demo "
+                "--serve` (or `--follow`, or running it on a terminal) keeps them up until "
+                "Ctrl-C.",
+                markup=False,
+            )
         code = 0 if ok else 1
     except KeyboardInterrupt:
         code = 130
@@ -371,8 +444,9 @@ def main(argv: list[str] | None = None) -> int:
             sink.send_signal(signal.SIGTERM)
             try:
                 sink.wait(60)
-            except subprocess.TimeoutExpired:
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):  # or a second Ctrl-C
                 sink.kill()
+                sink.wait()
         log_file.close()
         broker.terminate()
         broker.wait(10)

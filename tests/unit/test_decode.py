@@ -190,6 +190,139 @@ def test_dead_letter_reason_and_good_neighbours(reason: str, value: bytes) -> No
     assert {r["_partition"] for r in rows} == {PARTITION}
 
 
+#: Parts of the vector details below.
+VEC = "vector 'vec' ($.vec)"
+INFINITE = "(infinite in the JSON or beyond the double range)"
+F32 = "beyond the float32 range (largest 3.402823e+38); it would be stored as infinity"
+
+#: Each reason's detail names the real cause and where it came from (column and source).
+DETAILS = [
+    (
+        b'{"id": "x", "n": ',
+        "invalid_json",
+        "value is not JSON: Expecting value: line 1 column 18 (char 17)",
+    ),
+    (b"[1, 2]", "not_an_object", "value is a JSON array, not an object"),
+    (b"null", "not_an_object", "value is JSON null, not an object"),
+    (orjson.dumps(good(9, n=1.5)), "wrong_type", "'n' ($.n) is 1.5, expected an integer"),
+    (b'{"id": "x", "n": NaN}', "wrong_type", "'n' ($.n) is NaN, expected an integer"),
+    (
+        orjson.dumps(good(9, n="7")),
+        "wrong_type",
+        "'n' ($.n) is a string ('7'), expected an integer",
+    ),
+    (orjson.dumps(good(9, n=True)), "wrong_type", "'n' ($.n) is a boolean, expected an integer"),
+    (
+        orjson.dumps(good(9, n=2**63)),
+        "wrong_type",
+        "'n' ($.n) is 9223372036854775808, outside the int64 range",
+    ),
+    (
+        orjson.dumps(good(9, text={})),
+        "wrong_type",
+        "'text' ($.text) is an object, expected a string",
+    ),
+    (
+        orjson.dumps(good(9, text=[1])),
+        "wrong_type",
+        "'text' ($.text) is an array, expected a string",
+    ),
+    (orjson.dumps(good(9, text=5)), "wrong_type", "'text' ($.text) is a number, expected a string"),
+    (
+        orjson.dumps(good(9, vec="1,2,3,4")),
+        "wrong_type",
+        "'vec' ($.vec) is a string ('1,2,3,4'), expected an array of numbers",
+    ),
+    (
+        b'{"id": "x", "vec": NaN}',
+        "wrong_type",
+        "'vec' ($.vec) is NaN, expected an array of numbers",
+    ),
+    (
+        orjson.dumps(good(9, vec=[1, "2", 3, 4])),
+        "wrong_type",
+        "'vec' ($.vec) component 1 is a string ('2'), expected a number",
+    ),
+    (
+        orjson.dumps(good(9, vec=[1, 2, {}, 4])),
+        "wrong_type",
+        "'vec' ($.vec) component 2 is an object, expected a number",
+    ),
+    (orjson.dumps(good(9, vec=[1, 2, 3, None])), "wrong_type", f"{VEC} component 3 is null"),
+    (
+        orjson.dumps(good(9, vec=[1, 2, 3])),
+        "wrong_vector_dimension",
+        f"{VEC} has 3 components, expected 4",
+    ),
+    (b'{"id": "x", "vec": [1, NaN, 3, 4]}', "nan_in_vector", f"{VEC} component 1 is NaN"),
+    (
+        b'{"id": "x", "vec": [1, 2, Infinity, 4]}',
+        "nan_in_vector",
+        f"{VEC} component 2 is Infinity {INFINITE}",
+    ),
+    (
+        b'{"id": "x", "vec": [1, 2, 3, -1e999]}',
+        "nan_in_vector",
+        f"{VEC} component 3 is -Infinity {INFINITE}",
+    ),
+    (b'{"id": "x", "vec": [1, 2, 3, 1e39]}', "nan_in_vector", f"{VEC} component 3 is 1e+39, {F32}"),
+    (
+        b'{"id": "x", "vec": [-4e38, 2, 3, 4]}',
+        "nan_in_vector",
+        f"{VEC} component 0 is -4e+38, {F32}",
+    ),
+    (
+        b'{"id": "x", "vec": [1, 2, 3, 1' + b"0" * 50 + b"]}",
+        "nan_in_vector",
+        f"{VEC} component 3 is 100000000000... (51 digits), {F32}",
+    ),
+    (
+        orjson.dumps({"id": None, "vec": [1, 2, 3, 4]}),
+        "missing_required",
+        "'id' ($.id) is null or missing",
+    ),
+    (
+        b'{"id": "x", "other": "\xc3\x28", "vec": [1, 2, 3, 4]}',
+        "invalid_utf8",
+        "value is not UTF-8 (byte 0xc3 at offset 22)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("value", "reason", "detail"), DETAILS)
+@pytest.mark.parametrize("alone", [True, False])
+def test_dead_letter_details_name_the_cause_and_its_source(
+    value: bytes, reason: str, detail: str, alone: bool
+) -> None:
+    """The same detail whichever path finds the fault: one message alone (the per-message
+    screen) or among good ones in a chunk."""
+    spec = spec_for()
+    batch = [value] if alone else [orjson.dumps(good(i)) for i in range(20)] + [value]
+    out, _ = decode(spec, msgs(*batch))
+    assert [(d.reason, d.detail) for d in out.dead_letters] == [(reason, detail)]
+
+
+def test_vector_faults_name_the_component_of_each_row() -> None:
+    """Several bad vectors in one batch: each row's detail names its own first bad component."""
+    spec = spec_for()
+    values = [
+        orjson.dumps(good(0)),
+        b'{"id": "a", "vec": [NaN, 1, NaN, 1]}',
+        b'{"id": "b", "vec": [1, 1, 1, 1e39]}',
+        orjson.dumps(good(3)),
+        orjson.dumps(good(4, vec=[None, 2, None, 4])),
+        orjson.dumps(good(5, vec=[1, 2, 3, None])),
+    ]
+    out, rows = decode(spec, msgs(*values))
+    assert [(d.offset, d.detail) for d in out.dead_letters] == [
+        (101, f"{VEC} component 0 is NaN"),
+        (102, f"{VEC} component 3 is 1e+39, {F32}"),
+        (104, f"{VEC} component 0 is null"),
+        (105, f"{VEC} component 3 is null"),
+    ]
+    expect_good(rows, [0, 3])
+
+
 def test_every_bad_value_in_one_batch() -> None:
     """All faults at once: the chunk fails, so every message goes through the screen."""
     spec = spec_for()
@@ -237,7 +370,9 @@ def test_oversized() -> None:
     big = orjson.dumps(good(1, text="x" * 2000))
     out, rows = decode(spec, msgs(good(0), big, good(2)), max_message_bytes=1024)
     assert [(d.offset, d.reason) for d in out.dead_letters] == [(101, "oversized")]
-    assert "1024" in out.dead_letters[0].detail
+    assert out.dead_letters[0].detail == (
+        f"value is {len(big)} bytes, more than source.max_message_bytes (1024)"
+    )
     expect_good(rows, [0, 2])
 
 
@@ -427,10 +562,10 @@ def test_key_and_header_into_integer_columns() -> None:
         Msg(b"{}", 4, b"-5"),
     ]
     out, rows = decode(spec, messages, columns={"id": "@key", "h": "@headers.h"})
-    assert [(d.offset, d.reason) for d in out.dead_letters] == [
-        (1, "wrong_type"),
-        (2, "wrong_type"),
-        (3, "wrong_type"),
+    assert [(d.offset, d.reason, d.detail) for d in out.dead_letters] == [
+        (1, "wrong_type", "'id' (@key) is '0x10', not a decimal integer"),
+        (2, "wrong_type", "'h' (@headers.h) is 99999999999, outside the int32 range"),
+        (3, "wrong_type", "'h' (@headers.h) is '1.5', not a decimal integer"),
     ]
     assert [(r["id"], r["h"]) for r in rows] == [(42, -7), (-5, None)]
 
@@ -592,6 +727,9 @@ def test_upsert_tombstone_is_a_delete_row_in_offset_order() -> None:
     assert rows[0]["vec"] == [0.0, 0.5, -1.0, 2.0]
 
 
+NO_DELETE = "tombstone cannot delete"
+
+
 def test_upsert_tombstone_with_integer_key() -> None:
     spec = spec_for(
         columns=[
@@ -608,11 +746,42 @@ def test_upsert_tombstone_with_integer_key() -> None:
         Msg(None, 3, b"99999999999999999999"),
     ]
     out, rows = decode(spec, messages)
-    assert [(d.offset, d.reason) for d in out.dead_letters] == [
-        (2, "missing_primary_key"),
-        (3, "missing_primary_key"),
+    assert [(d.offset, d.reason, d.detail) for d in out.dead_letters] == [
+        # The key is the source, not the column's JSON path $.id.
+        (
+            2,
+            "missing_primary_key",
+            f"{NO_DELETE}: 'id' (@key) is 'forty-two', not a decimal integer",
+        ),
+        (
+            3,
+            "missing_primary_key",
+            f"{NO_DELETE}: 'id' (@key) is {'9' * 20}, outside the int64 range",
+        ),
     ]
     assert [(r["id"], r["n"], r["_op"]) for r in rows] == [(42, None, OP_DELETE), (5, 1, OP_UPSERT)]
+
+
+def test_tombstone_details_say_why_nothing_is_deleted() -> None:
+    spec = spec_for(mode="upsert")
+    out, _ = decode(spec, [Msg(None, 0), Msg(None, 1, b"\xffid")])
+    assert [d.detail for d in out.dead_letters] == [
+        f"{NO_DELETE}: it has no Kafka key",
+        f"{NO_DELETE}: 'id' (@key) is not UTF-8 (byte 0xff at offset 0)",
+    ]
+    composite = spec_for(
+        columns=[
+            {"name": "id", "type": "string", "nullable": False},
+            {"name": "region", "type": "string", "nullable": False},
+        ],
+        mode="upsert",
+        dim=None,
+        primary_key=["id", "region"],
+    )
+    out, _ = decode(composite, [Msg(None, 0, b"a")])
+    assert [d.detail for d in out.dead_letters] == [
+        f"{NO_DELETE}: the primary key (id, region) has several columns and a Kafka key gives one"
+    ]
 
 
 def test_upsert_batch_of_only_tombstones() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from config import ConfigError, load_settings, redacted
+from config.settings import LIBRDKAFKA_SECRET_KEYS, MASK, is_secret_librdkafka_key
 from engine.engine import writer_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +41,8 @@ def problems(path: Path, overrides: list[str] | None = None) -> list[tuple[str, 
 
 
 @pytest.mark.parametrize("name", ["quickstart.toml", "production.toml"])
-def test_examples_load(name: str) -> None:
+def test_examples_load(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LANCE_SINK__KAFKA__SASL_PASSWORD", "hunter2")  # production: SCRAM
     settings = load_settings(EXAMPLES / name)
     assert settings.kafka.topics
     assert settings.table.columns
@@ -262,15 +265,154 @@ def test_unparseable_file(tmp_path: Path) -> None:
     assert reason.startswith("cannot parse")
 
 
+def sasl(mechanism: str) -> str:
+    """MINIMAL on a SASL_SSL connection with `mechanism` and a user name, no password."""
+    return MINIMAL.replace(
+        'topics = ["events"]',
+        'topics = ["events"]\nsecurity_protocol = "SASL_SSL"\n'
+        f'sasl_mechanism = "{mechanism}"\nsasl_username = "sink"',
+    )
+
+
+@pytest.mark.parametrize("mechanism", ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"])
+def test_sasl_password_mechanisms_need_the_password(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mechanism: str
+) -> None:
+    path = write(tmp_path, sasl(mechanism))
+    assert problems(path) == [
+        (
+            "kafka.sasl_password",
+            f"not set in file {path}",
+            f"required with sasl_mechanism {mechanism} (the brokers would refuse to authenticate)",
+        )
+    ]
+    monkeypatch.setenv("LANCE_SINK__KAFKA__SASL_PASSWORD", "")
+    [(key, origin, _reason)] = problems(path)
+    assert (key, origin) == ("kafka.sasl_password", "environment LANCE_SINK__KAFKA__SASL_PASSWORD")
+    monkeypatch.setenv("LANCE_SINK__KAFKA__SASL_PASSWORD", "hunter2")
+    assert load_settings(path).kafka.sasl_password is not None
+
+
+def test_sasl_password_mechanisms_need_the_username(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LANCE_SINK__KAFKA__SASL_PASSWORD", "hunter2")
+    path = write(tmp_path, sasl("PLAIN").replace('sasl_username = "sink"', ""))
+    [(key, origin, reason)] = problems(path)
+    assert (key, origin) == ("kafka.sasl_username", f"not set in file {path}")
+    assert reason.startswith("required with sasl_mechanism PLAIN")
+
+
+def test_oauthbearer_and_plaintext_need_no_password(tmp_path: Path) -> None:
+    oauth = sasl("OAUTHBEARER").replace('sasl_username = "sink"', "")
+    assert load_settings(write(tmp_path, oauth)).kafka.sasl_password is None
+    # A mechanism left over from a SASL setup does nothing on a PLAINTEXT connection.
+    plain = sasl("PLAIN").replace("SASL_SSL", "PLAINTEXT")
+    assert load_settings(write(tmp_path, plain, "plain.toml")).kafka.sasl_password is None
+
+
+def test_file_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "sink.toml"
+    data = MINIMAL.encode() + b'\n[kafka.librdkafka]\n"client.rack" = "z\xe9ro"\n'  # latin-1
+    path.write_bytes(data)
+    [(key, origin, reason)] = problems(path)
+    assert (key, origin) == ("", f"file {path}")
+    line = MINIMAL.count("\n") + 3
+    assert reason == (
+        f"not valid UTF-8: byte 0xe9 at line {line} (byte offset {data.index(0xE9)}); "
+        "save the file as UTF-8"
+    )
+
+
+def test_controller_module_must_import(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + '\n[backpressure]\ncontroller = "nosuchmod:factory"\n')
+    assert problems(path) == [
+        (
+            "backpressure.controller",
+            f"file {path}",
+            "cannot import module 'nosuchmod': ModuleNotFoundError: No module named 'nosuchmod'",
+        )
+    ]
+    [(_key, _origin, reason)] = problems(
+        write(tmp_path, MINIMAL), ["backpressure.controller=engine.backpressure:nope"]
+    )
+    assert reason == "module 'engine.backpressure' has no attribute 'nope'"
+    [(_key, _origin, reason)] = problems(
+        write(tmp_path, MINIMAL), ["backpressure.controller=config.settings:ENV_PREFIX"]
+    )
+    assert reason.endswith("is not callable (a factory is called with the limits)")
+
+
+SECRET_PASS_THROUGH = {
+    "sasl.oauthbearer.client.secret": "oidc-s3cr3t",
+    "ssl.keystore.password": "ks-s3cr3t",
+    "sasl.oauthbearer.config": "principal=admin-s3cr3t",
+    "sasl.oauthbearer.assertion.private.key.passphrase": "pp-s3cr3t",
+}
+
+
+def test_librdkafka_secrets_are_masked(tmp_path: Path) -> None:
+    lines = "".join(f'"{k}" = "{v}"\n' for k, v in SECRET_PASS_THROUGH.items())
+    text = MINIMAL + f'\n[kafka.librdkafka]\n"fetch.max.bytes" = 1048576\n{lines}'
+    settings = load_settings(write(tmp_path, text))
+    assert settings.kafka.librdkafka["ssl.keystore.password"] == "ks-s3cr3t"  # clients get it
+    shown = redacted(settings)["kafka"]["librdkafka"]
+    assert shown == {"fetch.max.bytes": 1048576} | dict.fromkeys(SECRET_PASS_THROUGH, MASK)
+
+
+@pytest.mark.parametrize(
+    ("key", "secret"),
+    [
+        ("sasl.password", True),
+        ("ssl.key.password", True),
+        ("ssl.key.pem", True),
+        ("ssl.keystore.password", True),
+        ("sasl.oauthbearer.client.secret", True),
+        ("sasl.oauthbearer.client.credentials.client.secret", True),
+        ("sasl.oauthbearer.assertion.private.key.pem", True),
+        ("sasl.oauthbearer.config", True),
+        ("SASL.Password", True),
+        ("some.future.token", True),
+        ("sasl.oauthbearer.token.endpoint.url", False),
+        ("sasl.oauthbearer.client.credentials.client.id", False),
+        ("sasl.oauthbearer.client.id", False),
+        ("ssl.certificate.pem", False),
+        ("ssl.keystore.location", False),
+        ("fetch.max.bytes", False),
+    ],
+)
+def test_which_librdkafka_keys_hold_secrets(key: str, secret: bool) -> None:
+    assert is_secret_librdkafka_key(key) is secret
+
+
+def test_every_secret_property_librdkafka_knows_is_masked() -> None:
+    """Every name in `LIBRDKAFKA_SECRET_KEYS` is a property of the librdkafka the sink runs on
+    (a typo would leave the real one in clear)."""
+    import confluent_kafka  # noqa: PLC0415
+
+    unknown = []
+    for key in LIBRDKAFKA_SECRET_KEYS:
+        try:
+            confluent_kafka.Producer({key: "x"})
+        except confluent_kafka.KafkaException as exc:
+            if "No such configuration property" in exc.args[0].str():
+                unknown.append(key)
+    assert unknown == []
+
+
 # --- the CLI -------------------------------------------------------------------------------
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LANCE_SINK__")}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
     return subprocess.run(
         [sys.executable, "-m", "sink.cli", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env=env,
         timeout=60,
         check=False,
     )
@@ -318,3 +460,114 @@ def test_the_writer_tuning_comes_from_the_settings(tmp_path: Path) -> None:
     assert config.max_age_s == 7
     default = writer_config(load_settings(write(tmp_path, MINIMAL, "default.toml")))
     assert default.max_age_s == 300
+
+
+def test_check_config_sasl_without_password_exits_2(tmp_path: Path) -> None:
+    path = write(tmp_path, sasl("SCRAM-SHA-512"))
+    result = cli("check-config", str(path))
+    assert result.returncode == 2
+    assert f"kafka.sasl_password (not set in file {path}): required" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_check_config_not_utf8_exits_2_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "sink.toml"
+    path.write_bytes(MINIMAL.encode("utf-16"))
+    result = cli("check-config", str(path))
+    assert result.returncode == 2
+    assert f"<root> (file {path}): not valid UTF-8: byte 0xff at line 1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+CONTROLLERS = """
+from engine.backpressure import BudgetController
+
+
+def good(process_budget_bytes, max_unflushed_memtable_bytes):
+    return BudgetController(process_budget_bytes)
+
+
+def broken(process_budget_bytes, max_unflushed_memtable_bytes):
+    raise RuntimeError("no license for the controller")
+
+
+def wrong(process_budget_bytes, max_unflushed_memtable_bytes):
+    return object()
+"""
+
+
+@pytest.mark.parametrize("command", ["check-config", "run"])
+def test_controller_that_cannot_import_exits_2(tmp_path: Path, command: str) -> None:
+    path = write(tmp_path, MINIMAL + '\n[backpressure]\ncontroller = "nosuchmod:factory"\n')
+    result = cli(command, *(["--config"] if command == "run" else []), str(path))
+    assert result.returncode == 2, result.stderr
+    assert (
+        f"backpressure.controller (file {path}): cannot import module 'nosuchmod'" in result.stderr
+    )
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("factory", "reason"),
+    [
+        ("broken", "the factory failed: RuntimeError: no license for the controller"),
+        ("wrong", "the factory failed: TypeError: my_controllers:wrong did not return a"),
+    ],
+)
+def test_check_config_calls_the_controller_factory(
+    tmp_path: Path, factory: str, reason: str
+) -> None:
+    (tmp_path / "my_controllers.py").write_text(CONTROLLERS)
+    path = write(tmp_path, MINIMAL)
+    good = cli(
+        "check-config",
+        str(path),
+        "--set",
+        "backpressure.controller=my_controllers:good",
+        pythonpath=tmp_path,
+    )
+    assert good.returncode == 0, good.stderr
+    result = cli(
+        "check-config",
+        str(path),
+        "--set",
+        f"backpressure.controller=my_controllers:{factory}",
+        pythonpath=tmp_path,
+    )
+    assert result.returncode == 2
+    assert f"backpressure.controller (flag --set backpressure.controller): {reason}" in (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr
+
+
+def test_librdkafka_secrets_never_print(tmp_path: Path) -> None:
+    """Neither `check-config` nor `run`'s `config_loaded` line shows a pass-through secret
+    (`run` here stops at the controller check, after logging its configuration)."""
+    (tmp_path / "my_controllers.py").write_text(CONTROLLERS)
+    lines = "".join(f'"{k}" = "{v}"\n' for k, v in SECRET_PASS_THROUGH.items())
+    path = write(tmp_path, MINIMAL + f"\n[kafka.librdkafka]\n{lines}")
+    checked = cli("check-config", str(path))
+    assert checked.returncode == 0, checked.stderr
+    assert json.loads(checked.stdout)["kafka"]["librdkafka"] == dict.fromkeys(
+        SECRET_PASS_THROUGH, MASK
+    )
+    run = cli(
+        "run",
+        "--config",
+        str(path),
+        "--set",
+        "backpressure.controller=my_controllers:broken",
+        "--set",
+        "observability.log_format=json",
+        pythonpath=tmp_path,
+    )
+    assert run.returncode == 2, run.stderr
+    [loaded] = [
+        json.loads(line)
+        for line in run.stderr.splitlines()
+        if line.startswith("{") and '"config_loaded"' in line
+    ]
+    assert loaded["config"]["kafka"]["librdkafka"] == dict.fromkeys(SECRET_PASS_THROUGH, MASK)
+    for secret in SECRET_PASS_THROUGH.values():
+        assert secret not in checked.stdout + checked.stderr + run.stdout + run.stderr
