@@ -525,7 +525,7 @@ class BackpressureSettings(_Section):
         default="budget",
         description="'budget' (process-wide byte budget, rejects with Backpressure; what the "
         "sink uses), 'valve' (per-shard blocking valve) or 'module:factory' for your own "
-        "(imported when the config loads; check-config and run call it once to check it).",
+        "(imported when the config loads, called once at start; check-config calls it too).",
     )
     process_budget_bytes: PositiveBytes = Field(
         default=ByteSize(1 << 30),

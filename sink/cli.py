@@ -24,7 +24,7 @@ import threading
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import confluent_kafka
 import structlog
@@ -32,6 +32,9 @@ import structlog
 from config import ConfigError, Settings, load_settings, problem_at, redacted
 from sink import __version__
 from sink.log import configure_logging
+
+if TYPE_CHECKING:
+    from engine.backpressure import BackpressureController
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -108,12 +111,13 @@ def _check_config(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def check_controller(settings: Settings, path: Path | None, overrides: list[str]) -> None:
-    """Build the backpressure controller `backpressure.controller` names, once, and discard
-    it: loading the settings imported a custom factory; this calls it with the configured
-    limits and checks it returns a `BackpressureController`. `check-config` and `run` (before
-    the engine builds its own) both call it, so a factory is called twice per start and must
-    not hold resources it cannot drop.
+def check_controller(
+    settings: Settings, path: Path | None, overrides: list[str]
+) -> BackpressureController | None:
+    """Build the backpressure controller a custom `backpressure.controller` names (None for
+    the built-in ones): loading the settings imported the factory; this calls it with the
+    configured limits and checks it returns a `BackpressureController`. `check-config`
+    discards it; `run` hands it to the engine, so the factory is called once per start.
 
     Raises:
         ConfigError: naming `backpressure.controller`, its origin and what went wrong.
@@ -122,9 +126,9 @@ def check_controller(settings: Settings, path: Path | None, overrides: list[str]
 
     bp = settings.backpressure
     if bp.controller in {"budget", "valve"}:
-        return
+        return None
     try:
-        build_controller(
+        return build_controller(
             bp.controller,
             process_budget_bytes=int(bp.process_budget_bytes),
             max_unflushed_memtable_bytes=int(bp.max_unflushed_memtable_bytes),
@@ -198,14 +202,18 @@ def _run(args: argparse.Namespace) -> int:
     configure_logging(obs.log_level, obs.log_format)
     log = structlog.get_logger("lance_sink")
     log.info("config_loaded", config=redacted(settings))
-    check_controller(settings, args.config, args.overrides)
+    controller = check_controller(settings, args.config, args.overrides)
     if not tune_process(settings.query.lance_cpu_threads):
         log.info("transparent_huge_pages_left_on")
+    from engine.engine import Engine  # noqa: PLC0415
     from engine.errors import LanceSinkError  # noqa: PLC0415 - keep `check-config` light
+    from sink.metrics import Metrics  # noqa: PLC0415
     from sink.service import SinkService  # noqa: PLC0415
 
     try:
-        service = SinkService(settings)
+        metrics = Metrics()
+        engine = Engine.from_settings(settings, controller=controller, events=metrics)
+        service = SinkService(settings, metrics=metrics, engine=engine)
     except LanceSinkError as exc:
         log.error("startup_failed", error=str(exc), error_type=type(exc).__name__)
         print(f"lance-sink: {exc}", file=sys.stderr)

@@ -51,6 +51,8 @@ EXPECTED = {
     "lance_sink_replay_rows": "Rows replayed from the WAL.",
     "lance_sink_replay_seconds": "Duration of the last WAL replay of the shard.",
     "lance_sink_rows_ingested": "Rows made durable and visible.",
+    "lance_sink_shard_open_failures": "Failed attempts to open (claim and replay) a partition's "
+    "shard writer; each is retried with backoff while the partition consumes nothing.",
     "lance_sink_wal_append_bytes": "Bytes appended to the WAL.",
     "lance_sink_wal_append_seconds": "Duration of one durable WAL append.",
     "lance_sink_wal_backpressure_active_waits": "Backpressure waits in progress.",
