@@ -127,13 +127,32 @@ def mask_librdkafka_secrets(conf: Mapping[str, object]) -> dict[str, object]:
 SASL_PASSWORD_MECHANISMS = frozenset({"PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"})
 
 
+#: librdkafka properties the dead-letter producer takes from the Kafka section or sets itself
+#: (its delivery reports gate offset commits). `dlq.librdkafka` must not override them.
+DLQ_OWNED_LIBRDKAFKA_KEYS: dict[str, str] = {
+    **{
+        key: owner
+        for key, owner in SINK_OWNED_LIBRDKAFKA_KEYS.items()
+        if owner.startswith("kafka.") and owner != "kafka.isolation_level"
+    },
+    "enable.idempotence": "(owned by the sink: dead letters are produced idempotently)",
+    "acks": "(owned by the sink: a dead letter counts once every in-sync replica has it)",
+    "message.timeout.ms": "dlq.produce_timeout_ms",
+    "transactional.id": "(owned by the sink: the dead-letter producer is not transactional)",
+}
+
+
 class _Section(BaseModel):
     """Base for every sub-model: frozen, unknown keys rejected."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-def check_librdkafka_keys(conf: dict[str, str | int | float | bool], role: str) -> None:
+def check_librdkafka_keys(
+    conf: dict[str, str | int | float | bool],
+    role: str,
+    owned: dict[str, str] = SINK_OWNED_LIBRDKAFKA_KEYS,
+) -> None:
     """Check pass-through keys against librdkafka itself.
 
     Builds (and immediately discards) a client of the given role with the properties, so
@@ -143,8 +162,8 @@ def check_librdkafka_keys(conf: dict[str, str | int | float | bool], role: str) 
         ValueError: naming the first offending key and librdkafka's reason.
     """
     for key in conf:
-        if key in SINK_OWNED_LIBRDKAFKA_KEYS:
-            owner = SINK_OWNED_LIBRDKAFKA_KEYS[key]
+        if key in owned:
+            owner = owned[key]
             hint = owner if owner.startswith("(") else f"(set {owner} instead)"
             raise ValueError(f"librdkafka property {key!r} cannot be passed through {hint}")
     ck = importlib.import_module("confluent_kafka")
@@ -660,8 +679,31 @@ class DlqSettings(_Section):
         description="A dead letter not delivered within this is re-sent (the partition waits).",
     )
     lance_table_uri: str | None = Field(
-        default=None, description="Also append dead letters to this Lance table."
+        default=None,
+        description="Also append dead letters to this Lance table, full payload included "
+        "(also of dead letters the topic only gets an envelope of).",
     )
+    stalled_after_s: PositiveInt = Field(
+        default=60,
+        description="A partition held longer than this by dead letters not yet acknowledged "
+        "is reported: a /readyz reason, /v1/status and lance_sink_dlq_held_seconds. Twice "
+        "the default produce_timeout_ms: one full round of librdkafka's own retries is "
+        "normal.",
+    )
+    librdkafka: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="Extra librdkafka properties of the dead-letter producer, checked "
+        "against librdkafka; keys the sink owns are rejected. message.max.bytes defaults to "
+        "source.max_message_bytes + 64 KiB (at least librdkafka's 1000000).",
+    )
+
+    @field_validator("librdkafka")
+    @classmethod
+    def _librdkafka(
+        cls, value: dict[str, str | int | float | bool]
+    ) -> dict[str, str | int | float | bool]:
+        check_librdkafka_keys(value, "producer", DLQ_OWNED_LIBRDKAFKA_KEYS)
+        return value
 
     @field_validator("topic_template")
     @classmethod

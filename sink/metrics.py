@@ -132,6 +132,24 @@ class Metrics:
             "Messages sent to the dead-letter topic, by reason.",
             ["topic", "reason"],
         )
+        self.dlq_failures = counter(
+            "dlq_delivery_failures_total",
+            "Failed attempts to deliver a dead letter (each is re-sent, or replaced by an "
+            "envelope), by source topic and librdkafka error.",
+            ["topic", "error"],
+        )
+        self.dlq_omitted = counter(
+            "dlq_payload_omitted_total",
+            "Dead letters the dead-letter topic refused in full and got as an envelope "
+            "(payload in the dead-letter Lance table if configured, and the source topic).",
+            ["topic", "reason"],
+        )
+        self.dlq_held = gauge(
+            "dlq_held_seconds",
+            "How long the partition has waited for its dead letters to be acknowledged "
+            "(0 when none are pending).",
+            tp,
+        )
         self.commit_delay = Histogram(
             f"{PREFIX}_commit_delay_seconds",
             "Time from an offset becoming durable to its commit being acknowledged.",
@@ -298,6 +316,16 @@ class Metrics:
     def dead_lettered(self, topic: str, reason: str) -> None:
         self.dlq_messages.labels(topic, reason).inc()
 
+    def dlq_delivery_failed(self, topic: str, error: str) -> None:
+        self.dlq_failures.labels(topic, error).inc()
+
+    def dlq_payload_omitted(self, topic: str, reason: str) -> None:
+        self.dlq_omitted.labels(topic, reason).inc()
+
+    def dlq_waiting(self, topic: str, partition: int, seconds: float) -> None:
+        """The partition's oldest unacknowledged dead letters were sent `seconds` ago."""
+        self.dlq_held.labels(topic, str(partition)).set(seconds)
+
     def commit_failed(self) -> None:
         self.commit_failures.inc()
 
@@ -321,6 +349,7 @@ class Metrics:
             self.paused,
             self.writer_poisoned,
             self.shard_open_failures,
+            self.dlq_held,
             self.rows_ingested,
             self.bytes_ingested,
         ):

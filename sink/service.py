@@ -47,6 +47,7 @@ from engine.shard import PutResult, ShardWriter
 from engine.wal import SourceRange
 from sink.decode import DeadLetter, Decoded, Decoder
 from sink.dlq import DeadLetterBatch, DeadLetterProducer
+from sink.dlq import producer_conf as dlq_producer_conf
 from sink.http import ServerHandle, create_query_app, run_server
 from sink.log import configure_logging, librdkafka_logger
 from sink.metrics import Metrics
@@ -226,10 +227,9 @@ class SinkService:
         self.decoder = Decoder(self.engine.spec, settings.source)
         self.dlq = (
             DeadLetterProducer(
-                kafka_security_conf(settings),
+                dlq_producer_conf(kafka_security_conf(settings), settings),
                 settings.dlq.topic_template,
                 self.metrics,
-                timeout_ms=settings.dlq.produce_timeout_ms,
                 table_uri=settings.dlq.lance_table_uri,
                 storage_options=self.engine.spec.storage_options,
             )
@@ -1102,6 +1102,8 @@ class SinkService:
         """Refresh every gauge from live state (called from the loop once a second)."""
         for (topic, partition), state in list(self.partitions.items()):
             self.metrics.partition_paused(topic, partition, state.paused)
+            letters = _unacked_dead_letters(state)
+            self.metrics.dlq_waiting(topic, partition, letters.waiting_s() if letters else 0.0)
             writer = state.writer
             self.metrics.partition_poisoned(topic, partition, writer is None or state.fenced)
             if writer is None or state.position is None:
@@ -1189,6 +1191,13 @@ class SinkService:
                     f"{topic}[{partition}]: no shard writer ({why}), retrying "
                     f"(attempt {state.open_failures + 1})"
                 )
+            elif (letters := _unacked_dead_letters(state)) is not None and (
+                letters.waiting_s() > self.settings.dlq.stalled_after_s
+            ):
+                reasons.append(
+                    f"{topic}[{partition}]: held {letters.waiting_s():.0f} s by {letters.pending}"
+                    f" undelivered dead letter(s), last error: {letters.last_error}"
+                )
         if self._fatal:
             reasons.append(self._fatal)
         return not reasons, reasons
@@ -1240,6 +1249,13 @@ class SinkService:
                 "failures": state.open_failures,
                 "retry_in_s": round(max(state.recover_at - time.monotonic(), 0.0), 1),
             }
+        if (letters := _unacked_dead_letters(state)) is not None:
+            entry["dead_letters"] = {
+                "pending": letters.pending,
+                "waiting_s": round(letters.waiting_s(), 1),
+                "stalled": letters.waiting_s() > self.settings.dlq.stalled_after_s,
+                "last_error": letters.last_error,
+            }
         writer = state.writer
         if writer is not None:
             st = writer.stats()
@@ -1273,6 +1289,13 @@ class SinkService:
                 "flush": max(end - entry.get("flushed", 0), 0),
             }
         return entry
+
+
+def _unacked_dead_letters(state: PartitionState) -> DeadLetterBatch | None:
+    """The dead letters holding the partition, while any of them is undelivered."""
+    held = state.held
+    letters = held.dead_letters if held is not None else None
+    return letters if letters is not None and not letters.acked else None
 
 
 def _timestamp_ms(message: Any) -> int | None:

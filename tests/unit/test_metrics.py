@@ -17,7 +17,19 @@ EXPECTED = {
     "lance_sink_committed_offset": "Offset committed to Kafka.",
     "lance_sink_consumed_offset": "Next offset the consumer will hand to the sink (position).",
     "lance_sink_consumer_lag_messages": "Log end offset minus consumed position.",
+    "lance_sink_dlq_delivery_failures": (
+        "Failed attempts to deliver a dead letter (each is re-sent, or replaced by an "
+        "envelope), by source topic and librdkafka error."
+    ),
+    "lance_sink_dlq_held_seconds": (
+        "How long the partition has waited for its dead letters to be acknowledged "
+        "(0 when none are pending)."
+    ),
     "lance_sink_dlq_messages": "Messages sent to the dead-letter topic, by reason.",
+    "lance_sink_dlq_payload_omitted": (
+        "Dead letters the dead-letter topic refused in full and got as an envelope "
+        "(payload in the dead-letter Lance table if configured, and the source topic)."
+    ),
     "lance_sink_durable_lag_messages": "Log end offset minus durable offset.",
     "lance_sink_durable_offset": "1 + the last offset whose WAL append is durable.",
     "lance_sink_flush_failures": "Failed flush attempts (retried).",
