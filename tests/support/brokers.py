@@ -129,24 +129,32 @@ def start_tansu(
     port: int | None = None,
     storage: str = "memory://tansu/",
     env: dict[str, str] | None = None,
+    schema_registry: Path | None = None,
 ) -> Broker:
     """Start tansu on 127.0.0.1 (on a given port to restart it in place). With
-    `storage="s3://bucket/"` and the AWS variables in `env`, its log survives restarts."""
+    `storage="s3://bucket/"` and the AWS variables in `env`, its log survives restarts.
+    With `schema_registry` (a folder of `<topic>.json` JSON schemas), tansu refuses records
+    of those topics that do not validate, with INVALID_RECORD."""
     port = port or free_port()
     url = f"tcp://127.0.0.1:{port}"
     log_path = log_dir / f"tansu-{port}.log"
+    args = [
+        tansu_binary(),
+        "broker",
+        "--listener-url",
+        url,
+        "--advertised-listener-url",
+        url,
+        "--storage-engine",
+        storage,
+    ]
+    if schema_registry is not None:
+        # tansu reads file:// registry URLs relative to its working directory.
+        args += ["--schema-registry", f"file://./{schema_registry.name}"]
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
-            [
-                tansu_binary(),
-                "broker",
-                "--listener-url",
-                url,
-                "--advertised-listener-url",
-                url,
-                "--storage-engine",
-                storage,
-            ],
+            args,
+            cwd=schema_registry.parent if schema_registry is not None else None,
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
