@@ -76,6 +76,9 @@ METRICS = {
     "lance_sink_bytes_ingested_total",
     "lance_sink_writer_poisoned",
     "lance_sink_dlq_messages_total",
+    "lance_sink_dlq_delivery_failures_total",
+    "lance_sink_dlq_payload_omitted_total",
+    "lance_sink_dlq_held_seconds",
     "lance_sink_wal_unflushed_bytes",
     "lance_sink_wal_sealed_memtables",
     "lance_sink_memtable_bytes",
@@ -1130,6 +1133,7 @@ def test_alerts(rendered: dict[str, list[dict[str, Any]]]) -> None:
         "LanceSinkFlushFailing",
         "LanceSinkWriterPoisoned",
         "LanceSinkDeadLetterRate",
+        "LanceSinkDeadLettersStalled",
     }
     selector = f'{{job="{RELEASE}-lance-sink",namespace="{NAMESPACE}"}}'
     lag = rules["LanceSinkCommitLagGrowing"]["expr"]
@@ -1139,6 +1143,9 @@ def test_alerts(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert "lance_sink_flush_failures_total" in rules["LanceSinkFlushFailing"]["expr"]
     assert "lance_sink_writer_poisoned" in rules["LanceSinkWriterPoisoned"]["expr"]
     assert rules["LanceSinkDeadLetterRate"]["expr"].endswith("> 0.5")
+    assert rules["LanceSinkDeadLettersStalled"]["expr"] == (
+        f"lance_sink_dlq_held_seconds{selector} > 120"
+    )
     for r in rules.values():
         assert _metrics_in(r["expr"]) <= METRICS, r["alert"]
         assert r["labels"]["severity"]
