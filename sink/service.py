@@ -179,7 +179,9 @@ class PartitionState:
 
     Offsets follow Kafka's convention: `position`, `done` and `committed` are each the next
     offset to read. `done` only advances over offsets whose rows are durable (or whose
-    dead letters were acknowledged), so committing `done` keeps I1.
+    dead letters were acknowledged, or that carry no rows: tombstones, and the control
+    records and aborted messages the consumer skips, see `_skip_records_without_data`),
+    so committing `done` keeps I1.
     """
 
     topic: str
@@ -799,10 +801,18 @@ class SinkService:
     # ------------------------------------------------------------------ offsets
 
     def _commit(self, *, asynchronous: bool, states: list[PartitionState] | None = None) -> None:
+        """Commit each partition's `done` offset (the commit protocol's last step, data
+        path step 7 in DESIGN.md):
+
+        1. Step `done` past offsets that carry no data (`_skip_records_without_data`).
+        2. Commit every partition whose `done` is past its committed offset and that no
+           newer writer fenced; a synchronous commit records the result at once, an
+           asynchronous one in `_on_commit`.
+        """
+        states = states if states is not None else list(self.partitions.values())
+        self._skip_records_without_data(states)
         targets = [
-            s
-            for s in (states if states is not None else list(self.partitions.values()))
-            if s.done is not None and s.done > s.committed and not s.fenced
+            s for s in states if s.done is not None and s.done > s.committed and not s.fenced
         ]
         if not targets:
             return
@@ -818,6 +828,55 @@ class SinkService:
             return
         for tp in result or []:
             self._committed(tp)
+
+    def _skip_records_without_data(self, states: list[PartitionState]) -> None:
+        """Move `done` (and `position`) of idle partitions up to the consumer's position.
+
+        librdkafka never hands out a transaction's commit or abort marker (a control record)
+        nor, with `isolation.level=read_committed`, an aborted transaction's messages, but
+        its consumer position moves past them as it reads them. Without this step a
+        partition that ends in a commit marker would keep a commit lag of 1 for good.
+
+        A partition is idle when everything it consumed is durable (or acknowledged by the
+        dead-letter topic) and nothing is on its way: nothing parked, decoding, held or in
+        flight, not paused, its writer healthy. Every message librdkafka delivered since
+        the partition's last seek then went through `_handle` and moved `position` (only a
+        paused or held partition drops messages, and it is sought back to `position`
+        before it resumes; `Consumer.seek` waits until librdkafka has reset its position).
+        So the offsets between `position` and the consumer's position carry no data: `done`
+        may pass them, and I1 holds. Partitions whose log end (from the statistics) is not
+        past `done` are not asked about: nothing is left to skip there.
+        """
+        idle = []
+        for s in states:
+            if (
+                s.writer is None
+                or s.paused
+                or s.fenced
+                or s.stopped
+                or s.held is not None
+                or s.inflight
+                or s.decoding
+                or s.parked
+                or s.done != s.position
+            ):
+                continue
+            end = self.end_offsets.get((s.topic, s.partition))
+            if end is not None and s.done is not None and end <= s.done:
+                continue
+            idle.append(s)
+        if not idle:
+            return
+        try:
+            positions = self.consumer.position([s.tp for s in idle])
+        except confluent_kafka.KafkaException as exc:
+            log.warning("position_lookup_failed", error=str(exc), partitions=len(idle))
+            return
+        for state, tp in zip(idle, positions, strict=True):
+            if tp.error is not None or tp.offset < 0:
+                continue
+            if state.done is None or tp.offset > state.done:
+                state.position = state.done = tp.offset
 
     def _on_commit(
         self, err: confluent_kafka.KafkaError | None, partitions: list[TopicPartition]
@@ -1109,8 +1168,11 @@ class SinkService:
             if writer is None or state.position is None:
                 continue
             stats = writer.stats()
-            durable = stats.durable_offsets.get((topic, partition), -1) + 1
-            flushed = stats.flushed_offsets.get((topic, partition), -1) + 1
+            durable, flushed = _durable_and_flushed(
+                state.done,
+                stats.durable_offsets.get((topic, partition), -1) + 1,
+                stats.flushed_offsets.get((topic, partition), -1) + 1,
+            )
             pending_ts = None
             if state.inflight:
                 pending_ts = state.inflight[0].first_timestamp_ms
@@ -1259,11 +1321,16 @@ class SinkService:
         writer = state.writer
         if writer is not None:
             st = writer.stats()
+            durable, flushed = _durable_and_flushed(
+                state.done,
+                st.durable_offsets.get(key, -1) + 1,
+                st.flushed_offsets.get(key, -1) + 1,
+            )
             entry.update(
                 shard=st.shard,
                 epoch=st.epoch,
-                durable=st.durable_offsets.get(key, -1) + 1,
-                flushed=st.flushed_offsets.get(key, -1) + 1,
+                durable=durable,
+                flushed=flushed,
                 memtable={
                     "generation": st.generation,
                     "rows": st.rows,
@@ -1296,6 +1363,18 @@ def _unacked_dead_letters(state: PartitionState) -> DeadLetterBatch | None:
     held = state.held
     letters = held.dead_letters if held is not None else None
     return letters if letters is not None and not letters.acked else None
+
+
+def _durable_and_flushed(done: int | None, durable: int, flushed: int) -> tuple[int, int]:
+    """A partition's durable and flushed offsets (next-offset style) as the gauges show them:
+    offsets without rows below `done` (control records, aborted transactions, tombstones,
+    acknowledged dead letters) count as durable, and as flushed once every durable row is,
+    so a caught-up partition shows no durable or flush lag."""
+    if done is None:
+        return durable, flushed
+    if flushed >= durable:
+        flushed = max(flushed, done)
+    return max(durable, done), flushed
 
 
 def _timestamp_ms(message: Any) -> int | None:
