@@ -200,7 +200,9 @@ class KafkaSettings(_Section):
         description="Where a partition with no committed offset and no WAL state starts.",
     )
     isolation_level: Literal["read_committed", "read_uncommitted"] = Field(
-        default="read_committed", description="Skip aborted transactional messages."
+        default="read_committed",
+        description="read_committed reads committed transactions only (aborted messages never "
+        "reach the table); read_uncommitted also ingests aborted and still open ones.",
     )
     session_timeout_ms: PositiveInt = Field(
         default=45_000,
