@@ -10,13 +10,24 @@ from __future__ import annotations
 
 import threading
 
+import structlog
+
 from config.settings import Settings
 from engine.backpressure import BackpressureController, build_controller
 from engine.memtable import SealLimits
 from engine.schema import TableSpec
-from engine.shard import EngineEvents, Flusher, ShardWriter, WriterConfig, shard_id
+from engine.shard import (
+    EngineEvents,
+    Flusher,
+    ShardWriter,
+    WriterConfig,
+    legacy_shard_ids,
+    shard_id,
+)
 from engine.storage import Storage, open_storage
 from engine.table import BaseTable
+
+log = structlog.get_logger("lance_sink.engine")
 
 
 def writer_config(settings: Settings) -> WriterConfig:
@@ -50,8 +61,12 @@ class Engine:
         events: EngineEvents | None = None,
         *,
         durable: bool = True,
+        own_wal_storage: bool = False,
     ) -> None:
         self.spec = spec
+        #: The WAL storage is the table's own (`<table.uri>/_lance_sink`): shard state in it
+        #: under any spelling of the table's URI is this table's (see `shard_id`).
+        self.own_wal_storage = own_wal_storage
         self.table = BaseTable(spec, sync=durable)
         self.storage = storage
         self.config = config
@@ -88,10 +103,37 @@ class Engine:
             settings.flush.workers,
             events,
             durable=settings.wal.durable_writes,
+            own_wal_storage=settings.wal.uri is None,
         )
 
     def shard_id(self, topic: str, partition: int) -> str:
-        return shard_id(self.spec.uri, topic, partition)
+        """The id of a topic-partition's shard on this table.
+
+        `shard_id` of the table's canonical URI, unless that shard has no state in the WAL
+        storage while a legacy id has (an older lance-sink hashed `table.uri` as written,
+        see `legacy_shard_ids`): the shard then keeps its legacy id, so its WAL is replayed
+        and its flushes are found in the table (WAL entries and Lance commits carry the id).
+        """
+        current = shard_id(self.spec.uri, topic, partition)
+        if self._has_state(current):
+            return current
+        for legacy in legacy_shard_ids(
+            self.spec.uri, topic, partition, spellings=self.own_wal_storage
+        ):
+            if self._has_state(legacy):
+                log.info(
+                    "shard_legacy_id_kept",
+                    topic=topic,
+                    partition=partition,
+                    shard=legacy,
+                    canonical=current,
+                )
+                return legacy
+        return current
+
+    def _has_state(self, shard: str) -> bool:
+        """Has a writer ever claimed `shard` (its manifest exists)?"""
+        return bool(self.storage.list(f"{shard}/manifest"))
 
     def open_shard(self, topic: str, partition: int) -> ShardWriter:
         """Claim and replay the shard of a topic-partition (see `ShardWriter.open`)."""

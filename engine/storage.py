@@ -128,7 +128,8 @@ class ObjectStorage:
     def __init__(self, uri: str, options: dict[str, str]) -> None:
         parsed = urlparse(uri)
         self.uri = uri
-        self.prefix = parsed.path.strip("/")
+        # Empty segments dropped, as object stores address "a//b/" and "a/b" alike.
+        self.prefix = "/".join(part for part in parsed.path.split("/") if part)
         # Lance and obstore share the S3 option names; allow_http is a client option here.
         config = {k: v for k, v in options.items() if k != "allow_http"}
         client = {}
@@ -178,6 +179,44 @@ def is_local(uri: str) -> bool:
 def local_path(uri: str) -> Path:
     """The filesystem path of a local URI."""
     return Path(urlparse(uri).path if uri.startswith("file://") else uri)
+
+
+def canonical_uri(uri: str) -> str:
+    """One spelling per location, for identities derived from a URI (shard ids).
+
+    A local path or file:// URI becomes its absolute path, normalised lexically (``.``,
+    ``..``, repeated and trailing slashes removed; symlinks are not resolved, so a table
+    reached through two different links has two spellings). An object-store URI becomes
+    ``scheme://bucket/key`` with empty key segments (repeated, leading or trailing slashes)
+    removed: object stores address ``s3://b//p/`` and ``s3://b/p`` alike. A URI already in
+    this form is returned unchanged.
+    """
+    if is_local(uri):
+        path = os.path.normpath(local_path(uri).absolute())
+        return "/" + path.lstrip("/") if path.startswith("//") else path
+    parsed = urlparse(uri)
+    key = "/".join(part for part in parsed.path.split("/") if part)
+    return f"{parsed.scheme.lower()}://{parsed.netloc}" + (f"/{key}" if key else "")
+
+
+def uri_spellings(canonical: str) -> list[str]:
+    """Other common spellings of the location `canonical` (a `canonical_uri`): with a
+    trailing slash; for a local path also as a file:// URI and relative to each of its
+    ancestors (as a process started there would have named it, with or without ``./``);
+    for an object store also with a doubled slash after the bucket. Used to find state an
+    older lance-sink stored under an identity derived from the URI as written."""
+    out = [canonical + "/"]
+    if is_local(canonical):
+        out += [f"file://{canonical}", f"file://{canonical}/"]
+        path = Path(canonical)
+        for ancestor in path.parents:
+            rel = str(path.relative_to(ancestor))
+            out += [rel, rel + "/", f"./{rel}", f"./{rel}/"]
+    else:
+        parsed = urlparse(canonical)
+        doubled = f"{parsed.scheme}://{parsed.netloc}/{parsed.path}"
+        out += [doubled, doubled + "/"]
+    return out
 
 
 def open_storage(uri: str, options: dict[str, str] | None = None, *, fsync: bool = True) -> Storage:

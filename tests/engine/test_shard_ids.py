@@ -1,0 +1,194 @@
+"""One table, one set of shard ids: every spelling of `table.uri` names the same shards, a
+table reopened under another spelling replays its WAL, and shards an older lance-sink wrote
+under a non-canonical spelling keep their id (real Lance and real files on tmp_path)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+import lance
+import pytest
+
+from config.settings import Settings
+from engine.engine import Engine
+from engine.shard import ShardWriter, legacy_shard_ids, shard_id
+from engine.storage import canonical_uri, open_storage
+from tests.support.engine import make_batch, source, table_settings
+
+TOPIC = "events.v1"
+
+
+def legacy_id(uri: str, topic: str = TOPIC, partition: int = 0) -> str:
+    """The id lance-sink gave a shard before URIs were normalised: `uri` hashed as written."""
+    digest = hashlib.sha256(f"{uri}\0{topic}\0{partition}".encode()).hexdigest()[:12]
+    return f"events_v1-{partition}-{digest}"
+
+
+def settings(table_uri: str, wal_uri: str | None = None) -> Settings:
+    raw: dict[str, Any] = {
+        "kafka": {"bootstrap_servers": "127.0.0.1:9", "topics": [TOPIC]},
+        "table": table_settings(table_uri).model_dump(mode="json"),
+        # Seal at 50 rows: the first put flushes, the second stays in the WAL.
+        "memtable": {"max_rows": 50},
+        "wal": {"max_wal_flush_interval_ms": 5},
+    }
+    if wal_uri is not None:
+        raw["wal"]["uri"] = wal_uri
+    return Settings.model_validate(raw)
+
+
+def write_some(writer: ShardWriter, engine: Engine) -> None:
+    """Rows 0..59 flushed (the next put seals their memtable, past 50 rows), 60..89 left in
+    the WAL only; the writer is closed without flushing, as a crash would leave it."""
+    spec = engine.spec
+    writer.put(make_batch(spec, 0, 60, topic=TOPIC), source(0, 60, TOPIC)).result(30)
+    writer.put(make_batch(spec, 60, 30, topic=TOPIC), source(60, 30, TOPIC)).result(30)
+    deadline = time.monotonic() + 30
+    while writer.stats().flushes_total < 1:
+        assert time.monotonic() < deadline, writer.stats()
+        time.sleep(0.01)
+    assert writer.stats().flushed_rows_total == 60
+    writer.close(flush=False)
+
+
+def reopen_and_flush(table_uri: str, wal_uri: str | None = None) -> str:
+    """Open the shard of TOPIC[0] as the sink would, check it resumes after offset 89,
+    flush everything into the table and return the shard id used."""
+    engine = Engine.from_settings(settings(table_uri, wal_uri))
+    try:
+        writer = engine.open_shard(TOPIC, 0)
+        assert writer.durable_offsets[(TOPIC, 0)] == 89
+        return writer.shard
+    finally:
+        engine.close(flush=True)
+
+
+def table_offsets(path: Path) -> list[int]:
+    return sorted(lance.dataset(str(path)).to_table(columns=["n"])["n"].to_pylist())
+
+
+def test_spellings_of_one_location_give_one_shard_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    absolute = str(tmp_path / "data" / "t.lance")
+    local = [
+        absolute,
+        absolute + "/",
+        "./data/t.lance",
+        "data/t.lance/",
+        "data//t.lance",
+        "./data/../data/t.lance",
+        f"file://{absolute}",
+        f"file://{absolute}/",
+    ]
+    assert {canonical_uri(u) for u in local} == {absolute}
+    assert {shard_id(u, TOPIC, 3) for u in local} == {shard_id(absolute, TOPIC, 3)}
+    s3 = ["s3://b/p/t.lance", "s3://b//p/t.lance", "s3://b/p/t.lance/", "s3://b/p//t.lance//"]
+    assert {canonical_uri(u) for u in s3} == {"s3://b/p/t.lance"}
+    assert {shard_id(u, TOPIC, 3) for u in s3} == {shard_id("s3://b/p/t.lance", TOPIC, 3)}
+    # Other tables, topics and partitions stay apart.
+    assert shard_id(absolute, TOPIC, 3) != shard_id(absolute + "2", TOPIC, 3)
+    assert shard_id(absolute, TOPIC, 3) != shard_id(absolute, TOPIC, 4)
+    assert shard_id(absolute, TOPIC, 3) != shard_id(absolute, "events_v1", 3)
+    assert shard_id("s3://b/p/t.lance", TOPIC, 3) != shard_id("s3://c/p/t.lance", TOPIC, 3)
+
+
+def test_canonical_uris_keep_their_legacy_shard_id() -> None:
+    # Existing deployments that spelled the table canonically see no change at all.
+    for uri in ("/data/events.lance", "s3://bucket/tables/events.lance"):
+        assert shard_id(uri, TOPIC, 0) == legacy_id(uri)
+        assert legacy_shard_ids(uri, TOPIC, 0) == []
+    assert (
+        shard_id("s3://bucket/tables/events.lance", TOPIC, 0) == "events_v1-0-323c3f979958"
+    )  # as of 2026-12
+
+
+def test_table_reopened_under_another_spelling_replays_its_wal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    first = Engine.from_settings(settings("./t.lance"))
+    try:
+        write_some(first.open_shard(TOPIC, 0), first)
+    finally:
+        first.close(flush=False)
+    assert table_offsets(tmp_path / "t.lance") == list(range(60))
+    used = reopen_and_flush(f"{tmp_path}/t.lance/")
+    assert used == shard_id(str(tmp_path / "t.lance"), TOPIC, 0)
+    # Nothing lost (60..89 replayed from the WAL), nothing twice (0..59 found flushed).
+    assert table_offsets(tmp_path / "t.lance") == list(range(90))
+
+
+@pytest.mark.parametrize(
+    ("written", "reopened"),
+    [
+        ("./t.lance", "./t.lance"),  # the same config after the upgrade
+        ("./t.lance", "t.lance/"),  # and another spelling of it
+        ("t.lance/", "{tmp}/t.lance"),  # now spelled canonically
+        ("file://{tmp}/t.lance", "./t.lance"),
+    ],
+)
+def test_shard_of_an_older_version_keeps_its_legacy_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, written: str, reopened: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    written, reopened = written.format(tmp=tmp_path), reopened.format(tmp=tmp_path)
+    old = legacy_id(written)
+    assert old != shard_id(written, TOPIC, 0)
+    # What an older lance-sink left: a shard under the id of the URI as written, in the
+    # default WAL storage <table.uri>/_lance_sink, one memtable flushed, one only in the WAL.
+    engine = Engine.from_settings(settings(written))
+    try:
+        assert engine.storage.uri == str(tmp_path / "t.lance" / "_lance_sink")
+        writer = ShardWriter.open(
+            old,
+            engine.spec,
+            engine.table,
+            engine.storage,
+            engine.config,
+            engine.controller,
+            engine.flusher,
+        )
+        write_some(writer, engine)
+    finally:
+        engine.close(flush=False)
+    assert reopen_and_flush(reopened) == old
+    assert reopen_and_flush(reopened) == old  # and keeps it
+    assert table_offsets(tmp_path / "t.lance") == list(range(90))
+    assert not (tmp_path / "t.lance" / "_lance_sink" / shard_id(written, TOPIC, 0)).exists()
+
+
+def test_shared_wal_storage_adopts_only_the_spelling_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With an explicit wal.uri several tables may share the WAL storage, so other spellings
+    # are not searched (one could match another table's shard); the config's own is.
+    monkeypatch.chdir(tmp_path)
+    wal = str(tmp_path / "shared-wal")
+    old = legacy_id("./t.lance")
+    storage = open_storage(wal)
+    engine = Engine.from_settings(settings("./t.lance", wal))
+    try:
+        writer = ShardWriter.open(
+            old,
+            engine.spec,
+            engine.table,
+            storage,
+            engine.config,
+            engine.controller,
+            engine.flusher,
+        )
+        write_some(writer, engine)
+    finally:
+        engine.close(flush=False)
+    other = Engine.from_settings(settings("t.lance/", wal))
+    try:
+        assert other.shard_id(TOPIC, 0) == shard_id("t.lance", TOPIC, 0) != old
+    finally:
+        other.close(flush=False)
+    assert reopen_and_flush("./t.lance", wal) == old
+    assert table_offsets(tmp_path / "t.lance") == list(range(90))
