@@ -98,11 +98,15 @@ class Metrics:
             "consumed_offset", "Next offset the consumer will hand to the sink (position).", tp
         )
         self.durable_offset = gauge(
-            "durable_offset", "1 + the last offset whose WAL append is durable.", tp
+            "durable_offset",
+            "1 + the last offset whose WAL append is durable, or past it to offsets without rows.",
+            tp,
         )
         self.committed_offset = gauge("committed_offset", "Offset committed to Kafka.", tp)
         self.flushed_offset = gauge(
-            "flushed_offset", "1 + the last offset flushed into the Lance table.", tp
+            "flushed_offset",
+            "1 + the last offset flushed into the Lance table, or past it to offsets without rows.",
+            tp,
         )
         self.consumer_lag = gauge(
             "consumer_lag_messages", "Log end offset minus consumed position.", tp

@@ -31,12 +31,16 @@ EXPECTED = {
         "(payload in the dead-letter Lance table if configured, and the source topic)."
     ),
     "lance_sink_durable_lag_messages": "Log end offset minus durable offset.",
-    "lance_sink_durable_offset": "1 + the last offset whose WAL append is durable.",
+    "lance_sink_durable_offset": (
+        "1 + the last offset whose WAL append is durable, or past it to offsets without rows."
+    ),
     "lance_sink_flush_failures": "Failed flush attempts (retried).",
     "lance_sink_flush_lag_messages": "Log end offset minus flushed offset.",
     "lance_sink_flush_rows": "Rows flushed into the Lance table.",
     "lance_sink_flush_seconds": "Duration of one memtable flush into Lance.",
-    "lance_sink_flushed_offset": "1 + the last offset flushed into the Lance table.",
+    "lance_sink_flushed_offset": (
+        "1 + the last offset flushed into the Lance table, or past it to offsets without rows."
+    ),
     "lance_sink_freshness_seconds": (
         "Time from a batch's oldest message timestamp to its rows being visible."
     ),
