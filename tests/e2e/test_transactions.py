@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -144,3 +145,49 @@ def test_transactional_topic_reaches_commit_lag_zero(
         assert set(expected) == committed_n
     rows = sorted(r["n"] for r in table_rows(table))
     assert rows == sorted(expected)  # exactly once: nothing lost, nothing twice
+
+
+def test_transactions_through_rebalances_and_a_kill(
+    kafka_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    """Small transactions (every fifth aborted) while a second sink joins and the first is
+    SIGKILLed: skipping markers never commits past a row that is not durable (I1), so the
+    table ends with every row a read_committed consumer reads, once, at commit lag 0."""
+    # Two sinks on one host need two metrics ports, so two config files (one table).
+    config_a, config_b = (
+        sink_config(tmp_path, kafka_broker, topic, group, free_port(), memtable__max_rows=500)
+        for _ in range(2)
+    )
+    table = str(tmp_path / "table.lance")
+    done = threading.Event()
+
+    def produce_transactions() -> None:
+        producer = confluent_kafka.Producer(
+            {"bootstrap.servers": kafka_broker.bootstrap, "transactional.id": f"tx-{topic}"}
+        )
+        producer.init_transactions(30)
+        for i in range(60):
+            transact(producer, topic, messages(i * 100, 100), commit=i % 5 != 4)
+            time.sleep(0.2)
+        done.set()
+
+    producer = threading.Thread(target=produce_transactions, daemon=True)
+    producer.start()
+    a = SinkProcess(config_a, tmp_path / "a.log")
+    time.sleep(4)
+    b = SinkProcess(config_b, tmp_path / "b.log")  # joins mid-stream: a rebalance
+    time.sleep(6)
+    a.kill()  # its partitions move to b after the session timeout
+    producer.join(120)
+    assert done.is_set()
+    try:
+        wait_caught_up(kafka_broker.bootstrap, group, topic, timeout=120, procs=[b])
+    finally:
+        assert b.stop() == 0, b.log_path.read_text()[-3000:]
+    expected = read_committed(
+        kafka_broker.bootstrap, topic, end_offsets(kafka_broker.bootstrap, topic)
+    )
+    committed_n = {n for i in range(60) if i % 5 != 4 for n in range(i * 100, i * 100 + 100)}
+    assert committed_n <= set(expected)
+    rows = sorted(r["n"] for r in table_rows(table))
+    assert rows == sorted(expected)
