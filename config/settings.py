@@ -420,6 +420,9 @@ def check_uri(value: str) -> str:
         )
     if scheme == "s3" and not parsed.netloc:
         raise ValueError("an s3:// URI needs a bucket: s3://bucket/prefix")
+    if scheme == "s3" and "//" in parsed.path.rstrip("/"):
+        # Lance refuses empty key segments; the object store would read "a//b" as "a/b".
+        raise ValueError("an s3:// key has an empty segment ('//'): write s3://bucket/a/b")
     return value
 
 

@@ -138,7 +138,12 @@ def test_missing_required_section(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("uri", "reason"),
-    [("gs://bucket/t", "unsupported URI scheme 'gs'"), ("s3:///t.lance", "needs a bucket")],
+    [
+        ("gs://bucket/t", "unsupported URI scheme 'gs'"),
+        ("s3:///t.lance", "needs a bucket"),
+        ("s3://bucket//t.lance", "empty segment"),
+        ("s3://bucket/a//t.lance/", "empty segment"),
+    ],
 )
 def test_bad_uri(tmp_path: Path, uri: str, reason: str) -> None:
     path = write(tmp_path, MINIMAL.replace("./data/events.lance", uri))
