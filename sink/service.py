@@ -839,18 +839,22 @@ class SinkService:
 
         A partition is idle when everything it consumed is durable (or acknowledged by the
         dead-letter topic) and nothing is on its way: nothing parked, decoding, held or in
-        flight, not paused, its writer healthy. Every message librdkafka delivered since
-        the partition's last seek then went through `_handle` and moved `position` (only a
-        paused or held partition drops messages, and it is sought back to `position`
-        before it resumes; `Consumer.seek` waits until librdkafka has reset its position).
-        So the offsets between `position` and the consumer's position carry no data: `done`
-        may pass them, and I1 holds. Partitions whose log end (from the statistics) is not
-        past `done` are not asked about: nothing is left to skip there.
+        flight, not paused, assigned with a healthy writer. Every message librdkafka
+        delivered since the partition was last assigned or sought then went through
+        `_handle` and moved `position`: only a paused, held or writerless partition drops
+        messages, and it is sought back to `position` (`Consumer.seek` returns once
+        librdkafka has reset its position) or unassigned and assigned again at its resume
+        offset before it takes messages again. So the offsets between `position` and the
+        consumer's position carry no data: `done` may pass them, and I1 holds. Partitions
+        whose log end (from the statistics) is not past `done` are not asked about:
+        nothing is left to skip there.
         """
         idle = []
         for s in states:
             if (
                 s.writer is None
+                or s.opening is not None
+                or not s.assigned
                 or s.paused
                 or s.fenced
                 or s.stopped
