@@ -782,6 +782,17 @@ class QuerySettings(_Section):
         "searched in memory instead of by Lance's flat scan (0 = off; a larger "
         "unindexed part falls back to Lance's search). Adds to the pod's memory.",
     )
+    lance_index_cache_bytes: Annotated[ByteSize, Field(ge=0)] = Field(
+        default=ByteSize(256 << 20),
+        description="Bound of the Lance index cache that every query on the base shares (IVF "
+        "partitions, posting lists, B-tree pages; Lance's own default, 6 GiB, is no bound for "
+        "a pod). Adds to the pod's memory.",
+    )
+    lance_metadata_cache_bytes: Annotated[ByteSize, Field(ge=0)] = Field(
+        default=ByteSize(64 << 20),
+        description="Bound of the Lance metadata cache (manifests, file footers) that every "
+        "query on the base shares (Lance's own default: 1 GiB). Adds to the pod's memory.",
+    )
 
 
 class ShutdownSettings(_Section):

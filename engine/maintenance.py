@@ -82,6 +82,7 @@ import lance
 import structlog
 
 from config.settings import MaintenanceSettings
+from engine.malloc import release_free_memory
 from engine.manifest import ManifestStore
 from engine.schema import TableSpec
 from engine.storage import Storage, open_storage
@@ -289,6 +290,7 @@ class Maintenance:
         self.events.ran(name, outcome, seconds)
         if outcome != "skipped":
             log.info("maintenance_ran", task=name, outcome=outcome, seconds=round(seconds, 3))
+            release_free_memory()  # an index build frees hundreds of MiB at once
         return outcome
 
     # ------------------------------------------------------------------ indexes

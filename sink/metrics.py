@@ -232,6 +232,11 @@ class Metrics:
             "Bytes of base rows the indexes do not cover yet, held in memory for queries "
             "(vector matrices, flushed memtables kept for text search).",
         )
+        self.lance_cache_bytes = gauge(
+            "query_lance_cache_bytes",
+            "Bytes held by the Lance index and metadata caches that queries on the base share "
+            "(bounded by query.lance_index_cache_bytes and query.lance_metadata_cache_bytes).",
+        )
         self.unindexed_fallbacks = counter(
             "query_unindexed_fallbacks",
             "Queries that searched the unindexed base with Lance's flat scan, by kind (vector, "
@@ -442,6 +447,9 @@ class Metrics:
 
     def base_unindexed(self, rows: int) -> None:
         self.unindexed_rows.set(rows)
+
+    def lance_cache(self, nbytes: int) -> None:
+        self.lance_cache_bytes.set(nbytes)
 
     def unindexed_cache(self, nbytes: int, vector_fallbacks: int, text_fallbacks: int) -> None:
         """The reader's holders of unindexed base rows: bytes held, and each kind's fallbacks

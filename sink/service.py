@@ -42,6 +42,8 @@ from engine.backpressure import BudgetController
 from engine.engine import Engine
 from engine.errors import Backpressure, Fenced, InvalidRecord, LanceSinkError, Poisoned
 from engine.maintenance import Maintenance, MaintenanceProcess
+from engine.malloc import release_free_memory
+from engine.periodic import PeriodicThread
 from engine.reader import Reader, ReaderSettings
 from engine.shard import PutResult, ShardWriter
 from engine.wal import SourceRange
@@ -68,6 +70,9 @@ COMMITTED_TIMEOUT_S = 30.0
 # (closing the reader, the engine and the servers): the maintenance child may use the
 # drain deadline less this (see `_drain`).
 DRAIN_RESERVE_S = 2.0
+# How often free malloc memory is given back (`sink.memory.release_free_memory`): queries
+# and flushes free hundreds of MiB in bursts; a pass takes milliseconds.
+MALLOC_TRIM_INTERVAL_S = 5.0
 # Consumed messages waiting for (or in) decoding, in consume() batches: a bound on what the
 # loop takes from librdkafka before the decode workers catch up (a fixed memory overhead).
 DECODE_QUEUE_BATCHES = 2
@@ -264,6 +269,9 @@ class SinkService:
                 events=self.metrics,
             )
         self.servers: list[ServerHandle] = []
+        self._trim = PeriodicThread(
+            "malloc-trim", MALLOC_TRIM_INTERVAL_S, release_free_memory, "malloc_trim_failed"
+        )
         self.partitions: dict[tuple[str, int], PartitionState] = {}
         self.end_offsets: dict[tuple[str, int], int] = {}
         self.brokers_up = 0
@@ -340,6 +348,7 @@ class SinkService:
         """Consume until stopped; returns the exit code (0 clean, 1 fatal)."""
         k = self.settings.kafka
         self.start_servers()
+        self._trim.start()
         if self.settings.maintenance.enabled:
             self.maintenance.start()
         self.consumer.subscribe(
@@ -1125,6 +1134,7 @@ class SinkService:
             if undelivered:
                 log.warning("dlq_undelivered_at_shutdown", messages=undelivered)
         self.maintenance.stop(timeout=max(left(DRAIN_RESERVE_S), 0.1))
+        self._trim.close(timeout=0.1)
         self.reader.close(timeout=min(left(), 1.0))
         self.engine.close(flush=False, timeout=min(left(), 1.0))
         self._open_pool.shutdown(wait=False, cancel_futures=True)
@@ -1210,6 +1220,7 @@ class SinkService:
         if isinstance(controller, BudgetController):
             self.metrics.budget_usage(controller.used_bytes(), controller.budget)
         self.metrics.base_unindexed(self.maintenance.unindexed_rows())
+        self.metrics.lance_cache(self.reader.lance_cache_bytes)
         vector, text = self.reader.unindexed, self.reader.flushed_text
         self.metrics.unindexed_cache(
             self.reader.unindexed_bytes,

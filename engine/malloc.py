@@ -1,0 +1,52 @@
+"""How the sink process and its maintenance child use glibc's malloc, which Lance (Rust),
+faiss and numpy allocate through (Arrow has its own pool).
+
+Measured with bench/memory (overload, queries at the pool's limit, maintenance building
+indexes): with glibc's defaults the sink held 3.3 GiB under a 1.6 GiB limit, 1.1 GiB of it in
+per-thread arenas and most of the rest free memory inside the heaps, never returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+
+#: glibc malloc arenas of the sink and of its children (the maintenance process). glibc makes
+#: up to 8 per CPU, one per thread that meets contention, each holding up to 64 MiB heaps it
+#: rarely returns; Lance's and the query pool's threads each grew their own: 1.1 GiB of the
+#: sink's 2.9 GiB under queries (bench/memory). Two keep that bounded.
+MALLOC_ARENAS = 2
+#: Allocations from this size on get their own mapping, returned to the kernel when freed.
+#: glibc's threshold starts at 128 KiB but rises to 32 MiB after large blocks are freed, so
+#: query results, vector matrices and Lance's buffers end up in the heaps and stay there.
+MALLOC_MMAP_THRESHOLD = 1 << 20
+M_MMAP_THRESHOLD = -3  # malloc.h
+M_ARENA_MAX = -8  # malloc.h
+
+
+def tune_malloc() -> bool:
+    """Bound glibc malloc's hold on freed memory: at most `MALLOC_ARENAS` arenas
+    (`MALLOC_ARENA_MAX`) and a fixed mmap threshold (`MALLOC_MMAP_THRESHOLD_`). For this
+    process with `mallopt` (glibc reads the variables only at start), for child processes
+    (the maintenance child) through the environment. Call before threads start. Returns
+    whether it took effect (False off glibc, or with a bad value in the environment)."""
+    os.environ.setdefault("MALLOC_ARENA_MAX", str(MALLOC_ARENAS))
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MALLOC_MMAP_THRESHOLD))
+    try:
+        arenas = int(os.environ["MALLOC_ARENA_MAX"])
+        threshold = int(os.environ["MALLOC_MMAP_THRESHOLD_"])
+        libc = ctypes.CDLL(None)
+        return bool(
+            libc.mallopt(M_ARENA_MAX, arenas) == 1
+            and libc.mallopt(M_MMAP_THRESHOLD, threshold) == 1
+        )
+    except (OSError, AttributeError, ValueError):
+        return False
+
+
+def release_free_memory() -> None:
+    """Give the kernel back what malloc holds free (`malloc_trim(0)`: the tops of the heaps
+    and whole free pages inside them). No-op off glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
