@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 
 from prometheus_client import (
     CollectorRegistry,
@@ -21,6 +20,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+
+from sink.lag import PartitionOffsets
 
 # `*_created` series double every counter and histogram for little use; Prometheus does not
 # need them to compute rates.
@@ -263,34 +264,22 @@ class Metrics:
 
     # --- partitions ------------------------------------------------------------------
 
-    def partition_offsets(
-        self,
-        topic: str,
-        partition: int,
-        *,
-        end: int | None,
-        consumed: int,
-        durable: int,
-        committed: int,
-        flushed: int,
-        oldest_pending_timestamp_ms: int | None,
-    ) -> None:
-        """Offsets of one partition (each 'next offset' style) and the lags derived."""
+    def partition_offsets(self, topic: str, partition: int, offsets: PartitionOffsets) -> None:
+        """Offsets of one partition (each 'next offset' style, one snapshot: see
+        `sink.lag`) and the lags derived from them."""
         labels = (topic, str(partition))
-        self.consumed_offset.labels(*labels).set(consumed)
-        self.durable_offset.labels(*labels).set(durable)
-        self.committed_offset.labels(*labels).set(committed)
-        self.flushed_offset.labels(*labels).set(flushed)
-        if end is not None and end >= 0:
-            self.log_end_offset.labels(*labels).set(end)
-            self.consumer_lag.labels(*labels).set(max(end - consumed, 0))
-            self.durable_lag.labels(*labels).set(max(end - durable, 0))
-            self.commit_lag.labels(*labels).set(max(end - committed, 0))
-            self.flush_lag.labels(*labels).set(max(end - flushed, 0))
-        age = 0.0
-        if oldest_pending_timestamp_ms is not None:
-            age = max(time.time() - oldest_pending_timestamp_ms / 1000, 0.0)
-        self.lag_seconds.labels(*labels).set(age)
+        self.consumed_offset.labels(*labels).set(offsets.consumed)
+        self.durable_offset.labels(*labels).set(offsets.durable)
+        self.committed_offset.labels(*labels).set(offsets.committed)
+        self.flushed_offset.labels(*labels).set(offsets.flushed)
+        lags = offsets.lags()
+        if offsets.end is not None and lags is not None:
+            self.log_end_offset.labels(*labels).set(offsets.end)
+            self.consumer_lag.labels(*labels).set(lags["consumer"])
+            self.durable_lag.labels(*labels).set(lags["durable"])
+            self.commit_lag.labels(*labels).set(lags["commit"])
+            self.flush_lag.labels(*labels).set(lags["flush"])
+        self.lag_seconds.labels(*labels).set(offsets.lag_seconds())
 
     def partition_paused(self, topic: str, partition: int, paused: bool) -> None:
         self.paused.labels(topic, str(partition)).set(1 if paused else 0)

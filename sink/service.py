@@ -23,6 +23,7 @@ puts return futures that are checked on each iteration; `consume()` is called ev
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
@@ -49,6 +50,7 @@ from sink.decode import DeadLetter, Decoded, Decoder
 from sink.dlq import DeadLetterBatch, DeadLetterProducer
 from sink.dlq import producer_conf as dlq_producer_conf
 from sink.http import ServerHandle, create_query_app, run_server
+from sink.lag import PartitionOffsets
 from sink.log import configure_logging, librdkafka_logger
 from sink.metrics import Metrics
 from sink.server import create_ops_app
@@ -283,6 +285,7 @@ class SinkService:
         self._last_commit = 0.0
         self._last_metrics = 0.0
         self._lock = threading.Lock()  # guards `partitions` for readers on other threads
+        self._offsets_lock = threading.Lock()  # one snapshot's gauges are set together
         conf = consumer_conf(settings)
         conf.update(
             {
@@ -1098,34 +1101,60 @@ class SinkService:
                 if hi >= 0 and (topic, partition) in self.partitions:
                     self.end_offsets[(topic, partition)] = hi
 
+    def partition_offsets(self, state: PartitionState) -> PartitionOffsets | None:
+        """One consistent snapshot of a partition's offsets (any thread; see `sink.lag`):
+        read from the slowest-moving to the fastest, the end offset last and from the
+        newest fetch response, so no lag clamps to 0 on an end offset older than what is
+        subtracted from it. None while the partition has no writer or no position."""
+        writer, position = state.writer, state.position
+        if writer is None or position is None:
+            return None
+        key = (state.topic, state.partition)
+        committed = max(state.committed, 0)
+        pending_ts = None
+        with contextlib.suppress(IndexError):  # popped by the loop meanwhile
+            if state.inflight:
+                pending_ts = state.inflight[0].first_timestamp_ms
+            elif (held := state.held) is not None and held.messages:
+                pending_ts = _timestamp_ms(held.messages[0])
+        stats = writer.stats()
+        durable = max(stats.durable_offsets.get(key, -1) + 1, state.done or 0, committed)
+        flushed = max(stats.flushed_offsets.get(key, -1) + 1, 0)
+        consumed = max(state.position or 0, durable)
+        try:
+            high = self.consumer.get_watermark_offsets(state.tp, cached=True)[1]
+        except (RuntimeError, confluent_kafka.KafkaException):  # closed while draining
+            high = -1
+        end = high if high >= 0 else self.end_offsets.get(key)
+        return PartitionOffsets(end, consumed, durable, committed, flushed, pending_ts)
+
+    def refresh_offsets(self) -> None:
+        """Set every partition's offset and lag gauges from one snapshot each (any thread:
+        the loop once a second, and each scrape just before the exposition)."""
+        with self._offsets_lock:
+            self._set_offsets()
+
+    def _set_offsets(self) -> None:
+        for key, state in list(self.partitions.items()):
+            snap = self.partition_offsets(state)
+            if snap is None:
+                continue
+            self.metrics.partition_offsets(*key, snap)
+            if self.partitions.get(key) is not state:  # revoked meanwhile
+                self.metrics.forget_partition(*key)
+
     def refresh_metrics(self) -> None:
         """Refresh every gauge from live state (called from the loop once a second)."""
+        self.refresh_offsets()
         for (topic, partition), state in list(self.partitions.items()):
             self.metrics.partition_paused(topic, partition, state.paused)
             letters = _unacked_dead_letters(state)
             self.metrics.dlq_waiting(topic, partition, letters.waiting_s() if letters else 0.0)
             writer = state.writer
             self.metrics.partition_poisoned(topic, partition, writer is None or state.fenced)
-            if writer is None or state.position is None:
+            if writer is None:
                 continue
             stats = writer.stats()
-            durable = stats.durable_offsets.get((topic, partition), -1) + 1
-            flushed = stats.flushed_offsets.get((topic, partition), -1) + 1
-            pending_ts = None
-            if state.inflight:
-                pending_ts = state.inflight[0].first_timestamp_ms
-            elif state.held is not None and state.held.messages:
-                pending_ts = _timestamp_ms(state.held.messages[0])
-            self.metrics.partition_offsets(
-                topic,
-                partition,
-                end=self.end_offsets.get((topic, partition)),
-                consumed=state.position,
-                durable=max(durable, 0),
-                committed=max(state.committed, 0),
-                flushed=max(flushed, 0),
-                oldest_pending_timestamp_ms=pending_ts,
-            )
             self.metrics.shard_memory(
                 stats.shard,
                 unflushed=stats.bytes + stats.frozen_bytes,
@@ -1154,8 +1183,10 @@ class SinkService:
     # ------------------------------------------------------------------ observability
 
     def exposition(self) -> bytes:
-        """Prometheus text of every metric."""
-        return self.metrics.exposition()
+        """Prometheus text of every metric, with the offset and lag gauges of this instant."""
+        with self._offsets_lock:  # a refresh by the loop cannot interleave
+            self._set_offsets()
+            return self.metrics.exposition()
 
     def liveness(self) -> tuple[bool, str]:
         """Alive while the consumer loop iterates (a loop stuck for longer than
