@@ -369,15 +369,19 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def render_status(status: dict[str, Any]) -> str:
-    """The one-screen summary `lance-sink status` prints."""
+    """The one-screen summary `lance-sink status` prints. Lags are in messages after the
+    end offset (CONS: consumed, COMMIT, FLUSH), LAG S the age of the oldest message not yet
+    durable; the base table's unindexed rows are counted now, from its fragments and index
+    segments (`sink.lag.unindexed_rows`)."""
     reasons = "; ".join(status["not_ready_reasons"])
     lines = [
         f"group {status['group']}  topics {', '.join(status['topics'])}  table {status['table']}",
         f"ready: {'yes' if status['ready'] else 'no - ' + reasons}",
         "",
         (
-            f"{'PARTITION':24} {'END':>10} {'COMMIT LAG':>10} {'FLUSH LAG':>10} "
-            f"{'MEMTABLE':>12} {'FROZEN':>6} {'FLUSHES':>8} {'STATE':>8}"
+            f"{'PARTITION':24} {'END':>10} {'CONS LAG':>9} {'COMMIT LAG':>10} "
+            f"{'FLUSH LAG':>10} {'LAG S':>7} {'MEMTABLE':>12} {'FROZEN':>6} {'FLUSHES':>8} "
+            f"{'STATE':>8}"
         ),
     ]
     for p in status["partitions"]:
@@ -394,9 +398,11 @@ def render_status(status: dict[str, Any]) -> str:
             else "running"
         )
         name = f"{p['topic']}[{p['partition']}]"
+        seconds = lag.get("seconds")
         lines.append(
-            f"{name:24} {p.get('end') or '-':>10} {lag.get('commit', '-'):>10} "
-            f"{lag.get('flush', '-'):>10} {_size(mem.get('bytes', 0)):>12} "
+            f"{name:24} {p.get('end') or '-':>10} {lag.get('consumer', '-'):>9} "
+            f"{lag.get('commit', '-'):>10} {lag.get('flush', '-'):>10} "
+            f"{'-' if seconds is None else f'{seconds:.1f}':>7} {_size(mem.get('bytes', 0)):>12} "
             f"{mem.get('frozen_count', 0):>6} {flush.get('flushes', 0):>8} {state:>8}"
         )
     bp = status["backpressure"]
@@ -408,8 +414,34 @@ def render_status(status: dict[str, Any]) -> str:
             f"waits {bp['waits_total']} ({bp['wait_seconds_total']} s), "
             f"active {bp['active_waits']}"
         ),
-        f"base table: {status['base']['unindexed_rows']} unindexed rows",
     ]
+    ingest = status.get("ingest")
+    if ingest is not None:
+        lines.append(
+            f"ingest: {ingest['rows_per_second']:,.1f} rows/s "
+            f"(over the last {ingest['window_seconds']:.0f} s)"
+        )
+    memory = status.get("memory")
+    if memory is not None:
+
+        def size_or(n: int | None, none: str) -> str:
+            return none if n is None else _size(n)
+
+        lines.append(
+            f"memory: {size_or(memory['resident_bytes'], 'unknown')} resident, budget "
+            f"{size_or(memory['budget_bytes'], 'none')}, limit "
+            f"{size_or(memory['limit_bytes'], 'none')}"
+        )
+    base = status["base"]
+    if base.get("unindexed_rows") is None:
+        lines.append(f"base table: unindexed rows unknown ({base.get('error', 'not read')})")
+    elif not base.get("unindexed_by_index", True):
+        lines.append(f"base table: {base.get('rows', 0):,} rows, no index yet")
+    else:
+        lines.append(
+            f"base table: {base['unindexed_rows']:,} unindexed rows of {base.get('rows', 0):,} "
+            "(least complete index, now)"
+        )
     return "\n".join(lines)
 
 

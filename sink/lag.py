@@ -49,6 +49,8 @@ from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 if TYPE_CHECKING:
+    import lance
+
     from config.settings import Settings
 
 Level = Literal["committed", "flushed"]
@@ -319,3 +321,16 @@ class FlushedReader:
             if last is not None:
                 out[(topic, partition)] = last + 1
         return out
+
+
+def unindexed_rows(ds: lance.LanceDataset) -> dict[str, int]:
+    """Index lag of the base table as it is now: per index, the rows of the fragments its
+    segments do not cover (flushed since it was built or last optimised). Reads manifest
+    metadata only (fragment row counts, index segments), no data: cheap enough for every
+    status call."""
+    rows = {int(f.fragment_id): int(f.metadata.num_rows) for f in ds.get_fragments()}
+    out = {}
+    for index in ds.describe_indices():
+        covered = {int(f) for segment in index.segments for f in segment.fragment_ids}
+        out[str(index.name)] = sum(n for fid, n in rows.items() if fid not in covered)
+    return out

@@ -10,7 +10,9 @@ partition are removed (`forget_partition`).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+from pathlib import Path
 
 from prometheus_client import (
     CollectorRegistry,
@@ -255,6 +257,7 @@ class Metrics:
         )
         self._bp_seen = (0, 0.0, 0)
         self._lock = threading.Lock()
+        self.rows_total = 0  # rows ingested by this process (all partitions, ever)
 
     # --- exposition ------------------------------------------------------------------
 
@@ -292,6 +295,7 @@ class Metrics:
 
     def ingested(self, topic: str, partition: int, rows: int, nbytes: int) -> None:
         self.rows_ingested.labels(topic, str(partition)).inc(rows)
+        self.rows_total += rows
         self.bytes_ingested.labels(topic, str(partition)).inc(nbytes)
 
     def committed(self, seconds: float) -> None:
@@ -443,3 +447,27 @@ class Metrics:
 
     def shard_skipped(self, shard: str, error: BaseException) -> None:
         """A query skipped a shard whose writer is poisoned or fenced (ReaderEvents)."""
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux `/proc/self/statm`), or None elsewhere."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_limit_bytes() -> int | None:
+    """The memory limit of this process's cgroup (a pod's `resources.limits.memory`): v2
+    `memory.max`, else v1 `memory.limit_in_bytes`; None when unlimited or unknown."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text == "max" or not text.isdigit():
+            return None
+        limit = int(text)
+        return None if limit >= 1 << 60 else limit  # v1 reports "unlimited" as ~2^63
+    return None

@@ -50,9 +50,9 @@ from sink.decode import DeadLetter, Decoded, Decoder
 from sink.dlq import DeadLetterBatch, DeadLetterProducer
 from sink.dlq import producer_conf as dlq_producer_conf
 from sink.http import ServerHandle, create_query_app, run_server
-from sink.lag import PartitionOffsets
+from sink.lag import PartitionOffsets, unindexed_rows
 from sink.log import configure_logging, librdkafka_logger
-from sink.metrics import Metrics
+from sink.metrics import Metrics, memory_limit_bytes, resident_bytes
 from sink.server import create_ops_app
 
 log = structlog.get_logger("lance_sink.sink")
@@ -70,6 +70,9 @@ COMMITTED_TIMEOUT_S = 30.0
 # (closing the reader, the engine and the servers): the maintenance child may use the
 # drain deadline less this (see `_drain`).
 DRAIN_RESERVE_S = 2.0
+# The status's ingest rate averages this many metrics refreshes (10 s at 1 s): long enough
+# to smooth consume batches, short enough to show a stall within seconds.
+INGEST_WINDOW_SAMPLES = 11
 # Consumed messages waiting for (or in) decoding, in consume() batches: a bound on what the
 # loop takes from librdkafka before the decode workers catch up (a fixed memory overhead).
 DECODE_QUEUE_BATCHES = 2
@@ -286,6 +289,8 @@ class SinkService:
         self._last_metrics = 0.0
         self._lock = threading.Lock()  # guards `partitions` for readers on other threads
         self._offsets_lock = threading.Lock()  # one snapshot's gauges are set together
+        # (monotonic time, rows ingested) once a second: the ingest rate over the last 10 s
+        self._ingest_window: deque[tuple[float, int]] = deque(maxlen=INGEST_WINDOW_SAMPLES)
         conf = consumer_conf(settings)
         conf.update(
             {
@@ -1146,6 +1151,7 @@ class SinkService:
     def refresh_metrics(self) -> None:
         """Refresh every gauge from live state (called from the loop once a second)."""
         self.refresh_offsets()
+        self._ingest_window.append((time.monotonic(), self.metrics.rows_total))
         for (topic, partition), state in list(self.partitions.items()):
             self.metrics.partition_paused(topic, partition, state.paused)
             letters = _unacked_dead_letters(state)
@@ -1256,11 +1262,47 @@ class SinkService:
                 "active_waits": bp.active_waits,
                 "rejections_total": bp.rejections_total,
             },
-            "base": {"unindexed_rows": self.maintenance.unindexed_rows()},
+            "ingest": self._ingest_status(),
+            "memory": {
+                "resident_bytes": resident_bytes(),
+                "budget_bytes": budget.budget if budget else None,
+                "limit_bytes": memory_limit_bytes(),
+            },
+            "base": self._base_status(),
         }
 
+    def _ingest_status(self) -> dict[str, Any]:
+        """Rows made durable per second over the last `INGEST_WINDOW_SAMPLES` refreshes."""
+        now, total = time.monotonic(), self.metrics.rows_total
+        window = list(self._ingest_window)
+        since, before = window[0] if window else (now, total)
+        seconds = now - since
+        rate = (total - before) / seconds if seconds > 0 else 0.0
+        return {"rows_per_second": round(rate, 1), "window_seconds": round(seconds, 1)}
+
+    def _base_status(self) -> dict[str, Any]:
+        """The base table's index lag as it is now (`sink.lag.unindexed_rows`), beside the
+        figure of the last maintenance run."""
+        base: dict[str, Any] = {
+            "unindexed_rows_at_last_maintenance": self.maintenance.unindexed_rows()
+        }
+        try:
+            ds = self.engine.table.dataset()
+            per_index = unindexed_rows(ds)
+            rows = int(ds.count_rows())
+        except (OSError, ValueError, RuntimeError) as exc:
+            base.update(unindexed_rows=None, error=str(exc))
+            return base
+        # The least complete index: what queries wait on (0 without indexes).
+        base.update(
+            rows=rows,
+            unindexed_rows=max(per_index.values(), default=0),
+            unindexed_by_index=per_index,
+        )
+        return base
+
     def _partition_status(self, state: PartitionState) -> dict[str, Any]:
-        key = (state.topic, state.partition)
+        snap = self.partition_offsets(state)
         entry: dict[str, Any] = {
             "topic": state.topic,
             "partition": state.partition,
@@ -1269,7 +1311,7 @@ class SinkService:
             "stopped": state.stopped,
             "consumed": state.position,
             "committed": state.committed,
-            "end": self.end_offsets.get(key),
+            "end": self.end_offsets.get((state.topic, state.partition)),
             "decoding_batches": len(state.decoding),
             "inflight_puts": len(state.inflight),
             "held": state.held is not None,
@@ -1287,14 +1329,23 @@ class SinkService:
                 "stalled": letters.waiting_s() > self.settings.dlq.stalled_after_s,
                 "last_error": letters.last_error,
             }
+        if snap is not None:  # one snapshot (see `partition_offsets`)
+            entry.update(
+                consumed=snap.consumed,
+                committed=snap.committed,
+                durable=snap.durable,
+                flushed=snap.flushed,
+                end=snap.end,
+            )
+            lags = snap.lags()
+            if lags is not None:
+                entry["lag"] = {**lags, "seconds": round(snap.lag_seconds(), 3)}
         writer = state.writer
         if writer is not None:
             st = writer.stats()
             entry.update(
                 shard=st.shard,
                 epoch=st.epoch,
-                durable=st.durable_offsets.get(key, -1) + 1,
-                flushed=st.flushed_offsets.get(key, -1) + 1,
                 memtable={
                     "generation": st.generation,
                     "rows": st.rows,
@@ -1311,14 +1362,6 @@ class SinkService:
                 },
                 poisoned=st.poisoned,
             )
-        end = entry["end"]
-        if end is not None:
-            entry["lag"] = {
-                "consumer": max(end - (state.position or 0), 0),
-                "durable": max(end - entry.get("durable", 0), 0),
-                "commit": max(end - max(state.committed, 0), 0),
-                "flush": max(end - entry.get("flushed", 0), 0),
-            }
         return entry
 
 

@@ -11,11 +11,24 @@ import time
 import urllib.request
 from pathlib import Path
 
+import lance
+import pyarrow as pa
 import pytest
 
+from config import load_settings
+from sink.cli import render_status
+from sink.service import SinkService
 from tests.support.brokers import Broker, free_port
 from tests.support.kafka import produce
-from tests.support.sink import ROOT, SinkProcess, messages, table_rows, wait_caught_up, write_config
+from tests.support.sink import (
+    DIM,
+    ROOT,
+    SinkProcess,
+    messages,
+    table_rows,
+    wait_caught_up,
+    write_config,
+)
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -110,3 +123,54 @@ def test_committed_rows_only_in_a_wal_show_as_unflushed(
     assert {row["partition"]: row["flushed"] for row in report["partitions"]} == ends
     assert len(table_rows(table)) == 400
     assert lag(config, "--max-lag", "0", "--level", "flushed").returncode == 0
+
+
+def test_status_counts_unindexed_rows_now(
+    kafka_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    """`status` counts the rows no index covers from the table as it is, not as the last
+    maintenance run found it (none ran here: that figure stays 0)."""
+    table = str(tmp_path / "table.lance")
+    config = write_config(
+        tmp_path / "sink.toml",
+        bootstrap=kafka_broker.bootstrap,
+        topics=[topic],
+        group=group,
+        table_uri=table,
+    )
+    service = SinkService(load_settings(config))
+    try:
+        schema = service.engine.spec.table_schema
+
+        def rows(start: int, count: int) -> pa.Table:
+            return pa.Table.from_pylist(
+                [
+                    {"id": f"m-{i}", "n": i, "text": f"t {i}", "vec": [0.0] * DIM}
+                    | {"_topic": topic, "_partition": 0, "_offset": i}
+                    for i in range(start, start + count)
+                ],
+                schema=schema,
+            )
+
+        lance.write_dataset(rows(0, 300), table, mode="append")
+        status = service.status()
+        assert status["base"]["unindexed_rows"] == 0  # no index: nothing to lag behind
+        assert "no index yet" in render_status(status)
+        lance.dataset(table).create_scalar_index("id", "BTREE")
+        lance.write_dataset(rows(300, 120), table, mode="append")
+        lance.write_dataset(rows(420, 80), table, mode="append")
+        status = service.status()
+        assert status["base"]["unindexed_rows"] == 200
+        assert status["base"]["rows"] == 500
+        assert status["base"]["unindexed_rows_at_last_maintenance"] == 0
+        assert "200 unindexed rows of 500" in render_status(status)
+        memory = status["memory"]
+        assert memory["resident_bytes"] > 50 << 20  # Python, Arrow and Lance at least
+        assert memory["budget_bytes"] == 256 << 20
+        assert "memory:" in render_status(status)
+    finally:
+        service.consumer.close()
+        if service.dlq is not None:
+            service.dlq.close(5)
+        service.reader.close(timeout=1)
+        service.engine.close(flush=False, timeout=5)
