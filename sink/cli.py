@@ -6,7 +6,7 @@ Exit codes:
        incompatible, authentication failure, ...); the message says which
     2  invalid configuration or usage (the message names key, source and reason)
     3  the command is not implemented yet
-    4  `lag`: the lag is above `--max-lag`
+    4  `lag`: the lag (at `--level`) is above `--max-lag`
     130  `run` was interrupted by a second signal before the drain finished (what was not
        committed is replayed or re-read on the next start; nothing acknowledged is lost)
 """
