@@ -16,12 +16,13 @@ by the production rate, so a difference is only true if both are read together. 
   flushed, consumed, end - so each is read no earlier than the ones it must be at least
   equal to, and a lag never clamps to 0 because its end offset was older than the offset
   subtracted from it.
-- **`lance-sink lag` warms up first, then reads.** It connects a probe consumer (which
-  assigns the partitions itself: it never joins the group and never commits) and the
-  AdminClient concurrently; once the probe has a high watermark for every partition it
-  reads the group's committed offsets (one round trip), then takes each partition's high
-  watermark from a fetch response that arrived after that read (the probe fetches every
-  `PROBE_FETCH_WAIT_MS`). The figures are then at most a few tens of milliseconds apart.
+- **`lance-sink lag` warms up first, then reads.** A first look-up of the group's committed
+  offsets finds its coordinator and where a probe consumer starts (it assigns the
+  partitions itself at those offsets: it never joins the group and never commits). Once
+  the probe has a high watermark for every partition, the committed offsets are read again
+  (one round trip), then each partition's high watermark is taken from a fetch response
+  that arrived after that read (the probe fetches every `PROBE_FETCH_WAIT_MS`). The figures
+  are then at most a few tens of milliseconds apart; table storage is read meanwhile.
 - **Flushed watermarks come from table storage**, not from a sink: the newest shard
   manifest of each partition's shard (`engine.manifest`), raised to a flush committed to
   Lance after it (`BaseTable.find_flush`: a writer killed between its Lance commit and its
@@ -176,18 +177,21 @@ def group_lag(
         # Table storage is read meanwhile: it does not move with the broker's offsets.
         flushed_future = pool.submit(flushed.read, keys) if flushed is not None else None
         request = [ConsumerGroupTopicPartitions(group, partitions)]
-        # The first request finds the group coordinator while the probe warms up.
-        warmup = admin.list_consumer_group_offsets(request, request_timeout=timeout)[group]
-        with WatermarkProbe(conf, partitions) as probe:
+
+        def committed_now() -> dict[tuple[str, int], int]:
+            future = admin.list_consumer_group_offsets(request, request_timeout=timeout)[group]
+            result = future.result(max(deadline - time.monotonic(), 0.1))
+            return {
+                (tp.topic, tp.partition): tp.offset
+                for tp in result.topic_partitions or []
+                if tp.error is None and tp.offset >= 0
+            }
+
+        # The first look-up finds the group coordinator and where the probe starts.
+        with WatermarkProbe(conf, partitions, committed_now()) as probe:
             probe.wait_all(deadline)
-            warmup.result(max(deadline - time.monotonic(), 0.1))
-            fresh = admin.list_consumer_group_offsets(request, request_timeout=timeout)[group]
-            result = fresh.result(max(deadline - time.monotonic(), 0.1))
+            committed = committed_now()
             watermarks = probe.after_now()
-        committed: dict[tuple[str, int], int] = {}
-        for tp in result.topic_partitions or []:
-            if tp.error is None and tp.offset >= 0:
-                committed[(tp.topic, tp.partition)] = tp.offset
         flushed_offsets = flushed_future.result() if flushed_future is not None else {}
     return [
         PartitionLag(
@@ -203,11 +207,16 @@ def group_lag(
 
 
 class WatermarkProbe:
-    """A consumer that assigns `partitions` at their end and fetches continuously, so that
+    """A consumer that assigns `partitions` itself and fetches continuously, so that
     its cached high watermarks are never older than one fetch round. Use as a context
     manager (closes the consumer)."""
 
-    def __init__(self, conf: dict[str, Any], partitions: list[TopicPartition]) -> None:
+    def __init__(
+        self,
+        conf: dict[str, Any],
+        partitions: list[TopicPartition],
+        start: dict[tuple[str, int], int],
+    ) -> None:
         self.partitions = partitions
         self.consumer = confluent_kafka.Consumer(
             {
@@ -219,11 +228,12 @@ class WatermarkProbe:
                 "fetch.wait.max.ms": PROBE_FETCH_WAIT_MS,
             }
         )
-        # At the end: the probe reads at most a few messages per fetch round. (On a broker
-        # whose ListOffsets is wrong it starts a little before the end: harmless.)
+        # At a concrete offset (`start`: the committed one, else the log start), never a
+        # logical one: resolving OFFSET_END took half a second, and ListOffsets is what
+        # some brokers answer wrongly. The probe reads at most 1 KiB per fetch round.
         self.consumer.assign(
             [
-                TopicPartition(tp.topic, tp.partition, confluent_kafka.OFFSET_END)
+                TopicPartition(tp.topic, tp.partition, start.get((tp.topic, tp.partition), 0))
                 for tp in partitions
             ]
         )

@@ -20,6 +20,7 @@ import pytest
 from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from sink.lag import group_lag
 from tests.support.brokers import Broker, free_port
 from tests.support.kafka import produce
 from tests.support.sink import ROOT, SinkProcess, message, messages, wait_caught_up, write_config
@@ -161,6 +162,8 @@ def test_lag_is_true_under_steady_load(
     consumer_errors: list[float] = []
     cli_errors: list[float] = []
     cli_seconds: list[float] = []
+    call_errors: list[float] = []
+    call_seconds: list[float] = []
     failures: list[str] = []
     outliers: list[str] = []
     try:
@@ -198,6 +201,25 @@ def test_lag_is_true_under_steady_load(
                         cli_errors.append(err)
                         if err > TOLERANCE:
                             failures.append(f"cli p{p}: {row['lag']} not in [{low}, {high}]")
+                    before = truth.sample()
+                if len(gauge_errors) % (4 * PARTITIONS) == 0:
+                    # The look-up itself, in process: bracketed by the truth just before and
+                    # just after it, its answer is one snapshot within those few 100 ms.
+                    started = time.monotonic()
+                    lags = group_lag({"bootstrap.servers": any_broker.bootstrap}, group, [topic])
+                    call_seconds.append(time.monotonic() - started)
+                    after = truth.sample()
+                    for row in lags:
+                        low = min(before.commit_lag(row.partition), after.commit_lag(row.partition))
+                        high = max(
+                            before.commit_lag(row.partition), after.commit_lag(row.partition)
+                        )
+                        err = off_by(row.lag, low, high)
+                        call_errors.append(err)
+                        if err > TOLERANCE:
+                            failures.append(
+                                f"group_lag p{row.partition}: {row.lag} not in [{low}, {high}]"
+                            )
                     before = truth.sample()
                 metrics = scrape(port)
                 after = truth.sample()
@@ -238,6 +260,8 @@ def test_lag_is_true_under_steady_load(
             f"\nconsumer-lag gauge: max above truth {max(consumer_errors):.0f}"
             f"\nlag CLI: {len(cli_errors)} samples, max error {max(cli_errors):.0f}, "
             f"calls took {', '.join(f'{s:.2f}' for s in cli_seconds)} s"
+            f"\ngroup_lag: {len(call_errors)} samples, max error {max(call_errors):.0f}, "
+            f"calls took {', '.join(f'{s:.2f}' for s in call_seconds)} s"
         )
         assert not failures, failures[:20]
         # A sample may be off when the sink's loop was not scheduled for a while (its own
