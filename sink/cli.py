@@ -256,7 +256,7 @@ def _lag(args: argparse.Namespace) -> int:
 
     flushed: FlushedReader | None = None
     if args.config is not None:
-        from sink.service import kafka_security_conf  # noqa: PLC0415
+        from sink.kafka_conf import kafka_security_conf  # noqa: PLC0415
 
         settings = _load(args.config, args.overrides)
         conf = kafka_security_conf(settings)

@@ -50,6 +50,7 @@ from sink.decode import DeadLetter, Decoded, Decoder
 from sink.dlq import DeadLetterBatch, DeadLetterProducer
 from sink.dlq import producer_conf as dlq_producer_conf
 from sink.http import ServerHandle, create_query_app, run_server
+from sink.kafka_conf import kafka_security_conf
 from sink.lag import PartitionOffsets, unindexed_rows
 from sink.log import configure_logging, librdkafka_logger
 from sink.metrics import Metrics, memory_limit_bytes, resident_bytes
@@ -84,32 +85,6 @@ CONSUME_TARGET_BYTES = 8 << 20
 
 class FatalSinkError(LanceSinkError):
     """The service cannot continue (fatal Kafka error, authentication failure, ...)."""
-
-
-def kafka_security_conf(settings: Settings) -> dict[str, Any]:
-    """librdkafka properties shared by the consumer, the DLQ producer and admin clients."""
-    k = settings.kafka
-    conf: dict[str, Any] = {
-        "bootstrap.servers": k.bootstrap_servers,
-        "client.id": k.client_id,
-        "security.protocol": k.security_protocol,
-    }
-    if k.sasl_mechanism:
-        conf["sasl.mechanism"] = k.sasl_mechanism
-    if k.sasl_username:
-        conf["sasl.username"] = k.sasl_username
-    if k.sasl_password:
-        conf["sasl.password"] = k.sasl_password.get_secret_value()
-    for name, value in (
-        ("ssl.ca.location", k.ssl_ca_location),
-        ("ssl.certificate.location", k.ssl_certificate_location),
-        ("ssl.key.location", k.ssl_key_location),
-    ):
-        if value:
-            conf[name] = value  # noqa: PERF403 - three optional keys, clearer as a loop
-    if k.ssl_key_password:
-        conf["ssl.key.password"] = k.ssl_key_password.get_secret_value()
-    return conf
 
 
 def consumer_conf(settings: Settings) -> dict[str, Any]:
