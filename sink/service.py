@@ -263,7 +263,9 @@ class SinkService:
         self._last_commit = 0.0
         self._last_metrics = 0.0
         self._lock = threading.Lock()  # guards `partitions` for readers on other threads
-        self._offsets_lock = threading.Lock()  # one snapshot's gauges are set together
+        # One snapshot's gauges are set (and exposed) together; watermarks are read under it.
+        self._offsets_lock = threading.RLock()
+        self._consumer_closed = False
         # (monotonic time, rows ingested) once a second: the ingest rate over the last 10 s
         self._ingest_window: deque[tuple[float, int]] = deque(maxlen=INGEST_WINDOW_SAMPLES)
         conf = consumer_conf(settings)
@@ -1036,6 +1038,8 @@ class SinkService:
         self._commit(asynchronous=False, states=states)
         for state in states:
             self._release(state, flush=True, timeout=max(left(DRAIN_RESERVE_S), 0.1))
+        with self._offsets_lock:  # no scrape reads a watermark from a closing consumer
+            self._consumer_closed = True
         try:
             self.consumer.close()
         except (RuntimeError, confluent_kafka.KafkaException) as exc:
@@ -1101,10 +1105,11 @@ class SinkService:
         durable = max(stats.durable_offsets.get(key, -1) + 1, state.done or 0, committed)
         flushed = max(stats.flushed_offsets.get(key, -1) + 1, 0)
         consumed = max(state.position or 0, durable)
-        try:
-            high = self.consumer.get_watermark_offsets(state.tp, cached=True)[1]
-        except (RuntimeError, confluent_kafka.KafkaException):  # closed while draining
-            high = -1
+        high = -1
+        with self._offsets_lock:
+            if not self._consumer_closed:
+                with contextlib.suppress(RuntimeError, confluent_kafka.KafkaException):
+                    high = self.consumer.get_watermark_offsets(state.tp, cached=True)[1]
         end = high if high >= 0 else self.end_offsets.get(key)
         return PartitionOffsets(end, consumed, durable, committed, flushed, pending_ts)
 
