@@ -735,7 +735,9 @@ class ObservabilitySettings(_Section):
         default="auto", description="auto: console on a TTY, JSON otherwise."
     )
     kafka_statistics_interval_ms: PositiveInt = Field(
-        default=1_000, description="librdkafka statistics (source of log end offsets for lag)."
+        default=1_000,
+        description="librdkafka statistics: broker reachability for /readyz (lags take the "
+        "end offset of the newest fetch response at each scrape, not these).",
     )
 
 

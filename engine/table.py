@@ -200,7 +200,7 @@ class BaseTable:
     ) -> FlushMark | None:
         """The newest flush of `shard` committed after `after_version`, if any (searching
         the latest version, or `ds`)."""
-        ds = ds or self.dataset()
+        ds = ds if ds is not None else self.dataset()  # (`ds or` would count its rows)
         for version, props in flush_commits(ds, after_version):  # newest first
             if props.get(PROP_SHARD) != shard:
                 continue

@@ -6,7 +6,7 @@ Exit codes:
        incompatible, authentication failure, ...); the message says which
     2  invalid configuration or usage (the message names key, source and reason)
     3  the command is not implemented yet
-    4  `lag`: the lag is above `--max-lag`
+    4  `lag`: the lag (at `--level`) is above `--max-lag`
     130  `run` was interrupted by a second signal before the drain finished (what was not
        committed is replayed or re-read on the next start; nothing acknowledged is lost)
 """
@@ -24,7 +24,7 @@ import threading
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import confluent_kafka
 import structlog
@@ -36,6 +36,7 @@ from sink.log import configure_logging
 
 if TYPE_CHECKING:
     from engine.backpressure import BackpressureController
+    from sink.lag import Level, PartitionLag
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -74,6 +75,14 @@ def _parser() -> argparse.ArgumentParser:
     lag.add_argument("--json", action="store_true", help="print JSON instead of a table")
     lag.add_argument(
         "--max-lag", type=int, default=None, help="exit 4 if the total lag is above this"
+    )
+    lag.add_argument(
+        "--level",
+        choices=["committed", "flushed"],
+        default="committed",
+        help="which lag --max-lag and TOTAL count: after the group's committed offsets, or "
+        "after the flushed watermarks in table storage (rows not in the Lance table yet; "
+        "needs --config)",
     )
     lag.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for brokers")
     _add_overrides(lag)
@@ -246,55 +255,98 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _lag(args: argparse.Namespace) -> int:
-    from sink.lag import group_lag  # noqa: PLC0415 - keep the other commands light
-    from sink.service import kafka_security_conf  # noqa: PLC0415
+    from sink.lag import FlushedReader, group_lag  # noqa: PLC0415 - keep the other commands light
 
+    flushed: FlushedReader | None = None
     if args.config is not None:
+        from sink.kafka_conf import kafka_security_conf  # noqa: PLC0415
+
         settings = _load(args.config, args.overrides)
         conf = kafka_security_conf(settings)
         group = args.group or settings.kafka.group_id
         topics = args.topic or list(settings.kafka.topics)
+        flushed = FlushedReader(settings)
     elif args.bootstrap and args.group and args.topic:
         conf = {"bootstrap.servers": args.bootstrap}
         group, topics = args.group, args.topic
     else:
         print("lance-sink lag: give --config, or --bootstrap, --group and --topic", file=sys.stderr)
         return EXIT_CONFIG
+    if args.level == "flushed" and flushed is None:
+        print(
+            "lance-sink lag: --level flushed reads the table's shard manifests: give --config",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    from engine.errors import LanceSinkError  # noqa: PLC0415
+
     try:
-        lags = group_lag(conf, group, topics, timeout=args.timeout)
-    except (TimeoutError, confluent_kafka.KafkaException) as exc:
+        lags = group_lag(conf, group, topics, timeout=args.timeout, flushed=flushed)
+    except (TimeoutError, confluent_kafka.KafkaException, LanceSinkError, OSError) as exc:
         print(f"lance-sink lag: {exc}", file=sys.stderr)
         return EXIT_FAILURE
-    total = sum(p.lag for p in lags)
+    level = cast("Level", args.level)
+    total = sum(p.at(level) for p in lags)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "group": group,
-                    "partitions": [
-                        {
-                            "topic": p.topic,
-                            "partition": p.partition,
-                            "end": p.end,
-                            "committed": p.committed,
-                            "lag": p.lag,
-                        }
-                        for p in lags
-                    ],
-                    "total_lag": total,
-                },
-                indent=2,
-            )
-        )
+        print(json.dumps(lag_report(group, lags, level, flushed is not None), indent=2))
     else:
-        print(f"{'TOPIC':30} {'PARTITION':>9} {'END':>12} {'COMMITTED':>12} {'LAG':>10}")
-        for p in lags:
-            committed = "-" if p.committed is None else str(p.committed)
-            print(f"{p.topic:30} {p.partition:>9} {p.end:>12} {committed:>12} {p.lag:>10}")
-        print(f"{'TOTAL':30} {'':>9} {'':>12} {'':>12} {total:>10}")
+        print(render_lag(lags, flushed is not None))
     if args.max_lag is not None and total > args.max_lag:
         return EXIT_LAG
     return EXIT_OK
+
+
+def lag_report(
+    group: str, lags: list[PartitionLag], level: Level, with_flushed: bool
+) -> dict[str, Any]:
+    """The JSON `lance-sink lag --json` prints: per partition the end, committed and (with a
+    config) flushed offsets, the commit lag (`lag`), and with a config the flush lag and the
+    committed messages not in the Lance table (`unflushed`); `total_lag` at `level`."""
+    rows = []
+    for p in lags:
+        row: dict[str, Any] = {
+            "topic": p.topic,
+            "partition": p.partition,
+            "end": p.end,
+            "committed": p.committed,
+            "lag": p.lag,
+        }
+        if with_flushed:
+            row.update(flushed=p.flushed, flush_lag=p.flush_lag, unflushed=p.unflushed)
+        rows.append(row)
+    report: dict[str, Any] = {
+        "group": group,
+        "level": level,
+        "partitions": rows,
+        "total_lag": sum(p.at(level) for p in lags),
+        "total_commit_lag": sum(p.lag for p in lags),
+    }
+    if with_flushed:
+        report["total_flush_lag"] = sum(p.flush_lag for p in lags)
+        report["total_unflushed"] = sum(p.unflushed for p in lags)
+    return report
+
+
+def render_lag(lags: list[PartitionLag], with_flushed: bool) -> str:
+    """The table `lance-sink lag` prints. UNFLUSHED: committed messages not in the Lance
+    table, durable only in their shard's WAL until a writer replays and flushes them."""
+    head = f"{'TOPIC':30} {'PARTITION':>9} {'END':>12} {'COMMITTED':>12} {'LAG':>10}"
+    if with_flushed:
+        head += f" {'FLUSHED':>12} {'FLUSH LAG':>10} {'UNFLUSHED':>10}"
+    lines = [head]
+    for p in lags:
+        committed = "-" if p.committed is None else str(p.committed)
+        line = f"{p.topic:30} {p.partition:>9} {p.end:>12} {committed:>12} {p.lag:>10}"
+        if with_flushed:
+            flushed = "-" if p.flushed is None else str(p.flushed)
+            line += f" {flushed:>12} {p.flush_lag:>10} {p.unflushed:>10}"
+        lines.append(line)
+    total = f"{'TOTAL':30} {'':>9} {'':>12} {'':>12} {sum(p.lag for p in lags):>10}"
+    if with_flushed:
+        total += f" {'':>12} {sum(p.flush_lag for p in lags):>10}"
+        total += f" {sum(p.unflushed for p in lags):>10}"
+    lines.append(total)
+    return "\n".join(lines)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -320,15 +372,19 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def render_status(status: dict[str, Any]) -> str:
-    """The one-screen summary `lance-sink status` prints."""
+    """The one-screen summary `lance-sink status` prints. Lags are in messages after the
+    end offset (CONS: consumed, COMMIT, FLUSH), LAG S the age of the oldest message not yet
+    durable; the base table's unindexed rows are counted now, from its fragments and index
+    segments (`sink.lag.unindexed_rows`)."""
     reasons = "; ".join(status["not_ready_reasons"])
     lines = [
         f"group {status['group']}  topics {', '.join(status['topics'])}  table {status['table']}",
         f"ready: {'yes' if status['ready'] else 'no - ' + reasons}",
         "",
         (
-            f"{'PARTITION':24} {'END':>10} {'COMMIT LAG':>10} {'FLUSH LAG':>10} "
-            f"{'MEMTABLE':>12} {'FROZEN':>6} {'FLUSHES':>8} {'STATE':>8}"
+            f"{'PARTITION':24} {'END':>10} {'CONS LAG':>9} {'COMMIT LAG':>10} "
+            f"{'FLUSH LAG':>10} {'LAG S':>7} {'MEMTABLE':>12} {'FROZEN':>6} {'FLUSHES':>8} "
+            f"{'STATE':>8}"
         ),
     ]
     for p in status["partitions"]:
@@ -345,9 +401,11 @@ def render_status(status: dict[str, Any]) -> str:
             else "running"
         )
         name = f"{p['topic']}[{p['partition']}]"
+        seconds = lag.get("seconds")
         lines.append(
-            f"{name:24} {p.get('end') or '-':>10} {lag.get('commit', '-'):>10} "
-            f"{lag.get('flush', '-'):>10} {_size(mem.get('bytes', 0)):>12} "
+            f"{name:24} {p.get('end') or '-':>10} {lag.get('consumer', '-'):>9} "
+            f"{lag.get('commit', '-'):>10} {lag.get('flush', '-'):>10} "
+            f"{'-' if seconds is None else f'{seconds:.1f}':>7} {_size(mem.get('bytes', 0)):>12} "
             f"{mem.get('frozen_count', 0):>6} {flush.get('flushes', 0):>8} {state:>8}"
         )
     bp = status["backpressure"]
@@ -359,8 +417,34 @@ def render_status(status: dict[str, Any]) -> str:
             f"waits {bp['waits_total']} ({bp['wait_seconds_total']} s), "
             f"active {bp['active_waits']}"
         ),
-        f"base table: {status['base']['unindexed_rows']} unindexed rows",
     ]
+    ingest = status.get("ingest")
+    if ingest is not None:
+        lines.append(
+            f"ingest: {ingest['rows_per_second']:,.1f} rows/s "
+            f"(over the last {ingest['window_seconds']:.0f} s)"
+        )
+    memory = status.get("memory")
+    if memory is not None:
+
+        def size_or(n: int | None, none: str) -> str:
+            return none if n is None else _size(n)
+
+        lines.append(
+            f"memory: {size_or(memory['resident_bytes'], 'unknown')} resident, budget "
+            f"{size_or(memory['budget_bytes'], 'none')}, limit "
+            f"{size_or(memory['limit_bytes'], 'none')}"
+        )
+    base = status["base"]
+    if base.get("unindexed_rows") is None:
+        lines.append(f"base table: unindexed rows unknown ({base.get('error', 'not read')})")
+    elif not base.get("unindexed_by_index", True):
+        lines.append(f"base table: {base.get('rows', 0):,} rows, no index yet")
+    else:
+        lines.append(
+            f"base table: {base['unindexed_rows']:,} unindexed rows of {base.get('rows', 0):,} "
+            "(least complete index, now)"
+        )
     return "\n".join(lines)
 
 

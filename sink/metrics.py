@@ -10,8 +10,9 @@ partition are removed (`forget_partition`).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
-import time
+from pathlib import Path
 
 from prometheus_client import (
     CollectorRegistry,
@@ -21,6 +22,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+
+from sink.lag import PartitionOffsets
 
 # `*_created` series double every counter and histogram for little use; Prometheus does not
 # need them to compute rates.
@@ -263,6 +266,7 @@ class Metrics:
         )
         self._bp_seen = (0, 0.0, 0)
         self._lock = threading.Lock()
+        self.rows_total = 0  # rows ingested by this process (all partitions, ever)
 
     # --- exposition ------------------------------------------------------------------
 
@@ -272,34 +276,22 @@ class Metrics:
 
     # --- partitions ------------------------------------------------------------------
 
-    def partition_offsets(
-        self,
-        topic: str,
-        partition: int,
-        *,
-        end: int | None,
-        consumed: int,
-        durable: int,
-        committed: int,
-        flushed: int,
-        oldest_pending_timestamp_ms: int | None,
-    ) -> None:
-        """Offsets of one partition (each 'next offset' style) and the lags derived."""
+    def partition_offsets(self, topic: str, partition: int, offsets: PartitionOffsets) -> None:
+        """Offsets of one partition (each 'next offset' style, one snapshot: see
+        `sink.lag`) and the lags derived from them."""
         labels = (topic, str(partition))
-        self.consumed_offset.labels(*labels).set(consumed)
-        self.durable_offset.labels(*labels).set(durable)
-        self.committed_offset.labels(*labels).set(committed)
-        self.flushed_offset.labels(*labels).set(flushed)
-        if end is not None and end >= 0:
-            self.log_end_offset.labels(*labels).set(end)
-            self.consumer_lag.labels(*labels).set(max(end - consumed, 0))
-            self.durable_lag.labels(*labels).set(max(end - durable, 0))
-            self.commit_lag.labels(*labels).set(max(end - committed, 0))
-            self.flush_lag.labels(*labels).set(max(end - flushed, 0))
-        age = 0.0
-        if oldest_pending_timestamp_ms is not None:
-            age = max(time.time() - oldest_pending_timestamp_ms / 1000, 0.0)
-        self.lag_seconds.labels(*labels).set(age)
+        self.consumed_offset.labels(*labels).set(offsets.consumed)
+        self.durable_offset.labels(*labels).set(offsets.durable)
+        self.committed_offset.labels(*labels).set(offsets.committed)
+        self.flushed_offset.labels(*labels).set(offsets.flushed)
+        lags = offsets.lags()
+        if offsets.end is not None and lags is not None:
+            self.log_end_offset.labels(*labels).set(offsets.end)
+            self.consumer_lag.labels(*labels).set(lags["consumer"])
+            self.durable_lag.labels(*labels).set(lags["durable"])
+            self.commit_lag.labels(*labels).set(lags["commit"])
+            self.flush_lag.labels(*labels).set(lags["flush"])
+        self.lag_seconds.labels(*labels).set(offsets.lag_seconds())
 
     def partition_paused(self, topic: str, partition: int, paused: bool) -> None:
         self.paused.labels(topic, str(partition)).set(1 if paused else 0)
@@ -312,6 +304,7 @@ class Metrics:
 
     def ingested(self, topic: str, partition: int, rows: int, nbytes: int) -> None:
         self.rows_ingested.labels(topic, str(partition)).inc(rows)
+        self.rows_total += rows
         self.bytes_ingested.labels(topic, str(partition)).inc(nbytes)
 
     def committed(self, seconds: float) -> None:
@@ -466,3 +459,27 @@ class Metrics:
 
     def shard_skipped(self, shard: str, error: BaseException) -> None:
         """A query skipped a shard whose writer is poisoned or fenced (ReaderEvents)."""
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux `/proc/self/statm`), or None elsewhere."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_limit_bytes() -> int | None:
+    """The memory limit of this process's cgroup (a pod's `resources.limits.memory`): v2
+    `memory.max`, else v1 `memory.limit_in_bytes`; None when unlimited or unknown."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text == "max" or not text.isdigit():
+            return None
+        limit = int(text)
+        return None if limit >= 1 << 60 else limit  # v1 reports "unlimited" as ~2^63
+    return None

@@ -4,8 +4,9 @@
     GET /healthz     200 while the process and its consumer loop are alive
     GET /readyz      200 when every assigned partition is opened and replayed, a broker is
                      reachable and no shard writer is poisoned; else 503 with the reasons
-    GET /v1/status   one JSON document: partitions, offsets and lags, memtables,
-                     backpressure, flush state (what `lance-sink status` prints)
+    GET /v1/status   one JSON document: partitions, offsets and lags (one snapshot each),
+                     memtables, flush state, backpressure, ingest rate, memory, and the
+                     base table's unindexed rows now (what `lance-sink status` prints)
 
 Served on `observability.metrics_port`. When the query API listens on the same port, its
 routes are served by the same app.

@@ -23,6 +23,7 @@ puts return futures that are checked on each iteration; `consume()` is called ev
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
@@ -51,8 +52,10 @@ from sink.decode import DeadLetter, Decoded, Decoder
 from sink.dlq import DeadLetterBatch, DeadLetterProducer
 from sink.dlq import producer_conf as dlq_producer_conf
 from sink.http import ServerHandle, create_query_app, run_server
+from sink.kafka_conf import kafka_security_conf
+from sink.lag import PartitionOffsets, unindexed_rows
 from sink.log import configure_logging, librdkafka_logger
-from sink.metrics import Metrics
+from sink.metrics import Metrics, memory_limit_bytes, resident_bytes
 from sink.server import create_ops_app
 
 log = structlog.get_logger("lance_sink.sink")
@@ -70,9 +73,12 @@ COMMITTED_TIMEOUT_S = 30.0
 # (closing the reader, the engine and the servers): the maintenance child may use the
 # drain deadline less this (see `_drain`).
 DRAIN_RESERVE_S = 2.0
-# How often free malloc memory is given back (`sink.memory.release_free_memory`): queries
+# How often free malloc memory is given back (`engine.malloc.release_free_memory`): queries
 # and flushes free hundreds of MiB in bursts; a pass takes milliseconds.
 MALLOC_TRIM_INTERVAL_S = 5.0
+# The status's ingest rate averages this many metrics refreshes (10 s at 1 s): long enough
+# to smooth consume batches, short enough to show a stall within seconds.
+INGEST_WINDOW_SAMPLES = 11
 # Consumed messages waiting for (or in) decoding, in consume() batches: a bound on what the
 # loop takes from librdkafka before the decode workers catch up (a fixed memory overhead).
 DECODE_QUEUE_BATCHES = 2
@@ -84,32 +90,6 @@ CONSUME_TARGET_BYTES = 8 << 20
 
 class FatalSinkError(LanceSinkError):
     """The service cannot continue (fatal Kafka error, authentication failure, ...)."""
-
-
-def kafka_security_conf(settings: Settings) -> dict[str, Any]:
-    """librdkafka properties shared by the consumer, the DLQ producer and admin clients."""
-    k = settings.kafka
-    conf: dict[str, Any] = {
-        "bootstrap.servers": k.bootstrap_servers,
-        "client.id": k.client_id,
-        "security.protocol": k.security_protocol,
-    }
-    if k.sasl_mechanism:
-        conf["sasl.mechanism"] = k.sasl_mechanism
-    if k.sasl_username:
-        conf["sasl.username"] = k.sasl_username
-    if k.sasl_password:
-        conf["sasl.password"] = k.sasl_password.get_secret_value()
-    for name, value in (
-        ("ssl.ca.location", k.ssl_ca_location),
-        ("ssl.certificate.location", k.ssl_certificate_location),
-        ("ssl.key.location", k.ssl_key_location),
-    ):
-        if value:
-            conf[name] = value  # noqa: PERF403 - three optional keys, clearer as a loop
-    if k.ssl_key_password:
-        conf["ssl.key.password"] = k.ssl_key_password.get_secret_value()
-    return conf
 
 
 def consumer_conf(settings: Settings) -> dict[str, Any]:
@@ -293,6 +273,11 @@ class SinkService:
         self._last_commit = 0.0
         self._last_metrics = 0.0
         self._lock = threading.Lock()  # guards `partitions` for readers on other threads
+        # One snapshot's gauges are set (and exposed) together; watermarks are read under it.
+        self._offsets_lock = threading.RLock()
+        self._consumer_closed = False
+        # (monotonic time, rows ingested) once a second: the ingest rate over the last 10 s
+        self._ingest_window: deque[tuple[float, int]] = deque(maxlen=INGEST_WINDOW_SAMPLES)
         conf = consumer_conf(settings)
         conf.update(
             {
@@ -1125,6 +1110,8 @@ class SinkService:
         self._commit(asynchronous=False, states=states)
         for state in states:
             self._release(state, flush=True, timeout=max(left(DRAIN_RESERVE_S), 0.1))
+        with self._offsets_lock:  # no scrape reads a watermark from a closing consumer
+            self._consumer_closed = True
         try:
             self.consumer.close()
         except (RuntimeError, confluent_kafka.KafkaException) as exc:
@@ -1171,37 +1158,66 @@ class SinkService:
                 if hi >= 0 and (topic, partition) in self.partitions:
                     self.end_offsets[(topic, partition)] = hi
 
+    def partition_offsets(self, state: PartitionState) -> PartitionOffsets | None:
+        """One consistent snapshot of a partition's offsets (any thread; see `sink.lag`):
+        read from the slowest-moving to the fastest, the end offset last and from the
+        newest fetch response, so no lag clamps to 0 on an end offset older than what is
+        subtracted from it. None while the partition has no writer or no position."""
+        writer, position = state.writer, state.position
+        if writer is None or position is None:
+            return None
+        key = (state.topic, state.partition)
+        committed = max(state.committed, 0)
+        pending_ts = None
+        with contextlib.suppress(IndexError):  # popped by the loop meanwhile
+            if state.inflight:
+                pending_ts = state.inflight[0].first_timestamp_ms
+            elif (held := state.held) is not None and held.messages:
+                pending_ts = _timestamp_ms(held.messages[0])
+        stats = writer.stats()
+        durable, flushed = _durable_and_flushed(
+            state.done,
+            stats.durable_offsets.get(key, -1) + 1,
+            stats.flushed_offsets.get(key, -1) + 1,
+        )
+        durable, flushed = max(durable, committed), max(flushed, 0)
+        consumed = max(state.position or 0, durable)
+        high = -1
+        with self._offsets_lock:
+            if not self._consumer_closed:
+                with contextlib.suppress(RuntimeError, confluent_kafka.KafkaException):
+                    high = self.consumer.get_watermark_offsets(state.tp, cached=True)[1]
+        end = high if high >= 0 else self.end_offsets.get(key)
+        return PartitionOffsets(end, consumed, durable, committed, flushed, pending_ts)
+
+    def refresh_offsets(self) -> None:
+        """Set every partition's offset and lag gauges from one snapshot each (any thread:
+        the loop once a second, and each scrape just before the exposition)."""
+        with self._offsets_lock:
+            self._set_offsets()
+
+    def _set_offsets(self) -> None:
+        for key, state in list(self.partitions.items()):
+            snap = self.partition_offsets(state)
+            if snap is None:
+                continue
+            self.metrics.partition_offsets(*key, snap)
+            if self.partitions.get(key) is not state:  # revoked meanwhile
+                self.metrics.forget_partition(*key)
+
     def refresh_metrics(self) -> None:
         """Refresh every gauge from live state (called from the loop once a second)."""
+        self.refresh_offsets()
+        self._ingest_window.append((time.monotonic(), self.metrics.rows_total))
         for (topic, partition), state in list(self.partitions.items()):
             self.metrics.partition_paused(topic, partition, state.paused)
             letters = _unacked_dead_letters(state)
             self.metrics.dlq_waiting(topic, partition, letters.waiting_s() if letters else 0.0)
             writer = state.writer
             self.metrics.partition_poisoned(topic, partition, writer is None or state.fenced)
-            if writer is None or state.position is None:
+            if writer is None:
                 continue
             stats = writer.stats()
-            durable, flushed = _durable_and_flushed(
-                state.done,
-                stats.durable_offsets.get((topic, partition), -1) + 1,
-                stats.flushed_offsets.get((topic, partition), -1) + 1,
-            )
-            pending_ts = None
-            if state.inflight:
-                pending_ts = state.inflight[0].first_timestamp_ms
-            elif state.held is not None and state.held.messages:
-                pending_ts = _timestamp_ms(state.held.messages[0])
-            self.metrics.partition_offsets(
-                topic,
-                partition,
-                end=self.end_offsets.get((topic, partition)),
-                consumed=state.position,
-                durable=max(durable, 0),
-                committed=max(state.committed, 0),
-                flushed=max(flushed, 0),
-                oldest_pending_timestamp_ms=pending_ts,
-            )
             self.metrics.shard_memory(
                 stats.shard,
                 unflushed=stats.bytes + stats.frozen_bytes,
@@ -1231,8 +1247,10 @@ class SinkService:
     # ------------------------------------------------------------------ observability
 
     def exposition(self) -> bytes:
-        """Prometheus text of every metric."""
-        return self.metrics.exposition()
+        """Prometheus text of every metric, with the offset and lag gauges of this instant."""
+        with self._offsets_lock:  # a refresh by the loop cannot interleave
+            self._set_offsets()
+            return self.metrics.exposition()
 
     def liveness(self) -> tuple[bool, str]:
         """Alive while the consumer loop iterates (a loop stuck for longer than
@@ -1302,11 +1320,47 @@ class SinkService:
                 "active_waits": bp.active_waits,
                 "rejections_total": bp.rejections_total,
             },
-            "base": {"unindexed_rows": self.maintenance.unindexed_rows()},
+            "ingest": self._ingest_status(),
+            "memory": {
+                "resident_bytes": resident_bytes(),
+                "budget_bytes": budget.budget if budget else None,
+                "limit_bytes": memory_limit_bytes(),
+            },
+            "base": self._base_status(),
         }
 
+    def _ingest_status(self) -> dict[str, Any]:
+        """Rows made durable per second over the last `INGEST_WINDOW_SAMPLES` refreshes."""
+        now, total = time.monotonic(), self.metrics.rows_total
+        window = list(self._ingest_window)
+        since, before = window[0] if window else (now, total)
+        seconds = now - since
+        rate = (total - before) / seconds if seconds > 0 else 0.0
+        return {"rows_per_second": round(rate, 1), "window_seconds": round(seconds, 1)}
+
+    def _base_status(self) -> dict[str, Any]:
+        """The base table's index lag as it is now (`sink.lag.unindexed_rows`), beside the
+        figure of the last maintenance run."""
+        base: dict[str, Any] = {
+            "unindexed_rows_at_last_maintenance": self.maintenance.unindexed_rows()
+        }
+        try:
+            ds = self.engine.table.dataset()
+            per_index = unindexed_rows(ds)
+            rows = int(ds.count_rows())
+        except (OSError, ValueError, RuntimeError) as exc:
+            base.update(unindexed_rows=None, error=str(exc))
+            return base
+        # The least complete index: what queries wait on (0 without indexes).
+        base.update(
+            rows=rows,
+            unindexed_rows=max(per_index.values(), default=0),
+            unindexed_by_index=per_index,
+        )
+        return base
+
     def _partition_status(self, state: PartitionState) -> dict[str, Any]:
-        key = (state.topic, state.partition)
+        snap = self.partition_offsets(state)
         entry: dict[str, Any] = {
             "topic": state.topic,
             "partition": state.partition,
@@ -1315,7 +1369,7 @@ class SinkService:
             "stopped": state.stopped,
             "consumed": state.position,
             "committed": state.committed,
-            "end": self.end_offsets.get(key),
+            "end": self.end_offsets.get((state.topic, state.partition)),
             "decoding_batches": len(state.decoding),
             "inflight_puts": len(state.inflight),
             "held": state.held is not None,
@@ -1333,19 +1387,23 @@ class SinkService:
                 "stalled": letters.waiting_s() > self.settings.dlq.stalled_after_s,
                 "last_error": letters.last_error,
             }
+        if snap is not None:  # one snapshot (see `partition_offsets`)
+            entry.update(
+                consumed=snap.consumed,
+                committed=snap.committed,
+                durable=snap.durable,
+                flushed=snap.flushed,
+                end=snap.end,
+            )
+            lags = snap.lags()
+            if lags is not None:
+                entry["lag"] = {**lags, "seconds": round(snap.lag_seconds(), 3)}
         writer = state.writer
         if writer is not None:
             st = writer.stats()
-            durable, flushed = _durable_and_flushed(
-                state.done,
-                st.durable_offsets.get(key, -1) + 1,
-                st.flushed_offsets.get(key, -1) + 1,
-            )
             entry.update(
                 shard=st.shard,
                 epoch=st.epoch,
-                durable=durable,
-                flushed=flushed,
                 memtable={
                     "generation": st.generation,
                     "rows": st.rows,
@@ -1362,14 +1420,6 @@ class SinkService:
                 },
                 poisoned=st.poisoned,
             )
-        end = entry["end"]
-        if end is not None:
-            entry["lag"] = {
-                "consumer": max(end - (state.position or 0), 0),
-                "durable": max(end - entry.get("durable", 0), 0),
-                "commit": max(end - max(state.committed, 0), 0),
-                "flush": max(end - entry.get("flushed", 0), 0),
-            }
         return entry
 
 
