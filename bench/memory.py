@@ -121,14 +121,40 @@ def parse_quantity(text: str) -> int:
     return int(text)
 
 
-class Sampler(threading.Thread):
-    """Peak PSS of the sink, of its children, and of their sum, every SAMPLE_S."""
+#: Gauges of the sink that account for parts of its memory, read at every sample.
+PARTS = (
+    "lance_sink_budget_used_bytes",
+    "lance_sink_arrow_pool_bytes",
+    "lance_sink_query_lance_cache_bytes",
+    "lance_sink_query_unindexed_cache_bytes",
+)
 
-    def __init__(self, pid: int) -> None:
+
+def gauges(port: int) -> dict[str, float]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+            text = resp.read().decode()
+    except (urllib.error.URLError, OSError):
+        return {}
+    out = {}
+    for name in PARTS:
+        m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+        if m:
+            out[name] = float(m.group(1))
+    return out
+
+
+class Sampler(threading.Thread):
+    """Peak PSS of the sink, of its children, and of their sum, every SAMPLE_S; and the
+    sink's own accounting of its memory (PARTS) at each new peak of the sink."""
+
+    def __init__(self, pid: int, metrics_port: int) -> None:
         super().__init__(daemon=True)
         self.pid = pid
+        self.metrics_port = metrics_port
         self.stop = threading.Event()
         self.peak_sink = self.peak_children = self.peak_pod = self.peak_anon = 0
+        self.parts_at_peak: dict[str, float] = {}
         self.series: list[tuple[float, int, int]] = []
 
     def run(self) -> None:
@@ -136,6 +162,8 @@ class Sampler(threading.Thread):
         while not self.stop.wait(SAMPLE_S):
             sink = pss_bytes(self.pid)
             kids = sum(pss_bytes(c) for c in children(self.pid))
+            if sink > self.peak_sink:
+                self.parts_at_peak = gauges(self.metrics_port) or self.parts_at_peak
             self.peak_sink = max(self.peak_sink, sink)
             self.peak_children = max(self.peak_children, kids)
             self.peak_pod = max(self.peak_pod, sink + kids)
@@ -280,7 +308,7 @@ def main() -> None:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        sampler = Sampler(proc.pid)
+        sampler = Sampler(proc.pid, metrics_port)
         sampler.start()
         committed = Committed(bootstrap, settings["kafka"]["group_id"], topic)
         clients = [Queries(query_port, seed) for seed in range(args.clients or 8)]
@@ -329,6 +357,8 @@ def main() -> None:
         report(f"peak PSS child processes:   {sampler.peak_children / mib:7,.0f} MiB")
         report(f"peak PSS pod (sum):         {sampler.peak_pod / mib:7,.0f} MiB")
         report(f"peak anonymous, sink:       {sampler.peak_anon / mib:7,.0f} MiB")
+        for name, value in sampler.parts_at_peak.items():
+            report(f"  at the sink's peak, {name}: {value / mib:,.0f} MiB")
         if limit:
             report(
                 f"chart-derived memory limit: {limit / mib:7,.0f} MiB -> peak pod / limit = "

@@ -235,6 +235,11 @@ class Metrics:
             "Bytes of base rows the indexes do not cover yet, held in memory for queries "
             "(vector matrices, flushed memtables kept for text search).",
         )
+        self.arrow_pool_bytes = gauge(
+            "arrow_pool_bytes",
+            "Bytes allocated from Arrow's memory pool now (memtables, decoded batches, query "
+            "results; Lance and faiss allocate elsewhere).",
+        )
         self.lance_cache_bytes = gauge(
             "query_lance_cache_bytes",
             "Bytes held by the Lance index and metadata caches that queries on the base share "
@@ -443,6 +448,9 @@ class Metrics:
 
     def lance_cache(self, nbytes: int) -> None:
         self.lance_cache_bytes.set(nbytes)
+
+    def arrow_pool(self, nbytes: int) -> None:
+        self.arrow_pool_bytes.set(nbytes)
 
     def unindexed_cache(self, nbytes: int, vector_fallbacks: int, text_fallbacks: int) -> None:
         """The reader's holders of unindexed base rows: bytes held, and each kind's fallbacks

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import confluent_kafka
+import pyarrow as pa
 import structlog
 from confluent_kafka import TopicPartition
 
@@ -1237,6 +1238,7 @@ class SinkService:
             self.metrics.budget_usage(controller.used_bytes(), controller.budget)
         self.metrics.base_unindexed(self.maintenance.unindexed_rows())
         self.metrics.lance_cache(self.reader.lance_cache_bytes)
+        self.metrics.arrow_pool(pa.total_allocated_bytes())
         vector, text = self.reader.unindexed, self.reader.flushed_text
         self.metrics.unindexed_cache(
             self.reader.unindexed_bytes,

@@ -67,6 +67,8 @@ EXPECTED = {
     "lance_sink_replay_rows": "Rows replayed from the WAL.",
     "lance_sink_replay_seconds": "Duration of the last WAL replay of the shard.",
     "lance_sink_rows_ingested": "Rows made durable and visible.",
+    "lance_sink_arrow_pool_bytes": "Bytes allocated from Arrow's memory pool now (memtables, "
+    "decoded batches, query results; Lance and faiss allocate elsewhere).",
     "lance_sink_query_lance_cache_bytes": "Bytes held by the Lance index and metadata caches "
     "that queries on the base share (bounded by query.lance_index_cache_bytes and "
     "query.lance_metadata_cache_bytes).",
