@@ -814,7 +814,7 @@ class Reader:
         def lance_rows(limit: int) -> pa.Table:
             found: pa.Table = base.to_table(
                 nearest={**nearest, "k": limit},
-                filter=None if predicate is None else predicate.expression,
+                filter=None if predicate is None else predicate.sql,
                 prefilter=True,
                 columns=[*fetch, DISTANCE],
                 fast_search=cached is not None,
@@ -1016,7 +1016,7 @@ class Reader:
         def fetch_rows(limit: int) -> pa.Table:
             return snap.base.to_table(
                 full_text_query=query,
-                filter=None if predicate is None else predicate.expression,
+                filter=None if predicate is None else predicate.sql,
                 prefilter=True,
                 columns=[*fetch, SCORE],
                 limit=limit,
@@ -1227,7 +1227,7 @@ class Reader:
 
             def fetch_rows(n: int) -> pa.Table:
                 return snap.base.to_table(
-                    filter=None if predicate is None else predicate.expression,
+                    filter=None if predicate is None else predicate.sql,
                     columns=fetch,
                     limit=n,
                 )
