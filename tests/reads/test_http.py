@@ -20,6 +20,7 @@ from pydantic import SecretStr
 
 from config.settings import QuerySettings
 from engine.reader import Reader
+from sink import cli
 from sink.http import ARROW_STREAM, create_query_app, run_server
 from sink.server import create_ops_app
 from tests.reads.conftest import ReadHarness, vectors
@@ -463,3 +464,19 @@ def test_filter_chains_are_answered_fast_or_refused(client: TestClient) -> None:
         "MAX_PREDICATES" in r.json()["error"]["message"]
         or "at most 256" in (r.json()["error"]["message"])
     )
+
+
+def test_the_status_command_sends_the_token(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    handle = run_server(create_ops_app(_Ops(), auth_token=SecretStr("s3cret")), "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{handle.port}"
+    try:
+        monkeypatch.delenv("LANCE_SINK__QUERY__AUTH_TOKEN", raising=False)
+        assert cli.main(["status", "--url", url, "--json"]) != 0
+        assert "401" in capsys.readouterr().err
+        monkeypatch.setenv("LANCE_SINK__QUERY__AUTH_TOKEN", "s3cret")
+        assert cli.main(["status", "--url", url, "--json"]) == 0
+        assert '"partitions": []' in capsys.readouterr().out
+    finally:
+        handle.stop()
