@@ -75,6 +75,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from config.settings import QuerySettings
 from engine.errors import LanceSinkError
@@ -140,17 +141,25 @@ class SearchRequest(BaseModel):
     vector: list[float] | None = Field(default=None, description="Query vector (kNN).")
     text: str | None = Field(default=None, description="Full-text query (BM25).")
     text_column: str | None = Field(
-        default=None, description="FTS column to search (default: the first fts_column)."
+        default=None,
+        min_length=1,
+        description="FTS column to search (default: the first fts_column).",
     )
     phrase: bool = Field(default=False, description="Match the text as a phrase.")
     filter: str | None = Field(default=None, description="SQL-like pre-filter.")
-    k: int = Field(default=10, description="Rows to return (1..query.max_k).")
-    columns: list[str] | None = Field(default=None, description="Columns (default: all).")
+    k: int = Field(default=10, strict=True, description="Rows to return (1..query.max_k).")
+    columns: list[str] | None = Field(
+        default=None, min_length=1, description="Columns (default: all)."
+    )
     nprobes: int | None = Field(
-        default=None, ge=1, le=MAX_NPROBES, description="IVF partitions to probe."
+        default=None, ge=1, le=MAX_NPROBES, strict=True, description="IVF partitions to probe."
     )
     refine_factor: int | None = Field(
-        default=None, ge=1, le=MAX_REFINE_FACTOR, description="Exact re-rank factor."
+        default=None,
+        ge=1,
+        le=MAX_REFINE_FACTOR,
+        strict=True,
+        description="Exact re-rank factor.",
     )
 
 
@@ -162,7 +171,9 @@ class LookupRequest(BaseModel):
     _unicode = field_validator("keys", "columns")(_valid_unicode)
 
     keys: list[Any] = Field(description="Key values; one list per key for composite keys.")
-    columns: list[str] | None = Field(default=None, description="Columns (default: all).")
+    columns: list[str] | None = Field(
+        default=None, min_length=1, description="Columns (default: all)."
+    )
 
 
 class QueryResponse(BaseModel):
@@ -445,6 +456,12 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
     @app.exception_handler(_HttpError)
     async def http_error(request: Request, exc: _HttpError) -> Response:
         return _error(exc.status, exc.kind, exc.message, request_id_of(request.scope))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def starlette_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # FastAPI's own refusals (a body it cannot parse, an unknown path or method).
+        kind = "invalid_request" if exc.status_code == 400 else "http_error"
+        return _error(exc.status_code, kind, str(exc.detail), request_id_of(request.scope))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:

@@ -120,6 +120,11 @@ def test_arrow_stream_output(client: TestClient) -> None:
         ("/v1/search", {"text": "alpha", "text_column": "id"}, "unknown_column", "id"),
         ("/v1/search", {"text": "alpha", "bogus": 1}, "invalid_request", "bogus"),
         ("/v1/search", {"vector": [0.0] * 16, "nprobes": 0}, "invalid_request", "nprobes"),
+        ("/v1/search", {"text": "alpha", "columns": []}, "invalid_request", "columns"),
+        ("/v1/search", {"text": "alpha", "text_column": ""}, "invalid_request", "text_column"),
+        ("/v1/search", {"text": "alpha", "k": True}, "invalid_request", "k:"),
+        ("/v1/search", {"text": "alpha", "k": 2.0}, "invalid_request", "k:"),
+        ("/v1/lookup", {"keys": [["t", 0, 1]], "columns": []}, "invalid_request", "columns"),
         ("/v1/lookup", {"keys": []}, "invalid_request", "at least one key"),
         ("/v1/lookup", {"keys": [["t", 0, 1]] * 51}, "invalid_query", "at most 50"),
         ("/v1/lookup", {"keys": [["t", "x", 1]]}, "invalid_query", "is not a int32"),
@@ -144,6 +149,17 @@ def test_malformed_json_is_400(client: TestClient) -> None:
     )
     assert r.status_code == 400
     assert r.json()["error"]["type"] == "invalid_request"
+
+
+def test_a_body_the_json_parser_gives_up_on_is_400_in_the_same_format(
+    client: TestClient,
+) -> None:
+    r = client.post("/v1/search", content=b"[" * 100_000 + b"]" * 100_000)
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request"
+    r = client.get("/v1/nope")
+    assert r.status_code == 404
+    assert r.json()["error"]["type"] == "http_error"
 
 
 def test_body_larger_than_the_limit_is_413(harness: ReadHarness) -> None:
