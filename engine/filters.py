@@ -533,11 +533,13 @@ def parse_filter(text: str, schema: pa.Schema) -> Predicate:
     if comparisons > MAX_PREDICATES:
         raise FilterTooComplex(
             f"filter has {comparisons} comparisons (after merging equalities on one column "
-            f"into IN lists); at most {MAX_PREDICATES} are allowed: use IN (...) lists"
+            f"into IN lists); at most {MAX_PREDICATES} are allowed "
+            "(the filter complexity limit, MAX_PREDICATES): use IN (...) lists"
         )
     if nesting > MAX_NESTING:
         raise FilterTooComplex(
-            f"filter nests AND/OR {nesting} levels deep; at most {MAX_NESTING} are allowed"
+            f"filter nests AND/OR {nesting} levels deep; at most {MAX_NESTING} are allowed "
+            "(the filter nesting limit, MAX_NESTING)"
         )
     return Predicate(text, frozenset(parser.columns), root)
 
