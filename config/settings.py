@@ -753,7 +753,9 @@ class QuerySettings(_Section):
         default=8080, description="Port of the query API (may equal the metrics port)."
     )
     auth_token: SecretStr | None = Field(
-        default=None, description="If set, requests need 'Authorization: Bearer <token>'."
+        default=None,
+        description="If set, requests need 'Authorization: Bearer <token>': the query API, "
+        "/openapi.json and /v1/status (/metrics, /healthz and /readyz stay open).",
     )
     max_request_bytes: PositiveBytes = Field(
         default=ByteSize(4 << 20), description="Larger request bodies get 413."
@@ -762,8 +764,9 @@ class QuerySettings(_Section):
     max_concurrent_queries: PositiveInt = Field(
         default=8,
         le=1_024,
-        description="Queries running at once, counting timed-out ones still finishing; more "
-        "get 503. Bounds the threads and memory a burst of slow queries can take.",
+        description="Queries running at once; more get 503. A timed-out query's work (which "
+        "cannot be interrupted) frees its slot and finishes on as many threads again; past "
+        "that, it keeps its slot. Bounds the threads and memory slow queries can take.",
     )
     max_k: PositiveInt = Field(default=1_000, le=100_000, description="Largest k a query may ask.")
     lance_cpu_threads: PositiveInt | None = Field(

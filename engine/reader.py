@@ -814,7 +814,7 @@ class Reader:
         def lance_rows(limit: int) -> pa.Table:
             found: pa.Table = base.to_table(
                 nearest={**nearest, "k": limit},
-                filter=None if predicate is None else predicate.expression,
+                filter=None if predicate is None else predicate.sql,
                 prefilter=True,
                 columns=[*fetch, DISTANCE],
                 fast_search=cached is not None,
@@ -1016,7 +1016,7 @@ class Reader:
         def fetch_rows(limit: int) -> pa.Table:
             return snap.base.to_table(
                 full_text_query=query,
-                filter=None if predicate is None else predicate.expression,
+                filter=None if predicate is None else predicate.sql,
                 prefilter=True,
                 columns=[*fetch, SCORE],
                 limit=limit,
@@ -1227,7 +1227,7 @@ class Reader:
 
             def fetch_rows(n: int) -> pa.Table:
                 return snap.base.to_table(
-                    filter=None if predicate is None else predicate.expression,
+                    filter=None if predicate is None else predicate.sql,
                     columns=fetch,
                     limit=n,
                 )
@@ -1292,6 +1292,12 @@ class Reader:
                 col.append(part)
         arrays = []
         for name, values, ktype in zip(names, columns, self._key_types, strict=True):
+            for value in values:
+                if not _fits_key_type(value, ktype):
+                    raise QueryError(
+                        f"key value {value!r} ({type(value).__name__}) is not a {ktype} value "
+                        f"of key column {name!r}"
+                    )
             try:
                 arrays.append(pa.array(values, type=ktype))
             except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as exc:
@@ -1391,6 +1397,23 @@ class Reader:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _fits_key_type(value: Any, ktype: pa.DataType) -> bool:
+    """Whether a lookup key value is of its column's type as it is, with no conversion:
+    Arrow would truncate 1.5 to 1 for an int64 key, or read True as 1, and return the row
+    of another key. (A null is refused on its own, after the conversion.)"""
+    if value is None:
+        return True
+    if pa.types.is_integer(ktype):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if pa.types.is_floating(ktype):
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if pa.types.is_string(ktype) or pa.types.is_large_string(ktype):
+        return isinstance(value, str)
+    if pa.types.is_boolean(ktype):
+        return isinstance(value, bool)
+    return True  # other types: Arrow's own conversion decides
 
 
 def _exact_knn(

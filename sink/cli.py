@@ -94,7 +94,12 @@ def _parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="one-screen summary of a running sink")
     status.add_argument("--url", help="the sink's metrics endpoint, e.g. http://host:9102")
-    status.add_argument("--config", type=Path, help="derive the URL from observability.*")
+    status.add_argument(
+        "--config",
+        type=Path,
+        help="derive the URL from observability.* and the bearer token from query.auth_token "
+        "(else LANCE_SINK__QUERY__AUTH_TOKEN)",
+    )
     status.add_argument("--json", action="store_true", help="print the raw JSON")
     return parser
 
@@ -351,15 +356,24 @@ def render_lag(lags: list[PartitionLag], with_flushed: bool) -> str:
 
 def _status(args: argparse.Namespace) -> int:
     url = args.url
-    if url is None and args.config is not None:
-        obs = _load(args.config, []).observability
-        host = "127.0.0.1" if obs.metrics_host in {"0.0.0.0", "::"} else obs.metrics_host  # noqa: S104
-        url = f"http://{host}:{obs.metrics_port}"
+    # /v1/status follows query.auth_token: from the config file, else its environment variable.
+    token = os.environ.get("LANCE_SINK__QUERY__AUTH_TOKEN")
+    if args.config is not None:
+        settings = _load(args.config, [])
+        secret = settings.query.auth_token
+        token = secret.get_secret_value() if secret is not None else token
+        if url is None:
+            obs = settings.observability
+            host = "127.0.0.1" if obs.metrics_host in {"0.0.0.0", "::"} else obs.metrics_host  # noqa: S104
+            url = f"http://{host}:{obs.metrics_port}"
     if url is None:
         print("lance-sink status: give --url or --config", file=sys.stderr)
         return EXIT_CONFIG
+    request = urllib.request.Request(url.rstrip("/") + "/v1/status")  # noqa: S310 - operator-given URL
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/v1/status", timeout=10) as resp:  # noqa: S310 - operator-given URL
+        with urllib.request.urlopen(request, timeout=10) as resp:  # noqa: S310 - operator-given URL
             status = json.loads(resp.read())
     except (OSError, ValueError) as exc:
         print(f"lance-sink status: cannot read {url}: {exc}", file=sys.stderr)

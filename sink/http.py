@@ -5,11 +5,13 @@ Build the app with `create_query_app(reader, settings.query)` and serve it with 
 SIGTERM/SIGINT and calls `handle.stop()` during its drain). The app is self-contained: the
 metrics and health endpoints live on another app.
 
-Requests and responses are JSON. A response is ``{"rows": [...], "count": n,
-"took_ms": t}``; with ``Accept: application/vnd.apache.arrow.stream`` it is the result as an
-Arrow IPC stream instead. The OpenAPI description is at ``/openapi.json`` (it needs the
-bearer token like every other path when ``query.auth_token`` is set: it describes the
-table's schema). No interactive ``/docs`` page is served.
+Requests and responses are JSON. A request body is read as JSON whatever its
+``Content-Type`` (``curl -d`` sends ``application/x-www-form-urlencoded``). A response is
+``{"rows": [...], "count": n, "took_ms": t}``; with ``Accept:
+application/vnd.apache.arrow.stream`` it is the result as an Arrow IPC stream instead. The
+OpenAPI description is at ``/openapi.json`` (it needs the bearer token like every other path
+when ``query.auth_token`` is set: it describes the table's schema). No interactive ``/docs``
+page is served.
 
 `POST /v1/search` takes any of ``vector``, ``text`` and ``filter``:
 
@@ -20,23 +22,37 @@ table's schema). No interactive ``/docs`` page is served.
   (rank from 1; a row missing from a list adds nothing), best first. RRF needs no score
   calibration between a distance and BM25, which is why it is used.
 
-Errors (JSON ``{"error": {"type": ..., "message": ...}}``):
+Errors (JSON ``{"error": {"type": ..., "message": ..., "request_id": ...}}``; the request
+id is also the ``X-Request-Id`` response header of every answer):
 
-- 400: validation (empty request, k outside ``1..query.max_k``, wrong vector dimension,
-  unknown column, bad filter syntax with its position, malformed JSON or wrong types);
+- 400: validation (empty request, k outside ``1..query.max_k``, ``nprobes`` or
+  ``refine_factor`` out of range, wrong vector dimension, unknown column, bad filter syntax
+  with its position, a blank filter, a filter over `engine.filters.MAX_PREDICATES`, text
+  that is not valid Unicode, a lookup key not of its column's type, malformed JSON or wrong
+  types);
 - 401: ``query.auth_token`` is set and the ``Authorization: Bearer <token>`` header is
-  missing or wrong (compared in constant time), on every path including ``/openapi.json``;
+  missing or wrong (compared in constant time), checked before the body is read or
+  validated, on every path including ``/openapi.json`` and ``/v1/status``, except
+  ``OPEN_PATHS`` (``/metrics``, ``/healthz``, ``/readyz``: for Prometheus and the kubelet,
+  which carry no token; they tell nothing about the table's contents);
 - 413: the body is larger than ``query.max_request_bytes`` (checked on Content-Length and
   while reading a chunked body);
 - 503: a shard or the table cannot be read right now, or ``query.max_concurrent_queries``
   queries are already running (``Retry-After: 1``); retry;
 - 504: the query took longer than ``query.timeout_ms``. The work itself cannot be
   interrupted; it finishes in its worker thread and its result is dropped.
+- 500: a bug. The body names the request id; the failure is logged once, as the
+  structured event ``query_request_failed`` with that id and the traceback.
 
-Query threads. Queries run on the app's own pool of ``query.max_concurrent_queries``
-threads, and a query holds its slot until its work has finished, *including after its
-request got 504*. So timed-out queries cannot pile up: at most that many run at once, and a
-request that finds every slot taken gets 503 at once instead of queueing behind them.
+Query threads. Queries run on the app's own pool (see `QueryPool`):
+``query.max_concurrent_queries`` slots for queries someone waits for, plus as many threads
+for abandoned work, i.e. queries whose request got 504 but whose work (which cannot be
+interrupted) is still running. A 504 hands its slot over to new queries while the
+abandoned work is under that second bound; past it, timed-out work keeps its slot until it
+ends. So a slot is held by a query nobody waits for at most ``query.timeout_ms`` while fewer
+than ``max_concurrent_queries`` such queries run, the threads of the process stay bounded
+(twice the setting), and a request that finds every slot taken gets 503 at once instead of
+queueing.
 """
 
 from __future__ import annotations
@@ -45,6 +61,7 @@ import asyncio
 import hmac
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -54,14 +71,21 @@ import orjson
 import pyarrow as pa
 import structlog
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from config.settings import QuerySettings
 from engine.errors import LanceSinkError
-from engine.filters import FilterSyntaxError, Predicate, QueryError, UnknownColumn
+from engine.filters import (
+    FilterSyntaxError,
+    FilterTooComplex,
+    Predicate,
+    QueryError,
+    UnknownColumn,
+)
 from engine.reader import SCORE, Reader
 
 log = structlog.get_logger("lance_sink.http")
@@ -70,6 +94,17 @@ ARROW_STREAM = "application/vnd.apache.arrow.stream"
 #: Reciprocal rank fusion constant: 60 is the value of the original RRF paper (Cormack et
 #: al. 2009); it damps the weight of the very first ranks so neither list dominates.
 RRF_K = 60
+#: Paths that answer without the bearer token: Prometheus scrapes and the kubelet's probes
+#: carry none, and none of them tells anything about the table's contents.
+OPEN_PATHS = frozenset({"/metrics", "/healthz", "/readyz"})
+#: Paths whose bodies are read as JSON whatever their Content-Type.
+JSON_PATHS = frozenset({"/v1/search", "/v1/lookup"})
+#: Most IVF partitions a request may probe: an IVF index has about sqrt(rows) partitions,
+#: so 65 536 covers 4 billion rows; Lance overflows on larger values.
+MAX_NPROBES = 65_536
+#: Largest re-rank factor a request may ask: Lance re-ranks k * refine_factor candidates
+#: exactly, so with `query.max_k` 1 000 this is at most 100 000 rows read (the default is 10).
+MAX_REFINE_FACTOR = 100
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -78,22 +113,54 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
+def _valid_unicode(value: Any) -> Any:
+    """Refuse strings (also inside lists) that hold lone surrogates: JSON can carry them
+    (``"\\ud800"``) but they are not text, and Lance's tokenizer cannot encode them."""
+    items = value if isinstance(value, list) else [value]
+    for item in items:
+        if isinstance(item, list):
+            _valid_unicode(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                bad = item[exc.start : exc.end].encode("unicode_escape").decode()
+                raise ValueError(
+                    f"not valid Unicode: lone surrogate {bad} at character {exc.start}"
+                ) from exc
+    return value
+
+
 class SearchRequest(BaseModel):
     """Body of `POST /v1/search`: at least one of vector, text, filter."""
 
     model_config = ConfigDict(extra="forbid")
 
+    _unicode = field_validator("text", "text_column", "filter", "columns")(_valid_unicode)
+
     vector: list[float] | None = Field(default=None, description="Query vector (kNN).")
     text: str | None = Field(default=None, description="Full-text query (BM25).")
     text_column: str | None = Field(
-        default=None, description="FTS column to search (default: the first fts_column)."
+        default=None,
+        min_length=1,
+        description="FTS column to search (default: the first fts_column).",
     )
     phrase: bool = Field(default=False, description="Match the text as a phrase.")
     filter: str | None = Field(default=None, description="SQL-like pre-filter.")
-    k: int = Field(default=10, description="Rows to return (1..query.max_k).")
-    columns: list[str] | None = Field(default=None, description="Columns (default: all).")
-    nprobes: int | None = Field(default=None, ge=1, description="IVF partitions to probe.")
-    refine_factor: int | None = Field(default=None, ge=1, description="Exact re-rank factor.")
+    k: int = Field(default=10, strict=True, description="Rows to return (1..query.max_k).")
+    columns: list[str] | None = Field(
+        default=None, min_length=1, description="Columns (default: all)."
+    )
+    nprobes: int | None = Field(
+        default=None, ge=1, le=MAX_NPROBES, strict=True, description="IVF partitions to probe."
+    )
+    refine_factor: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_REFINE_FACTOR,
+        strict=True,
+        description="Exact re-rank factor.",
+    )
 
 
 class LookupRequest(BaseModel):
@@ -101,8 +168,12 @@ class LookupRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    _unicode = field_validator("keys", "columns")(_valid_unicode)
+
     keys: list[Any] = Field(description="Key values; one list per key for composite keys.")
-    columns: list[str] | None = Field(default=None, description="Columns (default: all).")
+    columns: list[str] | None = Field(
+        default=None, min_length=1, description="Columns (default: all)."
+    )
 
 
 class QueryResponse(BaseModel):
@@ -121,20 +192,44 @@ class _HttpError(Exception):
         super().__init__(message)
 
 
-def _error(status: int, kind: str, message: str) -> Response:
-    body = orjson.dumps({"error": {"type": kind, "message": message}})
+def _error(status: int, kind: str, message: str, request_id: str | None = None) -> Response:
+    error = {"type": kind, "message": message}
+    if request_id is not None:
+        error["request_id"] = request_id
+    body = orjson.dumps({"error": error})
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     if status == 503:
         headers = {"Retry-After": "1"}
     return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
-class QueryPool:
-    """At most `size` queries running at once, each on a thread of its own pool.
+def request_id_of(scope: Scope) -> str | None:
+    """The id `RequestGuard` gave this request (None outside it)."""
+    state = scope.get("state")
+    value = state.get("request_id") if isinstance(state, dict) else None
+    return value if isinstance(value, str) else None
 
-    `submit` takes a slot or raises `_HttpError` 503 when none is free; the slot is given back
-    by the worker thread when the work ends, not when the request ends, so the work of
-    timed-out requests (which cannot be interrupted) still counts against the bound.
+
+class _Task:
+    """One query's claim on the pool: a slot, or (once abandoned) an abandoned-work place."""
+
+    __slots__ = ("abandoned", "done")
+
+    def __init__(self) -> None:
+        self.abandoned = False
+        self.done = False
+
+
+class QueryPool:
+    """At most `size` queries someone waits for, plus at most `size` abandoned ones.
+
+    `submit` takes a slot or raises `_HttpError` 503 when none is free. The worker thread
+    gives the slot back when the work ends. A request that gives up on its query (504)
+    calls `abandon`: the work (which cannot be interrupted) goes on, counted as abandoned,
+    and its slot is free for new queries at once, unless `size` abandoned queries are
+    running already; then it keeps its slot until it ends, as every query did before. So a
+    query nobody waits for holds a slot at most `query.timeout_ms` (under that bound),
+    threads stay bounded (2 * `size`), and a flood of slow queries cannot grow them.
 
     Lifecycle: built by `create_query_app` (kept as ``app.state.query_pool``);
     `shutdown` (from `ServerHandle.stop`) lets running work finish in the background.
@@ -143,20 +238,41 @@ class QueryPool:
     def __init__(self, size: int) -> None:
         self.size = size
         self._running = 0
+        self._abandoned = 0
         self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="query")
+        self._executor = ThreadPoolExecutor(max_workers=2 * size, thread_name_prefix="query")
 
     @property
     def running(self) -> int:
-        """Slots taken now (queries whose work has not finished)."""
+        """Slots taken now (queries someone waits for, or abandoned past the bound)."""
         with self._lock:
             return self._running
 
-    def _release(self) -> None:
+    @property
+    def abandoned(self) -> int:
+        """Abandoned queries whose work still runs without holding a slot."""
         with self._lock:
-            self._running -= 1
+            return self._abandoned
 
-    def submit(self, fn: Callable[[], pa.Table]) -> asyncio.Future[pa.Table]:
+    def _release(self, task: _Task) -> None:
+        with self._lock:
+            task.done = True
+            if task.abandoned:
+                self._abandoned -= 1
+            else:
+                self._running -= 1
+
+    def abandon(self, task: _Task) -> None:
+        """Nobody waits for `task` any more: free its slot if abandoned work is under its
+        bound (else the slot is freed when the work ends)."""
+        with self._lock:
+            if task.done or task.abandoned or self._abandoned >= self.size:
+                return
+            task.abandoned = True
+            self._running -= 1
+            self._abandoned += 1
+
+    def submit(self, fn: Callable[[], pa.Table]) -> tuple[asyncio.Future[pa.Table], _Task]:
         """Start `fn` on a pool thread (call from the event loop).
 
         Raises:
@@ -170,22 +286,95 @@ class QueryPool:
                     f"{self.size} queries are already running (query.max_concurrent_queries)",
                 )
             self._running += 1
+        task = _Task()
 
         def work() -> pa.Table:
             try:
                 return fn()
             finally:
-                self._release()
+                self._release(task)
 
         try:
-            return asyncio.get_running_loop().run_in_executor(self._executor, work)
+            return asyncio.get_running_loop().run_in_executor(self._executor, work), task
         except BaseException:
-            self._release()
+            self._release(task)
             raise
 
     def shutdown(self) -> None:
         """Accept no more work; running work finishes in the background."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class RequestGuard:
+    """ASGI middleware, outermost: what every request goes through before the app.
+
+    1. gives the request an id (``scope["state"]["request_id"]``, and the ``X-Request-Id``
+       header of the answer);
+    2. checks the bearer token (if `token` is set) on every path but `open_paths`, before
+       the body is read: an unauthenticated request gets 401 whatever its body;
+    3. marks the body of `JSON_PATHS` as JSON whatever its Content-Type;
+    4. answers an exception that escaped the app with a JSON 500 naming the request id, and
+       logs it once as the structured event ``query_request_failed`` (so no server prints a
+       plain traceback).
+    """
+
+    def __init__(
+        self, app: ASGIApp, token: bytes | None, open_paths: frozenset[str] = OPEN_PATHS
+    ) -> None:
+        self.app = app
+        self.token = token
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = uuid.uuid4().hex[:16]
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = list(message.get("headers", []))
+                headers.append((b"x-request-id", request_id.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        path = scope.get("path", "")
+        headers = scope.get("headers", [])
+        if self.token is not None and path not in self.open_paths:
+            given = b""
+            for name, value in headers:
+                if name == b"authorization":
+                    given = value
+            scheme, _, credential = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(
+                credential.strip(), self.token
+            ):
+                response = _error(401, "unauthorized", "missing or wrong bearer token", request_id)
+                await response(scope, receive, send_with_id)
+                return
+        if path in JSON_PATHS and scope.get("method") == "POST":
+            scope["headers"] = [
+                *((n, v) for n, v in headers if n != b"content-type"),
+                (b"content-type", b"application/json"),
+            ]
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            log.error(
+                "query_request_failed",
+                request_id=request_id,
+                path=path,
+                error=f"{type(exc).__name__}: {exc}",
+                exc_info=exc,
+            )
+            if started:
+                return  # the answer is under way: the client sees the connection end
+            message = f"internal error (request id {request_id}); the server log has details"
+            await _error(500, "internal", message, request_id)(scope, receive, send_with_id)
 
 
 class BodyLimit:
@@ -225,7 +414,8 @@ class BodyLimit:
         return f"request body larger than {self.limit} bytes (query.max_request_bytes)"
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await _error(413, "request_too_large", self._message())(scope, receive, send)
+        response = _error(413, "request_too_large", self._message(), request_id_of(scope))
+        await response(scope, receive, send)
 
 
 def _replay(chunks: list[bytes], final: Message | None) -> Receive:
@@ -263,38 +453,42 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
     pool = QueryPool(settings.max_concurrent_queries)
     app.state.query_pool = pool
 
-    async def authorize(request: Request) -> None:
-        if token is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token):
-            raise _HttpError(401, "unauthorized", "missing or wrong bearer token")
-
     @app.exception_handler(_HttpError)
-    async def http_error(_request: Request, exc: _HttpError) -> Response:
-        return _error(exc.status, exc.kind, exc.message)
+    async def http_error(request: Request, exc: _HttpError) -> Response:
+        return _error(exc.status, exc.kind, exc.message, request_id_of(request.scope))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def starlette_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # FastAPI's own refusals (a body it cannot parse, an unknown path or method).
+        kind = "invalid_request" if exc.status_code == 400 else "http_error"
+        return _error(exc.status_code, kind, str(exc.detail), request_id_of(request.scope))
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_request: Request, exc: RequestValidationError) -> Response:
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
         parts = []
         for e in exc.errors():
             where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
-            parts.append(f"{where or 'body'}: {e.get('msg', 'invalid')}")
-        return _error(400, "invalid_request", "; ".join(parts))
+            message = str(e.get("msg", "invalid"))
+            if e.get("type") == "json_invalid":
+                message += " (the body is read as JSON whatever its Content-Type)"
+            parts.append(f"{where or 'body'}: {message}")
+        return _error(400, "invalid_request", "; ".join(parts), request_id_of(request.scope))
 
     async def run(fn: Callable[[], pa.Table]) -> pa.Table:
-        future = pool.submit(fn)
+        future, task = pool.submit(fn)
         try:
-            # shield: a timeout abandons the future instead of cancelling it, so the work
-            # keeps its pool slot until it really ends (see `QueryPool`).
+            # shield: a timeout abandons the future instead of cancelling it (the work
+            # cannot be interrupted); the pool frees its slot if it can (see `QueryPool`).
             return await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError as exc:
+            pool.abandon(task)
             raise _HttpError(
                 504, "timeout", f"query took longer than {settings.timeout_ms} ms"
             ) from exc
         except FilterSyntaxError as exc:
             raise _HttpError(400, "filter_syntax", str(exc)) from exc
+        except FilterTooComplex as exc:
+            raise _HttpError(400, "filter_too_complex", str(exc)) from exc
         except UnknownColumn as exc:
             raise _HttpError(400, "unknown_column", str(exc)) from exc
         except QueryError as exc:
@@ -302,7 +496,7 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
         except LanceSinkError as exc:
             raise _HttpError(503, "unavailable", str(exc)) from exc
 
-    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(authorize)])
+    @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> Response:
         return Response(orjson.dumps(app.openapi()), media_type="application/json")
 
@@ -314,7 +508,6 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
         "/v1/search",
         response_model=QueryResponse,
         responses={400: {}, 401: {}, 413: {}, 503: {}, 504: {}},
-        dependencies=[Depends(authorize)],
         summary="Vector, full-text, hybrid or filter search",
     )
     async def search(body: SearchRequest, request: Request) -> Response:
@@ -324,6 +517,12 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
                 400, "invalid_request", "empty request: give vector, text and/or filter"
             )
         check_k(body.k)
+        if body.filter is not None and not body.filter.strip():
+            raise _HttpError(
+                400,
+                "invalid_request",
+                "filter is blank: omit it (or send null) to search without a filter",
+            )
         predicate: Predicate | None = None
 
         def vector_search(k: int, cols: list[str] | None) -> pa.Table:
@@ -370,7 +569,6 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
         "/v1/lookup",
         response_model=QueryResponse,
         responses={400: {}, 401: {}, 413: {}, 503: {}, 504: {}},
-        dependencies=[Depends(authorize)],
         summary="Rows of many primary keys",
     )
     async def lookup(body: LookupRequest, request: Request) -> Response:
@@ -385,6 +583,7 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
         return _respond(table, request, started)
 
     app.add_middleware(BodyLimit, limit=int(settings.max_request_bytes))
+    app.add_middleware(RequestGuard, token=token)  # added last: runs first
     return app
 
 
@@ -494,9 +693,11 @@ def run_server(
 
 __all__ = [
     "ARROW_STREAM",
+    "OPEN_PATHS",
     "LookupRequest",
     "QueryPool",
     "QueryResponse",
+    "RequestGuard",
     "SearchRequest",
     "ServerHandle",
     "create_query_app",

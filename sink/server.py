@@ -10,6 +10,11 @@
 
 Served on `observability.metrics_port`. When the query API listens on the same port, its
 routes are served by the same app.
+
+With `query.auth_token` set, `/v1/status` and `/openapi.json` need the bearer token like
+the query API (they name topics, partitions and the table's columns); `/metrics`,
+`/healthz` and `/readyz` stay open for Prometheus and the kubelet, which carry no token
+(`sink.http.OPEN_PATHS`). Errors and failures are answered as in `sink.http.RequestGuard`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from typing import Any, Protocol
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import SecretStr
+
+from sink.http import RequestGuard
 
 
 class Observable(Protocol):
@@ -30,9 +38,15 @@ class Observable(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
-def create_ops_app(service: Observable, app: FastAPI | None = None) -> FastAPI:
-    """Add the operations routes to `app` (or a new app) and return it."""
-    app = app or FastAPI(title="lance-sink operations", docs_url=None, redoc_url=None)
+def create_ops_app(
+    service: Observable, app: FastAPI | None = None, *, auth_token: SecretStr | None = None
+) -> FastAPI:
+    """Add the operations routes to `app` (or a new app, guarded by `auth_token`: see the
+    module docstring) and return it. A given `app` (the query API's) has its own guard."""
+    if app is None:
+        app = FastAPI(title="lance-sink operations", docs_url=None, redoc_url=None)
+        token = auth_token.get_secret_value().encode() if auth_token is not None else None
+        app.add_middleware(RequestGuard, token=token)
 
     @app.get("/metrics", include_in_schema=False)
     def metrics() -> Response:

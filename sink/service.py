@@ -324,7 +324,8 @@ class SinkService:
             app = create_ops_app(self, create_query_app(self.reader, query))
             self.servers.append(run_server(app, query.host, query.port))
             return
-        self.servers.append(run_server(create_ops_app(self), obs.metrics_host, obs.metrics_port))
+        ops = create_ops_app(self, auth_token=query.auth_token)
+        self.servers.append(run_server(ops, obs.metrics_host, obs.metrics_port))
         if query.enabled:
             self.servers.append(
                 run_server(create_query_app(self.reader, query), query.host, query.port)

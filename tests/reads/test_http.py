@@ -4,6 +4,7 @@ output, and one run against the real uvicorn server."""
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -13,12 +14,15 @@ import httpx2 as httpx
 import numpy as np
 import pyarrow as pa
 import pytest
+import structlog
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
 from config.settings import QuerySettings
 from engine.reader import Reader
+from sink import cli
 from sink.http import ARROW_STREAM, create_query_app, run_server
+from sink.server import create_ops_app
 from tests.reads.conftest import ReadHarness, vectors
 
 pytestmark = pytest.mark.timeout(120)
@@ -116,9 +120,15 @@ def test_arrow_stream_output(client: TestClient) -> None:
         ("/v1/search", {"text": "alpha", "text_column": "id"}, "unknown_column", "id"),
         ("/v1/search", {"text": "alpha", "bogus": 1}, "invalid_request", "bogus"),
         ("/v1/search", {"vector": [0.0] * 16, "nprobes": 0}, "invalid_request", "nprobes"),
+        ("/v1/search", {"text": "alpha", "columns": []}, "invalid_request", "columns"),
+        ("/v1/search", {"text": "alpha", "text_column": ""}, "invalid_request", "text_column"),
+        ("/v1/search", {"text": "alpha", "k": True}, "invalid_request", "k:"),
+        ("/v1/search", {"text": "alpha", "k": 2.0}, "invalid_request", "k:"),
+        ("/v1/lookup", {"keys": [["t", 0, 1]], "columns": []}, "invalid_request", "columns"),
         ("/v1/lookup", {"keys": []}, "invalid_request", "at least one key"),
         ("/v1/lookup", {"keys": [["t", 0, 1]] * 51}, "invalid_query", "at most 50"),
-        ("/v1/lookup", {"keys": [["t", "x", 1]]}, "invalid_query", "do not fit"),
+        ("/v1/lookup", {"keys": [["t", "x", 1]]}, "invalid_query", "is not a int32"),
+        ("/v1/lookup", {"keys": [["t", 0, 2**63]]}, "invalid_query", "do not fit"),
         ("/v1/lookup", {"keys": [["t", 0]]}, "invalid_query", "needs 3 values"),
         ("/v1/lookup", {"keys": [["t", 0, 1]], "columns": ["x"]}, "unknown_column", "x"),
     ],
@@ -139,6 +149,17 @@ def test_malformed_json_is_400(client: TestClient) -> None:
     )
     assert r.status_code == 400
     assert r.json()["error"]["type"] == "invalid_request"
+
+
+def test_a_body_the_json_parser_gives_up_on_is_400_in_the_same_format(
+    client: TestClient,
+) -> None:
+    r = client.post("/v1/search", content=b"[" * 100_000 + b"]" * 100_000)
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request"
+    r = client.get("/v1/nope")
+    assert r.status_code == 404
+    assert r.json()["error"]["type"] == "http_error"
 
 
 def test_body_larger_than_the_limit_is_413(harness: ReadHarness) -> None:
@@ -179,8 +200,8 @@ def test_bearer_token(harness: ReadHarness) -> None:
         r = c.get("/openapi.json", headers=ok)
         assert r.status_code == 200
         assert "/v1/search" in r.json()["paths"]
-        # No interactive docs page, with or without the token.
-        assert c.get("/docs").status_code == 404
+        # No interactive docs page; without the token no path answers but 401.
+        assert c.get("/docs").status_code == 401
         assert c.get("/docs", headers=ok).status_code == 404
         assert c.get("/redoc", headers=ok).status_code == 404
 
@@ -203,17 +224,23 @@ def test_slow_query_is_504(harness: ReadHarness) -> None:
     reader.close()
 
 
-def test_timed_out_queries_keep_their_slot_and_excess_requests_get_503(
+def test_timed_out_queries_free_their_slot_and_excess_requests_get_503(
     harness: ReadHarness,
 ) -> None:
+    """A 504 frees its slot for new queries while abandoned work is under its bound (it
+    held the slot until its work ended: 8 slow requests starved every other query); past
+    the bound, timed-out work keeps its slot and excess requests get 503 at once."""
     release = threading.Event()
+    blocking = threading.Event()
+    blocking.set()
     entered = threading.Semaphore(0)
 
     def blocked_shards() -> list[Any]:
         if threading.current_thread().name == "reader-tokenizer":
             return []  # the reader's background tokenizer: not a query
-        entered.release()
-        release.wait(30)
+        if blocking.is_set():
+            entered.release()
+            release.wait(30)
         return list(harness.writers)
 
     reader = Reader(harness.spec, harness.table, blocked_shards)
@@ -222,12 +249,21 @@ def test_timed_out_queries_keep_their_slot_and_excess_requests_get_503(
     pool = app.state.query_pool
     try:
         with TestClient(app) as c:
-            for _ in range(2):  # both time out, but their work goes on holding the slots
+            for _ in range(2):  # both time out; their work goes on, abandoned
                 r = c.post("/v1/search", json={"text": "alpha"})
                 assert r.status_code == 504
+                assert r.json()["error"]["request_id"] == r.headers["x-request-id"]
             assert entered.acquire(timeout=5)
             assert entered.acquire(timeout=5)
-            assert pool.running == 2
+            assert (pool.running, pool.abandoned) == (0, 2)
+            blocking.clear()
+            assert c.post("/v1/search", json={"text": "alpha"}).status_code == 200
+            blocking.set()
+            for _ in range(2):  # abandoned work is at its bound: these keep their slots
+                assert c.post("/v1/search", json={"text": "alpha"}).status_code == 504
+            assert entered.acquire(timeout=5)
+            assert entered.acquire(timeout=5)
+            assert (pool.running, pool.abandoned) == (2, 2)
             r = c.post("/v1/search", json={"text": "alpha"})
             assert r.status_code == 503
             assert r.json()["error"]["type"] == "overloaded"
@@ -236,9 +272,9 @@ def test_timed_out_queries_keep_their_slot_and_excess_requests_get_503(
             assert not entered.acquire(timeout=0.2)  # the rejected ones never started
             release.set()
             deadline = time.monotonic() + 10
-            while pool.running and time.monotonic() < deadline:
+            while (pool.running or pool.abandoned) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert pool.running == 0
+            assert (pool.running, pool.abandoned) == (0, 0)
             assert c.post("/v1/search", json={"text": "alpha"}).status_code == 200
     finally:
         release.set()
@@ -270,3 +306,191 @@ def test_real_server_on_a_free_port(harness: ReadHarness) -> None:
         handle.stop()
     with pytest.raises(httpx.ConnectError):
         httpx.post(f"{url}/v1/search", json={}, timeout=5)
+
+
+# --------------------------------------------------------------------------- issue 18
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"text": "\ud800 kafka"},
+        {"text": "kafka \udfff", "phrase": True},
+        {"vector": [0.0] * 16, "text": "\ud800 kafka"},
+        {"filter": "id = '\ud800'"},
+        {"text": "alpha", "columns": ["\ud800"]},
+    ],
+)
+def test_text_that_is_not_unicode_is_400(client: TestClient, body: dict[str, Any]) -> None:
+    # The body as a client sends it: JSON escapes of lone surrogates.
+    raw = json.dumps(body).encode()
+    assert b"\\ud" in raw
+    r = client.post("/v1/search", content=raw)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request"
+    assert "lone surrogate" in r.json()["error"]["message"]
+
+
+def test_lookup_keys_with_lone_surrogates_are_400(client: TestClient) -> None:
+    r = client.post("/v1/lookup", content=b'{"keys": [["\\ud800", 0, 1]]}')
+    assert r.status_code == 400, r.text
+    assert "lone surrogate" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("nprobes", 2**64), ("nprobes", 65_537), ("refine_factor", 2**40), ("refine_factor", 101)],
+)
+def test_numeric_parameters_are_bounded(client: TestClient, field: str, value: int) -> None:
+    r = client.post("/v1/search", json={"vector": vec(3), "k": 3, field: value})
+    assert r.status_code == 400, r.text  # was an OverflowError in Lance: 500
+    assert field in r.json()["error"]["message"]
+    r = client.post("/v1/search", json={"vector": vec(3), "k": 3, "nprobes": 65_536})
+    assert r.status_code == 200
+
+
+@pytest.mark.parametrize(
+    "key",
+    [["t", 0, 1.5], ["t", 0, 1.0], ["t", 0, True], ["t", 0.0, 1], ["t", 0, "1"], [1, 0, 1]],
+)
+def test_lookup_keys_must_have_their_columns_type(client: TestClient, key: list[Any]) -> None:
+    # 1.5 for the int64 offset used to be truncated to 1 and answered with row 1.
+    r = client.post("/v1/lookup", json={"keys": [key]})
+    assert r.status_code == 400, r.text
+    assert "is not a" in r.json()["error"]["message"]
+    r = client.post("/v1/lookup", json={"keys": [["t", 0, 1]], "columns": ["_offset"]})
+    assert r.json()["rows"] == [{"_offset": 1}]
+
+
+def test_authentication_comes_before_validation(harness: ReadHarness) -> None:
+    with client_for(harness, auth_token=SecretStr("s3cret"), max_request_bytes=1024) as c:
+        assert c.post("/v1/search", content=b"{not json").status_code == 401
+        assert c.post("/v1/search", json={"bogus": 1}).status_code == 401
+        assert c.post("/v1/search", json={"text": "a" * 5000}).status_code == 401
+        ok = {"Authorization": "Bearer s3cret"}
+        assert c.post("/v1/search", content=b"{not json", headers=ok).status_code == 400
+
+
+@pytest.mark.parametrize("blank", ["", "   ", "\n\t"])
+def test_a_blank_filter_is_400(client: TestClient, blank: str) -> None:
+    # It used to mean "no filter": k arbitrary rows.
+    for body in [{"filter": blank}, {"text": "alpha", "filter": blank}]:
+        r = client.post("/v1/search", json=body)
+        assert r.status_code == 400, r.text
+        assert "filter is blank" in r.json()["error"]["message"]
+    assert client.post("/v1/search", json={"text": "alpha", "filter": None}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Content-Type": "application/x-www-form-urlencoded"}, {"Content-Type": "text/plain"}],
+)
+def test_a_body_is_json_whatever_its_content_type(
+    client: TestClient, headers: dict[str, str]
+) -> None:
+    body = b'{"text": "row7", "columns": ["_offset"]}'
+    r = client.post("/v1/search", content=body, headers=headers)
+    assert r.status_code == 200, r.text
+    assert [row["_offset"] for row in r.json()["rows"]] == [7]
+    r = client.post("/v1/lookup", content=b'{"keys": [["t", 0, 7]]}', headers=headers)
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/search", content=b"text=row7", headers=headers)
+    assert r.status_code == 400
+    assert "whatever its Content-Type" in r.json()["error"]["message"]
+
+
+def test_a_failure_is_a_json_500_with_a_request_id_logged_once(harness: ReadHarness) -> None:
+    def broken_shards() -> list[Any]:
+        raise RuntimeError("boom")
+
+    reader = Reader(harness.spec, harness.table, broken_shards)
+    try:
+        with (
+            TestClient(create_query_app(reader, QuerySettings())) as c,
+            structlog.testing.capture_logs() as logs,
+        ):
+            r = c.post("/v1/search", json={"filter": "n > 3"})
+        assert r.status_code == 500
+        error = r.json()["error"]
+        assert error["type"] == "internal"
+        assert error["request_id"] == r.headers["x-request-id"]
+        assert error["request_id"] in error["message"]
+        failed = [e for e in logs if e["event"] == "query_request_failed"]
+        assert len(failed) == 1
+        assert failed[0]["request_id"] == error["request_id"]
+        assert failed[0]["error"] == "RuntimeError: boom"
+        assert failed[0]["log_level"] == "error"
+    finally:
+        reader.close()
+
+
+class _Ops:
+    def exposition(self) -> bytes:
+        return b"# metrics\n"
+
+    def liveness(self) -> tuple[bool, str]:
+        return True, ""
+
+    def readiness(self) -> tuple[bool, list[str]]:
+        return True, []
+
+    def status(self) -> dict[str, Any]:
+        return {"partitions": []}
+
+
+@pytest.mark.parametrize("same_port", [False, True])
+def test_which_operations_paths_need_the_token(harness: ReadHarness, same_port: bool) -> None:
+    """/metrics and the probes stay open (Prometheus, kubelet); /v1/status and
+    /openapi.json follow the query token, on the metrics port and on a shared port."""
+    token = SecretStr("s3cret")
+    if same_port:
+        query_app = create_query_app(harness.reader, QuerySettings(auth_token=token))
+        app = create_ops_app(_Ops(), query_app)
+    else:
+        app = create_ops_app(_Ops(), auth_token=token)
+    ok = {"Authorization": "Bearer s3cret"}
+    with TestClient(app) as c:
+        for path in ["/metrics", "/healthz", "/readyz"]:
+            assert c.get(path).status_code == 200, path
+        for path in ["/v1/status", "/openapi.json"]:
+            assert c.get(path).status_code == 401, path
+            assert c.get(path, headers={"Authorization": "Bearer x"}).status_code == 401
+            assert c.get(path, headers=ok).status_code == 200, path
+    with TestClient(create_ops_app(_Ops())) as c:  # no token configured: all open
+        assert c.get("/v1/status").status_code == 200
+        assert c.get("/openapi.json").status_code == 200
+
+
+def test_filter_chains_are_answered_fast_or_refused(client: TestClient) -> None:
+    """Eight 328-byte requests (30 ORs) used to hold every query slot for minutes."""
+    chain = " OR ".join(["_offset = 1"] * 30)
+    started = time.monotonic()
+    r = client.post("/v1/search", json={"filter": chain, "k": 1, "columns": ["_offset"]})
+    assert r.status_code == 200, r.text
+    assert r.json()["rows"] == [{"_offset": 1}]
+    r = client.post("/v1/search", json={"vector": vec(3), "filter": chain, "k": 1})
+    assert r.status_code == 200, r.text
+    assert time.monotonic() - started < 2
+    # 1 300 range comparisons (12 KB): was a RecursionError, 500.
+    chain = " OR ".join(f"n > {i}" for i in range(1300))
+    r = client.post("/v1/search", json={"filter": chain})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "filter_too_complex"
+    assert "at most 256" in r.json()["error"]["message"]
+    assert "MAX_PREDICATES" in r.json()["error"]["message"]
+
+
+def test_the_status_command_sends_the_token(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    handle = run_server(create_ops_app(_Ops(), auth_token=SecretStr("s3cret")), "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{handle.port}"
+    try:
+        monkeypatch.delenv("LANCE_SINK__QUERY__AUTH_TOKEN", raising=False)
+        assert cli.main(["status", "--url", url, "--json"]) != 0
+        assert "401" in capsys.readouterr().err
+        monkeypatch.setenv("LANCE_SINK__QUERY__AUTH_TOKEN", "s3cret")
+        assert cli.main(["status", "--url", url, "--json"]) == 0
+        assert '"partitions": []' in capsys.readouterr().out
+    finally:
+        handle.stop()

@@ -242,7 +242,7 @@ def test_request_errors_are_typed(make_harness: MakeHarness) -> None:
         r.search_text("the and of")
     with pytest.raises(QueryError, match="needs 3 values"):
         r.lookup([("t", 0)])
-    with pytest.raises(QueryError, match="do not fit"):
+    with pytest.raises(QueryError, match="is not a int32 value"):
         r.lookup([("t", "x", 1)])
 
 
