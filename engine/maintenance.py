@@ -167,6 +167,22 @@ def derived_sub_vectors(dim: int) -> int:
     return best
 
 
+#: Most bytes of vectors the vector index trains on (IVF kmeans and PQ: each samples
+#: num_partitions x sample_rate rows; Lance's sample_rate is 256). The maintenance child
+#: holds them, and copies, while it builds: uncapped, 300k 384-dim rows took it to 440-590
+#: MiB (bench/memory), the issue's 660k to 1 GiB. 64 MiB caps the sample at 43,690 rows of
+#: 384 floats, still 79 per partition at sqrt(300k) partitions.
+MAX_TRAINING_BYTES = 64 << 20
+MIN_SAMPLE_RATE = 16  # below this per-partition sample, kmeans centroids get noisy
+
+
+def training_sample_rate(partitions: int, dim: int) -> int:
+    """Lance's `sample_rate` for an index of `partitions` IVF partitions over `dim` floats:
+    256 (Lance's default) unless that would train on more than MAX_TRAINING_BYTES."""
+    rows = MAX_TRAINING_BYTES // (4 * dim)
+    return max(MIN_SAMPLE_RATE, min(256, rows // max(partitions, 1)))
+
+
 def derived_partitions(rows: int) -> int:
     """About sqrt(rows), at least 1, at most rows / 256."""
     return max(1, min(round(math.sqrt(rows)), rows // ROWS_PER_PARTITION_MIN))
@@ -308,7 +324,10 @@ class Maintenance:
         if rows < self.settings.vector_index_min_rows or index_on(ds, vector.name, None):
             raise _Skip
         partitions = self.settings.num_partitions or derived_partitions(rows)
-        kwargs: dict[str, Any] = {"num_partitions": partitions}
+        kwargs: dict[str, Any] = {
+            "num_partitions": partitions,
+            "sample_rate": training_sample_rate(partitions, vector.dim),
+        }
         if self.settings.vector_index == "IVF_PQ":
             kwargs["num_sub_vectors"] = self.settings.num_sub_vectors or derived_sub_vectors(
                 vector.dim

@@ -565,12 +565,12 @@ INVALID = {
         },
         (
             "config.backpressure.process_budget_bytes (8GiB = 8589934592 bytes) does not fit "
-            "in resources.limits.memory (2Gi): the pod needs 14336Mi"
+            "in resources.limits.memory (2Gi): the pod needs 14912Mi"
         ),
     ),
     "memory limit below the fixed part": (
         {"resources": {"limits": {"memory": "1Gi"}}},
-        "Raise resources.limits.memory to at least 5120Mi, or leave it null",
+        "Raise resources.limits.memory to at least 5696Mi, or leave it null",
     ),
     "memory limit that is not a quantity": (
         {"resources": {"limits": {"memory": "6GB"}}},
@@ -721,6 +721,12 @@ def test_pod_hardening_and_probes(rendered: dict[str, list[dict[str, Any]]], sce
             values["config"]["query"]["unindexed_cache_bytes"]
         )
         derived_mib += math.ceil(cache / 2**20)
+    if values["config"]["query"]["enabled"]:  # the Lance caches of queries on the base
+        lance_caches = sum(
+            TypeAdapter(ByteSize).validate_python(values["config"]["query"][name])
+            for name in ("lance_index_cache_bytes", "lance_metadata_cache_bytes")
+        )
+        derived_mib += math.ceil(lance_caches / 2**20)
     if values["config"]["maintenance"]["enabled"] and values["config"]["maintenance"]["process"]:
         derived_mib += values["resources"]["memory"]["maintenanceProcessMiB"]
     limits = values["resources"]["limits"]
@@ -749,8 +755,9 @@ def test_memory_limit_formula_and_override(helm: str, tmp_path: Path) -> None:
     )
     assert _values("object-storage-values")["config"]["table"]["vector"]
     docs = _template(helm, _scenario("object-storage-values"), path)
+    lance_caches = 256 + 64  # query.lance_index_cache_bytes + lance_metadata_cache_bytes
     assert _container(docs)["resources"]["limits"]["memory"] == (
-        f"{math.ceil(3_000_000_000 * 2 / 2**20) + 100 + 256 + 50}Mi"
+        f"{math.ceil(3_000_000_000 * 2 / 2**20) + 100 + 256 + lance_caches + 50}Mi"
     )
     # Maintenance in threads of the sink process (or off): no second process.
     for maintenance in ({"process": False}, {"enabled": False}):
@@ -774,9 +781,9 @@ def test_memory_limit_formula_and_override(helm: str, tmp_path: Path) -> None:
         )
         docs = _template(helm, _scenario("object-storage-values"), path)
         assert _container(docs)["resources"]["limits"]["memory"] == (
-            f"{math.ceil(3_000_000_000 * 2 / 2**20) + 100 + 256}Mi"
+            f"{math.ceil(3_000_000_000 * 2 / 2**20) + 100 + 256 + lance_caches}Mi"
         )
-    # Without the query API, no unindexed-fragment cache is held.
+    # Without the query API, no unindexed-fragment cache and no Lance caches are held.
     path.write_text(
         yaml.safe_dump(
             {
@@ -806,9 +813,10 @@ def test_memory_limit_from_set_flags(helm: str) -> None:
         extra=("--set", "config.backpressure.process_budget_bytes=3221225472"),
     )
     cache_mib = 1024  # the default query.unindexed_cache_bytes (the scenario has a vector)
-    maintenance_mib = 256  # maintenance runs in its child process by default
+    lance_caches_mib = 256 + 64  # the default Lance index and metadata caches of queries
+    maintenance_mib = 512  # maintenance runs in its child process by default
     assert _container(docs)["resources"]["limits"]["memory"] == (
-        f"{3 * 1024 * 3 // 2 + 768 + cache_mib + maintenance_mib}Mi"
+        f"{3 * 1024 * 3 // 2 + 768 + cache_mib + lance_caches_mib + maintenance_mib}Mi"
     )
 
 
@@ -914,7 +922,8 @@ def test_keda_scales_on_lag_capped_at_partitions(
 def test_memory_limit_must_hold_the_budget(helm: str, tmp_path: Path) -> None:
     """A set resources.limits.memory renders exactly when it holds what the derived formula
     needs for the budget (whatever the quantity's unit), and fails one MiB below."""
-    need_mib = math.ceil(2 * 2**30 * 1.5 / 2**20) + 768 + 1024 + 256  # the scenario's settings
+    # the scenario's settings: budget, overhead, unindexed cache, Lance caches, maintenance
+    need_mib = math.ceil(2 * 2**30 * 1.5 / 2**20) + 768 + 1024 + 256 + 64 + 512
     path = tmp_path / "values.yaml"
 
     def renders(limit: str | int) -> bool:
@@ -932,13 +941,14 @@ def test_memory_limit_must_hold_the_budget(helm: str, tmp_path: Path) -> None:
     assert not renders(f"{need_mib - 1}Mi")
     assert renders(need_mib * 2**20)
     assert not renders(need_mib * 2**20 - 1)
-    assert need_mib == 5 * 1024
-    assert renders("5Gi")
-    assert renders("5.5G")  # 5.5e9 bytes > 5 GiB
-    assert not renders("5.3G")  # 5.3e9 bytes < 5 GiB
-    assert renders("54e8")
-    assert not renders("53e8")
-    assert renders("5.4e+09")
+    assert need_mib == 5696  # 5,972,688,896 bytes
+    assert renders("6Gi")
+    assert not renders("5Gi")
+    assert renders("6G")  # 6e9 bytes
+    assert not renders("5.9G")  # 5.9e9 bytes
+    assert renders("60e8")
+    assert not renders("59e8")
+    assert renders("5.98e+09")
 
 
 def test_memtable_rule_mirrors_the_settings(helm: str, tmp_path: Path) -> None:

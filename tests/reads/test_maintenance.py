@@ -21,11 +21,13 @@ import pytest
 from config.settings import MaintenanceSettings
 from engine.maintenance import (
     MAX_INDEX_SEGMENTS,
+    MAX_TRAINING_BYTES,
     Maintenance,
     MaintenanceProcess,
     derived_partitions,
     derived_sub_vectors,
     is_conflict,
+    training_sample_rate,
 )
 from engine.manifest import ManifestStore
 from engine.reader import ReaderSettings
@@ -123,6 +125,11 @@ def test_derived_index_parameters() -> None:
     assert derived_partitions(1_000_000) == 1000
     assert derived_partitions(600) == 2
     assert derived_partitions(10) == 1
+    # The training sample stays within MAX_TRAINING_BYTES (Lance's 256 per partition below).
+    assert training_sample_rate(2, 16) == 256
+    assert training_sample_rate(548, 384) == 79  # sqrt(300k) partitions
+    assert MAX_TRAINING_BYTES >= 548 * 79 * 384 * 4
+    assert training_sample_rate(100_000, 1536) == 16  # never below MIN_SAMPLE_RATE
     assert is_conflict(OSError("Retryable commit conflict for version 7"))
     assert not is_conflict(ValueError("no such column"))
 

@@ -178,6 +178,8 @@ MiB of memory the sink needs for its settings, an integer (the derived memory li
   ceil(process_budget_bytes x resources.memory.budgetFactor / 1 MiB) + resources.memory.overheadMiB
   + ceil(query.unindexed_cache_bytes / 1 MiB) when the query API is on and the table has a vector
   or full-text column
+  + ceil((query.lance_index_cache_bytes + query.lance_metadata_cache_bytes) / 1 MiB) when the
+  query API is on
   + resources.memory.maintenanceProcessMiB when maintenance runs in its child process
 */}}
 {{- define "lance-sink.memoryNeedMiB" -}}
@@ -187,6 +189,11 @@ MiB of memory the sink needs for its settings, an integer (the derived memory li
 {{- if and .Values.config.query.enabled (or .Values.config.table.vector .Values.config.table.fts_columns) -}}
 {{- $cacheBytes := include "lance-sink.bytes" (list "config.query.unindexed_cache_bytes" .Values.config.query.unindexed_cache_bytes) | float64 -}}
 {{- $cache = divf $cacheBytes 1048576 | ceil | int64 -}}
+{{- end -}}
+{{- if .Values.config.query.enabled -}}
+{{- $index := include "lance-sink.bytes" (list "config.query.lance_index_cache_bytes" .Values.config.query.lance_index_cache_bytes) | float64 -}}
+{{- $metadata := include "lance-sink.bytes" (list "config.query.lance_metadata_cache_bytes" .Values.config.query.lance_metadata_cache_bytes) | float64 -}}
+{{- $cache = add $cache (divf (addf $index $metadata) 1048576 | ceil | int64) -}}
 {{- end -}}
 {{- $maintenance := 0 -}}
 {{- if and .Values.config.maintenance.enabled .Values.config.maintenance.process -}}

@@ -148,7 +148,7 @@ checks only cover what is about how Kubernetes runs it, or what would leak a sec
 {{- end -}}
 {{- $limitShow := printf "%d bytes" (int64 $limit) -}}
 {{- if kindIs "string" . -}}{{- $limitShow = . -}}{{- end -}}
-{{- fail (printf "config.backpressure.process_budget_bytes (%s) does not fit in resources.limits.memory (%s): the pod needs %dMi = %dMi for the budget (x resources.memory.budgetFactor %v) + %dMi resources.memory.overheadMiB + %dMi for the query API's unindexed cache and the maintenance process, so the kernel would OOM-kill the sink before backpressure pauses a partition. %s resources.limits.memory to at least %dMi, or leave it null to derive it." $budgetShow $limitShow $needMiB $budgetMiB $factor (int64 $.Values.resources.memory.overheadMiB) (sub $fixedMiB (int64 $.Values.resources.memory.overheadMiB)) $fix $needMiB) -}}
+{{- fail (printf "config.backpressure.process_budget_bytes (%s) does not fit in resources.limits.memory (%s): the pod needs %dMi = %dMi for the budget (x resources.memory.budgetFactor %v) + %dMi resources.memory.overheadMiB + %dMi for the query API's caches (unindexed rows, Lance's index and metadata caches) and the maintenance process, so the kernel would OOM-kill the sink before backpressure pauses a partition. %s resources.limits.memory to at least %dMi, or leave it null to derive it." $budgetShow $limitShow $needMiB $budgetMiB $factor (int64 $.Values.resources.memory.overheadMiB) (sub $fixedMiB (int64 $.Values.resources.memory.overheadMiB)) $fix $needMiB) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
