@@ -426,12 +426,126 @@ def check_uri(value: str) -> str:
     return value
 
 
+#: Source formats whose values carry the Confluent wire format (magic byte, schema id) and
+#: are decoded with schemas from a Schema Registry (see docs/formats.md).
+REGISTRY_FORMATS = frozenset({"avro", "protobuf", "json_schema"})
+
+
+class SchemaRegistrySettings(_Section):
+    """The Confluent-compatible Schema Registry that registry formats read schemas from,
+    through confluent-kafka's own client (its schema cache, retries and TLS)."""
+
+    url: str = Field(
+        min_length=1,
+        description="Registry URL; several comma-separated URLs are tried in turn "
+        "(http://, https://; mock:// is confluent-kafka's in-process registry, for tests).",
+    )
+    basic_auth_username: str | None = Field(default=None, description="Basic-auth user name.")
+    basic_auth_password: SecretStr | None = Field(
+        default=None, description="Basic-auth password (secret; set it through the environment)."
+    )
+    bearer_token: SecretStr | None = Field(
+        default=None, description="Static bearer token (secret) sent as 'Authorization: Bearer'."
+    )
+    bearer_logical_cluster: str = Field(
+        default="",
+        description="Logical cluster sent with the bearer token (target-sr-cluster; Confluent "
+        "Cloud needs it, other registries ignore it).",
+    )
+    ssl_ca_location: str | None = Field(
+        default=None, description="CA certificate file or folder (PEM) for https:// URLs."
+    )
+    ssl_certificate_location: str | None = Field(
+        default=None, description="Client certificate file (PEM) for mutual TLS."
+    )
+    ssl_key_location: str | None = Field(default=None, description="Client private key (PEM).")
+    ssl_key_password: SecretStr | None = Field(
+        default=None, description="Password of the client private key (secret)."
+    )
+    timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=10.0, description="HTTP timeout of one registry request."
+    )
+    max_retries: NonNegativeInt = Field(
+        default=1,
+        le=10,
+        description="Retries of a failed request inside the client (on a decode thread). Kept "
+        "low: a registry that stays unreachable pauses the partition instead, retried with "
+        "backoff (unreachable_backoff_max_s) without holding a decode thread.",
+    )
+    cache_capacity: PositiveInt = Field(
+        default=1_000,
+        description="Schemas the client keeps by id (a schema id never changes, so one "
+        "look-up per id per process is the norm).",
+    )
+    cache_latest_ttl_s: PositiveInt = Field(
+        default=300,
+        description="How long the client caches a subject's latest version (used to derive "
+        "the table's columns at first start).",
+    )
+    unreachable_backoff_max_s: Annotated[float, Field(gt=0)] = Field(
+        default=30.0,
+        description="Longest wait before a partition paused on an unreachable registry tries "
+        "again (1 s, doubling per failure up to this).",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        for url in value.split(","):
+            scheme = urlparse(url.strip()).scheme
+            if scheme not in {"http", "https", "mock"}:
+                raise ValueError(f"{url.strip()!r} is not an http://, https:// or mock:// URL")
+        return value
+
+    @model_validator(mode="after")
+    def _auth(self) -> SchemaRegistrySettings:
+        if (self.basic_auth_username is None) != (self.basic_auth_password is None):
+            raise ValueError("basic_auth_username and basic_auth_password go together")
+        if self.basic_auth_username is not None and self.bearer_token is not None:
+            raise ValueError("use basic auth or a bearer token, not both")
+        return self
+
+    def client_conf(self) -> dict[str, Any]:
+        """The configuration of confluent-kafka's `SchemaRegistryClient`."""
+        conf: dict[str, Any] = {
+            "url": self.url,
+            "timeout": self.timeout_s,
+            "max.retries": self.max_retries,
+            "retries.wait.ms": 200,
+            "retries.max.wait.ms": 2_000,
+            "cache.capacity": self.cache_capacity,
+            "cache.latest.ttl.sec": self.cache_latest_ttl_s,
+        }
+        if self.basic_auth_username is not None and self.basic_auth_password is not None:
+            password = self.basic_auth_password.get_secret_value()
+            conf["basic.auth.user.info"] = f"{self.basic_auth_username}:{password}"
+        if self.bearer_token is not None:
+            conf["bearer.auth.credentials.source"] = "STATIC_TOKEN"
+            conf["bearer.auth.token"] = self.bearer_token.get_secret_value()
+            conf["bearer.auth.logical.cluster"] = self.bearer_logical_cluster
+        for key, value in (
+            ("ssl.ca.location", self.ssl_ca_location),
+            ("ssl.certificate.location", self.ssl_certificate_location),
+            ("ssl.key.location", self.ssl_key_location),
+        ):
+            if value:
+                conf[key] = value  # noqa: PERF403 - three optional keys, clearer as a loop
+        if self.ssl_key_password is not None:
+            conf["ssl.key.password"] = self.ssl_key_password.get_secret_value()
+        return conf
+
+
 class SourceSettings(_Section):
     """How Kafka messages become rows."""
 
-    format: Literal["json", "raw"] = Field(
+    format: Literal["json", "raw", "avro", "protobuf", "json_schema"] = Field(
         default="json",
-        description="json: the value is a JSON object; raw: the value goes into one column.",
+        description="json: the value is a JSON object; raw: the value goes into one column; "
+        "avro, protobuf, json_schema: the Confluent wire format with schemas from "
+        "source.schema_registry (see docs/formats.md).",
+    )
+    schema_registry: SchemaRegistrySettings | None = Field(
+        default=None, description="The Schema Registry; required by the registry formats."
     )
     columns: dict[str, str] = Field(
         default_factory=dict,
@@ -467,6 +581,12 @@ class SourceSettings(_Section):
                     "@headers.NAME, @value)"
                 )
         return value
+
+    @model_validator(mode="after")
+    def _registry(self) -> SourceSettings:
+        if self.format in REGISTRY_FORMATS and self.schema_registry is None:
+            raise ValueError(f"format {self.format!r} needs a [source.schema_registry] section")
+        return self
 
 
 _SOURCE_RE = re.compile(

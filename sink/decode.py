@@ -116,6 +116,7 @@ from engine.schema import (
     TableSpec,
     arrow_type,
 )
+from sink.formats import parse_records, record_format
 
 __all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason"]
 
@@ -131,6 +132,10 @@ Reason: TypeAlias = Literal[
     "invalid_utf8",
     "tombstone",
     "rejected_by_table",  # the engine refused a decoded batch (set by the consumer loop)
+    # Registry formats (sink.formats):
+    "missing_magic_byte",  # the value is not in the Confluent wire format
+    "unknown_schema_id",  # the registry does not know the value's schema id (HTTP 404)
+    "not_matching_schema",  # the value does not decode with its schema
 ]
 
 #: Kafka's TIMESTAMP_NOT_AVAILABLE timestamp type: the message carries no timestamp.
@@ -338,6 +343,9 @@ class Decoder:
         self._schema: pa.Schema = spec.batch_schema
         self._max_bytes = int(source.max_message_bytes)
         self._json = source.format == "json"
+        # Registry formats read record paths like JSON paths (sink.formats).
+        self._records = record_format(source)
+        self._paths = self._json or self._records is not None
         self._allow_nan = spec.vector.allow_nan if spec.vector is not None else False
         unknown = sorted(set(source.columns) - set(spec.table_schema.names))
         if unknown:
@@ -370,13 +378,13 @@ class Decoder:
         pk = f.name in self._spec.primary_key
         mapped = self._source.columns.get(f.name)
         if mapped is None:
-            if self._json:
+            if self._paths:
                 return _Column(f.name, type_name, f.type, "json", (f.name,), required, pk)
             if required:
                 raise ValueError(f"column {f.name!r} is required but has no source (raw format)")
             return _Column(f.name, type_name, f.type, "none")
         if mapped.startswith("$."):
-            if not self._json:
+            if not self._paths:
                 raise ValueError(f"column {f.name!r}: JSON path {mapped!r} in the raw format")
             path = tuple(mapped[2:].split("."))
             return _Column(f.name, type_name, f.type, "json", path, required, pk)
@@ -524,7 +532,18 @@ class Decoder:
         index = candidates
         leaves: dict[_Path, pa.Array] = {}
         is_object: pa.Array | None = None
-        if self._json:
+        column_faults: dict[_Path, dict[int, _Fault]] = {}
+        if self._records is not None:
+            paths = [
+                (path, c.type_name, f"{c.name!r} ({c.where})")
+                for path, c in self._path_columns.items()
+            ]
+            parsed = parse_records(self._records, payloads, paths)
+            early = {int(candidates[pos]): cast("_Fault", f) for pos, f in parsed.faults.items()}
+            index = index[parsed.positions]
+            leaves = parsed.leaves
+            column_faults = cast("dict[_Path, dict[int, _Fault]]", parsed.column_faults)
+        elif self._json:
             positions, leaves, is_object, faults = self._parse(payloads, sizes)
             early = {int(candidates[pos]): fault for pos, fault in faults.items()}
             index = index[positions]
@@ -533,6 +552,9 @@ class Decoder:
             not_object = np.flatnonzero(~is_object.to_numpy(zero_copy_only=False))
             rows.fault(not_object, ("not_an_object", "value is JSON null, not an object"))
         for col in self._columns:
+            if col.path in column_faults:
+                for pos, fault in column_faults[col.path].items():
+                    rows.fault((pos,), fault)
             rows.columns[col.name] = self._column(col, rows, leaves, meta)
         return rows, early
 
@@ -542,7 +564,7 @@ class Decoder:
         """One column for `rows`, in its canonical type, faulting rows it cannot hold."""
         if col.kind == "json":
             arr = leaves[col.path]
-            if col.type_name == "binary":
+            if col.type_name == "binary" and self._json:
                 arr = _from_base64(arr, col, rows)
             elif col.type_name == "vector":
                 self._check_vectors(arr, col, rows, meta)

@@ -1,0 +1,112 @@
+"""Registry formats: Avro, Protobuf and JSON Schema in the Confluent wire format.
+
+`sink.decode.Decoder` uses a `RecordFormat` for ``source.format`` avro, protobuf and
+json_schema: the format turns payloads into Python records with the library that owns it
+(`sink.formats.avro`, ...), and `parse_records` turns the records into one column per
+record path (`sink.formats.records`). Everything after that (required columns, primary
+keys, vector checks, tombstones, Kafka metadata, assembly) is the JSON path's, unchanged.
+See docs/formats.md for the configuration, the type mapping and the dead-letter reasons.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from config.settings import REGISTRY_FORMATS, SourceSettings
+from engine.errors import RetriableError
+from sink.formats.records import Fault, column_values, to_column
+
+__all__ = ["RecordColumns", "RecordFormat", "RegistryUnavailable", "parse_records", "record_format"]
+
+Path = tuple[str, ...]
+
+
+class RegistryUnavailable(RetriableError):
+    """The Schema Registry cannot answer (unreachable, timing out, or failing): not the
+    message's fault. `Decoder.decode` raises it; the consumer loop pauses the partition
+    and decodes the same messages again later (nothing goes to the DLQ for it)."""
+
+
+class RecordFormat(Protocol):
+    """Turns framed payloads into Python records; safe to call from several threads."""
+
+    name: str
+
+    def records(self, payloads: Sequence[bytes]) -> tuple[list[int], list[Any], dict[int, Fault]]:
+        """The positions of the payloads that decoded, their records, the others' faults.
+
+        Raises:
+            RegistryUnavailable: the registry could not be asked (not the messages' fault).
+        """
+        ...
+
+
+def record_format(source: SourceSettings) -> RecordFormat | None:
+    """The format of ``source.format``, or None for json and raw."""
+    if source.format not in REGISTRY_FORMATS:
+        return None
+    assert source.schema_registry is not None  # checked by the settings
+    # The registry client and the format libraries load only when a registry format is used.
+    from sink.formats.registry import build_client  # noqa: PLC0415
+
+    client = build_client(source.schema_registry)
+    if source.format == "avro":
+        from sink.formats.avro import AvroFormat  # noqa: PLC0415 - its libraries load on use
+
+        return AvroFormat(client)
+    raise ValueError(f"source.format {source.format!r} is not supported yet")
+
+
+@dataclass(frozen=True, slots=True)
+class RecordColumns:
+    """Columns of the payloads that decoded.
+
+    Attributes:
+        positions: positions (in the payloads given) of the decoded records, ascending.
+        leaves: one array per record path, aligned with `positions`.
+        faults: faults of payloads that did not decode, by payload position.
+        column_faults: per path, faults of values that do not fit the column, by row
+            (index into `positions`); those rows are null in `leaves`.
+    """
+
+    positions: np.ndarray
+    leaves: dict[Path, pa.Array]
+    faults: dict[int, Fault]
+    column_faults: dict[Path, dict[int, Fault]]
+
+
+def parse_records(
+    fmt: RecordFormat, payloads: Sequence[bytes], paths: Sequence[tuple[Path, str, str]]
+) -> RecordColumns:
+    """Decode payloads with `fmt` and build a column for each ``(path, type, describe)``.
+
+    Raises:
+        RegistryUnavailable: from `fmt`.
+    """
+    positions, records, faults = fmt.records(payloads)
+    not_records = [i for i, r in enumerate(records) if not isinstance(r, dict)]
+    if not_records:
+        for i in not_records:
+            kind = type(records[i]).__name__
+            faults[positions[i]] = (
+                "not_an_object",
+                f"value is a {fmt.name} {kind}, not a record",
+            )
+        drop = set(not_records)
+        positions = [p for i, p in enumerate(positions) if i not in drop]
+        records = [r for i, r in enumerate(records) if i not in drop]
+    leaves: dict[Path, pa.Array] = {}
+    column_faults: dict[Path, dict[int, Fault]] = {}
+    for path, type_name, describe in paths:
+        values, problems = column_values(records, path)
+        arr, bad = to_column(values, type_name, describe)
+        for row, problem in problems.items():
+            bad.setdefault(row, ("wrong_type", f"{describe}: {problem}"))
+        leaves[path] = arr
+        column_faults[path] = bad
+    return RecordColumns(np.asarray(positions, np.int64), leaves, faults, column_faults)
