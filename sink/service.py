@@ -52,6 +52,7 @@ from engine.wal import SourceRange
 from sink.decode import DeadLetter, Decoded, Decoder
 from sink.dlq import DeadLetterBatch, DeadLetterProducer
 from sink.dlq import producer_conf as dlq_producer_conf
+from sink.formats import RegistryUnavailable
 from sink.http import ServerHandle, create_query_app, run_server
 from sink.kafka_conf import kafka_security_conf
 from sink.lag import PartitionOffsets, unindexed_rows
@@ -192,6 +193,11 @@ class PartitionState:
     open_error: str | None = None
     open_failures: int = 0
     committed_known: bool = True  # False: the committed-offset look-up failed; retried
+    # The schema registry could not be asked while decoding (`_registry_failed`): paused,
+    # decoded again from `position` at `registry_retry_at`; failures in a row, last error.
+    registry_retry_at: float | None = None
+    registry_failures: int = 0
+    registry_error: str | None = None
     assigned: bool = True  # handed to the consumer (incremental_assign) already
 
     @property
@@ -271,6 +277,10 @@ class SinkService:
         self._parked_messages = 0  # consumed while the decode queue was full
         self._decode_queue_limit = DECODE_QUEUE_BATCHES * settings.kafka.consume_batch_size
         self._consume_size = settings.kafka.consume_batch_size
+        registry = settings.source.schema_registry
+        self._registry_backoff_max_s = (
+            registry.unreachable_backoff_max_s if registry is not None else RECOVERY_BACKOFF_MAX_S
+        )
         self._last_commit = 0.0
         self._last_metrics = 0.0
         self._lock = threading.Lock()  # guards `partitions` for readers on other threads
@@ -473,11 +483,50 @@ class SinkService:
             while state.decoding and state.decoding[0].future.done():
                 job = state.decoding.popleft()
                 self._decoding_messages -= len(job.messages)
-                self._feed(state, job.messages, job.future.result())
+                try:
+                    decoded = job.future.result()
+                except RegistryUnavailable as exc:
+                    self._registry_failed(state, job.messages, exc)
+                    break
+                if state.registry_failures:
+                    state.registry_failures, state.registry_error = 0, None
+                    self.metrics.registry_waiting(state.topic, state.partition, False)
+                self._feed(state, job.messages, decoded)
         if self._decoding_messages < self._decode_queue_limit:
             for state in list(self.partitions.values()):
                 if state.parked and state.held is None:
                     self._submit_parked(state)
+
+    def _registry_failed(
+        self, state: PartitionState, messages: list[Any], exc: RegistryUnavailable
+    ) -> None:
+        """Decoding needed the schema registry and it could not answer: not the messages'
+        fault, so nothing is dead-lettered. Pause the partition, forget this batch and the
+        ones after it (nothing of them is durable), and decode them again from their first
+        offset after a backoff (`_service_held`)."""
+        delay = min(
+            RECOVERY_BACKOFF_S * 2**state.registry_failures,
+            self._registry_backoff_max_s,
+        )
+        state.registry_failures += 1
+        state.registry_error = str(exc)
+        state.registry_retry_at = time.monotonic() + delay
+        state.position = messages[0].offset()
+        self._drop_decoding(state)
+        if not state.paused:
+            self.consumer.pause([state.tp])
+            state.paused = True
+            self.metrics.partition_paused(state.topic, state.partition, True)
+        self.metrics.registry_waiting(state.topic, state.partition, True)
+        log.warning(
+            "registry_unavailable",
+            topic=state.topic,
+            partition=state.partition,
+            offset=state.position,
+            error=state.registry_error,
+            attempt=state.registry_failures,
+            retry_in_s=delay,
+        )
 
     def _drop_decoding(self, state: PartitionState) -> None:
         """Forget batches not yet fed (nothing of them is durable or committed): they are
@@ -568,6 +617,13 @@ class SinkService:
 
     def _service_held(self) -> None:
         for state in list(self.partitions.values()):
+            if state.registry_retry_at is not None:
+                if state.writer is None or state.fenced or state.stopped:
+                    state.registry_retry_at = None  # recovery or revocation takes over
+                elif time.monotonic() >= state.registry_retry_at:
+                    state.registry_retry_at = None
+                    self._resume(state)  # decoded again from `position`
+                continue
             held = state.held
             if held is None or state.fenced or state.stopped or state.writer is None:
                 if state.writer is None and not state.fenced:
@@ -1377,6 +1433,15 @@ class SinkService:
             "inflight_puts": len(state.inflight),
             "held": state.held is not None,
         }
+        if state.registry_failures:
+            retry_at = state.registry_retry_at
+            entry["schema_registry"] = {
+                "error": state.registry_error,
+                "failures": state.registry_failures,
+                "retry_in_s": None
+                if retry_at is None
+                else round(max(retry_at - time.monotonic(), 0.0), 1),
+            }
         if state.writer is None and not state.fenced:
             entry["open"] = {
                 "error": state.open_error,
