@@ -535,6 +535,26 @@ class SchemaRegistrySettings(_Section):
         return conf
 
 
+class ProtobufSettings(_Section):
+    """Protobuf without a schema registry: one message type from a descriptor set."""
+
+    descriptor_set: str | None = Field(
+        default=None,
+        description="A FileDescriptorSet file (protoc --include_imports --descriptor_set_out) "
+        "holding the message type; used when there is no schema_registry (values are then "
+        "the message's plain bytes, not the Confluent wire format).",
+    )
+    message: str | None = Field(
+        default=None, description="Full name of the message type, e.g. 'shop.v1.Order'."
+    )
+
+    @model_validator(mode="after")
+    def _both(self) -> ProtobufSettings:
+        if (self.descriptor_set is None) != (self.message is None):
+            raise ValueError("descriptor_set and message go together")
+        return self
+
+
 class SourceSettings(_Section):
     """How Kafka messages become rows."""
 
@@ -545,8 +565,11 @@ class SourceSettings(_Section):
         "source.schema_registry (see docs/formats.md).",
     )
     schema_registry: SchemaRegistrySettings | None = Field(
-        default=None, description="The Schema Registry; required by the registry formats."
+        default=None,
+        description="The Schema Registry; required by avro and json_schema, and by protobuf "
+        "unless source.protobuf names a descriptor set.",
     )
+    protobuf: ProtobufSettings = Field(default_factory=ProtobufSettings)
     columns: dict[str, str] = Field(
         default_factory=dict,
         description="column -> source. '$.a.b' is a path into the JSON value; '@key', "
@@ -585,7 +608,13 @@ class SourceSettings(_Section):
     @model_validator(mode="after")
     def _registry(self) -> SourceSettings:
         if self.format in REGISTRY_FORMATS and self.schema_registry is None:
-            raise ValueError(f"format {self.format!r} needs a [source.schema_registry] section")
+            if self.format == "protobuf" and self.protobuf.descriptor_set is not None:
+                return self
+            hint = " (or, for protobuf, source.protobuf.descriptor_set)"
+            raise ValueError(
+                f"format {self.format!r} needs a [source.schema_registry] section"
+                + (hint if self.format == "protobuf" else "")
+            )
         return self
 
 

@@ -50,16 +50,23 @@ def record_format(source: SourceSettings) -> RecordFormat | None:
     """The format of ``source.format``, or None for json and raw."""
     if source.format not in REGISTRY_FORMATS:
         return None
-    assert source.schema_registry is not None  # checked by the settings
     # The registry client and the format libraries load only when a registry format is used.
     from sink.formats.registry import build_client  # noqa: PLC0415
 
-    client = build_client(source.schema_registry)
+    registry = source.schema_registry
+    client = None if registry is None else build_client(registry)
+    if source.format == "protobuf":
+        from sink.formats.protobuf import ProtobufFormat  # noqa: PLC0415
+
+        return ProtobufFormat(client, source.protobuf.descriptor_set, source.protobuf.message)
+    assert client is not None  # checked by the settings
     if source.format == "avro":
-        from sink.formats.avro import AvroFormat  # noqa: PLC0415 - its libraries load on use
+        from sink.formats.avro import AvroFormat  # noqa: PLC0415
 
         return AvroFormat(client)
-    raise ValueError(f"source.format {source.format!r} is not supported yet")
+    from sink.formats.json_schema import JsonSchemaFormat  # noqa: PLC0415
+
+    return JsonSchemaFormat(client)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,9 +14,10 @@ Conversions (anything else is ``wrong_type`` naming the column, its path and the
     int32/64    int (not bool), in range
     float32/64  int, float, Decimal
     bool        bool
-    binary      bytes (Avro bytes and fixed, protobuf bytes)
+    binary      bytes (Avro bytes and fixed, protobuf bytes); a base64 string (JSON Schema)
     timestamp   datetime (naive = UTC; sub-millisecond digits are floored), date (midnight
-                UTC), int (epoch milliseconds)
+                UTC), int (epoch milliseconds), an ISO-8601 string (JSON Schema; no offset
+                means UTC)
     vector      a list of numbers (Avro array<float|double>, protobuf repeated float), or
                 bytes holding little-endian float32 (``4 * dim`` bytes)
 
@@ -28,6 +29,7 @@ per-element work). Only columns with mixed or wrong kinds go value by value.
 
 from __future__ import annotations
 
+import binascii
 import datetime as dt
 import decimal
 import math
@@ -227,13 +229,27 @@ def _convert(value: Any, type_name: str) -> tuple[Any, str | None]:
     elif type_name == "binary":
         if isinstance(value, bytes | bytearray):
             return bytes(value), None
+        if kind is str:
+            try:
+                return binascii.a2b_base64(value, strict_mode=True), None
+            except (binascii.Error, ValueError):
+                return None, "is not base64"
     elif type_name == "timestamp":
         if isinstance(value, dt.datetime):
             return value if value.tzinfo else value.replace(tzinfo=dt.UTC), None
         if isinstance(value, dt.date):
             return dt.datetime(value.year, value.month, value.day, tzinfo=dt.UTC), None
         if kind is int:
-            return _EPOCH + dt.timedelta(milliseconds=value), None
+            try:
+                return _EPOCH + dt.timedelta(milliseconds=value), None
+            except OverflowError:
+                return None, f"is {_show(value)}, outside the timestamp range"
+        if kind is str:
+            try:
+                stamp = dt.datetime.fromisoformat(value)
+            except ValueError:
+                return None, f"is {_show(value)}, not an ISO-8601 date or date-time"
+            return stamp if stamp.tzinfo else stamp.replace(tzinfo=dt.UTC), None
     elif type_name == "vector":
         if isinstance(value, bytes):
             if len(value) % 4:
