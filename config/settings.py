@@ -334,9 +334,11 @@ class TableSettings(_Section):
         "the newest version of a key wins and a Kafka tombstone deletes it.",
     )
     columns: list[ColumnSpec] = Field(
-        min_length=1,
+        default_factory=list,
         description="Scalar columns, each { name, type, nullable }; type is one of string, "
-        "int32, int64, float32, float64, bool, binary, timestamp (milliseconds, UTC).",
+        "int32, int64, float32, float64, bool, binary, timestamp (milliseconds, UTC). Empty "
+        "with a registry format: derived from the subject's latest schema when the table is "
+        "created, from the table afterwards (docs/formats.md).",
     )
     vector: VectorSpec | None = None
     fts_columns: list[str] = Field(
@@ -383,6 +385,8 @@ class TableSettings(_Section):
     @field_validator("fts_columns")
     @classmethod
     def _fts(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        if not info.data.get("columns"):
+            return value  # derived from a schema at start; checked again then
         types = {c.name: c.type for c in info.data.get("columns", [])}
         for col in value:
             if types.get(col) != "string":
@@ -394,6 +398,8 @@ class TableSettings(_Section):
     def _primary_key(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
         if info.data.get("mode") == "upsert" and not value:
             raise ValueError("required for upsert tables")
+        if not info.data.get("columns"):
+            return value  # derived from a schema at start; checked again then
         types = {c.name: c.type for c in info.data.get("columns", [])}
         for col in value or []:
             if col not in types:
@@ -545,13 +551,16 @@ class ProtobufSettings(_Section):
         "the message's plain bytes, not the Confluent wire format).",
     )
     message: str | None = Field(
-        default=None, description="Full name of the message type, e.g. 'shop.v1.Order'."
+        default=None,
+        description="Full name of the message type, e.g. 'shop.v1.Order': the type of the "
+        "values with a descriptor_set; with a registry, the message table.columns are "
+        "derived from (default: the schema's first message).",
     )
 
     @model_validator(mode="after")
     def _both(self) -> ProtobufSettings:
-        if (self.descriptor_set is None) != (self.message is None):
-            raise ValueError("descriptor_set and message go together")
+        if self.descriptor_set is not None and self.message is None:
+            raise ValueError("a descriptor_set needs the message type (message)")
         return self
 
 
@@ -985,19 +994,29 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _cross(self) -> Settings:
-        table_columns = {c.name for c in self.table.columns}
-        if self.table.vector is not None:
-            table_columns.add(self.table.vector.column)
-        unknown = sorted(set(self.source.columns) - table_columns)
-        if unknown:
-            raise KeyedError("source.columns", f"maps unknown table columns: {', '.join(unknown)}")
-        indexed = set(self.maintenance.scalar_indexes)
-        not_scalar = sorted(indexed - {c.name for c in self.table.columns})
-        if not_scalar:
-            raise KeyedError(
-                "maintenance.scalar_indexes",
-                "not scalar table columns: " + ", ".join(not_scalar),
-            )
+        if not self.table.columns:  # derived at start (sink.formats.derive), checked then
+            if self.source.format not in REGISTRY_FORMATS:
+                raise KeyedError(
+                    "table.columns",
+                    "needs at least one column (only the registry formats avro, protobuf and "
+                    "json_schema derive the columns from a schema)",
+                )
+        else:
+            table_columns = {c.name for c in self.table.columns}
+            if self.table.vector is not None:
+                table_columns.add(self.table.vector.column)
+            unknown = sorted(set(self.source.columns) - table_columns)
+            if unknown:
+                raise KeyedError(
+                    "source.columns", f"maps unknown table columns: {', '.join(unknown)}"
+                )
+            indexed = set(self.maintenance.scalar_indexes)
+            not_scalar = sorted(indexed - {c.name for c in self.table.columns})
+            if not_scalar:
+                raise KeyedError(
+                    "maintenance.scalar_indexes",
+                    "not scalar table columns: " + ", ".join(not_scalar),
+                )
         if self.source.format == "raw":
             mapped = set(self.source.columns.values())
             if "@value" not in mapped:

@@ -227,6 +227,15 @@ def _run(args: argparse.Namespace) -> int:
     from sink.metrics import Metrics  # noqa: PLC0415
     from sink.service import SinkService  # noqa: PLC0415
 
+    if not settings.table.columns:
+        from sink.formats.derive import derive_settings  # noqa: PLC0415
+
+        try:
+            settings = derive_settings(settings)
+        except (LanceSinkError, LookupError, ValueError) as exc:
+            log.error("startup_failed", error=str(exc), error_type=type(exc).__name__)
+            print(f"lance-sink: cannot derive table.columns: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
     try:
         metrics = Metrics()
         engine = Engine.from_settings(settings, controller=controller, events=metrics)

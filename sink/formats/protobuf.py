@@ -177,6 +177,23 @@ def _plain_fault(exc: Exception, cls: type[Message]) -> Fault:
     raise exc
 
 
+def registry_descriptor(
+    client: SchemaRegistryClient, schema: Any, message: str | None = None
+) -> Descriptor:
+    """A message type of a registered Protobuf schema: `message` (a full name), or the
+    schema's first message (message index 0, the Confluent default)."""
+    helper = _DynamicDeserializer(client)
+    fd_proto, pool = helper._get_parsed_schema(schema)
+    if message is not None:
+        try:
+            found: Descriptor = pool.FindMessageTypeByName(message)
+        except KeyError as exc:
+            raise ValueError(f"the registered schema has no message {message!r}") from exc
+        return found
+    desc: Descriptor = helper._get_message_desc(pool, pool.FindFileByName(fd_proto.name), [0])
+    return desc
+
+
 def load_descriptor(path: str, message: str) -> Descriptor:
     """The descriptor of `message` from a ``FileDescriptorSet`` file.
 

@@ -123,15 +123,16 @@ def _short(exc: Exception) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def latest_schema(client: SchemaRegistryClient, subject: str) -> Any:
-    """The latest registered version of `subject` (`RegisteredSchema`).
+def latest_schema(client: SchemaRegistryClient, subject: str, *, serialized: bool = False) -> Any:
+    """The latest registered version of `subject` (`RegisteredSchema`); `serialized` asks
+    for a Protobuf schema as a serialized descriptor, as the deserializers do.
 
     Raises:
         RegistryUnavailable: the registry could not answer.
         LookupError: the subject does not exist.
     """
     try:
-        return client.get_latest_version(subject)
+        return client.get_latest_version(subject, fmt="serialized" if serialized else None)
     except SchemaRegistryError as exc:
         if exc.http_status_code == _NOT_FOUND:
             raise LookupError(f"subject {subject!r} is not in the schema registry") from exc

@@ -1,0 +1,276 @@
+"""Table columns from a schema, for registry formats with no ``table.columns``.
+
+`derive_settings` fills ``table.columns`` (and ``source.columns`` for nested fields) before
+the engine opens the table:
+
+- the table does not exist yet: from the latest schema of the first topic's value subject
+  (TopicNameStrategy: ``<topic>-value``), or, for protobuf without a registry, from the
+  descriptor set's message;
+- the table exists: from the table's own columns, so a later start never depends on
+  what producers registered since (``table.evolve`` adds new fields then: see
+  `sink.formats.derive.new_fields`).
+
+Every derived column is nullable (a field of today's schema may be gone from tomorrow's).
+A nested record's fields become columns named ``<parent>__<field>`` read from
+``$.parent.field``. Fields that map to no column type (arrays other than the vector
+column, maps, unions of several types, names Lance columns cannot have) are skipped and
+logged. The full mapping is in docs/formats.md.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any, Final
+
+import lance
+import pyarrow as pa
+import structlog
+
+from config.settings import Settings
+from engine.schema import SOURCE_COLUMNS, arrow_type
+
+__all__ = ["derive_settings", "schema_columns"]
+
+log = structlog.get_logger("lance_sink.formats")
+
+#: Separator of nested field names in derived column names: ``meta__n`` <- ``$.meta.n``.
+NESTED: Final = "__"
+_NAME_OK: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+
+_AVRO: Final = {
+    "boolean": "bool",
+    "int": "int32",
+    "long": "int64",
+    "float": "float32",
+    "double": "float64",
+    "bytes": "binary",
+    "fixed": "binary",
+    "string": "string",
+    "enum": "string",
+}
+_AVRO_LOGICAL: Final = {
+    "timestamp-millis": "timestamp",
+    "timestamp-micros": "timestamp",
+    "local-timestamp-millis": "timestamp",
+    "local-timestamp-micros": "timestamp",
+    "date": "timestamp",
+    "uuid": "string",
+    "decimal": "float64",
+}
+_JSON: Final = {"string": "string", "integer": "int64", "number": "float64", "boolean": "bool"}
+# Protobuf FieldDescriptor.TYPE_* numbers.
+_PROTO: Final = {
+    1: "float64",  # double
+    2: "float32",  # float
+    3: "int64",  # int64
+    4: "int64",  # uint64 (values above 2^63 - 1 are wrong_type)
+    5: "int32",  # int32
+    6: "int64",  # fixed64
+    7: "int64",  # fixed32
+    8: "bool",
+    9: "string",
+    12: "binary",  # bytes
+    13: "int64",  # uint32
+    14: "string",  # enum (its value names)
+    15: "int32",  # sfixed32
+    16: "int64",  # sfixed64
+    17: "int32",  # sint32
+    18: "int64",  # sint64
+}
+_PROTO_MESSAGE: Final = 11
+_PROTO_WELL_KNOWN: Final = {
+    "google.protobuf.Timestamp": "timestamp",
+    "google.protobuf.Duration": "float64",
+    "google.protobuf.DoubleValue": "float64",
+    "google.protobuf.FloatValue": "float32",
+    "google.protobuf.Int64Value": "int64",
+    "google.protobuf.UInt64Value": "int64",
+    "google.protobuf.Int32Value": "int32",
+    "google.protobuf.UInt32Value": "int64",
+    "google.protobuf.BoolValue": "bool",
+    "google.protobuf.StringValue": "string",
+    "google.protobuf.BytesValue": "binary",
+}
+
+Leaf = tuple[tuple[str, ...], str | None]  # (path, column type or None = skipped)
+
+
+def derive_settings(settings: Settings) -> Settings:
+    """`settings` with ``table.columns`` derived (unchanged when columns are configured).
+
+    Raises:
+        ValueError: no usable column could be derived, or the result is not valid
+            settings (e.g. the primary key names a field the schema lacks).
+        LookupError: the subject is not in the registry.
+        sink.formats.RegistryUnavailable: the registry could not answer.
+    """
+    if settings.table.columns:
+        return settings
+    existing = _table_schema(settings)
+    if existing is not None:
+        columns, sources = _from_table(existing, settings)
+        origin = "table"
+    else:
+        columns, sources = _from_leaves(schema_columns(settings), settings)
+        origin = "schema"
+    if not columns:
+        raise ValueError(f"no column could be derived from the {origin} for table.columns")
+    log.info("table_columns_derived", origin=origin, columns=[c["name"] for c in columns])
+    data = settings.model_dump()
+    data["table"]["columns"] = columns
+    data["source"]["columns"] = {**sources, **settings.source.columns}
+    return Settings.model_validate(data)
+
+
+def _table_schema(settings: Settings) -> pa.Schema | None:
+    options = {k: v.get_secret_value() for k, v in settings.table.storage_options.items()}
+    try:
+        return lance.dataset(settings.table.uri, storage_options=options).schema
+    except (ValueError, FileNotFoundError, OSError):
+        return None
+
+
+def _from_table(
+    schema: pa.Schema, settings: Settings
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    vector = settings.table.vector.column if settings.table.vector is not None else None
+    names = {arrow_type(n): n for n in _TYPE_NAMES}
+    columns: list[dict[str, Any]] = []
+    sources: dict[str, str] = {}
+    for field in schema:
+        if field.name in SOURCE_COLUMNS or field.name == vector:
+            continue
+        type_name = next((n for t, n in names.items() if t.equals(field.type)), None)
+        if type_name is None:
+            continue
+        columns.append({"name": field.name, "type": type_name, "nullable": field.nullable})
+        if NESTED in field.name:
+            sources[field.name] = "$." + field.name.replace(NESTED, ".")
+    return columns, sources
+
+
+_TYPE_NAMES: Final = (
+    "string",
+    "int32",
+    "int64",
+    "float32",
+    "float64",
+    "bool",
+    "binary",
+    "timestamp",
+)
+
+
+def _from_leaves(
+    leaves: list[Leaf], settings: Settings
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    vector = settings.table.vector.column if settings.table.vector is not None else None
+    columns: list[dict[str, Any]] = []
+    sources: dict[str, str] = {}
+    for path, type_name in leaves:
+        name = NESTED.join(path)
+        if path == (vector,):
+            continue
+        if type_name is None or not name[:1].isalpha() or not set(name) <= _NAME_OK:
+            log.warning("schema_field_skipped", field=".".join(path), type=type_name)
+            continue
+        columns.append({"name": name, "type": type_name, "nullable": True})
+        if len(path) > 1:
+            sources[name] = "$." + ".".join(path)
+    return columns, sources
+
+
+def schema_columns(settings: Settings) -> list[Leaf]:
+    """The leaves of the value schema the table would be derived from: registry subject
+    ``<first topic>-value`` at its latest version, or the descriptor set's message."""
+    source = settings.source
+    if source.format == "protobuf" and source.schema_registry is None:
+        from sink.formats.protobuf import load_descriptor  # noqa: PLC0415
+
+        assert source.protobuf.descriptor_set is not None
+        assert source.protobuf.message is not None
+        desc = load_descriptor(source.protobuf.descriptor_set, source.protobuf.message)
+        return list(_proto_leaves(desc, ()))
+    from sink.formats.registry import build_client, latest_schema  # noqa: PLC0415
+
+    assert source.schema_registry is not None
+    client = build_client(source.schema_registry)
+    subject = f"{settings.kafka.topics[0]}-value"
+    registered = latest_schema(client, subject, serialized=source.format == "protobuf")
+    text = registered.schema.schema_str
+    if source.format == "avro":
+        return list(_avro_leaves(json.loads(text), (), {}))
+    if source.format == "json_schema":
+        return list(_json_leaves(json.loads(text), ()))
+    from sink.formats.protobuf import registry_descriptor  # noqa: PLC0415
+
+    desc = registry_descriptor(client, registered.schema, source.protobuf.message)
+    return list(_proto_leaves(desc, ()))
+
+
+def _avro_leaves(schema: Any, path: tuple[str, ...], named: dict[str, Any]) -> Iterator[Leaf]:
+    """Leaves of an Avro schema (`named`: named types seen so far, for references)."""
+    if isinstance(schema, str):
+        schema = named.get(schema, schema)
+    if isinstance(schema, list):  # a union: [null, T] is T; anything else has no column
+        others = [s for s in schema if s != "null"]
+        if len(others) == 1:
+            yield from _avro_leaves(others[0], path, named)
+        else:
+            yield path, None
+        return
+    if isinstance(schema, dict):
+        if "name" in schema and schema.get("type") in {"record", "enum", "fixed"}:
+            named[schema["name"]] = schema
+            if "namespace" in schema:
+                named[f"{schema['namespace']}.{schema['name']}"] = schema
+        kind = schema.get("type")
+        logical = schema.get("logicalType")
+        if logical in _AVRO_LOGICAL:
+            yield path, _AVRO_LOGICAL[logical]
+            return
+        if kind == "record":
+            for field in schema.get("fields", []):
+                yield from _avro_leaves(field["type"], (*path, field["name"]), named)
+            return
+        if kind in {"array", "map"}:
+            yield path, None
+            return
+        schema = kind
+        if isinstance(schema, dict | list):
+            yield from _avro_leaves(schema, path, named)
+            return
+    yield path, _AVRO.get(str(schema))
+
+
+def _json_leaves(schema: Any, path: tuple[str, ...]) -> Iterator[Leaf]:
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, list):
+        others = [k for k in kind if k != "null"]
+        kind = others[0] if len(others) == 1 else None
+    if kind == "object" and "properties" in schema:
+        for name, sub in schema["properties"].items():
+            yield from _json_leaves(sub, (*path, name))
+        return
+    if kind == "string" and schema.get("format") in {"date-time", "date"}:
+        yield path, "timestamp"
+    elif kind == "string" and schema.get("contentEncoding") == "base64":
+        yield path, "binary"
+    else:
+        yield path, _JSON.get(str(kind))
+
+
+def _proto_leaves(desc: Any, path: tuple[str, ...]) -> Iterator[Leaf]:
+    for field in desc.fields:
+        sub = (*path, field.name)
+        if field.is_repeated:
+            yield sub, None
+        elif field.type == _PROTO_MESSAGE:
+            name = field.message_type.full_name
+            if name in _PROTO_WELL_KNOWN:
+                yield sub, _PROTO_WELL_KNOWN[name]
+            else:
+                yield from _proto_leaves(field.message_type, sub)
+        else:
+            yield sub, _PROTO.get(field.type)
