@@ -359,6 +359,15 @@ class TableSettings(_Section):
         default_factory=dict,
         description="Object-store options (region, endpoint, credentials) for Lance and the WAL.",
     )
+    evolve: bool = Field(
+        default=False,
+        description="Schema evolution at start: add the columns the settings (or, with derived "
+        "columns, a newer registry schema) have and the table lacks, as nullable columns "
+        "(Lance schema evolution, no rewrite), and widen int32 to int64 and float32 to "
+        "float64. With derived columns, a running sink that meets a writer schema with new "
+        "or widened fields restarts itself to evolve (docs/formats.md). Off: such a "
+        "difference stops the start with an error that says so.",
+    )
 
     @field_validator("uri")
     @classmethod
