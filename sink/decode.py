@@ -116,7 +116,7 @@ from engine.schema import (
     TableSpec,
     arrow_type,
 )
-from sink.formats import parse_records, record_format
+from sink.formats import Evolving, parse_records, record_format
 
 __all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason"]
 
@@ -337,7 +337,9 @@ class Decoder:
             without a source.
     """
 
-    def __init__(self, spec: TableSpec, source: SourceSettings) -> None:
+    def __init__(
+        self, spec: TableSpec, source: SourceSettings, *, evolve_derived: bool = False
+    ) -> None:
         self._spec = spec
         self._source = source
         self._schema: pa.Schema = spec.batch_schema
@@ -369,6 +371,12 @@ class Decoder:
         self._has_timestamps = any(c.type_name == "timestamp" for c in self._json_columns)
         self._iso_timestamps = False  # which representation the last batch's timestamps used
         self._read_schemas = {iso: self._read_schema(iso) for iso in (False, True)}
+        # Derived columns with table.evolve: new writer schemas are checked (sink.formats).
+        self._evolving = (
+            Evolving({c.path: c.type_name for c in self._json_columns})
+            if evolve_derived and self._records is not None
+            else None
+        )
         self._tombstone_key: _Column | None = None
         if spec.upsert and len(spec.primary_key) == 1:
             self._tombstone_key = next(c for c in self._columns if c.primary_key)
@@ -538,7 +546,7 @@ class Decoder:
                 (path, c.type_name, f"{c.name!r} ({c.where})")
                 for path, c in self._path_columns.items()
             ]
-            parsed = parse_records(self._records, payloads, paths)
+            parsed = parse_records(self._records, payloads, paths, self._evolving)
             early = {int(candidates[pos]): cast("_Fault", f) for pos, f in parsed.faults.items()}
             index = index[parsed.positions]
             leaves = parsed.leaves

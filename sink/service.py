@@ -52,7 +52,7 @@ from engine.wal import SourceRange
 from sink.decode import DeadLetter, Decoded, Decoder
 from sink.dlq import DeadLetterBatch, DeadLetterProducer
 from sink.dlq import producer_conf as dlq_producer_conf
-from sink.formats import RegistryUnavailable
+from sink.formats import RegistryUnavailable, SchemaEvolution
 from sink.http import ServerHandle, create_query_app, run_server
 from sink.kafka_conf import kafka_security_conf
 from sink.lag import PartitionOffsets, unindexed_rows
@@ -88,6 +88,9 @@ DECODE_QUEUE_BATCHES = 2
 # messages): creating the message objects is the loop's own work, and a 10k batch of 4 KB
 # vector messages kept it from noticing durable puts and committing for tens of ms.
 CONSUME_TARGET_BYTES = 8 << 20
+# `run()`'s exit code when a writer schema needs the derived table evolved first: the CLI
+# then restarts the process (EX_TEMPFAIL), which evolves the table as it opens it.
+EXIT_RESTART_TO_EVOLVE = 75
 
 
 class FatalSinkError(LanceSinkError):
@@ -214,11 +217,19 @@ class SinkService:
         *,
         metrics: Metrics | None = None,
         engine: Engine | None = None,
+        derived_columns: bool = False,
     ) -> None:
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.engine = engine or Engine.from_settings(settings, events=self.metrics)
-        self.decoder = Decoder(self.engine.spec, settings.source)
+        self.decoder = Decoder(
+            self.engine.spec,
+            settings.source,
+            evolve_derived=derived_columns and settings.table.evolve,
+        )
+        # Set when a writer schema needs the table evolved: `run` drains and returns
+        # EXIT_RESTART_TO_EVOLVE (see `_evolution_needed`).
+        self.evolution: SchemaEvolution | None = None
         self.dlq = (
             DeadLetterProducer(
                 dlq_producer_conf(kafka_security_conf(settings), settings),
@@ -383,6 +394,9 @@ class SinkService:
                     log.error("sink_fatal", reason=self._fatal)
                     code = 1
                     break
+                if self.evolution is not None:
+                    code = EXIT_RESTART_TO_EVOLVE
+                    break
         except LanceSinkError as exc:
             log.error("sink_fatal", reason=str(exc), error_type=type(exc).__name__)
             code = 1
@@ -488,6 +502,9 @@ class SinkService:
                 except RegistryUnavailable as exc:
                     self._registry_failed(state, job.messages, exc)
                     break
+                except SchemaEvolution as exc:
+                    self._evolution_needed(state, job.messages, exc)
+                    break
                 if state.registry_failures:
                     state.registry_failures, state.registry_error = 0, None
                     self.metrics.registry_waiting(state.topic, state.partition, False)
@@ -527,6 +544,28 @@ class SinkService:
             attempt=state.registry_failures,
             retry_in_s=delay,
         )
+
+    def _evolution_needed(
+        self, state: PartitionState, messages: list[Any], exc: SchemaEvolution
+    ) -> None:
+        """A batch was written with a schema whose fields the derived table lacks: nothing
+        of it is put; the loop drains (what is durable is committed) and the process
+        restarts to evolve the table, then reads the batch again from its first offset."""
+        state.position = messages[0].offset()
+        self._drop_decoding(state)
+        if not state.paused:
+            self.consumer.pause([state.tp])
+            state.paused = True
+        if self.evolution is None:
+            self.evolution = exc
+            log.warning(
+                "schema_evolution_restart",
+                topic=state.topic,
+                partition=state.partition,
+                offset=state.position,
+                reason=exc.message,
+                schema_ids=list(exc.schema_ids),
+            )
 
     def _drop_decoding(self, state: PartitionState) -> None:
         """Forget batches not yet fed (nothing of them is durable or committed): they are

@@ -10,18 +10,27 @@ See docs/formats.md for the configuration, the type mapping and the dead-letter 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
 
 from config.settings import REGISTRY_FORMATS, SourceSettings
-from engine.errors import RetriableError
+from engine.errors import ControlFlow, RetriableError
 from sink.formats.records import Fault, column_values, to_column
 
-__all__ = ["RecordColumns", "RecordFormat", "RegistryUnavailable", "parse_records", "record_format"]
+__all__ = [
+    "Evolving",
+    "RecordColumns",
+    "RecordFormat",
+    "RegistryUnavailable",
+    "SchemaEvolution",
+    "parse_records",
+    "record_format",
+]
 
 Path = tuple[str, ...]
 
@@ -30,6 +39,31 @@ class RegistryUnavailable(RetriableError):
     """The Schema Registry cannot answer (unreachable, timing out, or failing): not the
     message's fault. `Decoder.decode` raises it; the consumer loop pauses the partition
     and decodes the same messages again later (nothing goes to the DLQ for it)."""
+
+
+class SchemaEvolution(ControlFlow):
+    """Messages were written with a schema that has fields the derived table lacks (or
+    widens one), and ``table.evolve`` is on: the sink restarts itself to evolve the table
+    before it writes any of them (`sink.service`, `sink.cli`).
+
+    Attributes:
+        schema_ids: the writer schema ids that need the evolution.
+    """
+
+    def __init__(self, message: str, schema_ids: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.schema_ids = schema_ids
+
+
+@dataclass
+class Evolving:
+    """What `parse_records` checks each new writer schema against (derived columns with
+    ``table.evolve``): the record paths the table's columns read, with their types.
+    Writer schemas found to need nothing are remembered (shared by the decode threads)."""
+
+    column_types: dict[tuple[str, ...], str]
+    checked: set[bytes] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class RecordFormat(Protocol):
@@ -43,6 +77,11 @@ class RecordFormat(Protocol):
         Raises:
             RegistryUnavailable: the registry could not be asked (not the messages' fault).
         """
+        ...
+
+    def writer_leaves(self, payload: bytes) -> list[tuple[tuple[str, ...], str | None]] | None:
+        """The leaves (`sink.formats.derive`) of the schema `payload` was written with, or
+        None when the format cannot tell (then writer schemas are not checked)."""
         ...
 
 
@@ -88,14 +127,21 @@ class RecordColumns:
 
 
 def parse_records(
-    fmt: RecordFormat, payloads: Sequence[bytes], paths: Sequence[tuple[Path, str, str]]
+    fmt: RecordFormat,
+    payloads: Sequence[bytes],
+    paths: Sequence[tuple[Path, str, str]],
+    evolving: Evolving | None = None,
 ) -> RecordColumns:
     """Decode payloads with `fmt` and build a column for each ``(path, type, describe)``.
 
     Raises:
         RegistryUnavailable: from `fmt`.
+        SchemaEvolution: (with `evolving`) a decoded payload's writer schema has fields the
+            table lacks or widens one.
     """
     positions, records, faults = fmt.records(payloads)
+    if evolving is not None:
+        _check_writer_schemas(fmt, [payloads[p] for p in positions], evolving)
     not_records = [i for i, r in enumerate(records) if not isinstance(r, dict)]
     if not_records:
         for i in not_records:
@@ -117,3 +163,28 @@ def parse_records(
         leaves[path] = arr
         column_faults[path] = bad
     return RecordColumns(np.asarray(positions, np.int64), leaves, faults, column_faults)
+
+
+#: Bytes of the Confluent framing that name a value's schema (magic byte and schema id).
+_HEADER_BYTES = 5
+
+
+def _check_writer_schemas(fmt: RecordFormat, payloads: list[bytes], evolving: Evolving) -> None:
+    """Raise `SchemaEvolution` if a writer schema among `payloads` needs the table evolved."""
+    from sink.formats.derive import evolution_needed  # noqa: PLC0415
+
+    new = {p[:_HEADER_BYTES]: p for p in payloads} if payloads else {}
+    needs: dict[int, list[str]] = {}
+    for header, payload in new.items():
+        if header in evolving.checked:
+            continue
+        leaves = fmt.writer_leaves(payload)
+        fields = [] if leaves is None else evolution_needed(leaves, evolving.column_types)
+        if fields:
+            needs[int.from_bytes(header[1:], "big")] = fields
+        else:
+            with evolving.lock:
+                evolving.checked.add(header)
+    if needs:
+        what = "; ".join(f"schema id {i}: {', '.join(f)}" for i, f in sorted(needs.items()))
+        raise SchemaEvolution(f"writer schemas need the table evolved: {what}", tuple(needs))

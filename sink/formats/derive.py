@@ -30,7 +30,13 @@ import structlog
 from config.settings import Settings
 from engine.schema import SOURCE_COLUMNS, arrow_type
 
-__all__ = ["derive_settings", "schema_columns"]
+__all__ = ["EVOLVE_SCHEMA_IDS_ENV", "derive_settings", "evolution_needed", "schema_columns"]
+
+#: Schema ids a sink that restarted to evolve (`SchemaEvolution`) met in its messages: their
+#: fields are added too, so the restart cannot repeat (the writer schema need not be the
+#: subject's latest version). Set by `sink.cli` for the re-executed process only.
+EVOLVE_SCHEMA_IDS_ENV = "LANCE_SINK_EVOLVE_SCHEMA_IDS"
+_WIDEN_NAMES: Final = frozenset({("int32", "int64"), ("float32", "float64")})
 
 log = structlog.get_logger("lance_sink.formats")
 
@@ -96,8 +102,12 @@ _PROTO_WELL_KNOWN: Final = {
 Leaf = tuple[tuple[str, ...], str | None]  # (path, column type or None = skipped)
 
 
-def derive_settings(settings: Settings) -> Settings:
+def derive_settings(settings: Settings, schema_ids: tuple[int, ...] = ()) -> Settings:
     """`settings` with ``table.columns`` derived (unchanged when columns are configured).
+
+    With ``table.evolve`` and an existing table, the fields of the subject's latest schema
+    (and of `schema_ids`) that the table lacks are added and widened types applied; the
+    engine then evolves the table when it opens it.
 
     Raises:
         ValueError: no usable column could be derived, or the result is not valid
@@ -111,6 +121,9 @@ def derive_settings(settings: Settings) -> Settings:
     if existing is not None:
         columns, sources = _from_table(existing, settings)
         origin = "table"
+        if settings.table.evolve:
+            leaves = schema_columns(settings, schema_ids)
+            columns, sources = _merge(columns, sources, *_from_leaves(leaves, settings))
     else:
         columns, sources = _from_leaves(schema_columns(settings), settings)
         origin = "schema"
@@ -162,6 +175,50 @@ _TYPE_NAMES: Final = (
 )
 
 
+def _merge(
+    columns: list[dict[str, Any]],
+    sources: dict[str, str],
+    new_columns: list[dict[str, Any]],
+    new_sources: dict[str, str],
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The table's columns plus the schema's new ones, widened where the schema widens."""
+    by_name = {c["name"]: c for c in columns}
+    for column in new_columns:
+        old = by_name.get(column["name"])
+        if old is None:
+            columns.append(column)
+            by_name[column["name"]] = column
+            if column["name"] in new_sources:
+                sources[column["name"]] = new_sources[column["name"]]
+        elif (old["type"], column["type"]) in _WIDEN_NAMES:
+            old["type"] = column["type"]
+    return columns, sources
+
+
+def evolution_needed(leaves: list[Leaf], column_types: dict[tuple[str, ...], str]) -> list[str]:
+    """The fields of a writer schema (`leaves`) that derived columns would add or widen,
+    given the record paths the table's columns read (`column_types`); empty if none."""
+    out: list[str] = []
+    for path, type_name in leaves:
+        name = _column_name(path, type_name)
+        if name is None:
+            continue
+        have = column_types.get(path)
+        if have is None:
+            out.append(f"{'.'.join(path)} (new, {type_name})")
+        elif (have, type_name) in _WIDEN_NAMES:
+            out.append(f"{'.'.join(path)} ({have} -> {type_name})")
+    return out
+
+
+def _column_name(path: tuple[str, ...], type_name: str | None) -> str | None:
+    """The derived column of a schema leaf, or None when it gets none."""
+    name = NESTED.join(path)
+    if type_name is None or not name[:1].isalpha() or not set(name) <= _NAME_OK:
+        return None
+    return name
+
+
 def _from_leaves(
     leaves: list[Leaf], settings: Settings
 ) -> tuple[list[dict[str, Any]], dict[str, str]]:
@@ -169,10 +226,10 @@ def _from_leaves(
     columns: list[dict[str, Any]] = []
     sources: dict[str, str] = {}
     for path, type_name in leaves:
-        name = NESTED.join(path)
         if path == (vector,):
             continue
-        if type_name is None or not name[:1].isalpha() or not set(name) <= _NAME_OK:
+        name = _column_name(path, type_name)
+        if name is None:
             log.warning("schema_field_skipped", field=".".join(path), type=type_name)
             continue
         columns.append({"name": name, "type": type_name, "nullable": True})
@@ -181,9 +238,10 @@ def _from_leaves(
     return columns, sources
 
 
-def schema_columns(settings: Settings) -> list[Leaf]:
+def schema_columns(settings: Settings, schema_ids: tuple[int, ...] = ()) -> list[Leaf]:
     """The leaves of the value schema the table would be derived from: registry subject
-    ``<first topic>-value`` at its latest version, or the descriptor set's message."""
+    ``<first topic>-value`` at its latest version (plus the schemas `schema_ids`), or the
+    descriptor set's message."""
     source = settings.source
     if source.format == "protobuf" and source.schema_registry is None:
         from sink.formats.protobuf import load_descriptor  # noqa: PLC0415
@@ -198,15 +256,21 @@ def schema_columns(settings: Settings) -> list[Leaf]:
     client = build_client(source.schema_registry)
     subject = f"{settings.kafka.topics[0]}-value"
     registered = latest_schema(client, subject, serialized=source.format == "protobuf")
-    text = registered.schema.schema_str
-    if source.format == "avro":
-        return list(_avro_leaves(json.loads(text), (), {}))
-    if source.format == "json_schema":
-        return list(_json_leaves(json.loads(text), ()))
+    if source.format in {"avro", "json_schema"}:
+        texts = [registered.schema.schema_str]
+        texts += [client.get_schema(schema_id).schema_str for schema_id in schema_ids]
+        return [leaf for text in texts for leaf in text_leaves(source.format, text)]
     from sink.formats.protobuf import registry_descriptor  # noqa: PLC0415
 
     desc = registry_descriptor(client, registered.schema, source.protobuf.message)
     return list(_proto_leaves(desc, ()))
+
+
+def text_leaves(fmt: str, text: str) -> list[Leaf]:
+    """The leaves of an Avro or JSON Schema schema text."""
+    if fmt == "avro":
+        return list(_avro_leaves(json.loads(text), (), {}))
+    return list(_json_leaves(json.loads(text), ()))
 
 
 def _avro_leaves(schema: Any, path: tuple[str, ...], named: dict[str, Any]) -> Iterator[Leaf]:

@@ -28,7 +28,17 @@ class JsonSchemaFormat:
     name = "JSON Schema"
 
     def __init__(self, client: SchemaRegistryClient) -> None:
+        self._client = client
         self._deserializer = JSONDeserializer(None, schema_registry_client=client)
+
+    def writer_leaves(self, payload: bytes) -> list[tuple[tuple[str, ...], str | None]] | None:
+        """The leaves of `payload`'s writer schema (fetched once per id by the client)."""
+        from sink.formats.derive import text_leaves  # noqa: PLC0415
+
+        if payload[0] != 0:
+            return None  # a schema GUID: not checked
+        schema = self._client.get_schema(int.from_bytes(payload[1:5], "big"))
+        return None if schema.schema_str is None else text_leaves("json_schema", schema.schema_str)
 
     def records(self, payloads: Sequence[bytes]) -> tuple[list[int], list[Any], dict[int, Fault]]:
         """See `sink.formats.RecordFormat`."""

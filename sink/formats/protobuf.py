@@ -138,6 +138,10 @@ class ProtobufFormat:
                 raise ValueError("protobuf needs a schema registry or a descriptor set and message")
             self._cls = GetMessageClass(load_descriptor(descriptor_set, message))
 
+    def writer_leaves(self, payload: bytes) -> list[tuple[tuple[str, ...], str | None]] | None:
+        """Not checked for Protobuf: a new writer schema's fields join at the next start."""
+        return None
+
     def records(self, payloads: Sequence[bytes]) -> tuple[list[int], list[Any], dict[int, Fault]]:
         """See `sink.formats.RecordFormat`."""
         positions: list[int] = []

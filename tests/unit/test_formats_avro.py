@@ -16,6 +16,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 
 from config.settings import SchemaRegistrySettings, SourceSettings
 from sink.decode import Decoder
+from sink.formats import SchemaEvolution
 from sink.formats.registry import build_client
 from tests.unit.test_decode import DIM, Msg, decode, spec_for
 
@@ -211,3 +212,27 @@ def test_a_registry_format_needs_a_registry() -> None:
 def test_decoder_accepts_record_paths_in_registry_formats() -> None:
     reg = registry()
     Decoder(spec_for(), SourceSettings(**source(reg, columns={"text": "$.a.b"})))
+
+
+def test_writer_schemas_needing_evolution_are_signalled() -> None:
+    """With derived columns and table.evolve, a writer schema with a new (or widened) field
+    stops decoding with SchemaEvolution before anything is written; an incompatible type
+    change is a dead letter per message naming the field."""
+    reg = registry()
+    spec = spec_for()
+    dec = Decoder(spec, SourceSettings(**source(reg)), evolve_derived=True)
+    same = serializer(reg, record_schema(*BASE))({"id": "a", "n": 1, "vec": [0.0] * 4})
+    assert dec.decode(msgs(same)).batch is not None
+    added = serializer(reg, record_schema(*BASE, {"name": "extra", "type": "int"}))
+    with pytest.raises(SchemaEvolution, match=r"schema id 2: extra \(new, int32\)") as info:
+        dec.decode(msgs(same, added({"id": "b", "n": 2, "vec": [0.0] * 4, "extra": 1})))
+    assert info.value.schema_ids == (2,)
+    changed = [{"name": "n", "type": "string"} if f["name"] == "n" else f for f in BASE]
+    value = serializer(reg, record_schema(*changed))({"id": "c", "n": "x", "vec": [0.0] * 4})
+    out = dec.decode(msgs(same, value))
+    assert [(d.reason, d.detail) for d in out.dead_letters] == [
+        ("wrong_type", "'n' ($.n) is a string ('x'), expected an integer")
+    ]
+    # Without evolve the new field is simply not read.
+    plain = Decoder(spec, SourceSettings(**source(reg)))
+    assert plain.decode(msgs(added({"id": "b", "n": 2, "vec": [0.0] * 4, "extra": 1}))).batch

@@ -192,3 +192,30 @@ def test_protobuf_registry_schema_to_columns(tmp_path: Path) -> None:
     assert columns(derived)["meta__n"] == ("int32", True)
     assert columns(derived)["at"] == ("timestamp", True)
     assert "vec" not in columns(derived)
+
+
+def test_evolve_adds_and_widens_from_newer_schemas(tmp_path: Path) -> None:
+    older = {**AVRO, "fields": [f for f in AVRO["fields"] if f["name"] != "price"]}
+    older["fields"] = [
+        {"name": "n", "type": "int"} if f["name"] == "n" else f for f in older["fields"]
+    ]
+    reg = registered(json.dumps(older), "AVRO")
+    first = derive_settings(settings(tmp_path, {"format": "avro", "schema_registry": reg}))
+    assert columns(first)["n"] == ("int32", True)
+    lance.write_dataset(
+        TableSpec.from_settings(first.table).table_schema.empty_table(), first.table.uri
+    )
+    client = build_client(SchemaRegistrySettings(**reg))
+    newest = client.register_schema(f"{TOPIC}-value", Schema(json.dumps(AVRO), "AVRO"))
+    # A writer schema that is not the subject's latest: passed by id (a restart to evolve).
+    other = {**AVRO, "fields": [*AVRO["fields"], {"name": "late", "type": "string"}]}
+    other_id = client.register_schema("elsewhere-value", Schema(json.dumps(other), "AVRO"))
+    assert newest != other_id
+    src = {"format": "avro", "schema_registry": reg}
+    evolved = derive_settings(settings(tmp_path, src, evolve=True), (other_id,))
+    cols = columns(evolved)
+    assert cols["n"] == ("int64", True)
+    assert cols["price"] == ("float64", True)
+    assert cols["late"] == ("string", True)
+    unchanged = derive_settings(settings(tmp_path, src))
+    assert columns(unchanged) == columns(first)
