@@ -587,7 +587,9 @@ class SourceSettings(_Section):
         description="The Schema Registry; required by avro and json_schema, and by protobuf "
         "unless source.protobuf names a descriptor set.",
     )
-    protobuf: ProtobufSettings = Field(default_factory=ProtobufSettings)
+    protobuf: ProtobufSettings | None = Field(
+        default=None, description="Protobuf's message type, from a descriptor set or by name."
+    )
     columns: dict[str, str] = Field(
         default_factory=dict,
         description="column -> source. '$.a.b' is a path into the JSON value; '@key', "
@@ -626,7 +628,11 @@ class SourceSettings(_Section):
     @model_validator(mode="after")
     def _registry(self) -> SourceSettings:
         if self.format in REGISTRY_FORMATS and self.schema_registry is None:
-            if self.format == "protobuf" and self.protobuf.descriptor_set is not None:
+            if (
+                self.format == "protobuf"
+                and self.protobuf is not None
+                and self.protobuf.descriptor_set is not None
+            ):
                 return self
             hint = " (or, for protobuf, source.protobuf.descriptor_set)"
             raise ValueError(

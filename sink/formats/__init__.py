@@ -97,7 +97,10 @@ def record_format(source: SourceSettings) -> RecordFormat | None:
     if source.format == "protobuf":
         from sink.formats.protobuf import ProtobufFormat  # noqa: PLC0415
 
-        return ProtobufFormat(client, source.protobuf.descriptor_set, source.protobuf.message)
+        pb = source.protobuf
+        if pb is None:
+            return ProtobufFormat(client)
+        return ProtobufFormat(client, pb.descriptor_set, pb.message)
     assert client is not None  # checked by the settings
     if source.format == "avro":
         from sink.formats.avro import AvroFormat  # noqa: PLC0415

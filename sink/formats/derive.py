@@ -243,12 +243,14 @@ def schema_columns(settings: Settings, schema_ids: tuple[int, ...] = ()) -> list
     ``<first topic>-value`` at its latest version (plus the schemas `schema_ids`), or the
     descriptor set's message."""
     source = settings.source
+    pb = source.protobuf
     if source.format == "protobuf" and source.schema_registry is None:
         from sink.formats.protobuf import load_descriptor  # noqa: PLC0415
 
-        assert source.protobuf.descriptor_set is not None
-        assert source.protobuf.message is not None
-        desc = load_descriptor(source.protobuf.descriptor_set, source.protobuf.message)
+        assert pb is not None
+        assert pb.descriptor_set is not None
+        assert pb.message is not None
+        desc = load_descriptor(pb.descriptor_set, pb.message)
         return list(_proto_leaves(desc, ()))
     from sink.formats.registry import build_client, latest_schema  # noqa: PLC0415
 
@@ -262,7 +264,7 @@ def schema_columns(settings: Settings, schema_ids: tuple[int, ...] = ()) -> list
         return [leaf for text in texts for leaf in text_leaves(source.format, text)]
     from sink.formats.protobuf import registry_descriptor  # noqa: PLC0415
 
-    desc = registry_descriptor(client, registered.schema, source.protobuf.message)
+    desc = registry_descriptor(client, registered.schema, None if pb is None else pb.message)
     return list(_proto_leaves(desc, ()))
 
 
