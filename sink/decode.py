@@ -67,6 +67,14 @@ integer key: its decimal text; binary key: the bytes); a missing or unusable key
 table ``tombstones = "skip"`` records the offset in `Decoded.skipped_offsets` and ``"dlq"``
 makes a ``tombstone`` dead letter.
 
+Registry formats (``avro``, ``protobuf``, ``json_schema``; `sink.formats`, docs/formats.md):
+values are deserialized with the schema each names and columns read record paths exactly
+like JSON paths; the reasons ``missing_magic_byte``, ``unknown_schema_id`` and
+``not_matching_schema`` are theirs. A registry that cannot answer raises
+`sink.formats.RegistryUnavailable` out of `decode` (not the messages' fault); with derived
+columns and ``table.evolve`` a writer schema with new fields raises
+`sink.formats.SchemaEvolution`. Everything else below is the JSON format's.
+
 How it is fast: the per-message Python work is reading the Message accessors. The JSON
 values are parsed by `pyarrow.json.read_json` with an explicit schema of only the mapped
 fields, in chunks of about 4 MiB (one call each, its blocks parsed on all cores). Each value

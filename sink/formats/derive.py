@@ -55,7 +55,9 @@ _AVRO: Final = {
     "string": "string",
     "enum": "string",
 }
-_AVRO_LOGICAL: Final = {
+_AVRO_LOGICAL: Final[dict[str, str | None]] = {
+    "time-millis": None,  # fastavro gives datetime.time: no column type
+    "time-micros": None,
     "timestamp-millis": "timestamp",
     "timestamp-micros": "timestamp",
     "local-timestamp-millis": "timestamp",
