@@ -131,7 +131,7 @@ class Metrics:
             tp,
         )
         self.waiting_for_registry = gauge(
-            "registry_waiting",
+            "registry_paused",
             "1 while the partition is paused because the schema registry cannot be reached "
             "(its messages are decoded again when it answers; none go to the DLQ for it).",
             tp,

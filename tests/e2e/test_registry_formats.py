@@ -112,12 +112,12 @@ def test_avro_topic_with_dead_letters_and_a_registry_outage(
                 time.sleep(0.3)
             assert "unreachable" in waiting["error"]
             metrics = get(f"http://127.0.0.1:{port}/metrics").decode()
-            assert f'lance_sink_registry_waiting{{partition="0",topic="{topic}"}} 1.0' in metrics
+            assert f'lance_sink_registry_paused{{partition="0",topic="{topic}"}} 1.0' in metrics
             assert status["partitions"][0]["paused"] is True
             registry.start()
             wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[sink])
             metrics = get(f"http://127.0.0.1:{port}/metrics").decode()
-            assert f'lance_sink_registry_waiting{{partition="0",topic="{topic}"}} 0.0' in metrics
+            assert f'lance_sink_registry_paused{{partition="0",topic="{topic}"}} 0.0' in metrics
         finally:
             assert sink.stop() == 0, sink.log_path.read_text()[-3000:]
     finally:
