@@ -582,6 +582,12 @@ class SourceSettings(_Section):
         "avro, protobuf, json_schema: the Confluent wire format with schemas from "
         "source.schema_registry (see docs/formats.md).",
     )
+    key_format: Literal["raw", "avro", "protobuf", "json_schema"] = Field(
+        default="raw",
+        description="How Kafka keys are encoded: raw bytes, or a registry format decoded "
+        "with source.schema_registry; '@key' then reads the decoded key and '@key.a.b' a "
+        "field of a record key (upsert primary keys, the key a tombstone deletes).",
+    )
     schema_registry: SchemaRegistrySettings | None = Field(
         default=None,
         description="The Schema Registry; required by avro and json_schema, and by protobuf "
@@ -620,13 +626,24 @@ class SourceSettings(_Section):
             if not _SOURCE_RE.match(source):
                 raise ValueError(
                     f"column {column!r}: source {source!r} is neither a JSON path ($.a.b) "
-                    "nor Kafka metadata (@key, @topic, @partition, @offset, @timestamp, "
-                    "@headers.NAME, @value)"
+                    "nor Kafka metadata (@key, @key.a.b with a key_format, @topic, "
+                    "@partition, @offset, @timestamp, @headers.NAME, @value)"
                 )
         return value
 
     @model_validator(mode="after")
     def _registry(self) -> SourceSettings:
+        if self.key_format != "raw" and self.schema_registry is None:
+            raise ValueError(
+                f"key_format {self.key_format!r} needs a [source.schema_registry] section"
+            )
+        if self.key_format == "raw":
+            dotted = sorted(c for c, s in self.columns.items() if s.startswith("@key."))
+            if dotted:
+                raise ValueError(
+                    f"column {dotted[0]!r}: '@key.<field>' reads a field of a decoded key; "
+                    "set source.key_format to the key's registry format"
+                )
         if self.format in REGISTRY_FORMATS and self.schema_registry is None:
             if (
                 self.format == "protobuf"
@@ -643,7 +660,8 @@ class SourceSettings(_Section):
 
 
 _SOURCE_RE = re.compile(
-    r"^(\$(\.[A-Za-z0-9_\-]+)+|@key|@topic|@partition|@offset|@timestamp|@value|@headers\..+)$"
+    r"^(\$(\.[A-Za-z0-9_\-]+)+|@key(\.[A-Za-z0-9_\-]+)*|@topic|@partition|@offset|@timestamp"
+    r"|@value|@headers\..+)$"
 )
 
 

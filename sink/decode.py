@@ -125,6 +125,7 @@ from engine.schema import (
     arrow_type,
 )
 from sink.formats import Evolving, parse_records, record_format
+from sink.formats.keys import KeyDecoder
 
 __all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason"]
 
@@ -240,7 +241,9 @@ class Decoded:
 # ---------------------------------------------------------------------------------------
 # The plan: what each output column is made from, fixed at construction.
 
-_Kind: TypeAlias = Literal["json", "bytes", "topic", "partition", "offset", "timestamp", "none"]
+_Kind: TypeAlias = Literal[
+    "json", "bytes", "key", "topic", "partition", "offset", "timestamp", "none"
+]  # fmt: skip
 _Fault: TypeAlias = tuple[Reason, str]
 _Path: TypeAlias = tuple[str, ...]
 
@@ -288,6 +291,8 @@ class _Column:
             return "$." + ".".join(self.path)
         if self.kind == "bytes":
             return ".".join(self.path)
+        if self.kind == "key":
+            return ".".join(("@key", *self.path))
         return "" if self.kind == "none" else "@" + self.kind
 
 
@@ -356,6 +361,9 @@ class Decoder:
         # Registry formats read record paths like JSON paths (sink.formats).
         self._records = record_format(source)
         self._paths = self._json or self._records is not None
+        # Registry-encoded keys (source.key_format): @key reads the decoded key.
+        key_format = record_format(source, key=True)
+        self._keys = KeyDecoder(key_format) if key_format is not None else None
         self._allow_nan = spec.vector.allow_nan if spec.vector is not None else False
         unknown = sorted(set(source.columns) - set(spec.table_schema.names))
         if unknown:
@@ -404,6 +412,9 @@ class Decoder:
                 raise ValueError(f"column {f.name!r}: JSON path {mapped!r} in the raw format")
             path = tuple(mapped[2:].split("."))
             return _Column(f.name, type_name, f.type, "json", path, required, pk)
+        if self._keys is not None and (mapped == "@key" or mapped.startswith("@key.")):
+            path = tuple(mapped.split(".")[1:])
+            return _Column(f.name, type_name, f.type, "key", path, required, pk)
         if mapped in {"@key", "@value"} or mapped.startswith("@headers."):
             if type_name not in _BYTES_TARGETS:
                 raise ValueError(
@@ -588,6 +599,8 @@ class Decoder:
             arr = pa.nulls(len(rows.index), col.arrow_type)
         elif col.kind == "bytes":
             arr = _bytes_to(meta.bytes_source(col.path).take(rows.index), col, rows)
+        elif col.kind == "key":
+            arr = self._key_column(col, rows, meta)
         else:
             arr = meta.metadata(col.kind, col.arrow_type).take(rows.index)
         if col.required and arr.null_count:
@@ -599,6 +612,21 @@ class Decoder:
                 reason, what = "missing_required", f"{col.name!r} ({col.where}) is null or missing"
             rows.fault(nulls, (reason, what))
         return arr
+
+    def _key_column(self, col: _Column, rows: _Rows, meta: _Metadata) -> pa.Array:
+        """A column read from the decoded keys (source.key_format), faulting the rows whose
+        key does not decode or does not fit."""
+        assert self._keys is not None
+        records, faults = meta.decoded_keys(self._keys)
+        describe = f"{col.name!r} ({col.where})"
+        arr, bad = self._keys.column(records, col.path, col.type_name, describe)
+        for index, fault in bad.items():
+            faults.setdefault(index, fault)
+        if faults:
+            hit = np.flatnonzero(np.isin(rows.index, np.fromiter(faults, np.int64)))
+            for pos in hit.tolist():
+                rows.fault((pos,), cast("_Fault", faults[int(rows.index[pos])]))
+        return arr.take(pa.array(rows.index))
 
     def _check_vectors(self, arr: pa.Array, col: _Column, rows: _Rows, meta: _Metadata) -> None:
         """Fault rows whose vector has the wrong length, a null, or (unless allowed) NaN/inf.
@@ -838,11 +866,32 @@ class Decoder:
             )
         if key is None:
             return None, ("missing_primary_key", "tombstone cannot delete: it has no Kafka key")
+        if self._keys is not None:
+            return self._decoded_tombstone_key(col, key)
         probe = _Rows(index=np.zeros(1, np.int64))
         from_key = replace(col, kind="bytes", path=("@key",))
         arr = _bytes_to(pa.array([key], pa.binary()), from_key, probe)
         if probe.faults:
             return None, ("missing_primary_key", f"tombstone cannot delete: {probe.faults[0][1]}")
+        return arr[0].as_py(), None
+
+    def _decoded_tombstone_key(self, col: _Column, key: bytes) -> tuple[Any, _Fault | None]:
+        """The primary key a registry-encoded tombstone key gives: the key column's path
+        (``@key.a``, or the whole key), else the record key's field of the column's name."""
+        assert self._keys is not None
+        records, faults = self._keys.decode([key])
+        if faults:
+            return None, cast("_Fault", faults[0])
+        path = col.path if col.kind == "key" else ()
+        if col.kind != "key" and isinstance(records[0], dict):
+            path = (col.name,)
+        where = ".".join(("@key", *path))
+        arr, bad = self._keys.column(records, path, col.type_name, f"{col.name!r} ({where})")
+        if bad:
+            return None, ("missing_primary_key", f"tombstone cannot delete: {bad[0][1]}")
+        if arr[0].as_py() is None:
+            what = f"{col.name!r} ({where}) is null"
+            return None, ("missing_primary_key", f"tombstone cannot delete: {what}")
         return arr[0].as_py(), None
 
     def _assemble(
@@ -914,10 +963,19 @@ class _Metadata:
         self._topic = topic
         self._partition = partition
         self._cache: dict[tuple[str, ...], pa.Array] = {}
+        self._keys: tuple[list[Any], dict[int, tuple[str, str]]] | None = None
 
     def value(self, i: int) -> bytes | None:
         """The payload of message `i`."""
         return self._values[i]
+
+    def decoded_keys(self, keys: KeyDecoder) -> tuple[list[Any], dict[int, tuple[str, str]]]:
+        """The keys of all messages decoded once (source.key_format), and their faults by
+        message index (a copy: callers add to it)."""
+        if self._keys is None:
+            self._keys = keys.decode([m.key() for m in self._messages])
+        records, faults = self._keys
+        return records, dict(faults)
 
     def bytes_source(self, path: _Path) -> pa.Array:
         """@key, @value or @headers.NAME as a binary array over all messages."""

@@ -85,24 +85,26 @@ class RecordFormat(Protocol):
         ...
 
 
-def record_format(source: SourceSettings) -> RecordFormat | None:
-    """The format of ``source.format``, or None for json and raw."""
-    if source.format not in REGISTRY_FORMATS:
+def record_format(source: SourceSettings, *, key: bool = False) -> RecordFormat | None:
+    """The format of ``source.format`` (`key`: of ``source.key_format``), or None for json
+    and raw."""
+    name = source.key_format if key else source.format
+    if name not in REGISTRY_FORMATS:
         return None
     # The registry client and the format libraries load only when a registry format is used.
     from sink.formats.registry import build_client  # noqa: PLC0415
 
     registry = source.schema_registry
     client = None if registry is None else build_client(registry)
-    if source.format == "protobuf":
+    if name == "protobuf":
         from sink.formats.protobuf import ProtobufFormat  # noqa: PLC0415
 
-        pb = source.protobuf
+        pb = None if key else source.protobuf
         if pb is None:
             return ProtobufFormat(client)
         return ProtobufFormat(client, pb.descriptor_set, pb.message)
     assert client is not None  # checked by the settings
-    if source.format == "avro":
+    if name == "avro":
         from sink.formats.avro import AvroFormat  # noqa: PLC0415
 
         return AvroFormat(client)

@@ -15,6 +15,7 @@ from confluent_kafka.schema_registry.avro import AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from config.settings import SchemaRegistrySettings, SourceSettings
+from engine.schema import OP_DELETE, OP_UPSERT
 from sink.decode import Decoder
 from sink.formats import SchemaEvolution
 from sink.formats.registry import build_client
@@ -236,3 +237,64 @@ def test_writer_schemas_needing_evolution_are_signalled() -> None:
     # Without evolve the new field is simply not read.
     plain = Decoder(spec, SourceSettings(**source(reg)))
     assert plain.decode(msgs(added({"id": "b", "n": 2, "vec": [0.0] * 4, "extra": 1}))).batch
+
+
+def key_serializer(reg: dict[str, Any], schema: str) -> Any:
+    client = build_client(SchemaRegistrySettings(**reg))
+    ser = AvroSerializer(client, schema)
+    ctx = SerializationContext(TOPIC, MessageField.KEY)
+    return lambda value: ser(value, ctx)
+
+
+def test_registry_encoded_keys_give_primary_keys_and_tombstones() -> None:
+    """source.key_format: an Avro string key is the upsert primary key and the key a
+    tombstone deletes; a key that does not decode is a dead letter."""
+    reg = registry()
+    key = key_serializer(reg, '"string"')
+    value = serializer(reg, record_schema(*(f for f in BASE if f["name"] != "id")))
+    messages = [
+        Msg(value({"n": 1, "vec": [0.0] * 4}), 10, key_=key("a")),
+        Msg(None, 11, key_=key("a")),  # tombstone
+        Msg(value({"n": 2, "vec": [0.0] * 4}), 12, key_=b"plain"),
+        Msg(None, 13, key_=b"\x00\x00\x00\x03\xe7x"),  # unknown schema id 999
+    ]
+    spec = spec_for(mode="upsert")
+    out, rows = decode(spec, messages, **source(reg, key_format="avro", columns={"id": "@key"}))
+    assert [(r["id"], r["_op"]) for r in rows] == [("a", OP_UPSERT), ("a", OP_DELETE)]
+    assert [(d.offset, d.reason) for d in out.dead_letters] == [
+        (12, "missing_magic_byte"),
+        (13, "unknown_schema_id"),
+    ]
+    assert out.dead_letters[0].detail.startswith("key is not in the Confluent wire format")
+
+
+def test_fields_of_a_record_key() -> None:
+    reg = registry()
+    key = key_serializer(reg, record_schema(
+        {"name": "id", "type": "string"}, {"name": "region", "type": "string"}, name="Key"
+    ))  # fmt: skip
+    value = serializer(reg, record_schema(*(f for f in BASE if f["name"] != "id")))
+    spec = spec_for(
+        [
+            {"name": "id", "type": "string", "nullable": False},
+            {"name": "region", "type": "string"},
+            {"name": "n", "type": "int64"},
+        ],
+        mode="upsert",
+    )
+    messages = [
+        Msg(value({"n": 1, "vec": [0.0] * 4}), 1, key_=key({"id": "k1", "region": "eu"})),
+        Msg(None, 2, key_=key({"id": "k1", "region": "eu"})),
+    ]
+    columns = {"id": "@key.id", "region": "@key.region"}
+    out, rows = decode(spec, messages, **source(reg, key_format="avro", columns=columns))
+    assert not out.dead_letters
+    assert [(r["id"], r["region"], r["_op"]) for r in rows] == [
+        ("k1", "eu", OP_UPSERT),
+        ("k1", None, OP_DELETE),
+    ]
+
+
+def test_key_fields_need_a_key_format() -> None:
+    with pytest.raises(ValueError, match=r"set source\.key_format"):
+        SourceSettings(columns={"id": "@key.id"})
