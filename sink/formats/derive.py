@@ -266,8 +266,14 @@ def schema_columns(settings: Settings, schema_ids: tuple[int, ...] = ()) -> list
         return [leaf for text in texts for leaf in text_leaves(source.format, text)]
     from sink.formats.protobuf import registry_descriptor  # noqa: PLC0415
 
-    desc = registry_descriptor(client, registered.schema, None if pb is None else pb.message)
-    return list(_proto_leaves(desc, ()))
+    message = None if pb is None else pb.message
+    schemas = [registered.schema]
+    schemas += [client.get_schema(i, fmt="serialized") for i in schema_ids]
+    return [
+        leaf
+        for schema in schemas
+        for leaf in proto_leaves(registry_descriptor(client, schema, message))
+    ]
 
 
 def text_leaves(fmt: str, text: str) -> list[Leaf]:
@@ -327,6 +333,11 @@ def _json_leaves(schema: Any, path: tuple[str, ...]) -> Iterator[Leaf]:
         yield path, "binary"
     else:
         yield path, _JSON.get(str(kind))
+
+
+def proto_leaves(desc: Any) -> list[Leaf]:
+    """The leaves of a Protobuf message type."""
+    return list(_proto_leaves(desc, ()))
 
 
 def _proto_leaves(desc: Any, path: tuple[str, ...]) -> Iterator[Leaf]:

@@ -102,6 +102,17 @@ class _DynamicDeserializer(ProtobufDeserializer):
         self._classes_lock = threading.Lock()
 
     def message(self, data: bytes) -> Message:
+        cls, payload = self._message_class(data)
+        msg = cls()
+        msg.ParseFromString(payload.read())
+        return msg
+
+    def descriptor(self, data: bytes) -> Descriptor:
+        """The writer's descriptor of a framed payload."""
+        desc: Descriptor = self._message_class(data)[0].DESCRIPTOR
+        return desc
+
+    def _message_class(self, data: bytes) -> tuple[type[Message], Any]:
         schema_id = SchemaId("PROTOBUF")
         payload = self._schema_id_deserializer(data, None, schema_id)
         indexes = tuple(schema_id.message_indexes or (0,))
@@ -114,9 +125,7 @@ class _DynamicDeserializer(ProtobufDeserializer):
             cls = GetMessageClass(desc)
             with self._classes_lock:
                 self._classes[key] = cls
-        msg = cls()
-        msg.ParseFromString(payload.read())
-        return msg
+        return cls, payload
 
 
 class ProtobufFormat:
@@ -132,6 +141,7 @@ class ProtobufFormat:
         message: str | None = None,
     ) -> None:
         self._deserializer = _DynamicDeserializer(client) if client is not None else None
+        self._message = message  # with a registry: the type derived columns come from
         self._cls: type[Message] | None = None
         if client is None:
             if descriptor_set is None or message is None:
@@ -139,8 +149,19 @@ class ProtobufFormat:
             self._cls = GetMessageClass(load_descriptor(descriptor_set, message))
 
     def writer_leaves(self, payload: bytes) -> list[tuple[tuple[str, ...], str | None]] | None:
-        """Not checked for Protobuf: a new writer schema's fields join at the next start."""
-        return None
+        """The leaves of the writer's message type, if it is the type derived columns come
+        from (``source.protobuf.message``, else its schema's first message); else None."""
+        if self._deserializer is None or payload[:1] != b"\x00":
+            return None
+        from sink.formats.derive import proto_leaves  # noqa: PLC0415
+
+        desc = self._deserializer.descriptor(payload)
+        if self._message is not None:
+            derived_from = desc.full_name == self._message
+        else:
+            first = next(iter(desc.file.message_types_by_name.values()), None)
+            derived_from = first is not None and first.full_name == desc.full_name
+        return proto_leaves(desc) if derived_from else None
 
     def records(self, payloads: Sequence[bytes]) -> tuple[list[int], list[Any], dict[int, Fault]]:
         """See `sink.formats.RecordFormat`."""

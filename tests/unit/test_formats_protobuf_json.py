@@ -19,7 +19,9 @@ from google.protobuf import descriptor_pb2, timestamp_pb2
 from google.protobuf.descriptor_pool import DescriptorPool
 from google.protobuf.message_factory import GetMessageClass
 
-from config.settings import SchemaRegistrySettings
+from config.settings import SchemaRegistrySettings, SourceSettings
+from sink.decode import Decoder
+from sink.formats import SchemaEvolution
 from sink.formats.registry import build_client
 from tests.unit.test_decode import Msg, decode, spec_for
 
@@ -210,3 +212,24 @@ def test_json_schema_validated_against_the_writer_schema() -> None:
         (2, "not_matching_schema"),
         (3, "invalid_json"),
     ]
+
+
+def test_protobuf_writer_schemas_needing_evolution_are_signalled() -> None:
+    reg = {"url": f"mock://{uuid.uuid4().hex}"}
+    client = build_client(SchemaRegistrySettings(**reg))
+    ctx = SerializationContext(TOPIC, MessageField.VALUE)
+    conf = {"use.deprecated.format": False}
+    old = ProtobufSerializer(order_class(), client, conf)(make_order(order_class(), 0), ctx)
+    new = ProtobufSerializer(order_class(True), client, conf)(
+        make_order(order_class(True), 1, extra=5), ctx
+    )
+    source = SourceSettings(
+        format="protobuf",
+        schema_registry=reg,
+        protobuf={"message": "shop.Order"},
+        columns={"meta_n": "$.meta.n"},
+    )
+    dec = Decoder(spec_for(SPEC_COLUMNS), source, evolve_derived=True)
+    assert dec.decode([Msg(old, 0)]).batch is not None
+    with pytest.raises(SchemaEvolution, match=r"extra \(new, int32\)"):
+        dec.decode([Msg(old, 0), Msg(new, 1)])
