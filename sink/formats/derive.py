@@ -127,7 +127,9 @@ def derive_settings(settings: Settings, schema_ids: tuple[int, ...] = ()) -> Set
             leaves = schema_columns(settings, schema_ids)
             columns, sources = _merge(columns, sources, *_from_leaves(leaves, settings))
     else:
-        columns, sources = _from_leaves(schema_columns(settings), settings)
+        leaves = schema_columns(settings)
+        columns, sources = _from_leaves(leaves, settings)
+        columns += _mapped_columns(settings, leaves, columns)
         origin = "schema"
     if not columns:
         raise ValueError(f"no column could be derived from the {origin} for table.columns")
@@ -221,15 +223,57 @@ def _column_name(path: tuple[str, ...], type_name: str | None) -> str | None:
     return name
 
 
+#: Column types of the Kafka metadata sources a mapped column may read.
+_METADATA_TYPES: Final = {
+    "@timestamp": "timestamp",
+    "@topic": "string",
+    "@partition": "int32",
+    "@offset": "int64",
+}
+
+
+def _mapped_columns(
+    settings: Settings, leaves: list[Leaf], columns: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Columns ``source.columns`` names that the schema's leaves did not give: typed by the
+    leaf their record path reads, or by the Kafka metadata they read (raw keys, values and
+    headers are binary)."""
+    have = {c["name"] for c in columns}
+    if settings.table.vector is not None:
+        have.add(settings.table.vector.column)
+    types = dict(leaves)
+    raw_key = settings.source.key_format == "raw"
+    out: list[dict[str, Any]] = []
+    for name, src in settings.source.columns.items():
+        if name in have:
+            continue
+        if src.startswith("$."):
+            type_name = types.get(tuple(src[2:].split(".")))
+        elif src in _METADATA_TYPES:
+            type_name = _METADATA_TYPES[src]
+        elif src == "@value" or src.startswith("@headers.") or (src == "@key" and raw_key):
+            type_name = "binary"
+        else:
+            type_name = None  # a field of a decoded key: declare the column in the settings
+        if type_name is None:
+            raise ValueError(
+                f"source.columns maps {name!r} to {src!r}, whose type the schema does not "
+                "give; declare table.columns"
+            )
+        out.append({"name": name, "type": type_name, "nullable": True})
+    return out
+
+
 def _from_leaves(
     leaves: list[Leaf], settings: Settings
 ) -> tuple[list[dict[str, Any]], dict[str, str]]:
     vector = settings.table.vector.column if settings.table.vector is not None else None
+    mapped = {tuple(s[2:].split(".")) for s in settings.source.columns.values() if s[:2] == "$."}
     columns: list[dict[str, Any]] = []
     sources: dict[str, str] = {}
     for path, type_name in leaves:
-        if path == (vector,):
-            continue
+        if path == (vector,) or path in mapped:
+            continue  # the vector, or a path a configured mapping reads into its own column
         name = _column_name(path, type_name)
         if name is None:
             log.warning("schema_field_skipped", field=".".join(path), type=type_name)

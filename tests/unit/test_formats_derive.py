@@ -219,3 +219,22 @@ def test_evolve_adds_and_widens_from_newer_schemas(tmp_path: Path) -> None:
     assert cols["late"] == ("string", True)
     unchanged = derive_settings(settings(tmp_path, src))
     assert columns(unchanged) == columns(first)
+
+
+def test_mapped_columns_join_the_derived_ones(tmp_path: Path) -> None:
+    reg = registered(json.dumps(AVRO), "AVRO")
+    source = {
+        "format": "avro",
+        "schema_registry": reg,
+        "columns": {"count": "$.meta.count", "placed_at": "@timestamp", "raw_key": "@key"},
+    }
+    derived = derive_settings(settings(tmp_path, source))
+    cols = columns(derived)
+    assert cols["count"] == ("int32", True)
+    assert cols["placed_at"] == ("timestamp", True)
+    assert cols["raw_key"] == ("binary", True)
+    assert "meta__count" not in cols  # read into the configured column instead
+    assert cols["meta__flag"] == ("bool", True)
+    source["columns"] = {"k": "$.nowhere"}
+    with pytest.raises(ValueError, match=r"'k' to '\$\.nowhere', whose type the schema does not"):
+        derive_settings(settings(tmp_path, source))
