@@ -318,11 +318,11 @@ class Metrics:
     def shard_open_failed(self, topic: str, partition: int) -> None:
         self.shard_open_failures.labels(topic, str(partition)).inc()
 
-    def registry_waiting(self, topic: str, partition: int, waiting: bool) -> None:
-        """The partition started (a failed registry request) or stopped waiting for the
-        schema registry."""
-        self.waiting_for_registry.labels(topic, str(partition)).set(1 if waiting else 0)
-        if waiting:
+    def registry_paused(self, topic: str, partition: int, paused: bool) -> None:
+        """The partition was paused (a failed registry request) or resumed (decoded) while
+        waiting for the schema registry."""
+        self.waiting_for_registry.labels(topic, str(partition)).set(1 if paused else 0)
+        if paused:
             self.registry_failures.labels(topic, str(partition)).inc()
 
     def ingested(self, topic: str, partition: int, rows: int, nbytes: int) -> None:

@@ -507,7 +507,7 @@ class SinkService:
                     break
                 if state.registry_failures:
                     state.registry_failures, state.registry_error = 0, None
-                    self.metrics.registry_waiting(state.topic, state.partition, False)
+                    self.metrics.registry_paused(state.topic, state.partition, False)
                 self._feed(state, job.messages, decoded)
         if self._decoding_messages < self._decode_queue_limit:
             for state in list(self.partitions.values()):
@@ -534,7 +534,7 @@ class SinkService:
             self.consumer.pause([state.tp])
             state.paused = True
             self.metrics.partition_paused(state.topic, state.partition, True)
-        self.metrics.registry_waiting(state.topic, state.partition, True)
+        self.metrics.registry_paused(state.topic, state.partition, True)
         log.warning(
             "registry_unavailable",
             topic=state.topic,
