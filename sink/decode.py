@@ -12,7 +12,9 @@ Lifecycle: the consumer loop builds one `Decoder` per table when it starts (the 
 checks the mapping against the table and raises `ValueError` on a configuration the data
 can never satisfy) and calls `Decoder.decode` from the poll thread for each batch. The
 decoder is stateless apart from one hint (which timestamp representation the last batch
-used), so it needs no `close` and may be shared by all partitions of the table.
+used) and, for registry formats, caches of schemas (the registry client's, and the writer
+schemas already checked for evolution), so it needs no `close` and may be shared by all
+partitions of the table.
 
 Sources (``source.columns``; an unmapped table column reads the same-named top-level JSON
 field in the json format and is null in the raw format):
