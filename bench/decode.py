@@ -21,6 +21,13 @@ For each, in one process, the median of ``--runs`` runs of:
 - (c) naive: orjson per message, then `pa.array` / `np.array` per column, no validation,
   GC paused (not a yardstick of the brief; it shows what the bulk design buys).
 
+Avro (``--avro N`` messages per data set, 0 = skip), in the Confluent wire format from
+confluent-kafka's `AvroSerializer` into its in-process ``mock://`` registry: small records
+(the same fields), and 384-dim vectors as ``array<float>`` and as ``bytes`` holding
+little-endian float32. Paths: the decoder (``source.format = "avro"``), and (f) fastavro's
+``schemaless_reader`` per message after the 5-byte header, results dropped (the per-message
+decoding ceiling; the vector-as-bytes form then leaves only a ``numpy.frombuffer``).
+
 Runs interleave the paths so drift on a shared machine hits all alike; on the 2-core VM
 used so far, threaded paths still vary by up to ~30% between processes.
 
@@ -264,12 +271,99 @@ def measure(paths: dict[str, Callable[[], int]], runs: int) -> dict[str, tuple[f
     return {label: (statistics.median(times[label]), rows[label]) for label in paths}
 
 
+def avro_datasets(n: int, rng: np.random.Generator) -> list[tuple[Dataset, SourceSettings, str]]:
+    """Avro data sets (small, vector array, vector bytes) with their source settings and
+    writer schema, produced with confluent-kafka's AvroSerializer into a mock registry."""
+    import json  # noqa: PLC0415 - Avro only
+
+    from confluent_kafka.schema_registry.avro import AvroSerializer  # noqa: PLC0415
+    from confluent_kafka.serialization import MessageField, SerializationContext  # noqa: PLC0415
+
+    from config.settings import SchemaRegistrySettings  # noqa: PLC0415
+    from sink.formats.registry import build_client  # noqa: PLC0415
+
+    small, vector = small_dataset(n, rng), vector_dataset(min(n, 1), rng)
+    registry = SchemaRegistrySettings(url="mock://bench")
+    ctx = SerializationContext(TOPIC, MessageField.VALUE)
+    ts = {"type": "long", "logicalType": "timestamp-millis"}
+    schemas = {
+        "small": [("id", "string"), ("n", "long"), ("score", "double"), ("ok", "boolean"),
+                  ("at", ts), ("text", "string")],
+        "vec-array": [("id", "string"), ("text", "string"),
+                      ("vec", {"type": "array", "items": "float"})],
+        "vec-bytes": [("id", "string"), ("text", "string"), ("vec", "bytes")],
+    }  # fmt: skip
+    vectors = rng.standard_normal((n, DIM), dtype=np.float32)
+    text = "lorem ipsum dolor sit amet " * 8
+    out = []
+    for name, fields in schemas.items():
+        schema = json.dumps(
+            {"type": "record", "name": name.replace("-", "_"),
+             "fields": [{"name": f, "type": t} for f, t in fields]}
+        )  # fmt: skip
+        ser = AvroSerializer(build_client(registry), schema)
+        messages = []
+        for i in range(n):
+            if name == "small":
+                record: dict[str, Any] = orjson.loads(small.messages[i].value())
+                record["at"] = _EPOCH_MS_DT(record["at"])
+            else:
+                vec = vectors[i].tobytes() if name == "vec-bytes" else vectors[i].tolist()
+                record = {"id": f"doc-{i:08d}", "text": text, "vec": vec}
+            messages.append(_message(ser(record, ctx), i))
+        spec = small.spec if name == "small" else vector.spec
+        source = SourceSettings(format="avro", schema_registry=registry)
+        out.append((Dataset(f"avro {name}", spec, messages), source, schema))
+    return out
+
+
+def _EPOCH_MS_DT(ms: int) -> Any:  # noqa: N802 - a converter, named for what it makes
+    import datetime as dt  # noqa: PLC0415
+
+    return dt.datetime.fromtimestamp(ms / 1000, dt.UTC)
+
+
+def run_avro_decoder(data: Dataset, source: SourceSettings, batch: int) -> Callable[[], int]:
+    decoder = Decoder(data.spec, source)
+    batches = _batches(data.messages, batch)
+
+    def run() -> int:
+        rows = 0
+        for messages in batches:
+            out = decoder.decode(messages)
+            assert out.batch is not None
+            assert not out.dead_letters, out.dead_letters[:1]
+            rows += len(out.batch)
+        return rows
+
+    data.spec.validate(decoder.decode(batches[0]).batch)
+    return run
+
+
+def run_fastavro(data: Dataset, schema: str) -> Callable[[], int]:
+    import io  # noqa: PLC0415
+    import json  # noqa: PLC0415
+
+    from fastavro import parse_schema, schemaless_reader  # noqa: PLC0415
+
+    parsed = parse_schema(json.loads(schema))
+    values = [m.value() for m in data.messages]
+
+    def run() -> int:
+        for v in values:
+            schemaless_reader(io.BytesIO(v[5:]), parsed, None)
+        return len(values)
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--small", type=int, default=100_000)
     parser.add_argument("--vectors", type=int, default=20_000)
     parser.add_argument("--batch", type=int, default=10_000)
+    parser.add_argument("--avro", type=int, default=20_000, help="messages per Avro data set")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     args = parser.parse_args(argv)
 
@@ -305,6 +399,24 @@ def main(argv: list[str] | None = None) -> int:
             )
         avg = data.payload_bytes / len(data.messages)
         lines.append(f"{data.name:<8} ({len(data.messages)} messages, {avg:.0f} bytes each)")
+        lines.append("")
+    for data, source, schema in avro_datasets(args.avro, rng) if args.avro else []:
+        mb = data.payload_bytes / 1e6
+        results = measure(
+            {
+                "(f) fastavro/msg": run_fastavro(data, schema),
+                "decoder": run_avro_decoder(data, source, args.batch),
+            },
+            args.runs,
+        )
+        base_f = results["(f) fastavro/msg"][0]
+        for label, (seconds, rows) in results.items():
+            lines.append(
+                f"{data.name:<14} {label:<18} {rows / seconds:>12,.0f} {mb / seconds:>8.1f} "
+                f"{seconds:>8.3f} {base_f / seconds:>6.2f}x (vs f)"
+            )
+        avg = data.payload_bytes / len(data.messages)
+        lines.append(f"{data.name:<14} ({len(data.messages)} messages, {avg:.0f} bytes each)")
         lines.append("")
     lines.append("vs (a) / vs (b): throughput relative to the yardstick (>1 = faster).")
     lines.append(

@@ -1,10 +1,13 @@
 """End-to-end benchmark: the real `lance-sink run` against tansu, next to its ceilings.
 
-    python -m bench.e2e [--small N] [--vectors N] [--repeat R] [--out FILE]
+    python -m bench.e2e [--small N] [--vectors N] [--avro N] [--repeat R] [--out FILE]
 
 For each data set (200-byte JSON messages; 384-dim vector JSON messages with ~200 chars of
-text) it pre-produces the messages into a tansu broker (memory storage), then measures in the
-same run, on the same data:
+text; with ``--avro N``, the same records in Avro (Confluent wire format, confluent-kafka's
+`AvroSerializer`, schemas in the HTTP registry of `tests.support.registry`): small, and the
+vector as ``array<float>`` and as little-endian float32 ``bytes``) it pre-produces the
+messages into a tansu broker (memory storage), then measures in the same run, on the same
+data:
 
 - raw consume ceiling: a bare consumer reading every message (batch `consume()`);
 - raw decode ceiling: `sink.decode.Decoder` on those messages, nothing else;
@@ -45,6 +48,7 @@ from config.settings import SourceSettings, TableSettings
 from engine.schema import TableSpec
 from sink.cli import tune_process
 from sink.decode import Decoder
+from tests.support.registry import FakeRegistry
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTITIONS = 4
@@ -84,6 +88,36 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+AVRO_KINDS = ("avro-small", "avro-vec-array", "avro-vec-bytes")
+
+
+def avro_payloads(kind: str, n: int, registry_url: str, topic: str) -> list[bytes]:
+    """The JSON data sets' records in Avro (the vector as an array or as float32 bytes)."""
+    from confluent_kafka.schema_registry import SchemaRegistryClient  # noqa: PLC0415
+    from confluent_kafka.schema_registry.avro import AvroSerializer  # noqa: PLC0415
+    from confluent_kafka.serialization import MessageField, SerializationContext  # noqa: PLC0415
+
+    fields: list[dict[str, Any]] = [
+        {"name": "id", "type": "string"},
+        {"name": "n", "type": "long"},
+        {"name": "text", "type": "string"},
+    ]
+    if kind == "avro-vec-array":
+        fields.append({"name": "vec", "type": {"type": "array", "items": "float"}})
+    elif kind == "avro-vec-bytes":
+        fields.append({"name": "vec", "type": "bytes"})
+    schema = json.dumps({"type": "record", "name": kind.replace("-", "_"), "fields": fields})
+    ser = AvroSerializer(SchemaRegistryClient({"url": registry_url}), schema)
+    ctx = SerializationContext(topic, MessageField.VALUE)
+    plain = [orjson.loads(v) for v in payloads("small" if kind == "avro-small" else "vector", n)]
+    out = []
+    for record in plain:
+        if kind == "avro-vec-bytes":
+            record["vec"] = np.asarray(record["vec"], "<f4").tobytes()
+        out.append(ser(record, ctx))
+    return out
 
 
 def payloads(kind: str, n: int) -> list[bytes]:
@@ -153,8 +187,8 @@ def raw_consume(bootstrap: str, topic: str, n: int) -> tuple[float, list[list[An
     return seconds, got
 
 
-def raw_decode(spec: TableSpec, messages: list[list[Any]]) -> float:
-    decoder = Decoder(spec, SourceSettings())
+def raw_decode(spec: TableSpec, messages: list[list[Any]], source: SourceSettings) -> float:
+    decoder = Decoder(spec, source)
     start = time.perf_counter()
     for part in messages:
         for i in range(0, len(part), 10_000):
@@ -164,9 +198,21 @@ def raw_decode(spec: TableSpec, messages: list[list[Any]]) -> float:
 
 
 def write_config(
-    path: Path, bootstrap: str, topic: str, group: str, table: dict[str, Any], port: int
+    path: Path,
+    bootstrap: str,
+    topic: str,
+    group: str,
+    table: dict[str, Any],
+    port: int,
+    registry_url: str | None = None,
 ) -> None:
+    source = (
+        ["[source]", 'format = "avro"', f'schema_registry = {{ url = "{registry_url}" }}']
+        if registry_url
+        else []
+    )
     lines = [
+        *source,
         "[kafka]",
         f'bootstrap_servers = "{bootstrap}"',
         f'group_id = "{group}"',
@@ -276,13 +322,20 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
-def run_sink(bootstrap: str, topic: str, n: int, vector: bool, workdir: Path) -> dict[str, float]:
+def run_sink(
+    bootstrap: str,
+    topic: str,
+    n: int,
+    kind: str,
+    workdir: Path,
+    registry_url: str | None = None,
+) -> dict[str, float]:
+    vector = "vec" in kind
     port = free_port()
     group = f"bench-{uuid.uuid4().hex[:6]}"
     config = workdir / "sink.toml"
-    write_config(
-        config, bootstrap, topic, group, table_settings(str(workdir / "t.lance"), vector), port
-    )
+    table = table_settings(str(workdir / "t.lance"), vector)
+    write_config(config, bootstrap, topic, group, table, port, registry_url)
     log = (workdir / "sink.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "sink.cli", "run", "--config", str(config)],
@@ -312,7 +365,11 @@ def run_sink(bootstrap: str, topic: str, n: int, vector: bool, workdir: Path) ->
         commit = histogram(text, "lance_sink_commit_delay_seconds")
         # Freshness: a steady stream after catching up.
         before = histogram(text, "lance_sink_freshness_seconds")
-        live = payloads("vector" if vector else "small", LIVE_MESSAGES)
+        live = (
+            avro_payloads(kind, LIVE_MESSAGES, registry_url, topic)
+            if registry_url is not None
+            else payloads(kind, LIVE_MESSAGES)
+        )
         producer = confluent_kafka.Producer({"bootstrap.servers": bootstrap, "linger.ms": 1})
         for i, value in enumerate(live):
             producer.produce(topic, value=value, partition=i % PARTITIONS)
@@ -354,6 +411,12 @@ def main() -> None:
         "weigh on its rate)",
     )
     parser.add_argument(
+        "--avro",
+        type=int,
+        default=200_000,
+        help="messages per Avro data set (small, vector array, vector bytes); 0 = none",
+    )
+    parser.add_argument(
         "--repeat",
         type=int,
         default=5,
@@ -372,36 +435,51 @@ def main() -> None:
     # pages, 1 ms GIL switch interval), so the ratios compare like with like.
     tune_process()
     broker, bootstrap = tansu()
+    registry = FakeRegistry().start()
     report(
         f"lance-sink end-to-end benchmark (tansu, {PARTITIONS} partitions, "
         f"WAL flush {FLUSH_INTERVAL_MS} ms; medians of {args.repeat} alternating runs)"
     )
     try:
-        for kind, n in (("small", args.small), ("vector", args.vectors)):
+        sets = [("small", args.small), ("vector", args.vectors)]
+        sets += [(kind, args.avro) for kind in AVRO_KINDS]
+        for kind, n in sets:
             if n <= 0:
                 continue
-            vector = kind == "vector"
+            vector = "vec" in kind
+            avro = kind in AVRO_KINDS
+            registry_url = registry.url if avro else None
             topic = f"bench-{kind}-{uuid.uuid4().hex[:6]}"
-            values = payloads(kind, n)
+            values = avro_payloads(kind, n, registry.url, topic) if avro else payloads(kind, n)
             mb = sum(len(v) for v in values) / 1e6
             produce(bootstrap, topic, values)
             del values
-            report(f"\n## {kind}: {n} messages, {mb:.0f} MB of JSON ({mb * 1e6 / n:.0f} B each)")
+            what = "Avro" if avro else "JSON"
+            report(f"\n## {kind}: {n} messages, {mb:.0f} MB of {what} ({mb * 1e6 / n:.0f} B each)")
             spec = TableSpec.from_settings(
                 TableSettings.model_validate(table_settings("unused", vector))
+            )
+            source = (
+                SourceSettings(format="avro", schema_registry={"url": registry.url})
+                if avro
+                else SourceSettings()
             )
             # Ceilings and sink runs alternate, so a noisy minute hits all three alike.
             runs: list[tuple[float, float, dict[str, float]]] = []
             for r in range(args.repeat):
                 consume_s, messages = raw_consume(bootstrap, topic, n)
-                decode_s = raw_decode(spec, messages)
+                decode_s = raw_decode(spec, messages, source)
                 del messages
                 workdir = Path(tempfile.mkdtemp(prefix="lance-sink-e2e-"))
                 try:
                     # Each freshness phase appended LIVE_MESSAGES to the topic.
                     total = n + r * LIVE_MESSAGES
                     runs.append(
-                        (consume_s, decode_s, run_sink(bootstrap, topic, total, vector, workdir))
+                        (
+                            consume_s,
+                            decode_s,
+                            run_sink(bootstrap, topic, total, kind, workdir, registry_url),
+                        )
                     )
                 finally:
                     shutil.rmtree(workdir, ignore_errors=True)
@@ -438,6 +516,7 @@ def main() -> None:
             )
             report(f"peak RSS of the sink: {sink['peak_rss'] / 2**20:,.0f} MiB")
     finally:
+        registry.stop()
         broker.terminate()
         broker.wait(30)
     if args.out:

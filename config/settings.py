@@ -334,9 +334,11 @@ class TableSettings(_Section):
         "the newest version of a key wins and a Kafka tombstone deletes it.",
     )
     columns: list[ColumnSpec] = Field(
-        min_length=1,
+        default_factory=list,
         description="Scalar columns, each { name, type, nullable }; type is one of string, "
-        "int32, int64, float32, float64, bool, binary, timestamp (milliseconds, UTC).",
+        "int32, int64, float32, float64, bool, binary, timestamp (milliseconds, UTC). Empty "
+        "with a registry format: derived from the subject's latest schema when the table is "
+        "created, from the table afterwards (docs/formats.md).",
     )
     vector: VectorSpec | None = None
     fts_columns: list[str] = Field(
@@ -356,6 +358,15 @@ class TableSettings(_Section):
     storage_options: dict[str, SecretStr] = Field(
         default_factory=dict,
         description="Object-store options (region, endpoint, credentials) for Lance and the WAL.",
+    )
+    evolve: bool = Field(
+        default=False,
+        description="Schema evolution at start: add the columns the settings (or, with derived "
+        "columns, a newer registry schema) have and the table lacks, as nullable columns "
+        "(Lance schema evolution, no rewrite), and widen int32 to int64 and float32 to "
+        "float64. With derived columns, a running sink that meets a writer schema with new "
+        "or widened fields restarts itself to evolve (docs/formats.md). Off: such a "
+        "difference stops the start with an error that says so.",
     )
 
     @field_validator("uri")
@@ -383,6 +394,8 @@ class TableSettings(_Section):
     @field_validator("fts_columns")
     @classmethod
     def _fts(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        if not info.data.get("columns"):
+            return value  # derived from a schema at start; checked again then
         types = {c.name: c.type for c in info.data.get("columns", [])}
         for col in value:
             if types.get(col) != "string":
@@ -394,6 +407,8 @@ class TableSettings(_Section):
     def _primary_key(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
         if info.data.get("mode") == "upsert" and not value:
             raise ValueError("required for upsert tables")
+        if not info.data.get("columns"):
+            return value  # derived from a schema at start; checked again then
         types = {c.name: c.type for c in info.data.get("columns", [])}
         for col in value or []:
             if col not in types:
@@ -426,12 +441,160 @@ def check_uri(value: str) -> str:
     return value
 
 
+#: Source formats whose values carry the Confluent wire format (magic byte, schema id) and
+#: are decoded with schemas from a Schema Registry (see docs/formats.md).
+REGISTRY_FORMATS = frozenset({"avro", "protobuf", "json_schema"})
+
+
+class SchemaRegistrySettings(_Section):
+    """The Confluent-compatible Schema Registry that registry formats read schemas from,
+    through confluent-kafka's own client (its schema cache, retries and TLS)."""
+
+    url: str = Field(
+        min_length=1,
+        description="Registry URL; several comma-separated URLs are tried in turn "
+        "(http://, https://; mock:// is confluent-kafka's in-process registry, for tests).",
+    )
+    basic_auth_username: str | None = Field(default=None, description="Basic-auth user name.")
+    basic_auth_password: SecretStr | None = Field(
+        default=None, description="Basic-auth password (secret; set it through the environment)."
+    )
+    bearer_token: SecretStr | None = Field(
+        default=None, description="Static bearer token (secret) sent as 'Authorization: Bearer'."
+    )
+    bearer_logical_cluster: str = Field(
+        default="",
+        description="Logical cluster sent with the bearer token (target-sr-cluster; Confluent "
+        "Cloud needs it, other registries ignore it).",
+    )
+    ssl_ca_location: str | None = Field(
+        default=None, description="CA certificate file or folder (PEM) for https:// URLs."
+    )
+    ssl_certificate_location: str | None = Field(
+        default=None, description="Client certificate file (PEM) for mutual TLS."
+    )
+    ssl_key_location: str | None = Field(default=None, description="Client private key (PEM).")
+    ssl_key_password: SecretStr | None = Field(
+        default=None, description="Password of the client private key (secret)."
+    )
+    timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=10.0, description="HTTP timeout of one registry request."
+    )
+    max_retries: NonNegativeInt = Field(
+        default=1,
+        le=10,
+        description="Retries of a failed request inside the client (on a decode thread). Kept "
+        "low: a registry that stays unreachable pauses the partition instead, retried with "
+        "backoff (unreachable_backoff_max_s) without holding a decode thread.",
+    )
+    cache_capacity: PositiveInt = Field(
+        default=1_000,
+        description="Schemas the client keeps by id (a schema id never changes, so one "
+        "look-up per id per process is the norm).",
+    )
+    cache_latest_ttl_s: PositiveInt = Field(
+        default=300,
+        description="How long the client caches a subject's latest version (used to derive "
+        "the table's columns at first start).",
+    )
+    unreachable_backoff_max_s: Annotated[float, Field(gt=0)] = Field(
+        default=30.0,
+        description="Longest wait before a partition paused on an unreachable registry tries "
+        "again (1 s, doubling per failure up to this).",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        for url in value.split(","):
+            scheme = urlparse(url.strip()).scheme
+            if scheme not in {"http", "https", "mock"}:
+                raise ValueError(f"{url.strip()!r} is not an http://, https:// or mock:// URL")
+        return value
+
+    @model_validator(mode="after")
+    def _auth(self) -> SchemaRegistrySettings:
+        if (self.basic_auth_username is None) != (self.basic_auth_password is None):
+            raise ValueError("basic_auth_username and basic_auth_password go together")
+        if self.basic_auth_username is not None and self.bearer_token is not None:
+            raise ValueError("use basic auth or a bearer token, not both")
+        return self
+
+    def client_conf(self) -> dict[str, Any]:
+        """The configuration of confluent-kafka's `SchemaRegistryClient`."""
+        conf: dict[str, Any] = {
+            "url": self.url,
+            "timeout": self.timeout_s,
+            "max.retries": self.max_retries,
+            "retries.wait.ms": 200,
+            "retries.max.wait.ms": 2_000,
+            "cache.capacity": self.cache_capacity,
+            "cache.latest.ttl.sec": self.cache_latest_ttl_s,
+        }
+        if self.basic_auth_username is not None and self.basic_auth_password is not None:
+            password = self.basic_auth_password.get_secret_value()
+            conf["basic.auth.user.info"] = f"{self.basic_auth_username}:{password}"
+        if self.bearer_token is not None:
+            conf["bearer.auth.credentials.source"] = "STATIC_TOKEN"
+            conf["bearer.auth.token"] = self.bearer_token.get_secret_value()
+            conf["bearer.auth.logical.cluster"] = self.bearer_logical_cluster
+        for key, value in (
+            ("ssl.ca.location", self.ssl_ca_location),
+            ("ssl.certificate.location", self.ssl_certificate_location),
+            ("ssl.key.location", self.ssl_key_location),
+        ):
+            if value:
+                conf[key] = value  # noqa: PERF403 - three optional keys, clearer as a loop
+        if self.ssl_key_password is not None:
+            conf["ssl.key.password"] = self.ssl_key_password.get_secret_value()
+        return conf
+
+
+class ProtobufSettings(_Section):
+    """Protobuf without a schema registry: one message type from a descriptor set."""
+
+    descriptor_set: str | None = Field(
+        default=None,
+        description="A FileDescriptorSet file (protoc --include_imports --descriptor_set_out) "
+        "holding the message type; used when there is no schema_registry (values are then "
+        "the message's plain bytes, not the Confluent wire format).",
+    )
+    message: str | None = Field(
+        default=None,
+        description="Full name of the message type, e.g. 'shop.v1.Order': the type of the "
+        "values with a descriptor_set; with a registry, the message table.columns are "
+        "derived from (default: the schema's first message).",
+    )
+
+    @model_validator(mode="after")
+    def _both(self) -> ProtobufSettings:
+        if self.descriptor_set is not None and self.message is None:
+            raise ValueError("a descriptor_set needs the message type (message)")
+        return self
+
+
 class SourceSettings(_Section):
     """How Kafka messages become rows."""
 
-    format: Literal["json", "raw"] = Field(
+    format: Literal["json", "raw", "avro", "protobuf", "json_schema"] = Field(
         default="json",
-        description="json: the value is a JSON object; raw: the value goes into one column.",
+        description="json: the value is a JSON object; raw: the value goes into one column; "
+        "avro, protobuf, json_schema: the Confluent wire format with schemas from "
+        "source.schema_registry (see docs/formats.md).",
+    )
+    key_format: Literal["raw", "avro", "protobuf", "json_schema"] = Field(
+        default="raw",
+        description="How Kafka keys are encoded: raw bytes, or a registry format decoded "
+        "with source.schema_registry; '@key' then reads the decoded key and '@key.a.b' a "
+        "field of a record key (upsert primary keys, the key a tombstone deletes).",
+    )
+    schema_registry: SchemaRegistrySettings | None = Field(
+        default=None,
+        description="The Schema Registry; required by avro and json_schema, and by protobuf "
+        "unless source.protobuf names a descriptor set.",
+    )
+    protobuf: ProtobufSettings | None = Field(
+        default=None, description="Protobuf's message type, from a descriptor set or by name."
     )
     columns: dict[str, str] = Field(
         default_factory=dict,
@@ -463,14 +626,42 @@ class SourceSettings(_Section):
             if not _SOURCE_RE.match(source):
                 raise ValueError(
                     f"column {column!r}: source {source!r} is neither a JSON path ($.a.b) "
-                    "nor Kafka metadata (@key, @topic, @partition, @offset, @timestamp, "
-                    "@headers.NAME, @value)"
+                    "nor Kafka metadata (@key, @key.a.b with a key_format, @topic, "
+                    "@partition, @offset, @timestamp, @headers.NAME, @value)"
                 )
         return value
 
+    @model_validator(mode="after")
+    def _registry(self) -> SourceSettings:
+        if self.key_format != "raw" and self.schema_registry is None:
+            raise ValueError(
+                f"key_format {self.key_format!r} needs a [source.schema_registry] section"
+            )
+        if self.key_format == "raw":
+            dotted = sorted(c for c, s in self.columns.items() if s.startswith("@key."))
+            if dotted:
+                raise ValueError(
+                    f"column {dotted[0]!r}: '@key.<field>' reads a field of a decoded key; "
+                    "set source.key_format to the key's registry format"
+                )
+        if self.format in REGISTRY_FORMATS and self.schema_registry is None:
+            if (
+                self.format == "protobuf"
+                and self.protobuf is not None
+                and self.protobuf.descriptor_set is not None
+            ):
+                return self
+            hint = " (or, for protobuf, source.protobuf.descriptor_set)"
+            raise ValueError(
+                f"format {self.format!r} needs a [source.schema_registry] section"
+                + (hint if self.format == "protobuf" else "")
+            )
+        return self
+
 
 _SOURCE_RE = re.compile(
-    r"^(\$(\.[A-Za-z0-9_\-]+)+|@key|@topic|@partition|@offset|@timestamp|@value|@headers\..+)$"
+    r"^(\$(\.[A-Za-z0-9_\-]+)+|@key(\.[A-Za-z0-9_\-]+)*|@topic|@partition|@offset|@timestamp"
+    r"|@value|@headers\..+)$"
 )
 
 
@@ -836,19 +1027,29 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _cross(self) -> Settings:
-        table_columns = {c.name for c in self.table.columns}
-        if self.table.vector is not None:
-            table_columns.add(self.table.vector.column)
-        unknown = sorted(set(self.source.columns) - table_columns)
-        if unknown:
-            raise KeyedError("source.columns", f"maps unknown table columns: {', '.join(unknown)}")
-        indexed = set(self.maintenance.scalar_indexes)
-        not_scalar = sorted(indexed - {c.name for c in self.table.columns})
-        if not_scalar:
-            raise KeyedError(
-                "maintenance.scalar_indexes",
-                "not scalar table columns: " + ", ".join(not_scalar),
-            )
+        if not self.table.columns:  # derived at start (sink.formats.derive), checked then
+            if self.source.format not in REGISTRY_FORMATS:
+                raise KeyedError(
+                    "table.columns",
+                    "needs at least one column (only the registry formats avro, protobuf and "
+                    "json_schema derive the columns from a schema)",
+                )
+        else:
+            table_columns = {c.name for c in self.table.columns}
+            if self.table.vector is not None:
+                table_columns.add(self.table.vector.column)
+            unknown = sorted(set(self.source.columns) - table_columns)
+            if unknown:
+                raise KeyedError(
+                    "source.columns", f"maps unknown table columns: {', '.join(unknown)}"
+                )
+            indexed = set(self.maintenance.scalar_indexes)
+            not_scalar = sorted(indexed - {c.name for c in self.table.columns})
+            if not_scalar:
+                raise KeyedError(
+                    "maintenance.scalar_indexes",
+                    "not scalar table columns: " + ", ".join(not_scalar),
+                )
         if self.source.format == "raw":
             mapped = set(self.source.columns.values())
             if "@value" not in mapped:

@@ -2,7 +2,8 @@
 
     LanceSinkError                      root; carries shard/topic/partition/offset context
     ├── RetriableError                  try again later; nothing acknowledged was lost
-    │   └── PersistenceError            a storage operation (WAL put, Lance commit) failed
+    │   ├── PersistenceError            a storage operation (WAL put, Lance commit) failed
+    │   └── RegistryUnavailable (sink/formats)  the schema registry cannot answer; pause
     ├── FatalError                      stop: operator action needed
     │   ├── SchemaMismatch              the table's schema is incompatible with the settings
     │   └── Poisoned                    the shard writer failed to persist; close and reopen
@@ -13,7 +14,8 @@
     │   └── UnknownColumn               a column the table does not have
     └── ControlFlow                     expected signals, not failures
         ├── Backpressure                admission refused; pause the partition, retry later
-        └── Fenced                      a newer writer (epoch) owns the shard
+        ├── Fenced                      a newer writer (epoch) owns the shard
+        └── SchemaEvolution (sink/formats)  a writer schema needs the table evolved; restart
 
 `Sink` code decides per group: retry with backoff, exit non-zero, dead-letter, or
 pause/release. Always `raise ... from` the underlying cause.

@@ -54,6 +54,24 @@ class VectorColumn:
     allow_nan: bool = False
 
 
+#: Type changes `table.evolve` applies to an existing column (Lance casts them in place).
+WIDENINGS: frozenset[tuple[str, str]] = frozenset(
+    {(str(pa.int32()), str(pa.int64())), (str(pa.float32()), str(pa.float64()))}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Evolution:
+    """What `table.evolve` changes in an existing table: columns to add (all-null, metadata
+    only) and columns to widen (`WIDENINGS`)."""
+
+    add: tuple[pa.Field, ...] = ()
+    widen: tuple[pa.Field, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.add or self.widen)
+
+
 @dataclass(frozen=True)
 class TableSpec:
     """Everything the engine needs to know about the table's shape.
@@ -68,6 +86,7 @@ class TableSpec:
     vector: VectorColumn | None = None
     fts_columns: tuple[str, ...] = ()
     storage_options: dict[str, str] = field(default_factory=dict)
+    evolve: bool = False
 
     @classmethod
     def from_settings(cls, table: TableSettings) -> TableSpec:
@@ -94,6 +113,7 @@ class TableSpec:
             vector=vector,
             fts_columns=tuple(table.fts_columns),
             storage_options={k: v.get_secret_value() for k, v in table.storage_options.items()},
+            evolve=table.evolve,
         )
 
     @property
@@ -110,6 +130,39 @@ class TableSpec:
         ]
         return pa.schema([*fields, pa.field(OP_COLUMN, pa.int8(), nullable=False)])
 
+    def evolution(self, existing: pa.Schema) -> Evolution:
+        """What `table.evolve` would change in an existing table to hold our rows.
+
+        Raises:
+            SchemaMismatch: naming the field that no evolution can reconcile: a type change
+                other than a widening, or a new column that is not nullable.
+        """
+        add: list[pa.Field] = []
+        widen: list[pa.Field] = []
+        for f in self.table_schema:
+            idx = existing.get_field_index(f.name)
+            if idx < 0:
+                if not f.nullable:
+                    raise SchemaMismatch(
+                        f"column {f.name!r} is not in the table and not nullable: existing "
+                        "rows have no value for it; declare it nullable to add it",
+                        table=self.uri,
+                    )
+                add.append(f)
+                continue
+            have = existing.field(idx).type
+            if have.equals(f.type):
+                continue
+            if (str(have), str(f.type)) in WIDENINGS:
+                widen.append(f)
+                continue
+            raise SchemaMismatch(
+                f"column {f.name!r} is {have} in the table, {f.type} in the settings; "
+                "only int32 -> int64 and float32 -> float64 can be evolved",
+                table=self.uri,
+            )
+        return Evolution(tuple(add), tuple(widen))
+
     def check_table(self, existing: pa.Schema) -> None:
         """Check that an existing Lance table can hold our rows.
 
@@ -119,11 +172,20 @@ class TableSpec:
         for f in self.table_schema:
             idx = existing.get_field_index(f.name)
             if idx < 0:
-                raise SchemaMismatch(f"table has no column {f.name!r}", table=self.uri)
+                raise SchemaMismatch(
+                    f"table has no column {f.name!r} (set table.evolve = true to add it "
+                    "as a nullable column)",
+                    table=self.uri,
+                )
             if not existing.field(idx).type.equals(f.type):
+                hint = (
+                    " (set table.evolve = true to widen it)"
+                    if (str(existing.field(idx).type), str(f.type)) in WIDENINGS
+                    else ""
+                )
                 raise SchemaMismatch(
                     f"column {f.name!r} is {existing.field(idx).type} in the table, "
-                    f"{f.type} in the settings",
+                    f"{f.type} in the settings{hint}",
                     table=self.uri,
                 )
         extra = [n for n in existing.names if self.table_schema.get_field_index(n) < 0]
@@ -204,6 +266,36 @@ class TableSpec:
             raise InvalidRecord(
                 f"NaN in vector column {self.vector.name!r}", column=self.vector.name, row=row
             )
+
+    def conform(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """A batch written under an earlier table schema (a replayed WAL entry) in
+        `batch_schema`: columns added since read as null, widened columns are cast.
+
+        Raises:
+            InvalidRecord: the batch lacks a column that is not nullable, or has one of a
+                type that no evolution explains.
+        """
+        expected = self.batch_schema
+        if batch.schema.equals(expected):
+            return batch
+        arrays: list[pa.Array] = []
+        for f in expected:
+            idx = batch.schema.get_field_index(f.name)
+            if idx < 0:
+                if not f.nullable:
+                    raise InvalidRecord(f"batch has no column {f.name!r}", column=f.name)
+                arrays.append(pa.nulls(batch.num_rows, f.type))
+                continue
+            column = batch.column(idx)
+            if not column.type.equals(f.type):
+                if (str(column.type), str(f.type)) not in WIDENINGS:
+                    raise InvalidRecord(
+                        f"column {f.name!r} has type {column.type}, expected {f.type}",
+                        column=f.name,
+                    )
+                column = column.cast(f.type)
+            arrays.append(column)
+        return pa.RecordBatch.from_arrays(arrays, schema=expected)
 
     def to_table_batch(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         """Drop `_op` and restore the table's nullability (rows must be upserts)."""

@@ -432,8 +432,10 @@ class ShardWriter:
             raise PersistenceError(
                 f"WAL entry {entry.position} belongs to shard {entry.shard}", shard=self.shard
             )
+        # An entry written before the table evolved lacks its new columns: they read null.
+        batches = [self.spec.conform(b) for b in entry.batches]
         with self._lock:
-            sealed = self._insert_locked(entry.batches, entry.position, entry.sources)
+            sealed = self._insert_locked(batches, entry.position, entry.sources)
         if sealed:
             # Bounded replay (I4): flush each sealed memtable before reading further.
             self._drain_flushes_inline()

@@ -110,7 +110,33 @@ class BaseTable:
                             f"cannot create table: {exc}", table=self.uri
                         ) from exc
                 ds = self.dataset()
+            if self.spec.evolve:
+                self._evolve(ds)
+                ds = self.dataset()
             self.spec.check_table(ds.schema)
+
+    def _evolve(self, ds: lance.LanceDataset) -> None:
+        """Add the spec's new columns (all-null, metadata only) and widen the columns it
+        widens (`TableSpec.evolution`), each as one Lance commit."""
+        change = self.spec.evolution(ds.schema)
+        try:
+            if change.add:
+                ds.add_columns(list(change.add))
+            if change.widen:
+                # Each argument is one alteration (pylance annotates them as iterables).
+                alterations: list[Any] = [
+                    {"path": f.name, "data_type": f.type} for f in change.widen
+                ]
+                ds.alter_columns(*alterations)
+        except OSError as exc:
+            raise PersistenceError(f"cannot evolve the table: {exc}", table=self.uri) from exc
+        if change:
+            log.info(
+                "table_evolved",
+                table=self.uri,
+                added=[f.name for f in change.add],
+                widened=[f"{f.name}: {f.type}" for f in change.widen],
+            )
 
     def dataset(self, version: int | None = None) -> lance.LanceDataset:
         """The table at its latest (or a given) version."""

@@ -227,10 +227,21 @@ def _run(args: argparse.Namespace) -> int:
     from sink.metrics import Metrics  # noqa: PLC0415
     from sink.service import SinkService  # noqa: PLC0415
 
+    derived = not settings.table.columns
+    if derived:
+        from sink.formats.derive import EVOLVE_SCHEMA_IDS_ENV, derive_settings  # noqa: PLC0415
+
+        ids = tuple(int(i) for i in os.environ.pop(EVOLVE_SCHEMA_IDS_ENV, "").split(",") if i)
+        try:
+            settings = derive_settings(settings, ids)
+        except (LanceSinkError, LookupError, ValueError) as exc:
+            log.error("startup_failed", error=str(exc), error_type=type(exc).__name__)
+            print(f"lance-sink: cannot derive table.columns: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
     try:
         metrics = Metrics()
         engine = Engine.from_settings(settings, controller=controller, events=metrics)
-        service = SinkService(settings, metrics=metrics, engine=engine)
+        service = SinkService(settings, metrics=metrics, engine=engine, derived_columns=derived)
     except LanceSinkError as exc:
         log.error("startup_failed", error=str(exc), error_type=type(exc).__name__)
         print(f"lance-sink: {exc}", file=sys.stderr)
@@ -256,6 +267,15 @@ def _run(args: argparse.Namespace) -> int:
         log.info("threads_abandoned_at_exit", threads=lingering)
     sys.stdout.flush()
     sys.stderr.flush()
+    if service.evolution is not None:
+        # Restart in place (same pid, arguments and environment) to evolve the table; the
+        # schema ids the messages need are passed on so the new columns cannot be missed.
+        from sink.formats.derive import EVOLVE_SCHEMA_IDS_ENV  # noqa: PLC0415
+
+        met = ",".join(str(i) for i in service.evolution.schema_ids)
+        log.info("restarting_to_evolve", schema_ids=met)
+        os.environ[EVOLVE_SCHEMA_IDS_ENV] = met
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])  # noqa: S606 - the same program
     os._exit(code)
 
 

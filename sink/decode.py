@@ -12,7 +12,9 @@ Lifecycle: the consumer loop builds one `Decoder` per table when it starts (the 
 checks the mapping against the table and raises `ValueError` on a configuration the data
 can never satisfy) and calls `Decoder.decode` from the poll thread for each batch. The
 decoder is stateless apart from one hint (which timestamp representation the last batch
-used), so it needs no `close` and may be shared by all partitions of the table.
+used) and, for registry formats, caches of schemas (the registry client's, and the writer
+schemas already checked for evolution), so it needs no `close` and may be shared by all
+partitions of the table.
 
 Sources (``source.columns``; an unmapped table column reads the same-named top-level JSON
 field in the json format and is null in the raw format):
@@ -67,6 +69,14 @@ integer key: its decimal text; binary key: the bytes); a missing or unusable key
 table ``tombstones = "skip"`` records the offset in `Decoded.skipped_offsets` and ``"dlq"``
 makes a ``tombstone`` dead letter.
 
+Registry formats (``avro``, ``protobuf``, ``json_schema``; `sink.formats`, docs/formats.md):
+values are deserialized with the schema each names and columns read record paths exactly
+like JSON paths; the reasons ``missing_magic_byte``, ``unknown_schema_id`` and
+``not_matching_schema`` are theirs. A registry that cannot answer raises
+`sink.formats.RegistryUnavailable` out of `decode` (not the messages' fault); with derived
+columns and ``table.evolve`` a writer schema with new fields raises
+`sink.formats.SchemaEvolution`. Everything else below is the JSON format's.
+
 How it is fast: the per-message Python work is reading the Message accessors. The JSON
 values are parsed by `pyarrow.json.read_json` with an explicit schema of only the mapped
 fields, in chunks of about 4 MiB (one call each, its blocks parsed on all cores). Each value
@@ -116,6 +126,8 @@ from engine.schema import (
     TableSpec,
     arrow_type,
 )
+from sink.formats import Evolving, parse_records, record_format
+from sink.formats.keys import KeyDecoder
 
 __all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason"]
 
@@ -131,6 +143,10 @@ Reason: TypeAlias = Literal[
     "invalid_utf8",
     "tombstone",
     "rejected_by_table",  # the engine refused a decoded batch (set by the consumer loop)
+    # Registry formats (sink.formats):
+    "missing_magic_byte",  # the value is not in the Confluent wire format
+    "unknown_schema_id",  # the registry does not know the value's schema id (HTTP 404)
+    "not_matching_schema",  # the value does not decode with its schema
 ]
 
 #: Kafka's TIMESTAMP_NOT_AVAILABLE timestamp type: the message carries no timestamp.
@@ -227,7 +243,9 @@ class Decoded:
 # ---------------------------------------------------------------------------------------
 # The plan: what each output column is made from, fixed at construction.
 
-_Kind: TypeAlias = Literal["json", "bytes", "topic", "partition", "offset", "timestamp", "none"]
+_Kind: TypeAlias = Literal[
+    "json", "bytes", "key", "topic", "partition", "offset", "timestamp", "none"
+]  # fmt: skip
 _Fault: TypeAlias = tuple[Reason, str]
 _Path: TypeAlias = tuple[str, ...]
 
@@ -275,6 +293,8 @@ class _Column:
             return "$." + ".".join(self.path)
         if self.kind == "bytes":
             return ".".join(self.path)
+        if self.kind == "key":
+            return ".".join(("@key", *self.path))
         return "" if self.kind == "none" else "@" + self.kind
 
 
@@ -332,12 +352,20 @@ class Decoder:
             without a source.
     """
 
-    def __init__(self, spec: TableSpec, source: SourceSettings) -> None:
+    def __init__(
+        self, spec: TableSpec, source: SourceSettings, *, evolve_derived: bool = False
+    ) -> None:
         self._spec = spec
         self._source = source
         self._schema: pa.Schema = spec.batch_schema
         self._max_bytes = int(source.max_message_bytes)
         self._json = source.format == "json"
+        # Registry formats read record paths like JSON paths (sink.formats).
+        self._records = record_format(source)
+        self._paths = self._json or self._records is not None
+        # Registry-encoded keys (source.key_format): @key reads the decoded key.
+        key_format = record_format(source, key=True)
+        self._keys = KeyDecoder(key_format) if key_format is not None else None
         self._allow_nan = spec.vector.allow_nan if spec.vector is not None else False
         unknown = sorted(set(source.columns) - set(spec.table_schema.names))
         if unknown:
@@ -361,6 +389,12 @@ class Decoder:
         self._has_timestamps = any(c.type_name == "timestamp" for c in self._json_columns)
         self._iso_timestamps = False  # which representation the last batch's timestamps used
         self._read_schemas = {iso: self._read_schema(iso) for iso in (False, True)}
+        # Derived columns with table.evolve: new writer schemas are checked (sink.formats).
+        self._evolving = (
+            Evolving({c.path: c.type_name for c in self._json_columns})
+            if evolve_derived and self._records is not None
+            else None
+        )
         self._tombstone_key: _Column | None = None
         if spec.upsert and len(spec.primary_key) == 1:
             self._tombstone_key = next(c for c in self._columns if c.primary_key)
@@ -370,16 +404,19 @@ class Decoder:
         pk = f.name in self._spec.primary_key
         mapped = self._source.columns.get(f.name)
         if mapped is None:
-            if self._json:
+            if self._paths:
                 return _Column(f.name, type_name, f.type, "json", (f.name,), required, pk)
             if required:
                 raise ValueError(f"column {f.name!r} is required but has no source (raw format)")
             return _Column(f.name, type_name, f.type, "none")
         if mapped.startswith("$."):
-            if not self._json:
+            if not self._paths:
                 raise ValueError(f"column {f.name!r}: JSON path {mapped!r} in the raw format")
             path = tuple(mapped[2:].split("."))
             return _Column(f.name, type_name, f.type, "json", path, required, pk)
+        if self._keys is not None and (mapped == "@key" or mapped.startswith("@key.")):
+            path = tuple(mapped.split(".")[1:])
+            return _Column(f.name, type_name, f.type, "key", path, required, pk)
         if mapped in {"@key", "@value"} or mapped.startswith("@headers."):
             if type_name not in _BYTES_TARGETS:
                 raise ValueError(
@@ -524,7 +561,18 @@ class Decoder:
         index = candidates
         leaves: dict[_Path, pa.Array] = {}
         is_object: pa.Array | None = None
-        if self._json:
+        column_faults: dict[_Path, dict[int, _Fault]] = {}
+        if self._records is not None:
+            paths = [
+                (path, c.type_name, f"{c.name!r} ({c.where})")
+                for path, c in self._path_columns.items()
+            ]
+            parsed = parse_records(self._records, payloads, paths, self._evolving)
+            early = {int(candidates[pos]): cast("_Fault", f) for pos, f in parsed.faults.items()}
+            index = index[parsed.positions]
+            leaves = parsed.leaves
+            column_faults = cast("dict[_Path, dict[int, _Fault]]", parsed.column_faults)
+        elif self._json:
             positions, leaves, is_object, faults = self._parse(payloads, sizes)
             early = {int(candidates[pos]): fault for pos, fault in faults.items()}
             index = index[positions]
@@ -533,6 +581,9 @@ class Decoder:
             not_object = np.flatnonzero(~is_object.to_numpy(zero_copy_only=False))
             rows.fault(not_object, ("not_an_object", "value is JSON null, not an object"))
         for col in self._columns:
+            if col.path in column_faults:
+                for pos, fault in column_faults[col.path].items():
+                    rows.fault((pos,), fault)
             rows.columns[col.name] = self._column(col, rows, leaves, meta)
         return rows, early
 
@@ -542,7 +593,7 @@ class Decoder:
         """One column for `rows`, in its canonical type, faulting rows it cannot hold."""
         if col.kind == "json":
             arr = leaves[col.path]
-            if col.type_name == "binary":
+            if col.type_name == "binary" and self._json:
                 arr = _from_base64(arr, col, rows)
             elif col.type_name == "vector":
                 self._check_vectors(arr, col, rows, meta)
@@ -550,6 +601,8 @@ class Decoder:
             arr = pa.nulls(len(rows.index), col.arrow_type)
         elif col.kind == "bytes":
             arr = _bytes_to(meta.bytes_source(col.path).take(rows.index), col, rows)
+        elif col.kind == "key":
+            arr = self._key_column(col, rows, meta)
         else:
             arr = meta.metadata(col.kind, col.arrow_type).take(rows.index)
         if col.required and arr.null_count:
@@ -561,6 +614,21 @@ class Decoder:
                 reason, what = "missing_required", f"{col.name!r} ({col.where}) is null or missing"
             rows.fault(nulls, (reason, what))
         return arr
+
+    def _key_column(self, col: _Column, rows: _Rows, meta: _Metadata) -> pa.Array:
+        """A column read from the decoded keys (source.key_format), faulting the rows whose
+        key does not decode or does not fit."""
+        assert self._keys is not None
+        records, faults = meta.decoded_keys(self._keys)
+        describe = f"{col.name!r} ({col.where})"
+        arr, bad = self._keys.column(records, col.path, col.type_name, describe)
+        for index, fault in bad.items():
+            faults.setdefault(index, fault)
+        if faults:
+            hit = np.flatnonzero(np.isin(rows.index, np.fromiter(faults, np.int64)))
+            for pos in hit.tolist():
+                rows.fault((pos,), cast("_Fault", faults[int(rows.index[pos])]))
+        return arr.take(pa.array(rows.index))
 
     def _check_vectors(self, arr: pa.Array, col: _Column, rows: _Rows, meta: _Metadata) -> None:
         """Fault rows whose vector has the wrong length, a null, or (unless allowed) NaN/inf.
@@ -800,11 +868,32 @@ class Decoder:
             )
         if key is None:
             return None, ("missing_primary_key", "tombstone cannot delete: it has no Kafka key")
+        if self._keys is not None:
+            return self._decoded_tombstone_key(col, key)
         probe = _Rows(index=np.zeros(1, np.int64))
         from_key = replace(col, kind="bytes", path=("@key",))
         arr = _bytes_to(pa.array([key], pa.binary()), from_key, probe)
         if probe.faults:
             return None, ("missing_primary_key", f"tombstone cannot delete: {probe.faults[0][1]}")
+        return arr[0].as_py(), None
+
+    def _decoded_tombstone_key(self, col: _Column, key: bytes) -> tuple[Any, _Fault | None]:
+        """The primary key a registry-encoded tombstone key gives: the key column's path
+        (``@key.a``, or the whole key), else the record key's field of the column's name."""
+        assert self._keys is not None
+        records, faults = self._keys.decode([key])
+        if faults:
+            return None, cast("_Fault", faults[0])
+        path = col.path if col.kind == "key" else ()
+        if col.kind != "key" and isinstance(records[0], dict):
+            path = (col.name,)
+        where = ".".join(("@key", *path))
+        arr, bad = self._keys.column(records, path, col.type_name, f"{col.name!r} ({where})")
+        if bad:
+            return None, ("missing_primary_key", f"tombstone cannot delete: {bad[0][1]}")
+        if arr[0].as_py() is None:
+            what = f"{col.name!r} ({where}) is null"
+            return None, ("missing_primary_key", f"tombstone cannot delete: {what}")
         return arr[0].as_py(), None
 
     def _assemble(
@@ -876,10 +965,19 @@ class _Metadata:
         self._topic = topic
         self._partition = partition
         self._cache: dict[tuple[str, ...], pa.Array] = {}
+        self._keys: tuple[list[Any], dict[int, tuple[str, str]]] | None = None
 
     def value(self, i: int) -> bytes | None:
         """The payload of message `i`."""
         return self._values[i]
+
+    def decoded_keys(self, keys: KeyDecoder) -> tuple[list[Any], dict[int, tuple[str, str]]]:
+        """The keys of all messages decoded once (source.key_format), and their faults by
+        message index (a copy: callers add to it)."""
+        if self._keys is None:
+            self._keys = keys.decode([m.key() for m in self._messages])
+        records, faults = self._keys
+        return records, dict(faults)
 
     def bytes_source(self, path: _Path) -> pa.Array:
         """@key, @value or @headers.NAME as a binary array over all messages."""

@@ -130,6 +130,17 @@ class Metrics:
             "retried with backoff while the partition consumes nothing.",
             tp,
         )
+        self.waiting_for_registry = gauge(
+            "registry_paused",
+            "1 while the partition is paused because the schema registry cannot be reached "
+            "(its messages are decoded again when it answers; none go to the DLQ for it).",
+            tp,
+        )
+        self.registry_failures = counter(
+            "registry_failures_total",
+            "Batches whose decoding failed because the schema registry could not answer.",
+            tp,
+        )
         self.rows_ingested = counter("rows_ingested_total", "Rows made durable and visible.", tp)
         self.bytes_ingested = counter(
             "bytes_ingested_total", "Arrow bytes of the rows made durable and visible.", tp
@@ -307,6 +318,13 @@ class Metrics:
     def shard_open_failed(self, topic: str, partition: int) -> None:
         self.shard_open_failures.labels(topic, str(partition)).inc()
 
+    def registry_paused(self, topic: str, partition: int, paused: bool) -> None:
+        """The partition was paused (a failed registry request) or resumed (decoded) while
+        waiting for the schema registry."""
+        self.waiting_for_registry.labels(topic, str(partition)).set(1 if paused else 0)
+        if paused:
+            self.registry_failures.labels(topic, str(partition)).inc()
+
     def ingested(self, topic: str, partition: int, rows: int, nbytes: int) -> None:
         self.rows_ingested.labels(topic, str(partition)).inc(rows)
         self.rows_total += rows
@@ -357,6 +375,8 @@ class Metrics:
             self.writer_poisoned,
             self.shard_open_failures,
             self.dlq_held,
+            self.waiting_for_registry,
+            self.registry_failures,
             self.rows_ingested,
             self.bytes_ingested,
         ):

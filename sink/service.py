@@ -52,6 +52,7 @@ from engine.wal import SourceRange
 from sink.decode import DeadLetter, Decoded, Decoder
 from sink.dlq import DeadLetterBatch, DeadLetterProducer
 from sink.dlq import producer_conf as dlq_producer_conf
+from sink.formats import RegistryUnavailable, SchemaEvolution
 from sink.http import ServerHandle, create_query_app, run_server
 from sink.kafka_conf import kafka_security_conf
 from sink.lag import PartitionOffsets, unindexed_rows
@@ -87,6 +88,9 @@ DECODE_QUEUE_BATCHES = 2
 # messages): creating the message objects is the loop's own work, and a 10k batch of 4 KB
 # vector messages kept it from noticing durable puts and committing for tens of ms.
 CONSUME_TARGET_BYTES = 8 << 20
+# `run()`'s exit code when a writer schema needs the derived table evolved first: the CLI
+# then restarts the process (EX_TEMPFAIL), which evolves the table as it opens it.
+EXIT_RESTART_TO_EVOLVE = 75
 
 
 class FatalSinkError(LanceSinkError):
@@ -192,6 +196,11 @@ class PartitionState:
     open_error: str | None = None
     open_failures: int = 0
     committed_known: bool = True  # False: the committed-offset look-up failed; retried
+    # The schema registry could not be asked while decoding (`_registry_failed`): paused,
+    # decoded again from `position` at `registry_retry_at`; failures in a row, last error.
+    registry_retry_at: float | None = None
+    registry_failures: int = 0
+    registry_error: str | None = None
     assigned: bool = True  # handed to the consumer (incremental_assign) already
 
     @property
@@ -208,11 +217,19 @@ class SinkService:
         *,
         metrics: Metrics | None = None,
         engine: Engine | None = None,
+        derived_columns: bool = False,
     ) -> None:
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.engine = engine or Engine.from_settings(settings, events=self.metrics)
-        self.decoder = Decoder(self.engine.spec, settings.source)
+        self.decoder = Decoder(
+            self.engine.spec,
+            settings.source,
+            evolve_derived=derived_columns and settings.table.evolve,
+        )
+        # Set when a writer schema needs the table evolved: `run` drains and returns
+        # EXIT_RESTART_TO_EVOLVE (see `_evolution_needed`).
+        self.evolution: SchemaEvolution | None = None
         self.dlq = (
             DeadLetterProducer(
                 dlq_producer_conf(kafka_security_conf(settings), settings),
@@ -271,6 +288,10 @@ class SinkService:
         self._parked_messages = 0  # consumed while the decode queue was full
         self._decode_queue_limit = DECODE_QUEUE_BATCHES * settings.kafka.consume_batch_size
         self._consume_size = settings.kafka.consume_batch_size
+        registry = settings.source.schema_registry
+        self._registry_backoff_max_s = (
+            registry.unreachable_backoff_max_s if registry is not None else RECOVERY_BACKOFF_MAX_S
+        )
         self._last_commit = 0.0
         self._last_metrics = 0.0
         self._lock = threading.Lock()  # guards `partitions` for readers on other threads
@@ -373,6 +394,9 @@ class SinkService:
                     log.error("sink_fatal", reason=self._fatal)
                     code = 1
                     break
+                if self.evolution is not None:
+                    code = EXIT_RESTART_TO_EVOLVE
+                    break
         except LanceSinkError as exc:
             log.error("sink_fatal", reason=str(exc), error_type=type(exc).__name__)
             code = 1
@@ -473,11 +497,75 @@ class SinkService:
             while state.decoding and state.decoding[0].future.done():
                 job = state.decoding.popleft()
                 self._decoding_messages -= len(job.messages)
-                self._feed(state, job.messages, job.future.result())
+                try:
+                    decoded = job.future.result()
+                except RegistryUnavailable as exc:
+                    self._registry_failed(state, job.messages, exc)
+                    break
+                except SchemaEvolution as exc:
+                    self._evolution_needed(state, job.messages, exc)
+                    break
+                if state.registry_failures:
+                    state.registry_failures, state.registry_error = 0, None
+                    self.metrics.registry_paused(state.topic, state.partition, False)
+                self._feed(state, job.messages, decoded)
         if self._decoding_messages < self._decode_queue_limit:
             for state in list(self.partitions.values()):
                 if state.parked and state.held is None:
                     self._submit_parked(state)
+
+    def _registry_failed(
+        self, state: PartitionState, messages: list[Any], exc: RegistryUnavailable
+    ) -> None:
+        """Decoding needed the schema registry and it could not answer: not the messages'
+        fault, so nothing is dead-lettered. Pause the partition, forget this batch and the
+        ones after it (nothing of them is durable), and decode them again from their first
+        offset after a backoff (`_service_held`)."""
+        delay = min(
+            RECOVERY_BACKOFF_S * 2**state.registry_failures,
+            self._registry_backoff_max_s,
+        )
+        state.registry_failures += 1
+        state.registry_error = str(exc)
+        state.registry_retry_at = time.monotonic() + delay
+        state.position = messages[0].offset()
+        self._drop_decoding(state)
+        if not state.paused:
+            self.consumer.pause([state.tp])
+            state.paused = True
+            self.metrics.partition_paused(state.topic, state.partition, True)
+        self.metrics.registry_paused(state.topic, state.partition, True)
+        log.warning(
+            "registry_unavailable",
+            topic=state.topic,
+            partition=state.partition,
+            offset=state.position,
+            error=state.registry_error,
+            attempt=state.registry_failures,
+            retry_in_s=delay,
+        )
+
+    def _evolution_needed(
+        self, state: PartitionState, messages: list[Any], exc: SchemaEvolution
+    ) -> None:
+        """A batch was written with a schema whose fields the derived table lacks: nothing
+        of it is put; the loop drains (what is durable is committed) and the process
+        restarts to evolve the table, then reads the batch again from its first offset."""
+        state.position = messages[0].offset()
+        self._drop_decoding(state)
+        if not state.paused:
+            self.consumer.pause([state.tp])
+            state.paused = True
+        if self.evolution is None:
+            self.evolution = exc
+            log.warning(
+                "schema_evolution_restart",
+                topic=state.topic,
+                partition=state.partition,
+                offset=state.position,
+                reason=exc.message,
+                schema_ids=list(exc.schema_ids),
+            )
 
     def _drop_decoding(self, state: PartitionState) -> None:
         """Forget batches not yet fed (nothing of them is durable or committed): they are
@@ -568,6 +656,13 @@ class SinkService:
 
     def _service_held(self) -> None:
         for state in list(self.partitions.values()):
+            if state.registry_retry_at is not None:
+                if state.writer is None or state.fenced or state.stopped:
+                    state.registry_retry_at = None  # recovery or revocation takes over
+                elif time.monotonic() >= state.registry_retry_at:
+                    state.registry_retry_at = None
+                    self._resume(state)  # decoded again from `position`
+                continue
             held = state.held
             if held is None or state.fenced or state.stopped or state.writer is None:
                 if state.writer is None and not state.fenced:
@@ -1377,6 +1472,15 @@ class SinkService:
             "inflight_puts": len(state.inflight),
             "held": state.held is not None,
         }
+        if state.registry_failures:
+            retry_at = state.registry_retry_at
+            entry["schema_registry"] = {
+                "error": state.registry_error,
+                "failures": state.registry_failures,
+                "retry_in_s": None
+                if retry_at is None
+                else round(max(retry_at - time.monotonic(), 0.0), 1),
+            }
         if state.writer is None and not state.fenced:
             entry["open"] = {
                 "error": state.open_error,

@@ -1244,3 +1244,33 @@ def test_notes_explain_how_to_see_lag(helm: str) -> None:
     assert "curl -s localhost:9102/metrics | grep" in notes
     assert "lag_messages" in notes
     assert "lance-sink lag --config /etc/lance-sink/config/sink.toml" in notes
+
+
+def test_registry_format_derives_columns_and_gets_its_secrets(helm: str, tmp_path: Path) -> None:
+    """A registry format may leave table.columns empty (derived at start), and the registry's
+    credentials reach their settings from secrets.schemaRegistry, never the ConfigMap."""
+    docs = _template(
+        helm,
+        _scenario("object-storage-values"),
+        extra=(
+            "--set-json", "config.table.columns=[]",
+            "--set", "config.table.evolve=true",
+            "--set", "config.source.format=avro",
+            "--set", "config.source.schema_registry.url=https://registry:8081",
+            "--set", "config.source.schema_registry.basic_auth_username=sink",
+            "--set", "secrets.schemaRegistry.existingSecret=registry",
+            "--set", "secrets.schemaRegistry.basicAuthPasswordKey=password",
+        ),
+    )  # fmt: skip
+    effective, from_secrets = _check_config(docs, tmp_path)
+    assert "LANCE_SINK__SOURCE__SCHEMA_REGISTRY__BASIC_AUTH_PASSWORD" in from_secrets
+    assert effective["source"]["schema_registry"]["basic_auth_password"] == MASKED
+    assert effective["source"]["schema_registry"]["url"] == "https://registry:8081"
+    assert effective["table"]["evolve"] is True
+    assert "password" not in _sink_toml(docs)
+    proc = _helm(
+        helm, "template", RELEASE, str(CHART), "--values", str(_scenario("object-storage-values")),
+        "--set-json", "config.table.columns=[]",
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "only the registry formats" in proc.stderr

@@ -72,6 +72,11 @@ EXPECTED = {
     "lance_sink_query_lance_cache_bytes": "Bytes held by the Lance index and metadata caches "
     "that queries on the base share (bounded by query.lance_index_cache_bytes and "
     "query.lance_metadata_cache_bytes).",
+    "lance_sink_registry_failures": "Batches whose decoding failed because the schema registry "
+    "could not answer.",
+    "lance_sink_registry_paused": "1 while the partition is paused because the schema registry "
+    "cannot be reached (its messages are decoded again when it answers; none go to the DLQ for "
+    "it).",
     "lance_sink_shard_open_failures": "Failed attempts to open (claim and replay) a partition's "
     "shard writer; each is retried with backoff while the partition consumes nothing.",
     "lance_sink_wal_append_bytes": "Bytes appended to the WAL.",

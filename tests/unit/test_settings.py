@@ -40,12 +40,25 @@ def problems(path: Path, overrides: list[str] | None = None) -> list[tuple[str, 
     return [(p.key, p.origin, p.reason) for p in info.value.problems]
 
 
-@pytest.mark.parametrize("name", ["quickstart.toml", "production.toml"])
+@pytest.mark.parametrize("name", ["quickstart.toml", "production.toml", "avro.toml"])
 def test_examples_load(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LANCE_SINK__KAFKA__SASL_PASSWORD", "hunter2")  # production: SCRAM
+    if name == "avro.toml":
+        monkeypatch.setenv("LANCE_SINK__SOURCE__SCHEMA_REGISTRY__BASIC_AUTH_PASSWORD", "pw")
     settings = load_settings(EXAMPLES / name)
     assert settings.kafka.topics
     assert settings.table.columns
+
+
+def test_avro_example_takes_the_registry_password_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LANCE_SINK__SOURCE__SCHEMA_REGISTRY__BASIC_AUTH_PASSWORD", "pw")
+    settings = load_settings(EXAMPLES / "avro.toml")
+    registry = settings.source.schema_registry
+    assert registry is not None
+    assert registry.client_conf()["basic.auth.user.info"] == "lance-sink:pw"
+    assert "pw" not in json.dumps(redacted(settings))
 
 
 def test_production_example_uses_s3_and_env_secrets(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -198,6 +198,17 @@ spec:
       name: {{ $s.kafkaTls.existingSecret }}
       key: {{ $s.kafkaTls.keyPasswordKey }}
 {{- end }}
+{{- if $s.schemaRegistry.existingSecret }}
+{{- range $env, $key := dict "BASIC_AUTH_PASSWORD" $s.schemaRegistry.basicAuthPasswordKey "BEARER_TOKEN" $s.schemaRegistry.bearerTokenKey "SSL_KEY_PASSWORD" $s.schemaRegistry.keyPasswordKey }}
+{{- if $key }}
+- name: LANCE_SINK__SOURCE__SCHEMA_REGISTRY__{{ $env }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $s.schemaRegistry.existingSecret }}
+      key: {{ $key }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if $s.queryAuth.existingSecret }}
 - name: LANCE_SINK__QUERY__AUTH_TOKEN
   valueFrom:

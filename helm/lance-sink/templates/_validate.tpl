@@ -14,8 +14,8 @@ checks only cover what is about how Kubernetes runs it, or what would leak a sec
 {{- fail "config.kafka.topics is required: the topics to consume, e.g. [events]" -}}
 {{- end -}}
 {{- $_ := required "config.table.uri is required (s3://bucket/prefix, or a path under storage.localVolume.mountPath)" $c.table.uri -}}
-{{- if not $c.table.columns -}}
-{{- fail "config.table.columns is required: at least one {name, type} column" -}}
+{{- if and (not $c.table.columns) (not (has $c.source.format (list "avro" "protobuf" "json_schema"))) -}}
+{{- fail "config.table.columns is required: at least one {name, type} column (only the registry formats avro, protobuf and json_schema derive them)" -}}
 {{- end -}}
 
 {{/* secrets never go into the ConfigMap */}}

@@ -1,0 +1,195 @@
+"""Registry formats: Avro, Protobuf and JSON Schema in the Confluent wire format.
+
+`sink.decode.Decoder` uses a `RecordFormat` for ``source.format`` avro, protobuf and
+json_schema: the format turns payloads into Python records with the library that owns it
+(`sink.formats.avro`, ...), and `parse_records` turns the records into one column per
+record path (`sink.formats.records`). Everything after that (required columns, primary
+keys, vector checks, tombstones, Kafka metadata, assembly) is the JSON path's, unchanged.
+See docs/formats.md for the configuration, the type mapping and the dead-letter reasons.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from config.settings import REGISTRY_FORMATS, SourceSettings
+from engine.errors import ControlFlow, RetriableError
+from sink.formats.records import Fault, column_values, to_column
+
+__all__ = [
+    "Evolving",
+    "RecordColumns",
+    "RecordFormat",
+    "RegistryUnavailable",
+    "SchemaEvolution",
+    "parse_records",
+    "record_format",
+]
+
+Path = tuple[str, ...]
+
+
+class RegistryUnavailable(RetriableError):
+    """The Schema Registry cannot answer (unreachable, timing out, or failing): not the
+    message's fault. `Decoder.decode` raises it; the consumer loop pauses the partition
+    and decodes the same messages again later (nothing goes to the DLQ for it)."""
+
+
+class SchemaEvolution(ControlFlow):
+    """Messages were written with a schema that has fields the derived table lacks (or
+    widens one), and ``table.evolve`` is on: the sink restarts itself to evolve the table
+    before it writes any of them (`sink.service`, `sink.cli`).
+
+    Attributes:
+        schema_ids: the writer schema ids that need the evolution.
+    """
+
+    def __init__(self, message: str, schema_ids: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.schema_ids = schema_ids
+
+
+@dataclass
+class Evolving:
+    """What `parse_records` checks each new writer schema against (derived columns with
+    ``table.evolve``): the record paths the table's columns read, with their types.
+    Writer schemas found to need nothing are remembered (shared by the decode threads)."""
+
+    column_types: dict[tuple[str, ...], str]
+    checked: set[bytes] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class RecordFormat(Protocol):
+    """Turns framed payloads into Python records; safe to call from several threads."""
+
+    name: str
+
+    def records(self, payloads: Sequence[bytes]) -> tuple[list[int], list[Any], dict[int, Fault]]:
+        """The positions of the payloads that decoded, their records, the others' faults.
+
+        Raises:
+            RegistryUnavailable: the registry could not be asked (not the messages' fault).
+        """
+        ...
+
+    def writer_leaves(self, payload: bytes) -> list[tuple[tuple[str, ...], str | None]] | None:
+        """The leaves (`sink.formats.derive`) of the schema `payload` was written with, or
+        None when the format cannot tell (then writer schemas are not checked)."""
+        ...
+
+
+def record_format(source: SourceSettings, *, key: bool = False) -> RecordFormat | None:
+    """The format of ``source.format`` (`key`: of ``source.key_format``), or None for json
+    and raw."""
+    name = source.key_format if key else source.format
+    if name not in REGISTRY_FORMATS:
+        return None
+    # The registry client and the format libraries load only when a registry format is used.
+    from sink.formats.registry import build_client  # noqa: PLC0415
+
+    registry = source.schema_registry
+    client = None if registry is None else build_client(registry)
+    if name == "protobuf":
+        from sink.formats.protobuf import ProtobufFormat  # noqa: PLC0415
+
+        pb = None if key else source.protobuf
+        if pb is None:
+            return ProtobufFormat(client)
+        return ProtobufFormat(client, pb.descriptor_set, pb.message)
+    assert client is not None  # checked by the settings
+    if name == "avro":
+        from sink.formats.avro import AvroFormat  # noqa: PLC0415
+
+        return AvroFormat(client)
+    from sink.formats.json_schema import JsonSchemaFormat  # noqa: PLC0415
+
+    return JsonSchemaFormat(client)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordColumns:
+    """Columns of the payloads that decoded.
+
+    Attributes:
+        positions: positions (in the payloads given) of the decoded records, ascending.
+        leaves: one array per record path, aligned with `positions`.
+        faults: faults of payloads that did not decode, by payload position.
+        column_faults: per path, faults of values that do not fit the column, by row
+            (index into `positions`); those rows are null in `leaves`.
+    """
+
+    positions: np.ndarray
+    leaves: dict[Path, pa.Array]
+    faults: dict[int, Fault]
+    column_faults: dict[Path, dict[int, Fault]]
+
+
+def parse_records(
+    fmt: RecordFormat,
+    payloads: Sequence[bytes],
+    paths: Sequence[tuple[Path, str, str]],
+    evolving: Evolving | None = None,
+) -> RecordColumns:
+    """Decode payloads with `fmt` and build a column for each ``(path, type, describe)``.
+
+    Raises:
+        RegistryUnavailable: from `fmt`.
+        SchemaEvolution: (with `evolving`) a decoded payload's writer schema has fields the
+            table lacks or widens one.
+    """
+    positions, records, faults = fmt.records(payloads)
+    if evolving is not None:
+        _check_writer_schemas(fmt, [payloads[p] for p in positions], evolving)
+    not_records = [i for i, r in enumerate(records) if not isinstance(r, dict)]
+    if not_records:
+        for i in not_records:
+            kind = type(records[i]).__name__
+            faults[positions[i]] = (
+                "not_an_object",
+                f"value is a {fmt.name} {kind}, not a record",
+            )
+        drop = set(not_records)
+        positions = [p for i, p in enumerate(positions) if i not in drop]
+        records = [r for i, r in enumerate(records) if i not in drop]
+    leaves: dict[Path, pa.Array] = {}
+    column_faults: dict[Path, dict[int, Fault]] = {}
+    for path, type_name, describe in paths:
+        values, problems = column_values(records, path)
+        arr, bad = to_column(values, type_name, describe)
+        for row, problem in problems.items():
+            bad.setdefault(row, ("wrong_type", f"{describe}: {problem}"))
+        leaves[path] = arr
+        column_faults[path] = bad
+    return RecordColumns(np.asarray(positions, np.int64), leaves, faults, column_faults)
+
+
+#: Bytes of the Confluent framing that name a value's schema (magic byte and schema id).
+_HEADER_BYTES = 5
+
+
+def _check_writer_schemas(fmt: RecordFormat, payloads: list[bytes], evolving: Evolving) -> None:
+    """Raise `SchemaEvolution` if a writer schema among `payloads` needs the table evolved."""
+    from sink.formats.derive import evolution_needed  # noqa: PLC0415
+
+    new = {p[:_HEADER_BYTES]: p for p in payloads} if payloads else {}
+    needs: dict[int, list[str]] = {}
+    for header, payload in new.items():
+        if header in evolving.checked:
+            continue
+        leaves = fmt.writer_leaves(payload)
+        fields = [] if leaves is None else evolution_needed(leaves, evolving.column_types)
+        if fields:
+            needs[int.from_bytes(header[1:], "big")] = fields
+        else:
+            with evolving.lock:
+                evolving.checked.add(header)
+    if needs:
+        what = "; ".join(f"schema id {i}: {', '.join(f)}" for i, f in sorted(needs.items()))
+        raise SchemaEvolution(f"writer schemas need the table evolved: {what}", tuple(needs))

@@ -1,0 +1,246 @@
+"""Protobuf values as dynamic messages: no generated code in the image.
+
+With a registry, values are in the Confluent wire format (magic byte, schema id, message
+indexes): confluent-kafka's `ProtobufDeserializer` machinery reads the framing, fetches the
+writer schema once per id and builds its descriptors (`_DynamicDeserializer` reuses those
+steps; the stock deserializer parses into one generated class given up front). Without a
+registry, ``source.protobuf.descriptor_set`` (a ``FileDescriptorSet`` from ``protoc
+--include_imports --descriptor_set_out``) and ``source.protobuf.message`` name the type,
+and each value is that message's bytes, unframed.
+
+Messages become Python records field by field (`message_record`): proto3 scalars without
+presence read their default (0, "", false) when unset, as protobuf itself does; fields with
+presence (``optional``, oneof members, messages) read null when unset; repeated fields are
+lists, maps are dicts, enums their value names; the well-known types read as values
+(``google.protobuf.Timestamp`` as a UTC datetime, ``Duration`` as seconds, the wrappers
+as their value, ``Struct``/``Value``/``ListValue`` as JSON-like values).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry.common.serde import SchemaId
+from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer
+from google.protobuf import descriptor_pb2, empty_pb2, json_format
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.descriptor_pool import DescriptorPool
+from google.protobuf.message import DecodeError, Message
+from google.protobuf.message_factory import GetMessageClass
+
+from sink.formats.records import Fault
+from sink.formats.registry import classify, framing_fault
+
+__all__ = ["ProtobufFormat", "message_record"]
+
+_WRAPPERS: Final = frozenset(
+    f"google.protobuf.{name}Value"
+    for name in ("Double", "Float", "Int64", "UInt64", "Int32", "UInt32", "Bool", "String", "Bytes")
+)
+_JSON_LIKE: Final = frozenset(
+    {"google.protobuf.Struct", "google.protobuf.Value", "google.protobuf.ListValue"}
+)
+
+
+def _well_known(full_name: str) -> Callable[[Any], Any] | None:
+    if full_name == "google.protobuf.Timestamp":
+        return lambda m: m.ToDatetime(tzinfo=dt.UTC)
+    if full_name == "google.protobuf.Duration":
+        return lambda m: m.ToTimedelta().total_seconds()
+    if full_name in _WRAPPERS:
+        return lambda m: m.value
+    if full_name in _JSON_LIKE:
+        to_dict: Callable[[Any], Any] = json_format.MessageToDict
+        return to_dict
+    return None
+
+
+def message_record(msg: Message) -> Any:
+    """A protobuf message as Python values (see the module docstring)."""
+    convert = _well_known(msg.DESCRIPTOR.full_name)
+    if convert is not None:
+        return convert(msg)
+    out: dict[str, Any] = {}
+    for field in msg.DESCRIPTOR.fields:
+        value = getattr(msg, field.name)
+        if field.is_repeated:
+            entry = field.message_type
+            if entry is not None and entry.GetOptions().map_entry:
+                value_field = entry.fields_by_name["value"]
+                out[field.name] = {k: _scalar(value_field, v) for k, v in value.items()}
+            else:
+                out[field.name] = [_scalar(field, v) for v in value]
+        elif field.has_presence and not msg.HasField(field.name):
+            out[field.name] = None
+        else:
+            out[field.name] = _scalar(field, value)
+    return out
+
+
+def _scalar(field: FieldDescriptor, value: Any) -> Any:
+    if field.type == FieldDescriptor.TYPE_MESSAGE:
+        return message_record(value)
+    if field.type == FieldDescriptor.TYPE_ENUM:
+        named = field.enum_type.values_by_number.get(value)
+        return value if named is None else named.name
+    return value
+
+
+class _DynamicDeserializer(ProtobufDeserializer):
+    """`ProtobufDeserializer`'s framing, schema fetch and descriptor building, parsing into
+    a message class made from the writer's descriptor (cached per schema and index)."""
+
+    def __init__(self, client: SchemaRegistryClient) -> None:
+        # The stock constructor wants a generated class; it is never used here.
+        super().__init__(empty_pb2.Empty, {}, client)
+        self._classes: dict[tuple[int | str, tuple[int, ...]], type[Message]] = {}
+        self._classes_lock = threading.Lock()
+
+    def message(self, data: bytes) -> Message:
+        cls, payload = self._message_class(data)
+        msg = cls()
+        msg.ParseFromString(payload.read())
+        return msg
+
+    def descriptor(self, data: bytes) -> Descriptor:
+        """The writer's descriptor of a framed payload."""
+        desc: Descriptor = self._message_class(data)[0].DESCRIPTOR
+        return desc
+
+    def _message_class(self, data: bytes) -> tuple[type[Message], Any]:
+        schema_id = SchemaId("PROTOBUF")
+        payload = self._schema_id_deserializer(data, None, schema_id)
+        indexes = tuple(schema_id.message_indexes or (0,))
+        key = (schema_id.id if schema_id.id is not None else str(schema_id.guid), indexes)
+        cls = self._classes.get(key)
+        if cls is None:
+            writer = self._get_writer_schema(schema_id, None, fmt="serialized")
+            fd_proto, pool = self._get_parsed_schema(writer)
+            desc = self._get_message_desc(pool, pool.FindFileByName(fd_proto.name), list(indexes))
+            cls = GetMessageClass(desc)
+            with self._classes_lock:
+                self._classes[key] = cls
+        return cls, payload
+
+
+class ProtobufFormat:
+    """Decodes Protobuf payloads into Python records: framed with a registry, or plain
+    messages of one type from a descriptor set. Safe to call from several threads."""
+
+    name = "Protobuf"
+
+    def __init__(
+        self,
+        client: SchemaRegistryClient | None,
+        descriptor_set: str | None = None,
+        message: str | None = None,
+    ) -> None:
+        self._deserializer = _DynamicDeserializer(client) if client is not None else None
+        self._message = message  # with a registry: the type derived columns come from
+        self._cls: type[Message] | None = None
+        if client is None:
+            if descriptor_set is None or message is None:
+                raise ValueError("protobuf needs a schema registry or a descriptor set and message")
+            self._cls = GetMessageClass(load_descriptor(descriptor_set, message))
+
+    def writer_leaves(self, payload: bytes) -> list[tuple[tuple[str, ...], str | None]] | None:
+        """The leaves of the writer's message type, if it is the type derived columns come
+        from (``source.protobuf.message``, else its schema's first message); else None."""
+        if self._deserializer is None or payload[:1] != b"\x00":
+            return None
+        from sink.formats.derive import proto_leaves  # noqa: PLC0415
+
+        desc = self._deserializer.descriptor(payload)
+        if self._message is not None:
+            derived_from = desc.full_name == self._message
+        else:
+            first = next(iter(desc.file.message_types_by_name.values()), None)
+            derived_from = first is not None and first.full_name == desc.full_name
+        return proto_leaves(desc) if derived_from else None
+
+    def records(self, payloads: Sequence[bytes]) -> tuple[list[int], list[Any], dict[int, Fault]]:
+        """See `sink.formats.RecordFormat`."""
+        positions: list[int] = []
+        records: list[Any] = []
+        faults: dict[int, Fault] = {}
+        unknown: dict[bytes, Fault] = {}
+        for pos, payload in enumerate(payloads):
+            fault: Fault | None = None
+            try:
+                if self._cls is not None:
+                    msg = self._cls()
+                    msg.ParseFromString(payload)
+                else:
+                    fault = framing_fault(payload) or unknown.get(payload[:5])
+                    if fault is None:
+                        assert self._deserializer is not None
+                        msg = self._deserializer.message(payload)
+            except Exception as exc:  # noqa: BLE001 - every failure is sorted below
+                if self._cls is not None:
+                    fault = _plain_fault(exc, self._cls)
+                else:
+                    fault = classify(exc, payload, self.name)
+                    if fault[0] == "unknown_schema_id":
+                        unknown[payload[:5]] = fault
+            if fault is not None:
+                faults[pos] = fault
+                continue
+            positions.append(pos)
+            records.append(message_record(msg))
+        return positions, records, faults
+
+
+def _plain_fault(exc: Exception, cls: type[Message]) -> Fault:
+    if isinstance(exc, DecodeError):
+        name = cls.DESCRIPTOR.full_name
+        return ("not_matching_schema", f"value is not a {name} message: {exc}")
+    raise exc
+
+
+def registry_descriptor(
+    client: SchemaRegistryClient, schema: Any, message: str | None = None
+) -> Descriptor:
+    """A message type of a registered Protobuf schema: `message` (a full name), or the
+    schema's first message (message index 0, the Confluent default)."""
+    helper = _DynamicDeserializer(client)
+    fd_proto, pool = helper._get_parsed_schema(schema)
+    if message is not None:
+        try:
+            found: Descriptor = pool.FindMessageTypeByName(message)
+        except KeyError as exc:
+            raise ValueError(f"the registered schema has no message {message!r}") from exc
+        return found
+    desc: Descriptor = helper._get_message_desc(pool, pool.FindFileByName(fd_proto.name), [0])
+    return desc
+
+
+def load_descriptor(path: str, message: str) -> Descriptor:
+    """The descriptor of `message` from a ``FileDescriptorSet`` file.
+
+    Raises:
+        ValueError: the file cannot be read or parsed, or lacks the message (or an import).
+    """
+    data = Path(path).read_bytes()
+    files = descriptor_pb2.FileDescriptorSet()
+    try:
+        files.ParseFromString(data)
+    except DecodeError as exc:
+        raise ValueError(f"{path} is not a FileDescriptorSet: {exc}") from exc
+    pool = DescriptorPool()
+    for file in files.file:
+        try:
+            pool.Add(file)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"{path}: cannot load {file.name} ({exc}); build the set with "
+                "protoc --include_imports"
+            ) from exc
+    try:
+        return pool.FindMessageTypeByName(message)
+    except KeyError as exc:
+        raise ValueError(f"{path} has no message {message!r}") from exc

@@ -1,0 +1,145 @@
+"""The Schema Registry client, and what its failures mean for a message.
+
+confluent-kafka's own `SchemaRegistryClient` does the HTTP, authentication, TLS, retries
+and the schema cache (a schema id never changes, so each id is fetched once per process).
+`build_client` makes one from `SchemaRegistrySettings` (``mock://`` URLs give the client's
+in-process registry, for tests). `classify` sorts the failures of a deserializer call:
+
+- the message's fault (dead letter): no Confluent framing (``missing_magic_byte``), a
+  schema id the registry does not know (HTTP 404: ``unknown_schema_id``), bytes that do not
+  decode with their schema (``not_matching_schema``);
+- not the message's fault: the registry cannot be reached or answers with an error that
+  is not about the id (connection refused, timeout, TLS, 5xx, 401/403, 429):
+  `RegistryUnavailable` is raised out of `Decoder.decode`; the consumer loop pauses the
+  partition and decodes the same messages again later (nothing goes to the DLQ for it).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Final
+
+from confluent_kafka.schema_registry import SchemaRegistryClient
+
+# The HTTP library the client itself uses (httpx2, else httpx), so its errors are caught.
+from confluent_kafka.schema_registry.common._httpx_compat import httpx
+from confluent_kafka.schema_registry.error import OAuthTokenError, SchemaRegistryError
+from confluent_kafka.serialization import SerializationError
+
+from config.settings import SchemaRegistrySettings
+from sink.formats import RegistryUnavailable
+from sink.formats.records import Fault
+
+__all__ = ["RegistryUnavailable", "build_client", "classify", "framing_fault"]
+
+#: Magic bytes of the Confluent wire format: 0 = 4-byte schema id, 1 = 16-byte schema GUID.
+_MAGIC: Final = (0, 1)
+#: Shortest framed payload: the magic byte and a 4-byte schema id.
+_HEADER_BYTES: Final = 5
+_NOT_FOUND: Final = 404
+
+
+#: In-process mock registries by URL: every client of one ``mock://`` URL in this process
+#: is the same mock, so a test's serializers and the sink see the same schemas.
+_MOCKS: dict[str, SchemaRegistryClient] = {}
+_MOCKS_LOCK: Final = threading.Lock()
+
+
+def build_client(settings: SchemaRegistrySettings) -> SchemaRegistryClient:
+    """confluent-kafka's registry client for `settings`.
+
+    A ``mock://`` URL gives the client's in-process mock registry, one per URL and process.
+    """
+    conf = settings.client_conf()
+    if not settings.url.startswith("mock://"):
+        return SchemaRegistryClient(conf)
+    with _MOCKS_LOCK:
+        if settings.url not in _MOCKS:
+            _MOCKS[settings.url] = SchemaRegistryClient.new_client(conf)
+        return _MOCKS[settings.url]
+
+
+def framing_fault(payload: bytes) -> Fault | None:
+    """Why `payload` cannot be in the Confluent wire format, or None if it may be."""
+    if len(payload) <= _HEADER_BYTES or payload[0] not in _MAGIC:
+        head = payload[:_HEADER_BYTES].hex(" ") or "empty"
+        return (
+            "missing_magic_byte",
+            (
+                f"value is not in the Confluent wire format (magic byte 0 and a 4-byte "
+                f"schema id, then the data); it is {len(payload)} bytes starting {head}"
+            ),
+        )
+    return None
+
+
+def schema_id(payload: bytes) -> str:
+    """The schema id (or GUID) a framed payload names, for details."""
+    if payload[0] == 0:
+        return str(int.from_bytes(payload[1:_HEADER_BYTES], "big"))
+    return payload[1:17].hex()
+
+
+def classify(exc: Exception, payload: bytes, what: str) -> Fault:
+    """What a deserializer's exception means for one framed payload.
+
+    Args:
+        exc: raised by the deserializer (or the schema parser) for `payload`.
+        payload: the message value.
+        what: the format's name for details ("Avro", "Protobuf", "JSON").
+
+    Returns:
+        The dead-letter fault.
+
+    Raises:
+        RegistryUnavailable: the registry could not answer (from `exc`).
+    """
+    if isinstance(exc, SchemaRegistryError):
+        if exc.http_status_code == _NOT_FOUND:
+            return (
+                "unknown_schema_id",
+                f"schema id {schema_id(payload)} is unknown to the registry ({exc.error_message})",
+            )
+        raise RegistryUnavailable(
+            f"schema registry answered {exc.http_status_code}: {exc.error_message}"
+        ) from exc
+    if isinstance(exc, httpx.HTTPError | OAuthTokenError):
+        raise RegistryUnavailable(
+            f"schema registry unreachable: {type(exc).__name__}: {exc}"
+        ) from exc
+    if isinstance(exc, SerializationError) and "magic byte" in str(exc).lower():
+        return ("missing_magic_byte", f"value has no Confluent wire-format header: {exc}")
+    return (
+        "not_matching_schema",
+        (
+            f"value does not decode as {what} with schema id {schema_id(payload)}: "
+            f"{type(exc).__name__}: {_short(exc)}"
+        ),
+    )
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc) or repr(exc)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def latest_schema(client: SchemaRegistryClient, subject: str, *, serialized: bool = False) -> Any:
+    """The latest registered version of `subject` (`RegisteredSchema`); `serialized` asks
+    for a Protobuf schema as a serialized descriptor, as the deserializers do.
+
+    Raises:
+        RegistryUnavailable: the registry could not answer.
+        LookupError: the subject does not exist.
+    """
+    try:
+        return client.get_latest_version(subject, fmt="serialized" if serialized else None)
+    except SchemaRegistryError as exc:
+        if exc.http_status_code == _NOT_FOUND:
+            raise LookupError(f"subject {subject!r} is not in the schema registry") from exc
+        raise RegistryUnavailable(
+            f"schema registry answered {exc.http_status_code}: {exc.error_message}"
+        ) from exc
+    except (httpx.HTTPError, OAuthTokenError) as exc:
+        raise RegistryUnavailable(
+            f"schema registry unreachable: {type(exc).__name__}: {exc}"
+        ) from exc

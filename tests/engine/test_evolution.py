@@ -1,0 +1,134 @@
+"""`table.evolve`: a column added to the settings of an existing table is added to the Lance
+table as a nullable column, and int32/float32 columns widen; WAL entries written before the
+change replay with the new column null; anything else is an error naming the column."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from engine.backpressure import BlockingValve
+from engine.errors import SchemaMismatch
+from engine.reader import Reader
+from engine.schema import TableSpec
+from engine.shard import Flusher, ShardWriter
+from engine.storage import open_storage
+from engine.table import BaseTable
+from tests.support.engine import DIM, make_spec, source, vectors_for, writer_config
+
+BASE = [
+    {"name": "id", "type": "string", "nullable": False},
+    {"name": "n", "type": "int32"},
+    {"name": "score", "type": "float32"},
+]
+EVOLVED = [
+    {"name": "id", "type": "string", "nullable": False},
+    {"name": "n", "type": "int64"},  # widened
+    {"name": "score", "type": "float64"},  # widened
+    {"name": "tag", "type": "string"},  # added
+]
+
+
+def spec(tmp_path: Path, columns: list[dict[str, Any]], evolve: bool = False) -> TableSpec:
+    return make_spec(tmp_path / "t.lance", columns=columns, fts_columns=[], evolve=evolve)
+
+
+def batch(spec: TableSpec, first: int, count: int) -> pa.RecordBatch:
+    offsets = np.arange(first, first + count, dtype=np.int64)
+    types = {f.name: f.type for f in spec.table_schema}
+    cols: dict[str, pa.Array] = {
+        "id": pa.array([f"r{o}" for o in offsets]),
+        "n": pa.array(offsets).cast(types["n"]),
+        "score": pa.array(offsets / 2, pa.float64()).cast(types["score"]),
+        "vec": pa.FixedSizeListArray.from_arrays(
+            pa.array(vectors_for(offsets).reshape(-1), pa.float32()), DIM
+        ),
+        "_topic": pa.array(["t"] * count),
+        "_partition": pa.array([0] * count, pa.int32()),
+        "_offset": pa.array(offsets),
+    }
+    if "tag" in types:
+        cols["tag"] = pa.array([f"tag {o}" for o in offsets])
+    schema = spec.batch_schema
+    return pa.RecordBatch.from_arrays([cols[f.name] for f in schema], schema=schema)
+
+
+def open_writer(tmp_path: Path, spec: TableSpec, flusher: Flusher) -> ShardWriter:
+    table = BaseTable(spec)
+    table.open()
+    return ShardWriter.open(
+        "t-0-test",
+        spec,
+        table,
+        open_storage(str(tmp_path / "wal")),
+        writer_config(max_rows=100),
+        BlockingValve(1 << 40),
+        flusher,
+    )
+
+
+def test_added_and_widened_columns_with_wal_entries_from_before(tmp_path: Path) -> None:
+    flusher = Flusher(1)
+    try:
+        old = spec(tmp_path, BASE)
+        writer = open_writer(tmp_path, old, flusher)
+        writer.put(batch(old, 0, 100), source(0, 100)).result(30)  # seals and flushes
+        writer.put(batch(old, 100, 50), source(100, 50)).result(30)  # only in the WAL
+        writer.close(flush=False)
+
+        new = spec(tmp_path, EVOLVED, evolve=True)
+        writer = open_writer(tmp_path, new, flusher)  # evolves, then replays 100..149
+        assert writer.stats().replayed_rows == 50
+        writer.put(batch(new, 150, 40), source(150, 40)).result(30)
+        # Queries see the column at once, over base rows and memtable rows alike.
+        reader = Reader(new, writer.table, lambda: [writer])
+        try:
+            hits = reader.scan(filter="tag IS NOT NULL OR n < 2", columns=["n", "tag"])
+            got = sorted(
+                zip(hits.column("n").to_pylist(), hits.column("tag").to_pylist(), strict=True)
+            )
+            assert got == [(0, None), (1, None)] + [(o, f"tag {o}") for o in range(150, 190)]
+            near = reader.search_vector(vectors_for(np.array([120]))[0], k=1, columns=["n", "tag"])
+            assert near.column("n").to_pylist() == [120]
+            assert near.column("tag").to_pylist() == [None]  # replayed from before the change
+        finally:
+            reader.close()
+        writer.put(batch(new, 190, 10), source(190, 10)).result(30)
+        writer.close(flush=True)
+    finally:
+        flusher.shutdown()
+
+    table = BaseTable(new).dataset().to_table()
+    assert table.schema.field("n").type == pa.int64()
+    assert table.schema.field("score").type == pa.float64()
+    assert table.schema.field("tag").nullable
+    rows = sorted(table.to_pylist(), key=lambda r: r["_offset"])
+    assert [r["_offset"] for r in rows] == list(range(200))
+    assert [r["n"] for r in rows] == list(range(200))
+    assert [r["score"] for r in rows] == [o / 2 for o in range(200)]
+    assert [r["tag"] for r in rows] == [None] * 150 + [f"tag {o}" for o in range(150, 200)]
+
+
+def test_without_evolve_the_error_says_how(tmp_path: Path) -> None:
+    BaseTable(spec(tmp_path, BASE)).open()
+    added = [*BASE, {"name": "tag", "type": "string"}]
+    with pytest.raises(SchemaMismatch, match=r"no column 'tag' \(set table.evolve = true"):
+        BaseTable(spec(tmp_path, added)).open()
+    with pytest.raises(SchemaMismatch, match=r"'n' is int32 .* \(set table.evolve = true"):
+        BaseTable(spec(tmp_path, EVOLVED[:3])).open()
+
+
+def test_incompatible_changes_name_the_column(tmp_path: Path) -> None:
+    BaseTable(spec(tmp_path, BASE)).open()
+    narrowed = [BASE[0], {"name": "n", "type": "string"}, BASE[2]]
+    with pytest.raises(SchemaMismatch, match=r"column 'n' is int32 in the table, string"):
+        BaseTable(spec(tmp_path, narrowed, evolve=True)).open()
+    required = [*BASE, {"name": "tag", "type": "string", "nullable": False}]
+    with pytest.raises(SchemaMismatch, match=r"'tag' is not in the table and not nullable"):
+        BaseTable(spec(tmp_path, required, evolve=True)).open()
+    # Nothing was changed by the failed attempts.
+    assert BaseTable(spec(tmp_path, BASE)).dataset().schema.names[:3] == ["id", "n", "score"]
