@@ -989,6 +989,24 @@ class QuerySettings(_Section):
         description="Bound of the Lance metadata cache (manifests, file footers) that every "
         "query on the base shares (Lance's own default: 1 GiB). Adds to the pod's memory.",
     )
+    advertised_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
+        description="Where other pods reach this process's query API (e.g. "
+        "http://10.1.2.3:8080; the Helm chart sets the pod IP). Recorded in the shard manifest "
+        "when a shard is claimed, so a query to any pod can ask this one for its memtables' "
+        "rows. None: this process serves no fresh rows to other pods.",
+    )
+    fanout_timeout_ms: PositiveInt = Field(
+        default=1_000,
+        description="How long a query waits for another pod's memtable rows; past it the "
+        "answer is partial (the missing partitions named) or fails, as the request asks.",
+    )
+    owners_refresh_ms: PositiveInt = Field(
+        default=2_000,
+        description="How often the shard owners are re-read from the shard manifests (also "
+        "re-read when an owner answers with another epoch).",
+    )
 
 
 class ShutdownSettings(_Section):

@@ -126,6 +126,9 @@ class WriterConfig:
     fence_check_interval_s: float = 0.0
     #: Seal the active memtable once its first row is this old (0 = on size only).
     max_age_s: float = 0.0
+    #: Where this process serves its memtables to other pods (`query.advertised_url`),
+    #: recorded in the manifest by the claim ("" = nowhere).
+    advertised_url: str = ""
 
 
 class EngineEvents(Protocol):
@@ -365,7 +368,7 @@ class ShardWriter:
 
     def _claim_and_replay(self) -> None:
         started = time.monotonic()
-        manifest = self.manifests.claim()
+        manifest = self.manifests.claim(self.config.advertised_url)
         self._epoch = manifest.epoch
         mark = self.table.find_flush(self.shard, manifest.lance_version)
         if mark is not None and mark.wal_end > manifest.flushed_position:
