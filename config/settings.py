@@ -728,8 +728,8 @@ class MemtableSettings(_Section):
     max_age_s: NonNegativeInt = Field(
         default=300,
         description="Seal a memtable this many seconds after its first row, so a slow "
-        "partition's rows reach the Lance table (and other pods' queries) within about this "
-        "long plus one flush (0 = seal on size only). Replay seals on size only.",
+        "partition's rows reach the Lance table within about this long plus one flush (0 = "
+        "seal on size only). Replay seals on size only.",
     )
 
 

@@ -24,6 +24,13 @@ Merging tiers ("tier" = one fresh memtable, or the base):
 
 Vector kNN: see `engine.reads.vector`. Full text: see `engine.reads.text` and `engine.fts`.
 
+Fan-out (`fanout`, `engine.reads.remote`): with several pods, the shards this process does
+not hold are read from their owner pods' memtables within `query.fanout_timeout_ms`, and a
+pod answers theirs (`serve_fresh`). Every query method takes a `FanoutReport`: with
+`allow_partial`, shards whose owner did not answer are listed in it; without a report (or
+without `allow_partial`) the query fails with `FreshRowsUnavailable` instead. A process
+that holds every shard (or has no `fanout`) reads as before, with no network hop.
+
 Errors: `QueryError` (and subclasses) for a bad request. A poisoned or fenced shard is
 skipped (its rows are served by its next owner after replay) and reported through
 `ReaderEvents.shard_skipped`.
@@ -46,8 +53,10 @@ import pyarrow as pa
 from engine import fts
 from engine.filters import Predicate
 from engine.reads.context import NoReaderEvents, ReadContext, ReaderEvents, ReaderSettings
+from engine.reads.fresh import FreshServer
 from engine.reads.lookup import Lookup
 from engine.reads.merge import DISTANCE, SCORE
+from engine.reads.remote import Fanout, FanoutReport, MissingShard
 from engine.reads.scan import scan
 from engine.reads.snapshot import Snapshot
 from engine.reads.text import TextSearch
@@ -76,6 +85,7 @@ class Reader:
         shards: Callable[[], list[ShardWriter]],
         settings: ReaderSettings | None = None,
         events: ReaderEvents | None = None,
+        fanout: Fanout | None = None,
     ) -> None:
         self.spec = spec
         self.table = table
@@ -83,6 +93,7 @@ class Reader:
         self.settings = settings or ReaderSettings()
         self.events: ReaderEvents = events or NoReaderEvents()
         self.ctx = ReadContext(spec, table, shards, self.settings, self.events)
+        self.ctx.fanout = fanout
         self.terms = fts.MemtableTermCache()
         # Base rows the indexes do not cover yet, held in memory (engine.unindexed): one
         # bound for both; this process's append flushes hand their rows over.
@@ -103,6 +114,7 @@ class Reader:
         if self.flushed_text is not None:
             table.watch_appends(self.flushed_text)
         self.lookups = Lookup(self.ctx)
+        self.fresh = FreshServer(self.ctx, self.vector, self.text, self.lookups)
         faiss.omp_set_num_threads(1)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -172,6 +184,7 @@ class Reader:
         columns: Sequence[str] | None = None,
         nprobes: int | None = None,
         refine_factor: int | None = None,
+        report: FanoutReport | None = None,
     ) -> pa.Table:
         """The k nearest visible rows to `vector` (metric of the table spec), nearest first.
 
@@ -189,6 +202,7 @@ class Reader:
             columns=columns,
             nprobes=nprobes,
             refine_factor=refine_factor,
+            report=report,
         )
 
     def search_text(
@@ -200,6 +214,7 @@ class Reader:
         phrase: bool = False,
         filter: str | Predicate | None = None,  # noqa: A002 - the query language's word
         columns: Sequence[str] | None = None,
+        report: FanoutReport | None = None,
     ) -> pa.Table:
         """BM25 full-text search of `text` in an FTS column; best first, with `_score`.
 
@@ -210,7 +225,13 @@ class Reader:
             QueryError: no FTS column, unknown column, empty query, k out of range, bad filter.
         """
         return self.text.search(
-            text, k=k, column=column, phrase=phrase, filter=filter, columns=columns
+            text,
+            k=k,
+            column=column,
+            phrase=phrase,
+            filter=filter,
+            columns=columns,
+            report=report,
         )
 
     def scan(
@@ -219,6 +240,7 @@ class Reader:
         filter: str | Predicate | None = None,  # noqa: A002 - the query language's word
         columns: Sequence[str] | None = None,
         limit: int | None = None,
+        report: FanoutReport | None = None,
     ) -> pa.Table:
         """Visible rows matching `filter` (all rows without one), at most `limit` rows
         (default `max_k`). Order: memtable rows (newest tier first), then base rows.
@@ -226,9 +248,15 @@ class Reader:
         Raises:
             QueryError: bad filter, unknown column, limit out of range.
         """
-        return scan(self.ctx, filter=filter, columns=columns, limit=limit)
+        return scan(self.ctx, filter=filter, columns=columns, limit=limit, report=report)
 
-    def lookup(self, keys: Sequence[Any], *, columns: Sequence[str] | None = None) -> pa.Table:
+    def lookup(
+        self,
+        keys: Sequence[Any],
+        *,
+        columns: Sequence[str] | None = None,
+        report: FanoutReport | None = None,
+    ) -> pa.Table:
         """The visible rows of many primary keys in one call.
 
         `keys` holds one value per key for a single-column primary key, or one sequence
@@ -239,7 +267,16 @@ class Reader:
         Raises:
             QueryError: a key does not fit the key columns' types; unknown column.
         """
-        return self.lookups.lookup(keys, columns=columns)
+        return self.lookups.lookup(keys, columns=columns, report=report)
+
+    def serve_fresh(self, body: bytes) -> bytes:
+        """Answer another pod's fan-out request from this process's memtables (see
+        `engine.reads.fresh`).
+
+        Raises:
+            QueryError: a malformed request.
+        """
+        return self.fresh.answer(body)
 
 
 def recall(found: Sequence[Any], truth: Sequence[Any]) -> float:
@@ -252,6 +289,9 @@ def recall(found: Sequence[Any], truth: Sequence[Any]) -> float:
 __all__ = [
     "DISTANCE",
     "SCORE",
+    "Fanout",
+    "FanoutReport",
+    "MissingShard",
     "NoReaderEvents",
     "Reader",
     "ReaderEvents",

@@ -22,12 +22,15 @@ from typing import Any, Protocol, TypeVar
 
 import lance
 import pyarrow as pa
+import structlog
 from lance.lance import _Session as LanceSession  # what lance.Session is
 
 from config.settings import QuerySettings
+from engine.errors import FreshRowsUnavailable
 from engine.filters import Predicate, QueryError, UnknownColumn, parse_filter
 from engine.memtable import key_values
 from engine.reads import snapshot as snapshots
+from engine.reads.remote import STALE_BASE_RETRIES, Fanout, FanoutReport, StaleBase
 from engine.reads.snapshot import Snapshot
 from engine.reads.stats import StatsCache
 from engine.schema import TableSpec
@@ -35,6 +38,8 @@ from engine.shard import ShardWriter
 from engine.table import BaseTable
 
 T = TypeVar("T")
+
+log = structlog.get_logger("lance_sink.reader")
 
 
 class ReaderEvents(Protocol):
@@ -110,12 +115,16 @@ class ReadContext:
             index_cache_size_bytes=settings.lance_index_cache_bytes,
             metadata_cache_size_bytes=settings.lance_metadata_cache_bytes,
         )
+        #: Fan-out to the other pods' memtables (`engine.reads.remote`); None = local only.
+        self.fanout: Fanout | None = None
 
     def close(self) -> None:
-        """Stop the base workers and the stats thread (idempotent)."""
+        """Stop the base workers, the fan-out client and the stats thread (idempotent)."""
         self.closed.set()
         self.stats.close()
         self._base_pool.shutdown(wait=False)
+        if self.fanout is not None:
+            self.fanout.close()
 
     def meanwhile(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Run `fn(*args)` on a base worker while the calling thread searches the memtables:
@@ -135,20 +144,67 @@ class ReadContext:
     # ------------------------------------------------------------------ snapshot
 
     def snapshot(self) -> Snapshot:
-        """Views first, then the base, then `fresh` (see `engine.reads.snapshot`)."""
-        return snapshots.take(self.spec, self.shards(), self.open_base, self.events.shard_skipped)
+        """Views first, then the base, then `fresh` (see `engine.reads.snapshot`); with
+        fan-out, the other pods' memtables relative to that base (`engine.reads.remote`)."""
+        fanout = self.fanout
+        remote = None
+        if fanout is not None:
+
+            def remote(base: lance.LanceDataset, local: set[str]) -> Any:
+                return fanout.tier(local, int(base.version), self.spec)
+
+        return snapshots.take(
+            self.spec, self.shards(), self.open_base, self.events.shard_skipped, remote
+        )
+
+    def run(self, query: Callable[[Snapshot], T], report: FanoutReport | None) -> T:
+        """`query` on a new snapshot; again on a newer one while an owner pod flushed past
+        its base version meanwhile (`StaleBase`, at most `STALE_BASE_RETRIES` times). Shards
+        whose fresh rows did not arrive go to `report.missing` when it allows a partial
+        answer; otherwise (or with no report) the query fails.
+
+        Raises:
+            FreshRowsUnavailable: fresh rows of other pods are missing and `report` does not
+                allow a partial answer, or owners kept flushing past every base version.
+        """
+        for attempt in range(STALE_BASE_RETRIES + 1):
+            snap = self.snapshot()
+            try:
+                result = query(snap)
+            except StaleBase as exc:
+                log.info(
+                    "fanout_stale_base", base_version=int(snap.base.version), needed=exc.version
+                )
+                if attempt == STALE_BASE_RETRIES:
+                    raise FreshRowsUnavailable(
+                        "other pods kept flushing past the query's base version", []
+                    ) from exc
+                continue
+            missing = [] if snap.remote is None else list(snap.remote.missing.values())
+            if missing:
+                if report is None or not report.allow_partial:
+                    names = ", ".join(f"{m.shard} ({m.reason})" for m in missing)
+                    raise FreshRowsUnavailable(
+                        f"fresh rows of other pods are missing: {names}", missing
+                    )
+                report.missing.extend(missing)
+            return result
+        raise AssertionError("unreachable")
 
     @property
     def lance_cache_bytes(self) -> int:
         """Bytes the shared Lance session's index and metadata caches hold now."""
         return int(self._session.size_bytes())
 
-    def open_base(self) -> lance.LanceDataset:
-        """The latest base version, opened with one Lance session shared by every query, so
-        index and metadata caches stay warm (a fresh session per query made a 100-key lookup
-        on a 1M-row base 4x slower: 32 ms vs 7 ms)."""
+    def open_base(self, version: int | None = None) -> lance.LanceDataset:
+        """The latest base version (or `version`), opened with one Lance session shared by
+        every query, so index and metadata caches stay warm (a fresh session per query made
+        a 100-key lookup on a 1M-row base 4x slower: 32 ms vs 7 ms)."""
         return lance.dataset(
-            self.table.uri, storage_options=self.table.options, session=self._session
+            self.table.uri,
+            version=version,
+            storage_options=self.table.options,
+            session=self._session,
         )
 
     # ------------------------------------------------------------------ requests

@@ -17,6 +17,8 @@ import pyarrow.compute as pc
 
 from engine.filters import QueryError
 from engine.reads.context import ReadContext
+from engine.reads.remote import FanoutReport, key_table
+from engine.reads.snapshot import Snapshot
 from engine.reads.tiers import MemtableTier
 
 
@@ -28,14 +30,65 @@ class Lookup:
         self.spec = ctx.spec
         self._key_types = [ctx.spec.table_schema.field(k).type for k in ctx.spec.primary_key]
 
-    def lookup(self, keys: Sequence[Any], *, columns: Sequence[str] | None = None) -> pa.Table:
+    def lookup(
+        self,
+        keys: Sequence[Any],
+        *,
+        columns: Sequence[str] | None = None,
+        report: FanoutReport | None = None,
+    ) -> pa.Table:
         """See `engine.reader.Reader.lookup`."""
         ctx = self.ctx
         started = time.monotonic()
         wanted = self.normalise_keys(keys)
         out_cols = ctx.columns(columns)
         fetch = list(dict.fromkeys([*out_cols, *self.spec.primary_key]))
-        snap = ctx.snapshot()
+
+        def run(snap: Snapshot) -> list[pa.Table]:
+            remote = None
+            if snap.remote is not None and not self.spec.upsert:
+                remote = snap.remote.start({"kind": "lookup", "fetch": fetch}, self.keys(wanted))
+            parts = self.memtable_part(snap, wanted, fetch)
+            if self.spec.upsert:
+                pending = dict.fromkeys(wanted)
+                for part in parts:
+                    for key in ctx.keys_of(part):
+                        pending.pop(key, None)
+                # Keys a local tier decides as deletes return no row: not pending either.
+                decided = snap.local_hidden(list(pending))
+                remaining = [k for k, hidden in zip(pending, decided, strict=True) if not hidden]
+                if remaining and snap.remote is not None:
+                    answers = snap.remote.ask(
+                        {"kind": "lookup", "fetch": fetch}, self.keys(remaining)
+                    )
+                    for table in snap.remote_rows(answers):
+                        parts.append(table)
+                        found = set(ctx.keys_of(table))
+                        remaining = [k for k in remaining if k not in found]
+            else:
+                if remote is not None:
+                    parts.extend(snap.remote_rows(remote.result()))
+                remaining = wanted
+            if remaining and snap.base.count_rows():
+                base = snap.base.to_table(filter=self._key_expression(remaining), columns=fetch)
+                base = base.filter(pa.array(self._key_match(base, set(remaining))))
+                if self.spec.upsert and base.num_rows and snap.remote is not None:
+                    # A key deleted in another pod's memtable: its base row is not shown.
+                    base = base.filter(pa.array(~snap.base_hidden(ctx.keys_of(base))))
+                parts.append(base)
+            return parts
+
+        parts = ctx.run(run, report)
+        tables = [p.select(out_cols) for p in parts if p.num_rows]
+        schema = pa.schema([self.spec.table_schema.field(c) for c in out_cols])
+        out = pa.concat_tables([t.cast(schema) for t in tables]) if tables else schema.empty_table()
+        ctx.events.query("lookup", time.monotonic() - started, out.num_rows)
+        return out
+
+    def memtable_part(self, snap: Snapshot, wanted: list[Any], fetch: list[str]) -> list[pa.Table]:
+        """The visible rows of `wanted` keys in the snapshot's memtable tiers (upsert: the
+        newest tier holding a key decides it; a delete returns no row). The owner pod of a
+        fan-out read answers with this too (`engine.reads.fresh`)."""
         parts: list[pa.Table] = []
         if self.spec.upsert:
             pending = dict.fromkeys(wanted)
@@ -43,20 +96,14 @@ class Lookup:
                 if not pending:
                     break
                 parts.extend(self._lookup_upsert_tier(tier, pending, fetch))
-            remaining = list(pending)
         else:
             for tier in snap.tiers:
                 parts.extend(self._lookup_append_tier(tier, wanted, fetch))
-            remaining = wanted
-        if remaining and snap.base.count_rows():
-            base = snap.base.to_table(filter=self._key_expression(remaining), columns=fetch)
-            base = base.filter(pa.array(self._key_match(base, set(remaining))))
-            parts.append(base)
-        tables = [p.select(out_cols) for p in parts if p.num_rows]
-        schema = pa.schema([self.spec.table_schema.field(c) for c in out_cols])
-        out = pa.concat_tables([t.cast(schema) for t in tables]) if tables else schema.empty_table()
-        ctx.events.query("lookup", time.monotonic() - started, out.num_rows)
-        return out
+        return parts
+
+    def keys(self, keys: list[Any]) -> pa.Table:
+        """`keys` as a table of the key columns (for a fan-out request)."""
+        return key_table(self.spec, keys)
 
     def normalise_keys(self, keys: Sequence[Any]) -> list[Any]:
         """The distinct keys, each cast to the key columns' types (a tuple per composite key).

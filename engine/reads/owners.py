@@ -35,6 +35,8 @@ class Owner:
     shard: str
     url: str
     epoch: int
+    #: The "topic:partition"s the shard has flushed rows of (empty before its first flush).
+    partitions: tuple[str, ...] = ()
 
 
 class ShardOwners:
@@ -80,7 +82,7 @@ class ShardOwners:
             log.warning("shard_owners_read_failed", error=str(exc))
             return old
         owners = {
-            shard: Owner(shard, m.owner_url, m.epoch)
+            shard: Owner(shard, m.owner_url, m.epoch, tuple(sorted(m.flushed_offsets)))
             for shard, m in manifests.items()
             if m.owner_url
         }

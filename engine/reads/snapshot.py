@@ -30,6 +30,7 @@ import structlog
 
 from engine.errors import LanceSinkError
 from engine.memtable import key_values
+from engine.reads.remote import RemoteAnswer, RemoteTier
 from engine.reads.tiers import MemtableTier
 from engine.schema import TableSpec
 from engine.shard import ShardWriter
@@ -49,9 +50,13 @@ class Snapshot:
     base: lance.LanceDataset
     tiers: tuple[MemtableTier, ...]
     spec: TableSpec
+    #: Other pods' memtables (`engine.reads.remote`); None in local mode.
+    remote: RemoteTier | None = None
+    #: The highest `ShardView.dropped_through` of the views (see `take`).
+    dropped_through: int = 0
 
-    def base_hidden(self, keys: list[Any]) -> np.ndarray:
-        """For each key: does a fresh memtable decide it (so the base row is not shown)?"""
+    def local_hidden(self, keys: list[Any]) -> np.ndarray:
+        """For each key: does a fresh memtable of this process decide it?"""
         upsert = [t for t in self.tiers if t.view.keys is not None]
         if not upsert:
             return np.zeros(len(keys), dtype=bool)
@@ -59,9 +64,32 @@ class Snapshot:
             (any(t.holds(k) for t in upsert) for k in keys), dtype=bool, count=len(keys)
         )
 
+    def base_hidden(self, keys: list[Any]) -> np.ndarray:
+        """For each key: does a fresh memtable (here or on another pod) decide it, so the
+        base row is not shown?"""
+        hidden = self.local_hidden(keys)
+        if self.remote is not None and self.spec.upsert and not hidden.all():
+            unknown = np.flatnonzero(~hidden)
+            hidden[unknown] = self.remote.decides([keys[i] for i in unknown])
+        return hidden
+
     def any_keys(self) -> bool:
         """May a fresh memtable decide some base rows' keys (upserts or deletes)?"""
-        return self.spec.upsert and any(t.view.keys for t in self.tiers)
+        if not self.spec.upsert:
+            return False
+        return self.remote is not None or any(t.view.keys for t in self.tiers)
+
+    def remote_rows(self, answers: list[RemoteAnswer]) -> list[pa.Table]:
+        """The rows of the owner pods' answers, less keys a memtable of this process decides
+        (a key in two shards: the first shard holding it wins, this process's first)."""
+        out = []
+        for answer in answers:
+            table = answer.table
+            if table.num_rows and self.spec.upsert and self.tiers:
+                hidden = self.local_hidden(key_values(table, self.spec.primary_key))
+                table = table.filter(pa.array(~hidden))
+            out.append(table)
+        return out
 
     def base_limit(self, k: int) -> int:
         """Base rows fetched first: k, plus `BASE_OVERFETCH` when fresh memtables may
@@ -97,9 +125,12 @@ def take(
     writers: list[ShardWriter],
     open_base: Callable[[], lance.LanceDataset],
     skipped: Callable[[str, BaseException], None],
+    remote: Callable[[lance.LanceDataset, set[str]], RemoteTier | None] | None = None,
 ) -> Snapshot:
     """Views first, then the base, then `fresh` (see the module docstring). A writer whose
-    view fails (poisoned, fenced) is skipped and reported to `skipped`."""
+    view fails (poisoned, fenced) is skipped and reported to `skipped`. `remote(base)`
+    gives the other pods' memtables relative to that base version (fan-out reads), for the
+    shards whose view this process did not take."""
     views = []
     for writer in writers:
         try:
@@ -116,4 +147,6 @@ def take(
             tier = MemtableTier(view.shard, m, (*tiers, *shard_tiers), spec)
             shard_tiers.append(tier)
         tiers.extend(shard_tiers)
-    return Snapshot(base, tuple(tiers), spec)
+    dropped = max((v.dropped_through for v in views), default=0)
+    far = None if remote is None else remote(base, {v.shard for v in views})
+    return Snapshot(base, tuple(tiers), spec, far, dropped)

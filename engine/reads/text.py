@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import lance
 import numpy as np
@@ -32,6 +33,7 @@ from engine.filters import Predicate, QueryError, UnknownColumn
 from engine.periodic import PeriodicThread
 from engine.reads.context import ReadContext
 from engine.reads.merge import SCORE, Candidates, materialise, top
+from engine.reads.remote import FanoutReport
 from engine.reads.snapshot import Snapshot
 from engine.reads.tiers import FLUSHED_TIER, FlushedTier, MemtableTier
 from engine.unindexed import FlushedText, covered_fragments
@@ -54,6 +56,20 @@ DF_WAIT_S = 0.05
 #: ~30k rows/s a query then finds at most ~750 rows (~6 ms of tokenising) not tokenised
 #: yet; a look costs one view per shard, microseconds for an append table.
 TOKENIZE_INTERVAL_S = 0.025
+
+
+@dataclass
+class MemtableTerms:
+    """The query terms in a set of memtable tiers: their statistics (`documents`, `length`
+    = tokens, `df` per term: live rows with a non-null text, as Lance counts the base) and,
+    per batch with a query term, the term frequencies to score it with."""
+
+    documents: int
+    length: int
+    df: dict[str, int]
+    batches: list[
+        tuple[MemtableTier, int, np.ndarray, fts.BatchTerms, dict[str, int], dict[str, np.ndarray]]
+    ]
 
 
 class TextSearch:
@@ -111,6 +127,7 @@ class TextSearch:
         phrase: bool = False,
         filter: str | Predicate | None = None,  # noqa: A002 - the query language's word
         columns: Sequence[str] | None = None,
+        report: FanoutReport | None = None,
     ) -> pa.Table:
         """See `engine.reader.Reader.search_text`."""
         ctx = self.ctx
@@ -132,36 +149,76 @@ class TextSearch:
         predicate = ctx.predicate(filter)
         out_cols = ctx.columns(columns)
         fetch = ctx.fetch_columns(out_cols)
-        snap = ctx.snapshot()
-
-        # Memtable statistics (eligible rows) and term frequencies, per tier and batch.
         terms = list(dict.fromkeys(t for t, _ in words))
+
+        def run(snap: Snapshot) -> pa.Table:
+            # Flushed memtables standing for base fragments the text index lacks: scored
+            # here, counted in the base's statistics already, and Lance searches only
+            # indexed rows.
+            held = None if self.flushed_text is None else self.flushed_text.views(snap.base, column)
+            flushed = [FlushedTier(h, snap.base, self.spec) for h in held or ()]
+            base = ctx.meanwhile(
+                self._text_base, snap, text, column, phrase, predicate, k, fetch, held is not None
+            )
+            remote = snap.remote
+            stats = None
+            if remote is not None:  # their memtables count in the corpus statistics too
+                stats = remote.start({"kind": "text_stats", "column": column, "terms": terms})
+            mem = self.memtable_terms([*snap.tiers, *flushed], column, terms)
+            documents, length, df = mem.documents, mem.length, dict(mem.df)
+            for answer in [] if stats is None else stats.result():
+                documents += int(answer.meta["documents"])
+                length += int(answer.meta["length"])
+                for t in terms:
+                    df[t] += int(answer.meta["df"].get(t, 0))
+
+            n_base, avgdl_base, _, _ = self.base_text_stats(snap.base, column)
+            n_total = n_base + documents
+            avgdl = (avgdl_base * n_base + length) / n_total if n_total else 1.0
+            term_idf = {
+                t: fts.idf(n_total, self.base_df(snap.base, column, t) + df[t]) for t in terms
+            }
+            rows = None
+            if remote is not None:
+                rows = remote.start(
+                    {
+                        "kind": "text",
+                        "column": column,
+                        "words": words,
+                        "phrase": phrase,
+                        "idf": term_idf,
+                        "avgdl": avgdl,
+                        "k": k,
+                        "filter": None if predicate is None else predicate.text,
+                        "fetch": fetch,
+                    }
+                )
+            parts = self.memtable_part(mem, words, phrase, term_idf, avgdl, predicate, k, fetch)
+            if rows is not None:
+                parts.extend(snap.remote_rows(rows.result()))
+            parts.append(base.result())
+            return top(parts, SCORE, k, ascending=False)
+
+        merged = ctx.run(run, report)
+        return ctx.finish("text", started, [merged], out_cols, SCORE)
+
+    def memtable_terms(
+        self, tiers: Sequence[MemtableTier], column: str, terms: list[str]
+    ) -> MemtableTerms:
+        """Statistics and term frequencies of `terms` in the tiers' live rows. Flushed tiers
+        (`FLUSHED_TIER`) are scored but not counted: the base's statistics hold them."""
         # Term frequencies are computed once per batch and term, for the document frequency
         # and the scores; a batch without any query term is only counted, never scored.
-        per_batch: list[
-            tuple[
-                MemtableTier, int, np.ndarray, fts.BatchTerms, dict[str, int], dict[str, np.ndarray]
-            ]
-        ] = []
-        n_mem = 0
-        len_mem = 0
-        df_mem = dict.fromkeys(terms, 0)
-        # Flushed memtables standing for base fragments the text index lacks: scored here,
-        # counted in the base's statistics already, and Lance searches only indexed rows.
-        held = None if self.flushed_text is None else self.flushed_text.views(snap.base, column)
-        flushed = [FlushedTier(h, snap.base, self.spec) for h in held or ()]
-        base = ctx.meanwhile(
-            self._text_base, snap, text, column, phrase, predicate, k, fetch, held is not None
-        )
-        for tier in (*snap.tiers, *flushed):
+        out = MemtableTerms(0, 0, dict.fromkeys(terms, 0), [])
+        for tier in tiers:
             counted = tier.shard != FLUSHED_TIER
             vocab, batches = self.terms.terms(tier.view.memtable, column, tier.view.batches)
             for i, bt in enumerate(batches):
                 eligible = tier.view.live[i]
                 live = bt.valid if eligible is None else eligible & bt.valid
                 if counted:
-                    n_mem += int(live.sum())
-                    len_mem += int(bt.doc_len[live].sum())
+                    out.documents += int(live.sum())
+                    out.length += int(bt.doc_len[live].sum())
                 tfs: dict[str, np.ndarray] = {}
                 for t in terms:
                     tid = vocab.get(t)
@@ -170,29 +227,34 @@ class TextSearch:
                     tf = fts.term_frequencies(bt, tid)
                     df = int((tf[live] > 0).sum())
                     if df:
-                        df_mem[t] += df if counted else 0
+                        out.df[t] += df if counted else 0
                         tfs[t] = tf
                 if tfs:
-                    per_batch.append((tier, i, live, bt, vocab, tfs))
+                    out.batches.append((tier, i, live, bt, vocab, tfs))
+        return out
 
-        n_base, avgdl_base, _, _ = self.base_text_stats(snap.base, column)
-        n_total = n_base + n_mem
-        avgdl = (avgdl_base * n_base + len_mem) / n_total if n_total else 1.0
-        term_idf = {
-            t: fts.idf(n_total, self.base_df(snap.base, column, t) + df_mem[t]) for t in terms
-        }
-
+    def memtable_part(
+        self,
+        mem: MemtableTerms,
+        words: list[tuple[str, int]],
+        phrase: bool,
+        term_idf: dict[str, float],
+        avgdl: float,
+        predicate: Predicate | None,
+        k: int,
+        fetch: list[str],
+    ) -> list[pa.Table]:
+        """The k best visible rows of the tiers (`fetch` columns and `_score`) by BM25 with
+        the given corpus statistics. The owner pod of a fan-out read answers with this too
+        (`engine.reads.fresh`), scored with the coordinator's statistics."""
         candidates: list[Candidates] = []
-        for tier, i, live, bt, vocab, tfs in per_batch:
+        for tier, i, live, bt, vocab, tfs in mem.batches:
             found = self._bm25_batch(
                 tier, i, live, bt, vocab, tfs, words, phrase, term_idf, avgdl, predicate, k
             )
             if found is not None:
                 candidates.append(found)
-        parts = materialise(candidates, k, fetch, SCORE, ascending=False)
-        parts.append(base.result())
-        merged = top(parts, SCORE, k, ascending=False)
-        return ctx.finish("text", started, [merged], out_cols, SCORE)
+        return materialise(candidates, k, fetch, SCORE, ascending=False)
 
     def _bm25_batch(
         self,

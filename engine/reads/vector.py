@@ -39,6 +39,7 @@ from engine.filters import Predicate, QueryError
 from engine.memtable import Memtable
 from engine.reads.context import ReadContext
 from engine.reads.merge import DISTANCE, Candidates, materialise, top
+from engine.reads.remote import FanoutReport
 from engine.reads.snapshot import Snapshot
 from engine.reads.tiers import MemtableTier
 from engine.schema import vector_matrix
@@ -109,6 +110,7 @@ class VectorSearch:
         columns: Sequence[str] | None = None,
         nprobes: int | None = None,
         refine_factor: int | None = None,
+        report: FanoutReport | None = None,
     ) -> pa.Table:
         """See `engine.reader.Reader.search_vector`."""
         ctx = self.ctx
@@ -127,22 +129,50 @@ class VectorSearch:
         predicate = ctx.predicate(filter)
         out_cols = ctx.columns(columns)
         fetch = ctx.fetch_columns(out_cols)
-        snap = ctx.snapshot()
 
-        # Lance searches the base on a base worker meanwhile; faiss the memtables and the
-        # base's unindexed fragments here.
-        base = self._knn_base(snap, query, predicate, fetch, nprobes, refine_factor)
-        limit = snap.base_limit(k)
-        lance_first = ctx.meanwhile(base.lance, limit)
+        def run(snap: Snapshot) -> pa.Table:
+            # Lance searches the base on a base worker meanwhile, the owner pods their
+            # memtables; faiss the memtables and the base's unindexed fragments here.
+            base = self._knn_base(snap, query, predicate, fetch, nprobes, refine_factor)
+            limit = snap.base_limit(k)
+            lance_first = ctx.meanwhile(base.lance, limit)
+            remote = None
+            if snap.remote is not None:
+                remote = snap.remote.start(
+                    {
+                        "kind": "vector",
+                        "vector": query.tolist(),
+                        "k": k,
+                        "filter": None if predicate is None else predicate.text,
+                        "fetch": fetch,
+                    }
+                )
+            parts = self.memtable_part(snap, query, k, predicate, fetch)
+            fresh_first = base.fresh(limit)
+            first = top([lance_first.result(), *fresh_first], DISTANCE, limit, ascending=True)
+            if remote is not None:
+                parts.extend(snap.remote_rows(remote.result()))
+            parts.append(snap.base_overfetch(k, base.fetch, first))
+            return top(parts, DISTANCE, k, ascending=True)
+
+        merged = ctx.run(run, report)
+        return ctx.finish("vector", started, [merged], out_cols, DISTANCE)
+
+    def memtable_part(
+        self,
+        snap: Snapshot,
+        query: np.ndarray,
+        k: int,
+        predicate: Predicate | None,
+        fetch: list[str],
+    ) -> list[pa.Table]:
+        """The k nearest visible rows of the snapshot's memtable tiers (`fetch` columns and
+        `_distance`), one table per batch they come from. The owner pod of a fan-out read
+        answers with this too (`engine.reads.fresh`)."""
         candidates: list[Candidates] = []
         for tier in snap.tiers:
             candidates.extend(self._knn_tier(tier, query, k, predicate))
-        parts = materialise(candidates, k, fetch, DISTANCE, ascending=True)
-        fresh_first = base.fresh(limit)
-        first = top([lance_first.result(), *fresh_first], DISTANCE, limit, ascending=True)
-        parts.append(snap.base_overfetch(k, base.fetch, first))
-        merged = top(parts, DISTANCE, k, ascending=True)
-        return ctx.finish("vector", started, [merged], out_cols, DISTANCE)
+        return materialise(candidates, k, fetch, DISTANCE, ascending=True)
 
     def _batch_norms(self, tier: MemtableTier, i: int, matrix: np.ndarray) -> np.ndarray:
         memtable = tier.view.memtable
