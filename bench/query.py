@@ -4,6 +4,8 @@ on the base (and pylance's MemWAL `LsmVectorSearchPlanner` on it) as yardsticks.
 
 Run: ``python -m bench.query [--base-rows 1000000] [--memtable-rows 100000]
 [--ingest-seconds 60] [--out bench/results/query.txt]``.
+``--processes 3`` runs the fan-out comparison instead (`bench.fanout`): the same queries to
+one process holding every shard and to one of three processes holding one shard each.
 
 Under ingestion the phase is bounded: a producer puts at half the sink's max rate for these
 rows (``--rate``, default `HALF_SINK_MAX_RATE`) for ``--warmup-s`` + ``--ingest-seconds``
@@ -422,7 +424,22 @@ def main() -> None:
     )
     parser.add_argument("--workdir", default="/tmp/lance-sink-bench")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        choices=(1, 3),
+        default=1,
+        help="3: fan-out across three processes against one holding every shard "
+        "(bench.fanout; uses --base-rows, --memtable-rows, --runs, --rate, --workdir, --out)",
+    )
     args = parser.parse_args()
+    if args.processes == 3:
+        from bench import fanout  # noqa: PLC0415 - the 3-process mode imports this module
+
+        if args.rate is None:
+            args.rate = 0.0
+        fanout.main(args)
+        return
     tune_process()  # as `lance-sink run` does: the reads run in the sink's process
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
