@@ -47,6 +47,7 @@ class ReaderEvents(Protocol):
 
     def query(self, kind: str, seconds: float, rows: int) -> None: ...
     def shard_skipped(self, shard: str, error: BaseException) -> None: ...
+    def fanout_missing(self, shard: str, cause: str) -> None: ...
 
 
 class NoReaderEvents:
@@ -56,6 +57,9 @@ class NoReaderEvents:
         return None
 
     def shard_skipped(self, shard: str, error: BaseException) -> None:
+        return None
+
+    def fanout_missing(self, shard: str, cause: str) -> None:
         return None
 
 
@@ -181,6 +185,8 @@ class ReadContext:
                     ) from exc
                 continue
             missing = [] if snap.remote is None else list(snap.remote.missing.values())
+            for m in missing:
+                self.events.fanout_missing(m.shard, m.cause)
             if missing:
                 if report is None or not report.allow_partial:
                     names = ", ".join(f"{m.shard} ({m.reason})" for m in missing)

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import orjson
@@ -85,6 +85,11 @@ def key_table(spec: TableSpec, keys: list[Any]) -> pa.Table:
     return pa.table(columns)
 
 
+#: Why a shard's fresh rows are missing, in one word (the metric's label): its owner did not
+#: answer in time, answered with an error, or does not hold the shard (rebalance, fence).
+Cause = Literal["timeout", "error", "unheld"]
+
+
 @dataclass(frozen=True, slots=True)
 class MissingShard:
     """A shard whose fresh rows a query lacks, and why."""
@@ -93,6 +98,7 @@ class MissingShard:
     partitions: tuple[str, ...]
     owner: str
     reason: str
+    cause: Cause = "error"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -172,6 +178,7 @@ class Fanout:
                 owner.partitions,
                 owner.url,
                 "listed for this process, which does not hold it now (rebalance or fence)",
+                "unheld",
             )
         return tier
 
@@ -240,7 +247,7 @@ class RemoteTier:
             try:
                 futures[url] = self.fanout._pool.submit(self.fanout.post, url, body, self.timeout_s)
             except RuntimeError:  # the reader is closed
-                self._fail(url, "the reader is closed")
+                self._fail(url, "the reader is closed", cause="error")
         return PendingAsk(self, futures, deadline)
 
     def ask(self, meta: dict[str, Any], keys: pa.Table | None = None) -> list[RemoteAnswer]:
@@ -256,12 +263,16 @@ class RemoteTier:
             out |= mask.astype(bool)
         return out
 
-    def _fail(self, url: str, reason: str, shards: list[str] | None = None) -> None:
+    def _fail(
+        self, url: str, reason: str, shards: list[str] | None = None, *, cause: Cause
+    ) -> None:
         if shards is None:
             self._failed.add(url)
         for shard in shards if shards is not None else list(self.groups[url]):
             owner = self.groups[url][shard]
-            self.missing.setdefault(shard, MissingShard(shard, owner.partitions, url, reason))
+            self.missing.setdefault(
+                shard, MissingShard(shard, owner.partitions, url, reason, cause)
+            )
         log.warning("fanout_owner_missing", owner=url, reason=reason, shards=shards)
 
     def _gather(self, futures: dict[str, Future[bytes]], deadline: float) -> list[RemoteAnswer]:
@@ -273,22 +284,22 @@ class RemoteTier:
             except (FutureTimeout, urllib3.exceptions.TimeoutError):
                 # Whichever fires first: this wait, or the request's own socket timeout.
                 future.cancel()
-                self._fail(url, f"no answer within {self.timeout_s * 1000:.0f} ms")
+                self._fail(url, f"no answer within {self.timeout_s * 1000:.0f} ms", cause="timeout")
                 continue
             except Exception as exc:  # noqa: BLE001 - any failure of one owner is "missing"
-                self._fail(url, f"{type(exc).__name__}: {exc}")
+                self._fail(url, f"{type(exc).__name__}: {exc}", cause="error")
                 continue
             try:
                 table, meta = unpack(data)
             except Exception as exc:  # noqa: BLE001 - a broken answer is a missing one
-                self._fail(url, f"unreadable answer: {exc}")
+                self._fail(url, f"unreadable answer: {exc}", cause="error")
                 continue
             for shard, epoch in meta.get("served", {}).items():
                 self.fanout.owners.saw_epoch(shard, int(epoch))
             refused = meta.get("refused", {})
             for shard, reason in refused.items():
                 self.fanout.owners.saw_epoch(shard, -1)  # listed owner does not hold it
-                self._fail(url, str(reason), [shard])
+                self._fail(url, str(reason), [shard], cause="unheld")
             stale = meta.get("stale_base")
             if stale is not None:
                 raise StaleBase(int(stale))

@@ -22,7 +22,7 @@ from pydantic import SecretStr
 from config.settings import QuerySettings
 from engine.backpressure import BlockingValve
 from engine.errors import FreshRowsUnavailable
-from engine.reader import Fanout, FanoutReport, Reader
+from engine.reader import Fanout, FanoutReport, NoReaderEvents, Reader
 from engine.reads.owners import ShardOwners
 from engine.schema import TableSpec
 from engine.shard import Flusher, ShardWriter
@@ -36,6 +36,16 @@ pytestmark = pytest.mark.timeout(180)
 
 TOKEN = "s3cret"
 DIM = 16
+
+
+class Events(NoReaderEvents):
+    """Records the shards queries lacked (what the metrics facade counts)."""
+
+    def __init__(self) -> None:
+        self.missing: list[tuple[str, str]] = []
+
+    def fanout_missing(self, shard: str, cause: str) -> None:
+        self.missing.append((shard, cause))
 
 
 class Pod:
@@ -53,7 +63,10 @@ class Pod:
         )
         self.owners = ShardOwners(storage, refresh_s=0.0)
         self.fanout = Fanout(self.owners, "", timeout_ms / 1000, TOKEN, workers=8)
-        self.reader = Reader(spec, self.table, lambda: list(self.writers), fanout=self.fanout)
+        self.events = Events()
+        self.reader = Reader(
+            spec, self.table, lambda: list(self.writers), events=self.events, fanout=self.fanout
+        )
         self.server = run_server(create_query_app(self.reader, settings), "127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.server.port}"
         self.fanout.self_url = self.url
@@ -272,6 +285,7 @@ def test_an_owner_that_does_not_answer_is_named_within_the_deadline(
         [missing] = report.missing
         assert missing.shard == wb.shard
         assert "no answer within 500 ms" in missing.reason
+        assert a.events.missing == [(wb.shard, "timeout")]
         with pytest.raises(FreshRowsUnavailable, match=wb.shard):
             a.reader.scan(columns=["_offset"], report=FanoutReport(allow_partial=False))
         # Over HTTP: partial with the shard named, or 503 when partial answers are refused.
