@@ -8,10 +8,12 @@ epoch). A process that answers for a shard with another epoch than the one liste
 is recognised by it: an older epoch is a fenced owner, a newer one means this list is
 stale.
 
-Lifecycle: one `ShardOwners` per reader, shared by every query thread. `current()` reads
-the manifests when its copy is older than `refresh_s` or was marked stale (`saw_epoch`
-with an epoch it does not list); one thread reads at a time, the others keep using the
-copy they have (the first call waits for the first read). Nothing to close.
+Lifecycle: one `ShardOwners` per reader, shared by every query thread. The first
+`current()` reads the manifests; later, a copy older than `refresh_s` is re-read on a
+short-lived daemon thread while queries keep using it (on S3 a read is one LIST per shard
+plus one GET: no query waits for it), and a copy marked stale (`saw_epoch` with an epoch it
+does not list) is re-read by the query that finds it, since its routing is wrong now. One
+read at a time; the others use the copy they have. Nothing to close.
 """
 
 from __future__ import annotations
@@ -67,8 +69,16 @@ class ShardOwners:
             return owners  # another thread is reading them
         if owners is None:
             self._reading.acquire()
+        elif fresh:  # only old: read in the background, keep routing by this copy
+            threading.Thread(
+                target=self._read_and_release, args=(owners,), name="shard-owners", daemon=True
+            ).start()
+            return owners
+        return self._read_and_release(owners)
+
+    def _read_and_release(self, old: dict[str, Owner] | None) -> dict[str, Owner]:
         try:
-            return self._read(owners)
+            return self._read(old)
         finally:
             self._reading.release()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
 
@@ -43,11 +44,15 @@ def test_claims_record_the_owner_url_and_any_process_lists_them(
 
 
 def test_owners_are_reread_after_the_refresh_interval(any_harness: MakeHarness) -> None:
+    """An old copy is re-read in the background: queries meanwhile route by the copy."""
     h = any_harness()
     owners = ShardOwners(h.storage, refresh_s=0.0)
     assert owners.current() == {}
     w = h.open(shard="t-0-x", config=dataclasses.replace(h.config, advertised_url="http://p:1"))
-    assert owners.current() == {"t-0-x": Owner("t-0-x", "http://p:1", w.epoch)}
+    deadline = time.monotonic() + 10
+    while owners.current() != {"t-0-x": Owner("t-0-x", "http://p:1", w.epoch)}:
+        assert time.monotonic() < deadline, "the owners were never re-read"
+        time.sleep(0.01)
     w.close(flush=False, timeout=5)
 
 
