@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import lance
 import pytest
 
 from tests.support.brokers import Broker, free_ports
-from tests.support.kafka import produce
+from tests.support.kafka import committed_offsets, produce
 from tests.support.sink import SinkProcess, message, wait_caught_up, write_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -34,10 +35,15 @@ def vector_of(i: int) -> list[float]:
 
 
 def start_pods(
-    tmp_path: Path, bootstrap: str, topic: str, group: str
+    tmp_path: Path,
+    bootstrap: str,
+    topic: str,
+    group: str,
+    names: str = "abc",
+    memtable: dict[str, Any] | None = None,
 ) -> tuple[list[SinkProcess], list[str]]:
     procs, urls = [], []
-    for name, port in zip("abc", free_ports(3), strict=True):
+    for name, port in zip(names, free_ports(len(names)), strict=True):
         url = f"http://127.0.0.1:{port}"
         config = write_config(
             tmp_path / f"{name}.toml",
@@ -48,7 +54,7 @@ def start_pods(
             mode="upsert",
             extra={
                 # Fresh rows stay in memtables: only each partition's first FIRST rows flush.
-                "memtable": {"max_rows": FIRST, "max_age_s": 3600},
+                "memtable": memtable or {"max_rows": FIRST, "max_age_s": 3600},
                 "query": {
                     "enabled": True,
                     "host": "127.0.0.1",
@@ -56,6 +62,7 @@ def start_pods(
                     "advertised_url": url,
                     "fanout_timeout_ms": 1000,
                     "owners_refresh_ms": 200,
+                    "max_k": 100_000,
                 },
             },
         )
@@ -75,6 +82,21 @@ def owners(procs: list[SinkProcess]) -> dict[int, int]:
                 if seen is None or e["timestamp"] > seen[0]:
                     latest[e["partition"]] = (e["timestamp"], i)
     return {p: i for p, (_, i) in latest.items()}
+
+
+def wait_serving(procs: list[SinkProcess], urls: list[str], timeout: float = 90) -> None:
+    """Until every process answers queries (its query server is up)."""
+    deadline = time.monotonic() + timeout
+    for proc, url in zip(procs, urls, strict=True):
+        while True:
+            assert proc.alive(), proc.log_path.read_text()[-3000:]
+            try:
+                httpx.get(url + "/openapi.json", timeout=2)
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, f"{url} never served"
+                time.sleep(0.2)
+            else:
+                break
 
 
 def post(url: str, path: str, body: dict[str, Any], timeout: float = 20) -> dict[str, Any]:
@@ -199,3 +221,74 @@ def test_any_pod_answers_with_every_committed_row(
     finally:
         codes = [p.stop() for p in procs]
     assert codes == [0, 0, 0]
+
+
+def test_rebalance_and_kill_during_a_stream_of_queries(
+    mock_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    """Queries to the live pods while messages stream in, a pod joins and another is
+    SIGKILLed: no answer holds a row twice, and no answer lacks a row whose offset was
+    committed before the query started, unless it says it is partial."""
+    bootstrap = mock_broker.bootstrap
+    for p in range(PARTITIONS):
+        produce(bootstrap, topic, [message(p)], partition=p)
+    small = {"max_rows": 300, "max_age_s": 3600}  # flushes happen during the stream too
+    procs, urls = start_pods(tmp_path, bootstrap, topic, group, "ab", small)
+    wait_serving(procs, urls)
+    total, sent = 2_400, [PARTITIONS]
+    # Message i goes to partition i % PARTITIONS at local index i // PARTITIONS.
+
+    def stream() -> None:
+        while sent[0] < total:
+            chunk = range(sent[0], min(sent[0] + 80, total))
+            for p in range(PARTITIONS):
+                produce(bootstrap, topic, [message(i) for i in chunk if i % PARTITIONS == p], p)
+            sent[0] = chunk.stop
+            time.sleep(0.25)
+
+    producer = threading.Thread(target=stream, daemon=True)
+    producer.start()
+    answers = {"complete": 0, "partial": 0}
+    killed: set[int] = set()
+
+    def query_round() -> None:
+        committed = committed_offsets(bootstrap, group, topic, PARTITIONS)
+        must = {
+            f"m-{i}" for i in range(sent[0]) if i // PARTITIONS < committed.get(i % PARTITIONS, -1)
+        }
+        for k, url in enumerate(urls):
+            if k in killed:
+                continue
+            rows = post(url, "/v1/search", {"filter": "n >= 0", "k": 100_000, "columns": ["id"]})
+            ids = [r["id"] for r in rows["rows"]]
+            assert len(ids) == len(set(ids)), f"{url}: a row twice"
+            if rows.get("partial"):
+                answers["partial"] += 1
+                continue
+            answers["complete"] += 1
+            lost = must - set(ids)
+            assert not lost, f"{url}: committed rows missing: {sorted(lost)[:10]}"
+
+    try:
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            query_round()
+        more, more_urls = start_pods(tmp_path, bootstrap, topic, group, "c", small)
+        wait_serving(more, more_urls)
+        procs += more
+        urls += more_urls
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the join's rebalance
+            query_round()
+        procs[0].kill()
+        killed.add(0)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:  # the session timeout, then replay elsewhere
+            query_round()
+        producer.join(60)
+        wait_caught_up(bootstrap, group, topic, timeout=120, procs=procs[1:])
+        query_round()
+        assert answers["complete"] >= 5, answers
+    finally:
+        codes = [p.stop() for k, p in enumerate(procs) if k not in killed]
+    assert codes == [0] * len(codes)
