@@ -41,6 +41,8 @@ def start_pods(
     group: str,
     names: str = "abc",
     memtable: dict[str, Any] | None = None,
+    table_uri: str | None = None,
+    storage_options: dict[str, str] | None = None,
 ) -> tuple[list[SinkProcess], list[str]]:
     procs, urls = [], []
     for name, port in zip(names, free_ports(len(names)), strict=True):
@@ -50,7 +52,7 @@ def start_pods(
             bootstrap=bootstrap,
             topics=[topic],
             group=group,
-            table_uri=str(tmp_path / "table.lance"),
+            table_uri=table_uri or str(tmp_path / "table.lance"),
             mode="upsert",
             extra={
                 # Fresh rows stay in memtables: only each partition's first FIRST rows flush.
@@ -67,6 +69,8 @@ def start_pods(
             },
         )
         env = {"LANCE_SINK__QUERY__AUTH_TOKEN": TOKEN}
+        for key, value in (storage_options or {}).items():  # the table's, and the WAL's
+            env[f"LANCE_SINK__TABLE__STORAGE_OPTIONS__{key.upper()}"] = value
         procs.append(SinkProcess(config, tmp_path / f"{name}.log", env=env))
         urls.append(url)
     return procs, urls
@@ -108,15 +112,28 @@ def post(url: str, path: str, body: dict[str, Any], timeout: float = 20) -> dict
     return out
 
 
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_any_pod_answers_with_every_committed_row(
-    mock_broker: Broker, topic: str, group: str, tmp_path: Path
+    mock_broker: Broker,
+    topic: str,
+    group: str,
+    tmp_path: Path,
+    where: str,
+    request: pytest.FixtureRequest,
 ) -> None:
     bootstrap = mock_broker.bootstrap
+    table_uri, options = str(tmp_path / "table.lance"), None
+    if where == "s3":
+        bucket: str = request.getfixturevalue("s3_bucket")
+        options = request.getfixturevalue("s3_storage_options")
+        table_uri = f"s3://{bucket}/fanout/table.lance"
     # Every partition exists before the group forms (the mock cluster creates 4).
     for p in range(PARTITIONS):
         produce(bootstrap, topic, [message(p)], partition=p)
     key_partition = {i: i % PARTITIONS for i in range(10_000)}
-    procs, urls = start_pods(tmp_path, bootstrap, topic, group)
+    procs, urls = start_pods(
+        tmp_path, bootstrap, topic, group, table_uri=table_uri, storage_options=options
+    )
     try:
         deadline = time.monotonic() + 90
         while len(set(owners(procs).values())) < 3 or len(owners(procs)) < PARTITIONS:
@@ -151,13 +168,16 @@ def test_any_pod_answers_with_every_committed_row(
         send([5, 6], updated={5}, deleted={6})
         send(fresh)
         wait_caught_up(bootstrap, group, topic, procs=procs)
-        base = tmp_path / "table.lance"
+
+        def base_rows() -> int:
+            return int(lance.dataset(table_uri, storage_options=options).count_rows())
+
         deadline = time.monotonic() + 60
-        while lance.dataset(str(base)).count_rows() < PARTITIONS * FIRST:
+        while base_rows() < PARTITIONS * FIRST:
             assert time.monotonic() < deadline, "the first memtables were not flushed"
             time.sleep(0.2)
         time.sleep(1)
-        assert lance.dataset(str(base)).count_rows() == PARTITIONS * FIRST  # no more flushed
+        assert base_rows() == PARTITIONS * FIRST  # no more flushed
 
         expected = {f"m-{i}" for i in range(PARTITIONS * FIRST) if i != 6} | {
             f"m-{i}" for i in fresh
