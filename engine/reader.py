@@ -194,6 +194,8 @@ class Reader:
         Raises:
             QueryError: no vector column, wrong dimension, non-finite values, k out of range,
                 bad filter or unknown column.
+            FreshRowsUnavailable: other pods' fresh rows are missing and `report` does not
+                allow a partial answer (every query method; see the module docstring).
         """
         return self.vector.search(
             vector,
