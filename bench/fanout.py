@@ -35,6 +35,7 @@ import numpy as np
 import orjson
 import urllib3
 
+from bench.query_data import Data, build_base, put_rows, spec_for
 from config.settings import BackpressureSettings, QuerySettings
 from engine.backpressure import BlockingValve
 from engine.memtable import SealLimits
@@ -43,6 +44,8 @@ from engine.reads.owners import ShardOwners
 from engine.shard import Flusher, ShardWriter, WriterConfig
 from engine.storage import open_storage
 from engine.table import BaseTable
+from sink.cli import tune_process
+from sink.http import create_query_app, run_server
 
 SHARDS = 3
 MEMTABLE_FIRST = 10_000_000  # fresh rows' offsets: disjoint from the base's
@@ -59,9 +62,6 @@ def _pod(
     stop: Any,
 ) -> None:
     """A child process: shard writers for `shards`, a Reader with fan-out, the query API."""
-    from bench.query import Data, put_rows, spec_for  # noqa: PLC0415 - child
-    from sink.cli import tune_process  # noqa: PLC0415 - child
-    from sink.http import create_query_app, run_server  # noqa: PLC0415 - child
 
     tune_process()
     data = Data()
@@ -125,7 +125,6 @@ def _summary(samples: list[float]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Set up the four processes, time the queries, return the report."""
-    from bench.query import Data, build_base, spec_for  # noqa: PLC0415 - no cycle at import
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
