@@ -22,6 +22,7 @@ from pydantic import SecretStr
 from config.settings import QuerySettings
 from engine.backpressure import BlockingValve
 from engine.errors import FreshRowsUnavailable
+from engine.manifest import ManifestStore
 from engine.reader import Fanout, FanoutReport, NoReaderEvents, Reader
 from engine.reads.owners import ShardOwners
 from engine.schema import TableSpec
@@ -328,3 +329,29 @@ def test_local_mode_makes_no_request(
     monkeypatch.setattr(a.fanout, "post", lambda url, *args: posted.append(url) or b"")
     assert offsets(a.reader.scan(columns=["_offset"])) == list(range(20))
     assert posted == []
+
+
+def test_a_fenced_owner_serves_nothing(pods: Callable[..., tuple[Pod, Pod]]) -> None:
+    """The manifest names a newer epoch than the owner pod's writer holds (a new writer
+    claimed the shard; the old one has not noticed): the old writer's rows are not served,
+    and the shard is reported missing rather than answered from a stale writer."""
+    a, b = pods()
+    # Pod B's writer checks for a fence only now and then (wal.fence_check_interval_ms):
+    # until it does, only the epoch tells it is stale.
+    b.config = dataclasses.replace(b.config, fence_check_interval_s=3600)
+    wa, wb = a.open(0), b.open(1)
+    a.put(wa, list(range(10)), 0)
+    b.put(wb, list(range(1000, 1010)), 1)
+    assert offsets(a.reader.scan(columns=["_offset"])) == [*range(10), *range(1000, 1010)]
+    ManifestStore(b.storage, wb.shard).claim(b.url)  # epoch 2, listed at pod B's URL
+    deadline = time.monotonic() + 10
+    while a.owners.current()[wb.shard].epoch != 2:  # the listing is re-read in the background
+        assert time.monotonic() < deadline, "the owners were never re-read"
+        time.sleep(0.01)
+    report = FanoutReport()
+    got = a.reader.scan(columns=["_offset"], report=report)
+    assert offsets(got) == list(range(10))
+    [missing] = report.missing
+    assert missing.shard == wb.shard
+    assert missing.cause == "unheld"
+    assert "fenced (epoch 1 < 2)" in missing.reason
