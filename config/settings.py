@@ -728,8 +728,8 @@ class MemtableSettings(_Section):
     max_age_s: NonNegativeInt = Field(
         default=300,
         description="Seal a memtable this many seconds after its first row, so a slow "
-        "partition's rows reach the Lance table (and other pods' queries) within about this "
-        "long plus one flush (0 = seal on size only). Replay seals on size only.",
+        "partition's rows reach the Lance table within about this long plus one flush (0 = "
+        "seal on size only). Replay seals on size only.",
     )
 
 
@@ -988,6 +988,24 @@ class QuerySettings(_Section):
         default=ByteSize(64 << 20),
         description="Bound of the Lance metadata cache (manifests, file footers) that every "
         "query on the base shares (Lance's own default: 1 GiB). Adds to the pod's memory.",
+    )
+    advertised_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://[^\s/]+(/[^\s]*)?$",
+        description="Where other pods reach this process's query API (e.g. "
+        "http://10.1.2.3:8080; the Helm chart sets the pod IP). Recorded in the shard manifest "
+        "when a shard is claimed, so a query to any pod can ask this one for its memtables' "
+        "rows. None: this process serves no fresh rows to other pods.",
+    )
+    fanout_timeout_ms: PositiveInt = Field(
+        default=1_000,
+        description="How long a query waits for another pod's memtable rows; past it the "
+        "answer is partial (the missing partitions named) or fails, as the request asks.",
+    )
+    owners_refresh_ms: PositiveInt = Field(
+        default=2_000,
+        description="How often the shard owners are re-read from the shard manifests (also "
+        "re-read when an owner answers with another epoch).",
     )
 
 

@@ -45,6 +45,7 @@ def writer_config(settings: Settings) -> WriterConfig:
         flush_max_attempts=settings.flush.max_attempts,
         fence_check_interval_s=settings.wal.fence_check_interval_ms / 1000,
         max_age_s=settings.memtable.max_age_s,
+        advertised_url=settings.query.advertised_url or "",
     )
 
 

@@ -3,7 +3,9 @@
     LanceSinkError                      root; carries shard/topic/partition/offset context
     ├── RetriableError                  try again later; nothing acknowledged was lost
     │   ├── PersistenceError            a storage operation (WAL put, Lance commit) failed
-    │   └── RegistryUnavailable (sink/formats)  the schema registry cannot answer; pause
+    │   ├── RegistryUnavailable (sink/formats)  the schema registry cannot answer; pause
+    │   └── FreshRowsUnavailable        other pods' memtable rows did not arrive in time
+    │                                   (a query that did not accept a partial answer)
     ├── FatalError                      stop: operator action needed
     │   ├── SchemaMismatch              the table's schema is incompatible with the settings
     │   └── Poisoned                    the shard writer failed to persist; close and reopen
@@ -42,6 +44,19 @@ class RetriableError(LanceSinkError):
 
 class PersistenceError(RetriableError):
     """A storage operation (WAL append, manifest update, Lance commit) failed."""
+
+
+class FreshRowsUnavailable(RetriableError):
+    """A query needed other pods' memtable rows, some did not arrive within
+    `query.fanout_timeout_ms`, and the request did not accept a partial answer.
+
+    Attributes:
+        missing: what is missing, one `engine.reads.remote.MissingShard` per shard.
+    """
+
+    def __init__(self, message: str, missing: list[Any]) -> None:
+        self.missing = missing
+        super().__init__(message)
 
 
 class FatalError(LanceSinkError):

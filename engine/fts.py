@@ -18,9 +18,9 @@ Cached bytes (token arrays and vocabulary entries) are counted in the memtable's
 bytes with `Memtable.account_cache` (I7), so they weigh on backpressure like the rows do;
 `MemtableTermCache.nbytes` reports the token arrays.
 
-Who tokenises: `Reader` runs a background tokenizer (`Reader._tokenize_loop`) once it has
-served a text query, which calls `MemtableTermCache.terms` on every memtable of its shards
-as new batches arrive, so a text query finds them tokenised already. A query still
+Who tokenises: the reader runs a background tokenizer (`engine.reads.text.TextSearch`)
+once it has served a text query, which calls `MemtableTermCache.terms` on every memtable
+of its shards as new batches arrive, so a text query finds them tokenised already. A query still
 tokenises, inline, whatever the background pass has not reached yet (both go through the
 same per-memtable lock, so each batch is tokenised exactly once). Either way only batches of
 a `MemtableView` are tokenised: rows that are durable and visible (I2), never more.

@@ -32,6 +32,8 @@ class ShardManifest:
         lance_version: the table version of the last flush commit (0 = none); commits
             after it are searched for a flush that crashed before the manifest update.
         generation: the next memtable generation number.
+        owner_url: where the writer of `epoch` serves its memtables to other pods (its
+            `query.advertised_url`); empty when it advertised none.
     """
 
     version: int = 0
@@ -40,6 +42,7 @@ class ShardManifest:
     flushed_offsets: dict[str, int] = field(default_factory=dict)
     lance_version: int = 0
     generation: int = 1
+    owner_url: str = ""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -54,6 +57,7 @@ class ShardManifest:
             flushed_offsets={str(k): int(v) for k, v in raw["flushed_offsets"].items()},
             lance_version=int(raw["lance_version"]),
             generation=int(raw["generation"]),
+            owner_url=str(raw.get("owner_url", "")),  # absent before fan-out reads
         )
 
 
@@ -89,15 +93,18 @@ class ManifestStore:
                 out.append(int(name[:-5]))
         return sorted(out)
 
-    def claim(self) -> ShardManifest:
-        """Claim the shard with a new epoch (create-only write of the next version).
+    def claim(self, owner_url: str = "") -> ShardManifest:
+        """Claim the shard with a new epoch (create-only write of the next version),
+        recording where the new writer serves queries (`owner_url`).
 
         Raises:
             PersistenceError: lost the race `CLAIM_ATTEMPTS` times in a row.
         """
         for _ in range(CLAIM_ATTEMPTS):
             current = self.latest()
-            claimed = replace(current, version=current.version + 1, epoch=current.epoch + 1)
+            claimed = replace(
+                current, version=current.version + 1, epoch=current.epoch + 1, owner_url=owner_url
+            )
             try:
                 self.storage.put_if_absent(self.key(claimed.version), claimed.encode())
             except AlreadyExists:
@@ -137,3 +144,21 @@ class ManifestStore:
         for version in self._versions():
             if version < newest - 1:
                 self.storage.delete(self.key(version))
+
+
+def list_owners(storage: Storage) -> dict[str, ShardManifest]:
+    """The newest manifest of every shard under the storage root, by shard.
+
+    One folder listing plus, per shard, one listing and one read (the same as
+    `ManifestStore.latest`). Folders without manifest versions are not shards. A shard
+    whose manifest vanished meanwhile (a concurrent claim collected it) is read again.
+
+    Raises:
+        PersistenceError: a manifest kept vanishing while it was read.
+    """
+    out = {}
+    for shard in storage.folders(""):
+        manifest = ManifestStore(storage, shard).latest()
+        if manifest.version:
+            out[shard] = manifest
+    return out

@@ -126,6 +126,9 @@ class WriterConfig:
     fence_check_interval_s: float = 0.0
     #: Seal the active memtable once its first row is this old (0 = on size only).
     max_age_s: float = 0.0
+    #: Where this process serves its memtables to other pods (`query.advertised_url`),
+    #: recorded in the manifest by the claim ("" = nowhere).
+    advertised_url: str = ""
 
 
 class EngineEvents(Protocol):
@@ -204,6 +207,12 @@ class ShardView:
 
     shard: str
     memtables: tuple[MemtableView, ...]
+    #: The newest table version holding a memtable that is no longer in the view (flushed
+    #: and dropped, or flushed by an earlier writer before this one replayed). A base
+    #: version below it lacks rows the view lacks too: `fresh` is only exact for a base at
+    #: or above it, which a view taken before the base always is (fan-out reads, whose owner
+    #: takes its view after the coordinator opened the base, check it).
+    dropped_through: int = 0
 
     def fresh(self, base: lance.LanceDataset) -> list[MemtableView]:
         """The memtables whose rows the base table version `base` does not hold.
@@ -321,6 +330,7 @@ class ShardWriter:
         self._trimmed.set_result(None)
         self._flush_idle.set()
         self._checked_lance_version = 0
+        self._dropped_through = 0
         self._last_fence_check = 0.0
         self._wal_thread: threading.Thread | None = None
         self._counters = {
@@ -365,7 +375,7 @@ class ShardWriter:
 
     def _claim_and_replay(self) -> None:
         started = time.monotonic()
-        manifest = self.manifests.claim()
+        manifest = self.manifests.claim(self.config.advertised_url)
         self._epoch = manifest.epoch
         mark = self.table.find_flush(self.shard, manifest.lance_version)
         if mark is not None and mark.wal_end > manifest.flushed_position:
@@ -379,6 +389,7 @@ class ShardWriter:
             )
         self._manifest = manifest
         self._checked_lance_version = max(manifest.lance_version, mark.version if mark else 0)
+        self._dropped_through = self._checked_lance_version
         self._flushed_position = manifest.flushed_position
         self._durable_position = manifest.flushed_position
         self._flushed_offsets = {_unkey(k): v for k, v in manifest.flushed_offsets.items()}
@@ -707,6 +718,7 @@ class ShardWriter:
                 continue
             with self._lock:
                 self._frozen.popleft()
+                self._dropped_through = max(self._dropped_through, memtable.committed_version or 0)
                 self._set_memory()
             self.memory.notify()
             return
@@ -833,7 +845,8 @@ class ShardWriter:
         with self._lock:
             memtables = [self._active, *reversed(self._frozen)]
             views = tuple(m.view() for m in memtables)
-        return ShardView(self.shard, views)
+            dropped = self._dropped_through
+        return ShardView(self.shard, views, dropped)
 
     # ------------------------------------------------------------------ close / stats
 

@@ -50,6 +50,9 @@ class Storage(Protocol):
     def exists(self, key: str) -> bool:
         """True if `key` exists."""
 
+    def folders(self, prefix: str) -> list[str]:
+        """Names of the folders directly under `prefix` ("" = the root), sorted."""
+
     def list(self, prefix: str) -> list[str]:
         """Keys under `prefix` (a folder, no trailing slash), sorted."""
 
@@ -107,6 +110,12 @@ class LocalStorage:
     def exists(self, key: str) -> bool:
         return self._path(key).exists()
 
+    def folders(self, prefix: str) -> list[str]:
+        folder = self._path(prefix) if prefix else self.root
+        if not folder.is_dir():
+            return []
+        return sorted(p.name for p in folder.iterdir() if p.is_dir())
+
     def list(self, prefix: str) -> list[str]:
         folder = self._path(prefix)
         if not folder.is_dir():
@@ -160,6 +169,10 @@ class ObjectStorage:
         except (NotFoundError, FileNotFoundError):
             return False
         return True
+
+    def folders(self, prefix: str) -> list[str]:
+        listed = obstore.list_with_delimiter(self.store, prefix + "/" if prefix else None)
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in listed["common_prefixes"])
 
     def list(self, prefix: str) -> list[str]:
         keys = [m["path"] for chunk in obstore.list(self.store, prefix + "/") for m in chunk]

@@ -10,8 +10,8 @@ optimisation, which grew the unindexed part: base queries went from 18 ms to 500
 What: `UnindexedFragments` holds, per fragment the vector index does not cover, that
 fragment's rows (deletions applied): its vectors as one contiguous float32 matrix, its other
 columns as Arrow arrays. A vector query on an indexed base then runs Lance's ANN on the
-indexed fragments only (``fast_search``) and faiss over these matrices (`Reader._knn_base`),
-and merges by distance.
+indexed fragments only (``fast_search``) and faiss over these matrices
+(`engine.reads.vector.VectorSearch`), and merges by distance.
 
 Consistency: a Lance fragment's rows never change; only its deletion file does (an upsert
 flush's merge-insert deletes old versions of its keys). An entry is keyed by the fragment id

@@ -22,6 +22,14 @@ page is served.
   (rank from 1; a row missing from a list adds nothing), best first. RRF needs no score
   calibration between a distance and BM25, which is why it is used.
 
+Fresh rows of other pods (several pods in one consumer group, see `engine.reads.remote`): a
+query reads every shard's memtables, its own and, within ``query.fanout_timeout_ms``, those
+of the pods that own the other shards (``POST /internal/v1/fresh``, same port and token).
+When an owner does not answer in time, the answer says so: with ``allow_partial`` (the
+default) it is ``{"partial": true, "missing": [{"shard", "partitions", "owner",
+"reason"}, ...], ...}`` (Arrow: the headers ``X-Lance-Sink-Partial: true`` and
+``X-Lance-Sink-Missing`` with that list as JSON); with ``"allow_partial": false`` it is 503.
+
 Errors (JSON ``{"error": {"type": ..., "message": ..., "request_id": ...}}``; the request
 id is also the ``X-Request-Id`` response header of every answer):
 
@@ -38,7 +46,8 @@ id is also the ``X-Request-Id`` response header of every answer):
 - 413: the body is larger than ``query.max_request_bytes`` (checked on Content-Length and
   while reading a chunked body);
 - 503: a shard or the table cannot be read right now, or ``query.max_concurrent_queries``
-  queries are already running (``Retry-After: 1``); retry;
+  queries are already running (``Retry-After: 1``), or another pod's fresh rows did not
+  arrive in time and the request set ``"allow_partial": false``; retry;
 - 504: the query took longer than ``query.timeout_ms``. The work itself cannot be
   interrupted; it finishes in its worker thread and its result is dropped.
 - 500: a bug. The body names the request id; the failure is logged once, as the
@@ -78,7 +87,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from config.settings import QuerySettings
-from engine.errors import LanceSinkError
+from engine.errors import FreshRowsUnavailable, LanceSinkError
 from engine.filters import (
     FilterSyntaxError,
     FilterTooComplex,
@@ -86,7 +95,8 @@ from engine.filters import (
     QueryError,
     UnknownColumn,
 )
-from engine.reader import SCORE, Reader
+from engine.reader import SCORE, FanoutReport, Reader
+from engine.reads.remote import FRESH_PATH
 
 log = structlog.get_logger("lance_sink.http")
 
@@ -161,6 +171,12 @@ class SearchRequest(BaseModel):
         strict=True,
         description="Exact re-rank factor.",
     )
+    allow_partial: bool = Field(
+        default=True,
+        strict=True,
+        description="When another pod's fresh rows do not arrive in time: answer without "
+        "them, saying so (partial, missing), or fail with 503 (false).",
+    )
 
 
 class LookupRequest(BaseModel):
@@ -174,6 +190,12 @@ class LookupRequest(BaseModel):
     columns: list[str] | None = Field(
         default=None, min_length=1, description="Columns (default: all)."
     )
+    allow_partial: bool = Field(
+        default=True,
+        strict=True,
+        description="When another pod's fresh rows do not arrive in time: answer without "
+        "them, saying so (partial, missing), or fail with 503 (false).",
+    )
 
 
 class QueryResponse(BaseModel):
@@ -182,6 +204,12 @@ class QueryResponse(BaseModel):
     rows: list[dict[str, Any]]
     count: int
     took_ms: float
+    partial: bool = Field(
+        default=False, description="Present and true when other pods' fresh rows are missing."
+    )
+    missing: list[dict[str, Any]] = Field(
+        default_factory=list, description="The shards whose fresh rows are missing, and why."
+    )
 
 
 class _HttpError(Exception):
@@ -452,6 +480,10 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
     max_k = settings.max_k
     pool = QueryPool(settings.max_concurrent_queries)
     app.state.query_pool = pool
+    # Other pods' fan-out requests get their own slots: a burst of queries here that wait
+    # on another pod cannot take the slots that pod's queries need here.
+    fresh_pool = QueryPool(settings.max_concurrent_queries)
+    app.state.fresh_pool = fresh_pool
 
     @app.exception_handler(_HttpError)
     async def http_error(request: Request, exc: _HttpError) -> Response:
@@ -474,14 +506,14 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
             parts.append(f"{where or 'body'}: {message}")
         return _error(400, "invalid_request", "; ".join(parts), request_id_of(request.scope))
 
-    async def run(fn: Callable[[], pa.Table]) -> pa.Table:
-        future, task = pool.submit(fn)
+    async def run(fn: Callable[[], Any], on: QueryPool = pool) -> Any:
+        future, task = on.submit(fn)
         try:
             # shield: a timeout abandons the future instead of cancelling it (the work
             # cannot be interrupted); the pool frees its slot if it can (see `QueryPool`).
             return await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError as exc:
-            pool.abandon(task)
+            on.abandon(task)
             raise _HttpError(
                 504, "timeout", f"query took longer than {settings.timeout_ms} ms"
             ) from exc
@@ -493,6 +525,8 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
             raise _HttpError(400, "unknown_column", str(exc)) from exc
         except QueryError as exc:
             raise _HttpError(400, "invalid_query", str(exc)) from exc
+        except FreshRowsUnavailable as exc:
+            raise _HttpError(503, "fresh_rows_unavailable", str(exc)) from exc
         except LanceSinkError as exc:
             raise _HttpError(503, "unavailable", str(exc)) from exc
 
@@ -524,6 +558,7 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
                 "filter is blank: omit it (or send null) to search without a filter",
             )
         predicate: Predicate | None = None
+        report = FanoutReport(allow_partial=body.allow_partial)
 
         def vector_search(k: int, cols: list[str] | None) -> pa.Table:
             assert body.vector is not None
@@ -534,6 +569,7 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
                 columns=cols,
                 nprobes=body.nprobes,
                 refine_factor=body.refine_factor,
+                report=report,
             )
 
         def text_search(k: int, cols: list[str] | None) -> pa.Table:
@@ -545,6 +581,7 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
                 phrase=body.phrase,
                 filter=predicate,
                 columns=cols,
+                report=report,
             )
 
         def execute() -> pa.Table:
@@ -557,13 +594,13 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
                 return vector_search(body.k, columns)
             if body.text is not None:
                 return text_search(body.k, columns)
-            return reader.scan(filter=predicate, columns=columns, limit=body.k)
+            return reader.scan(filter=predicate, columns=columns, limit=body.k, report=report)
 
         try:
             table = await run(execute)
         finally:
             log.debug("query_served", kind="search", seconds=round(time.monotonic() - started, 4))
-        return _respond(table, request, started)
+        return _respond(table, request, started, report)
 
     @app.post(
         "/v1/lookup",
@@ -579,8 +616,17 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
             raise _HttpError(
                 400, "invalid_query", f"at most {max_k} keys per lookup, got {len(body.keys)}"
             )
-        table = await run(lambda: reader.lookup(body.keys, columns=body.columns))
-        return _respond(table, request, started)
+        report = FanoutReport(allow_partial=body.allow_partial)
+        table = await run(lambda: reader.lookup(body.keys, columns=body.columns, report=report))
+        return _respond(table, request, started, report)
+
+    @app.post(FRESH_PATH, include_in_schema=False)
+    async def fresh(request: Request) -> Response:
+        """Another pod's fan-out request (the same token, checked by `RequestGuard`): this
+        pod's memtable part of its query."""
+        body = await request.body()
+        answer: bytes = await run(lambda: reader.serve_fresh(body), fresh_pool)
+        return Response(answer, media_type=ARROW_STREAM)
 
     app.add_middleware(BodyLimit, limit=int(settings.max_request_bytes))
     app.add_middleware(RequestGuard, token=token)  # added last: runs first
@@ -614,14 +660,24 @@ def _hybrid(
     return pa.Table.from_pylist([{**rows[key], SCORE: fused[key]} for key in best], schema=schema)
 
 
-def _respond(table: pa.Table, request: Request, started: float) -> Response:
+def _respond(table: pa.Table, request: Request, started: float, report: FanoutReport) -> Response:
+    # A hybrid query reports a shard once per search: once here.
+    missing = list({m.shard: m.as_dict() for m in report.missing}.values())
     if ARROW_STREAM in request.headers.get("accept", ""):
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
-        return Response(sink.getvalue().to_pybytes(), media_type=ARROW_STREAM)
+        headers = None
+        if missing:
+            headers = {
+                "X-Lance-Sink-Partial": "true",
+                "X-Lance-Sink-Missing": orjson.dumps(missing).decode(),
+            }
+        return Response(sink.getvalue().to_pybytes(), media_type=ARROW_STREAM, headers=headers)
     took = round((time.monotonic() - started) * 1000, 3)
-    body = {"rows": table.to_pylist(), "count": table.num_rows, "took_ms": took}
+    body: dict[str, Any] = {"rows": table.to_pylist(), "count": table.num_rows, "took_ms": took}
+    if missing:
+        body.update(partial=True, missing=missing)
     return Response(orjson.dumps(body, default=_json_default), media_type="application/json")
 
 
@@ -661,9 +717,11 @@ class ServerHandle:
         if self._thread.is_alive():
             self._server.force_exit = True
             self._thread.join(timeout)
-        pool = getattr(getattr(self._server.config.app, "state", None), "query_pool", None)
-        if isinstance(pool, QueryPool):
-            pool.shutdown()
+        state = getattr(self._server.config.app, "state", None)
+        for name in ("query_pool", "fresh_pool"):
+            pool = getattr(state, name, None)
+            if isinstance(pool, QueryPool):
+                pool.shutdown()
 
 
 def run_server(

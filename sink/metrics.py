@@ -263,6 +263,13 @@ class Metrics:
             ["kind"],
         )
         self._fallbacks_seen = {"vector": 0, "text": 0}
+        self.fanout_missing_total = counter(
+            "query_fanout_missing_shards",
+            "Shards whose fresh rows a query lacked (answered partial, or failed) because the "
+            "pod listed as their owner did not answer in time (timeout), answered with an error "
+            "(error) or does not hold them (unheld: a rebalance in progress), by cause.",
+            ["cause"],
+        )
         self.maintenance_runs = counter(
             "maintenance_runs_total",
             "Base-table maintenance tasks run, by outcome.",
@@ -487,6 +494,10 @@ class Metrics:
 
     def shard_skipped(self, shard: str, error: BaseException) -> None:
         """A query skipped a shard whose writer is poisoned or fenced (ReaderEvents)."""
+
+    def fanout_missing(self, shard: str, cause: str) -> None:
+        """A query lacked another pod's fresh rows of a shard (ReaderEvents)."""
+        self.fanout_missing_total.labels(cause).inc()
 
 
 def resident_bytes() -> int | None:

@@ -46,7 +46,8 @@ from engine.errors import Backpressure, Fenced, InvalidRecord, LanceSinkError, P
 from engine.maintenance import Maintenance, MaintenanceProcess
 from engine.malloc import release_free_memory
 from engine.periodic import PeriodicThread
-from engine.reader import Reader, ReaderSettings
+from engine.reader import Fanout, Reader, ReaderSettings
+from engine.reads.owners import ShardOwners
 from engine.shard import PutResult, ShardWriter
 from engine.wal import SourceRange
 from sink.decode import DeadLetter, Decoded, Decoder
@@ -241,12 +242,23 @@ class SinkService:
             if settings.dlq.enabled
             else None
         )
+        query = settings.query
         self.reader = Reader(
             self.engine.spec,
             self.engine.table,
             self.writers,
-            ReaderSettings.from_settings(settings.query),
+            ReaderSettings.from_settings(query),
             events=self.metrics,
+            # Fresh rows of the shards other pods hold, from their memtables (fan-out).
+            fanout=Fanout(
+                ShardOwners(self.engine.storage, query.owners_refresh_ms / 1000),
+                query.advertised_url or "",
+                query.fanout_timeout_ms / 1000,
+                None if query.auth_token is None else query.auth_token.get_secret_value(),
+                workers=2 * query.max_concurrent_queries,
+            )
+            if query.enabled
+            else None,
         )
         self.maintenance: Maintenance | MaintenanceProcess
         if settings.maintenance.process:

@@ -12,9 +12,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from engine import reader as reader_module
 from engine.prune import CODE_MAX, build_pruner
-from engine.reader import PRUNE_FETCH, _fragment_knn
+from engine.reads import vector as vector_module
+from engine.reads.vector import PRUNE_FETCH, fragment_knn
 from engine.unindexed import CachedFragment
 
 DIM = 32
@@ -125,13 +125,13 @@ class ScanSpy:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.sizes: list[int] = []
-        exact = reader_module._exact_knn
+        exact = vector_module.exact_knn
 
         def spy(matrix: np.ndarray, *args: Any) -> tuple[np.ndarray, np.ndarray]:
             self.sizes.append(int(matrix.shape[0]))
             return exact(matrix, *args)
 
-        monkeypatch.setattr(reader_module, "_exact_knn", spy)
+        monkeypatch.setattr(vector_module, "exact_knn", spy)
 
 
 @pytest.mark.parametrize("metric", METRICS)
@@ -146,7 +146,7 @@ def test_pruned_search_returns_the_exact_top_k(
     queries = np.vstack([rng.standard_normal((5, DIM)), matrix[rng.integers(0, ROWS, 5)] + 0.01])
     for i, q in enumerate(queries.astype(np.float32)):
         eligible = rng.random(ROWS) < 0.5 if i % 2 else None
-        rows, dist = _fragment_knn(cached, q, 10, eligible, metric)
+        rows, dist = fragment_knn(cached, q, 10, eligible, metric)
         truth = oracle(matrix, q, metric)
         if eligible is not None:
             assert eligible[rows].all()
@@ -173,7 +173,7 @@ def test_duplicates_that_defeat_the_bound_get_the_exact_scan(
     matrix[: ROWS // 2] = matrix[0]
     cached = fragment(matrix, "l2")
     spy = ScanSpy(monkeypatch)
-    rows, dist = _fragment_knn(cached, matrix[0] + 0.5, 10, None, "l2")
+    rows, dist = fragment_knn(cached, matrix[0] + 0.5, 10, None, "l2")
     want = np.sort(oracle(matrix, matrix[0] + 0.5, "l2"))[:10]
     np.testing.assert_allclose(dist, want, rtol=1e-4)
     assert (rows < ROWS // 2).all()

@@ -879,7 +879,10 @@ def test_object_storage_is_a_stateless_deployment(
     assert sa["metadata"]["annotations"] == {
         "eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/lance-sink"
     }
-    assert "env" not in _container(keda), "IRSA: no static credentials, no secrets"
+    # IRSA: no static credentials, no secrets; only the pod's advertised query URL.
+    env = _container(keda).get("env", [])
+    assert {e["name"] for e in env} == {"POD_IP", "LANCE_SINK__QUERY__ADVERTISED_URL"}
+    assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in env)
 
 
 def test_local_volume_is_a_single_pod_statefulset(
@@ -1093,6 +1096,28 @@ def test_network_policy_defaults(helm: str, tmp_path: Path) -> None:
     assert policy["ingress"] == []
     for version in KUBE_VERSIONS:
         _validate(_one(docs, "NetworkPolicy"), version)
+
+
+def test_pods_advertise_their_ip_for_fan_out_reads(helm: str, tmp_path: Path) -> None:
+    """Each pod records http://<pod IP>:<query port> in the shard manifests it claims (the
+    downward API), unless config.query.advertised_url is set; no query API, no URL."""
+    docs = _template(helm, _scenario("object-storage-values"))
+    env = {v["name"]: v for v in _container(docs)["env"]}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["LANCE_SINK__QUERY__ADVERTISED_URL"]["value"] == "http://$(POD_IP):8080"
+    names = [v["name"] for v in _container(docs)["env"]]
+    assert names.index("POD_IP") < names.index("LANCE_SINK__QUERY__ADVERTISED_URL")
+    path = tmp_path / "values.yaml"
+    path.write_text(
+        yaml.safe_dump({"config": {"query": {"advertised_url": "http://sink-0.sink:8080"}}})
+    )
+    docs = _template(helm, _scenario("object-storage-values"), path)
+    names = [v["name"] for v in _container(docs).get("env", [])]
+    assert "LANCE_SINK__QUERY__ADVERTISED_URL" not in names
+    assert 'advertised_url = "http://sink-0.sink:8080"' in _sink_toml(docs)
+    docs = _template(helm, _scenario("local-volume-values"))  # query API off
+    names = [v["name"] for v in _container(docs).get("env", [])]
+    assert "LANCE_SINK__QUERY__ADVERTISED_URL" not in names
 
 
 def test_local_volume_has_a_headless_governing_service(

@@ -19,9 +19,9 @@ import pyarrow as pa
 import pytest
 
 from config.settings import TableSettings
-from engine import reader as reader_module
 from engine.backpressure import BlockingValve
 from engine.reader import Reader, ReaderSettings
+from engine.reads import text as text_module
 from engine.schema import OP_DELETE, OP_UPSERT, TableSpec
 from engine.shard import Flusher, ShardWriter
 from engine.storage import open_storage
@@ -34,7 +34,7 @@ def exact_text_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
     """Queries wait for every base document-frequency count (`DF_WAIT_S`), so BM25 scores
     are exact however slow the machine: tests compare them across tiers. The bound itself is
     tested on its own."""
-    monkeypatch.setattr(reader_module, "DF_WAIT_S", 60.0)
+    monkeypatch.setattr(text_module, "DF_WAIT_S", 60.0)
 
 
 def wait_for(condition: Callable[[], bool], what: object, timeout: float = 10) -> None:

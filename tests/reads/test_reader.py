@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine import reader as reader_module
 from engine.errors import Poisoned
 from engine.filters import QueryError, UnknownColumn
+from engine.reads import stats as stats_module
 from tests.reads.conftest import ReadHarness, text_of, vectors
 
 pytestmark = pytest.mark.timeout(120)
@@ -270,11 +270,11 @@ def test_stale_base_statistics_are_served_while_recomputed_in_the_background(
     h.put(w, range(100))
     h.flush(w)
     reader = h.reader
-    assert reader._cached(reader.snapshot().base, ("k",), lambda: "v1") == "v1"
+    assert reader.ctx.stats.cached(reader.snapshot().base, ("k",), lambda: "v1") == "v1"
     h.put(w, range(100, 200))
     h.flush(w)
     base = reader.snapshot().base  # a newer version: the cached value is an older one's
-    monkeypatch.setattr(reader_module, "STATS_MAX_AGE_S", 0.0)
+    monkeypatch.setattr(stats_module, "STATS_MAX_AGE_S", 0.0)
     gate = threading.Event()
     calls = []
 
@@ -284,12 +284,12 @@ def test_stale_base_statistics_are_served_while_recomputed_in_the_background(
         return "v2"
 
     started = time.monotonic()
-    assert reader._cached(base, ("k",), slow) == "v1"
-    assert reader._cached(base, ("k",), slow) == "v1"  # one refresh at a time
+    assert reader.ctx.stats.cached(base, ("k",), slow) == "v1"
+    assert reader.ctx.stats.cached(base, ("k",), slow) == "v1"  # one refresh at a time
     assert time.monotonic() - started < 5
     gate.set()
     deadline = time.monotonic() + 10
-    while reader._cached(base, ("k",), lambda: "v3") != "v2":
+    while reader.ctx.stats.cached(base, ("k",), lambda: "v3") != "v2":
         assert time.monotonic() < deadline, "the background refresh never landed"
         time.sleep(0.01)
     assert len(calls) == 1
@@ -314,21 +314,21 @@ def test_a_first_statistic_is_waited_for_at_most_its_bound(make_harness: MakeHar
         return "counted"
 
     started = time.monotonic()
-    assert reader._cached(base, ("k",), slow, wait_s=0.05, estimate="guess") == "guess"
-    assert reader._cached(base, ("k",), slow, wait_s=0.05, estimate="guess") == "guess"
+    assert reader.ctx.stats.cached(base, ("k",), slow, wait_s=0.05, estimate="guess") == "guess"
+    assert reader.ctx.stats.cached(base, ("k",), slow, wait_s=0.05, estimate="guess") == "guess"
     assert time.monotonic() - started < 5
     gate.set()
     deadline = time.monotonic() + 10
-    while reader._cached(base, ("k",), slow, wait_s=0.05, estimate="guess") != "counted":
+    while reader.ctx.stats.cached(base, ("k",), slow, wait_s=0.05, estimate="guess") != "counted":
         assert time.monotonic() < deadline, "the background count never landed"
         time.sleep(0.01)
     assert len(calls) == 1  # the second query waited on the first one's run
     # Within the bound: the value itself.
-    assert reader._cached(base, ("fast",), lambda: 7, wait_s=10, estimate=0) == 7
+    assert reader.ctx.stats.cached(base, ("fast",), lambda: 7, wait_s=10, estimate=0) == 7
 
     def broken() -> int:
         raise OSError("the count failed")
 
-    assert reader._cached(base, ("broken",), broken, wait_s=10, estimate=3) == 3
+    assert reader.ctx.stats.cached(base, ("broken",), broken, wait_s=10, estimate=3) == 3
     reader.close()
-    assert reader._cached(base, ("closed",), lambda: 5, wait_s=0.0, estimate=0) == 5
+    assert reader.ctx.stats.cached(base, ("closed",), lambda: 5, wait_s=0.0, estimate=0) == 5

@@ -17,8 +17,9 @@ import pytest
 from lance.query import MatchQuery
 
 from engine import fts
-from engine import reader as reader_module
 from engine.reader import recall
+from engine.reads import text as text_module
+from engine.reads import vector as vector_module
 from tests.reads.conftest import ReadHarness, vectors
 
 pytestmark = pytest.mark.timeout(180)
@@ -135,15 +136,15 @@ def test_filtered_memtable_knn_overfetches_instead_of_copying(
     """With many rows filtered out, a batch is searched whole for more than k neighbours
     (exact as long as k of them match) rather than copying its matching rows; a filter
     too selective for that still copies. Results equal brute force either way."""
-    monkeypatch.setattr(reader_module, "FAST_EXCLUDED_MAX", 0)
+    monkeypatch.setattr(vector_module, "FAST_EXCLUDED_MAX", 0)
     searched: list[int] = []
-    real = reader_module._faiss_knn
+    real = vector_module.faiss_knn
 
     def spy(q: np.ndarray, matrix: np.ndarray, k: int, metric: str) -> tuple[Any, Any]:
         searched.append(matrix.shape[0])
         return real(q, matrix, k, metric)
 
-    monkeypatch.setattr(reader_module, "_faiss_knn", spy)
+    monkeypatch.setattr(vector_module, "faiss_knn", spy)
     h = make_harness(dim=DIM, metric=metric)
     w = h.open()
     h.put(w, range(3000))  # one 3000-row batch
@@ -168,13 +169,13 @@ def test_a_filtered_batch_asks_faiss_for_the_smaller_heap(
     """Half of a batch filtered out: faiss is asked for enough rows to hold k matching ones
     twice over (56), not k + the excluded rows (1510), and the answer is still exact."""
     asked: list[int] = []
-    real = reader_module._faiss_knn
+    real = vector_module.faiss_knn
 
     def spy(q: np.ndarray, matrix: np.ndarray, k: int, metric: str) -> tuple[Any, Any]:
         asked.append(k)
         return real(q, matrix, k, metric)
 
-    monkeypatch.setattr(reader_module, "_faiss_knn", spy)
+    monkeypatch.setattr(vector_module, "faiss_knn", spy)
     h = make_harness(dim=DIM)
     w = h.open()
     h.put(w, range(3000))  # one 3000-row batch
@@ -304,7 +305,7 @@ def test_new_memtable_batches_are_tokenised_off_the_query_path(
     got = h.reader.search_text("row1049", k=5, columns=["_offset"])
     assert got.column("_offset").to_pylist() == [1049]
     h.reader.close()
-    thread = h.reader._tokenizer.thread
+    thread = h.reader.text.tokenizer.thread
     assert thread is not None
     assert not thread.is_alive()
 
@@ -314,31 +315,31 @@ def test_a_rare_terms_first_count_is_estimated_while_it_is_slow(
 ) -> None:
     """A query waits `DF_WAIT_S` at most for a rare term's first count; past it, it scores
     with the sample's estimate, and the exact count serves the queries after."""
-    monkeypatch.setattr(reader_module, "AVGDL_SAMPLE_ROWS", 40)  # "golf" is rare in 40 docs
-    monkeypatch.setattr(reader_module, "DF_WAIT_S", 0.05)
+    monkeypatch.setattr(text_module, "AVGDL_SAMPLE_ROWS", 40)  # "golf" is rare in 40 docs
+    monkeypatch.setattr(text_module, "DF_WAIT_S", 0.05)
     h = make_harness(dim=DIM)
     w = h.open()
     h.put(w, range(1200))
     h.flush(w)
     h.index_text()
     base = h.reader.snapshot().base
-    n, _, sample_n, sample_df = h.reader._base_text_stats(base, "text")
+    n, _, sample_n, sample_df = h.reader.text.base_text_stats(base, "text")
     hits = sample_df.get("golf", 0)
-    assert hits < reader_module.DF_SAMPLE_MIN_HITS
+    assert hits < text_module.DF_SAMPLE_MIN_HITS
     everything = base.scanner(full_text_query=MatchQuery("golf", "text")).count_rows()
     estimate = round(max(hits, 0.5) / sample_n * n)
     assert estimate != everything
     # The stats thread is busy with a slow statistic: the count waits in line behind it.
     gate = threading.Event()
-    h.reader._stats_in_background(("busy",), lambda: gate.wait(30), int(base.version), n)
+    h.reader.ctx.stats.in_background(("busy",), lambda: gate.wait(30), int(base.version), n)
     started = time.monotonic()
-    assert h.reader._base_df(base, "text", "golf") == estimate
+    assert h.reader.text.base_df(base, "text", "golf") == estimate
     assert time.monotonic() - started < 5
     found = h.reader.search_text("golf", k=5, columns=["_offset"])  # scored with it
     assert found.num_rows == 5
     gate.set()
     deadline = time.monotonic() + 30
-    while h.reader._base_df(base, "text", "golf") != everything:
+    while h.reader.text.base_df(base, "text", "golf") != everything:
         assert time.monotonic() < deadline, "the exact count never landed"
         time.sleep(0.01)
 
@@ -348,7 +349,7 @@ def test_rare_term_df_counts_the_indexed_fragments_while_the_text_index_lags(
 ) -> None:
     """Lance's full count scans unindexed rows flat; while the INVERTED index covers most of
     the base the reader counts on the indexed fragments and scales to the whole base."""
-    monkeypatch.setattr(reader_module, "AVGDL_SAMPLE_ROWS", 40)  # "golf" is rare in 40 docs
+    monkeypatch.setattr(text_module, "AVGDL_SAMPLE_ROWS", 40)  # "golf" is rare in 40 docs
     h = make_harness(dim=DIM)
     w = h.open()
     h.put(w, range(1200))
@@ -357,20 +358,20 @@ def test_rare_term_df_counts_the_indexed_fragments_while_the_text_index_lags(
     h.put(w, range(1200, 1600))
     h.flush(w)
     base = h.reader.snapshot().base
-    assert h.reader._text_index_coverage(base, "text") == 0.75
+    assert h.reader.text.text_index_coverage(base, "text") == 0.75
     query = MatchQuery("golf", "text")
     indexed = base.scanner(full_text_query=query, fast_search=True).count_rows()
     everything = base.scanner(full_text_query=query).count_rows()
     assert 0 < indexed < everything
-    df = h.reader._base_df(base, "text", "golf")
+    df = h.reader.text.base_df(base, "text", "golf")
     assert df == round(indexed / 0.75)
     assert abs(df - everything) <= 0.1 * everything
     # Once the index covers every row, the count is exact again.
     h.table.dataset().optimize.optimize_indices()
     base = h.reader.snapshot().base
-    assert h.reader._text_index_coverage(base, "text") == 1.0
-    h.reader._stats.clear()  # the estimate would be reused for a while (STATS_MAX_AGE_S)
-    assert h.reader._base_df(base, "text", "golf") == everything
+    assert h.reader.text.text_index_coverage(base, "text") == 1.0
+    h.reader.ctx.stats.clear()  # the estimate would be reused for a while (STATS_MAX_AGE_S)
+    assert h.reader.text.base_df(base, "text", "golf") == everything
 
 
 def test_queries_after_close_search_the_base_inline_with_the_same_results(

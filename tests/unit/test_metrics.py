@@ -55,6 +55,11 @@ EXPECTED = {
     "lance_sink_memtable_index_bytes": "Resident bytes of in-memory indexes (all memtables).",
     "lance_sink_partition_paused": "1 while the partition is paused.",
     "lance_sink_query_seconds": "Query latency by kind.",
+    "lance_sink_query_fanout_missing_shards": (
+        "Shards whose fresh rows a query lacked (answered partial, or failed) because the "
+        "pod listed as their owner did not answer in time (timeout), answered with an error "
+        "(error) or does not hold them (unheld: a rebalance in progress), by cause."
+    ),
     "lance_sink_query_unindexed_cache_bytes": (
         "Bytes of base rows the indexes do not cover yet, held in memory for queries "
         "(vector matrices, flushed memtables kept for text search)."

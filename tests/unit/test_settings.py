@@ -589,3 +589,17 @@ def test_librdkafka_secrets_never_print(tmp_path: Path) -> None:
     assert loaded["config"]["kafka"]["librdkafka"] == dict.fromkeys(SECRET_PASS_THROUGH, MASK)
     for secret in SECRET_PASS_THROUGH.values():
         assert secret not in checked.stdout + checked.stderr + run.stdout + run.stderr
+
+
+def test_advertised_url_reaches_the_shard_writers(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + '\n[query]\nadvertised_url = "http://10.1.2.3:8080"\n')
+    settings = load_settings(path)
+    assert writer_config(settings).advertised_url == "http://10.1.2.3:8080"
+    assert writer_config(load_settings(write(tmp_path, MINIMAL, "b.toml"))).advertised_url == ""
+
+
+def test_advertised_url_must_be_an_http_url(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + '\n[query]\nadvertised_url = "10.1.2.3:8080"\n')
+    [(key, origin, reason)] = problems(path)
+    assert (key, origin) == ("query.advertised_url", f"file {path}")
+    assert "pattern" in reason

@@ -162,9 +162,20 @@ spec:
 {{- end -}}
 
 
-{{/* The container's environment: secrets by reference, then extraEnv. Empty = no env. */}}
+{{/* The container's environment: the advertised query URL (the pod IP from the downward
+API, unless config.query.advertised_url is set), secrets by reference, then extraEnv. Empty =
+no env. */}}
 {{- define "lance-sink.env" -}}
 {{- $s := .Values.secrets -}}
+{{- $q := .Values.config.query -}}
+{{- if and $q.enabled (not $q.advertised_url) }}
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: LANCE_SINK__QUERY__ADVERTISED_URL
+  value: "http://$(POD_IP):{{ $q.port }}"
+{{- end }}
 {{- if $s.objectStore.existingSecret }}
 - name: LANCE_SINK__TABLE__STORAGE_OPTIONS__AWS_ACCESS_KEY_ID
   valueFrom:

@@ -1,0 +1,137 @@
+"""The owner side of fan-out reads: a pod's memtable tier, answered for another pod's query.
+
+`FreshServer.answer` takes a request of `engine.reads.remote` (the coordinator's base
+version V, the shards it believes this process holds with their epochs, the query kind and
+its parameters) and answers with the same code the local query runs on its memtables:
+
+- `vector`: the k nearest visible rows (`VectorSearch.memtable_part`);
+- `text_stats`, then `text`: the corpus statistics of the query terms, then the k best
+  rows scored with the coordinator's statistics over the whole corpus
+  (`TextSearch.memtable_terms`, `memtable_part`);
+- `scan`: up to `limit` visible rows matching the filter (`scan.tier_rows`);
+- `lookup`: the visible rows of the keys (`Lookup.memtable_part`);
+- `decides`: for each key, whether a memtable holds it (an upsert or a delete), so the
+  coordinator hides its base row (newest wins across pods).
+
+The snapshot is taken as the single-process rule says, with the coordinator's base: views
+first, then the base at version V, then `ShardView.fresh(V)`. If a view dropped a memtable
+flushed above V, the answer is `stale_base` (see `engine.reads.remote`, I18). A shard this
+process does not hold, holds at an older epoch than the request names (fenced), or cannot
+read (poisoned) is answered as `refused`, with the reason.
+
+Errors: a bad request raises `QueryError` (the HTTP layer answers 400).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from engine.filters import QueryError
+from engine.memtable import key_values
+from engine.reads import snapshot as snapshots
+from engine.reads.context import ReadContext
+from engine.reads.lookup import Lookup
+from engine.reads.merge import DISTANCE, SCORE, top
+from engine.reads.remote import pack, unpack
+from engine.reads.scan import tier_rows
+from engine.reads.snapshot import Snapshot
+from engine.reads.text import TextSearch
+from engine.reads.vector import VectorSearch
+from engine.shard import ShardWriter
+
+
+class FreshServer:
+    """Answers other pods' fan-out requests from this process's shard writers."""
+
+    def __init__(
+        self, ctx: ReadContext, vector: VectorSearch, text: TextSearch, lookups: Lookup
+    ) -> None:
+        self.ctx = ctx
+        self.spec = ctx.spec
+        self.vector = vector
+        self.text = text
+        self.lookups = lookups
+
+    def answer(self, body: bytes) -> bytes:
+        """The packed answer to a packed request (see the module docstring).
+
+        Raises:
+            QueryError: the request is malformed.
+        """
+        try:
+            keys, meta = unpack(body)
+            version = int(meta["base_version"])
+            asked = {str(s): int(e) for s, e in meta["shards"].items()}
+            kind = str(meta["kind"])
+        except (KeyError, TypeError, ValueError, pa.ArrowInvalid) as exc:
+            raise QueryError(f"malformed fan-out request: {exc}") from exc
+        held = {w.shard: w for w in self.ctx.shards()}
+        refused: dict[str, str] = {}
+        served: dict[str, int] = {}
+        writers: list[ShardWriter] = []
+        for shard, epoch in asked.items():
+            writer = held.get(shard)
+            if writer is None:
+                refused[shard] = "the listed owner does not hold the shard (rebalance)"
+            elif writer.epoch < epoch:
+                refused[shard] = f"the listed owner is fenced (epoch {writer.epoch} < {epoch})"
+            else:
+                writers.append(writer)
+                served[shard] = writer.epoch
+
+        def skipped(shard: str, error: BaseException) -> None:
+            served.pop(shard, None)
+            refused[shard] = f"the shard cannot be read: {error}"
+
+        snap = snapshots.take(self.spec, writers, lambda: self.ctx.open_base(version), skipped)
+        if snap.dropped_through > version:
+            return pack(pa.table({}), {"stale_base": snap.dropped_through})
+        table, extra = self._run(kind, meta, keys, snap)
+        return pack(table, {"served": served, "refused": refused, **extra})
+
+    def _run(
+        self, kind: str, meta: dict[str, Any], keys: pa.Table, snap: Snapshot
+    ) -> tuple[pa.Table, dict[str, Any]]:
+        ctx = self.ctx
+        if kind == "decides":
+            hidden = snap.local_hidden(key_values(keys, self.spec.primary_key))
+            return pa.table({"decided": pa.array(hidden, pa.bool_())}), {}
+        if kind == "text_stats":
+            terms = [str(t) for t in meta["terms"]]
+            mem = self.text.memtable_terms(snap.tiers, str(meta["column"]), terms)
+            stats = {"documents": mem.documents, "length": mem.length, "df": mem.df}
+            return pa.table({}), stats
+        fetch = ctx.columns(meta["fetch"])
+        if kind == "lookup":
+            wanted = key_values(keys, self.spec.primary_key)
+            return self._one(self.lookups.memtable_part(snap, wanted, fetch), fetch, None), {}
+        predicate = ctx.parse_filter(meta.get("filter"))
+        if kind == "scan":
+            return self._one(tier_rows(snap, predicate, int(meta["limit"]), fetch), fetch, None), {}
+        k = int(meta["k"])
+        if kind == "vector":
+            query = np.asarray(meta["vector"], dtype=np.float32)
+            parts = self.vector.memtable_part(snap, query, k, predicate, fetch)
+            return self._one([top(parts, DISTANCE, k, ascending=True)], fetch, DISTANCE), {}
+        if kind == "text":
+            column = str(meta["column"])
+            words = [(str(t), int(p)) for t, p in meta["words"]]
+            idf = {str(t): float(v) for t, v in meta["idf"].items()}
+            mem = self.text.memtable_terms(snap.tiers, column, list(idf))
+            parts = self.text.memtable_part(
+                mem, words, bool(meta["phrase"]), idf, float(meta["avgdl"]), predicate, k, fetch
+            )
+            return self._one([top(parts, SCORE, k, ascending=False)], fetch, SCORE), {}
+        raise QueryError(f"unknown fan-out request kind {kind!r}")
+
+    def _one(self, parts: list[pa.Table], fetch: list[str], extra: str | None) -> pa.Table:
+        """One table of `fetch` (and `extra`, float32) columns from `parts`."""
+        fields = [self.spec.table_schema.field(c) for c in fetch]
+        if extra is not None:
+            fields.append(pa.field(extra, pa.float32()))
+        schema = pa.schema(fields)
+        tables = [p.select(schema.names).cast(schema) for p in parts if p.num_rows]
+        return pa.concat_tables(tables) if tables else schema.empty_table()

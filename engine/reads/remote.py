@@ -1,0 +1,328 @@
+"""The remote tier: other pods' memtables, asked over HTTP within a deadline (coordinator).
+
+A query to any pod reads the base once and its own shards' memtables as before; the fresh
+rows of every other shard live in the memtables of the pod that owns it
+(`engine.reads.owners`). `RemoteTier` asks those pods for their memtable tier's part of
+the query (`engine.reads.fresh` answers on the owner), relative to the coordinator's base
+version, and hands the parts to the query kinds to merge.
+
+Consistency (DESIGN.md, I18): every request carries the coordinator's base version V. The
+owner takes its shard views, then opens the base at V, then keeps the memtables V does not
+hold (`ShardView.fresh`, the single-process rule). A memtable flushed into a version above V
+and dropped from the owner's view before it looked would be in neither; the owner sees that
+(`ShardView.dropped_through` > V) and answers `stale_base` instead, and the coordinator runs
+the query again on a newer snapshot (`StaleBase`). So no row is counted twice and none is
+lost around a flush on another pod.
+
+Failure: a pod that does not answer a request within `query.fanout_timeout_ms`, answers
+with an error, or does not hold a shard it is listed for, makes that shard's fresh rows
+missing: `MissingShard` entries, which the query reports
+(`FanoutReport`) or fails on (`FreshRowsUnavailable`), as the request asks; never silently.
+A pod that failed once in a query is not asked again by that query.
+
+Wire format: request and answer are one Arrow IPC stream each; the schema metadata key
+`lance_sink` holds the JSON parameters, the rows hold keys (requests) or result rows
+(answers). The bearer token is the query API's own.
+
+Lifecycle: one `Fanout` per reader (the HTTP client pool and a thread pool for the
+requests), `close` shuts both down; one `RemoteTier` per query snapshot.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import orjson
+import pyarrow as pa
+import structlog
+import urllib3
+
+from engine.reads.owners import Owner, ShardOwners
+from engine.schema import TableSpec
+
+log = structlog.get_logger("lance_sink.reader")
+
+#: Path of the internal endpoint an owner pod answers on (same port and token as the API).
+FRESH_PATH = "/internal/v1/fresh"
+ARROW_STREAM = "application/vnd.apache.arrow.stream"
+META_KEY = b"lance_sink"
+#: Times a query is run again on a newer snapshot when an owner flushed past its base
+#: version meanwhile (each retry opens the latest base, which holds that flush: a second
+#: retry needs another flush within the same few milliseconds).
+STALE_BASE_RETRIES = 3
+
+
+def pack(table: pa.Table, meta: Mapping[str, Any]) -> bytes:
+    """One Arrow IPC stream: `table` with `meta` (JSON) in its schema metadata."""
+    table = table.replace_schema_metadata({META_KEY: orjson.dumps(meta)})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def unpack(data: bytes) -> tuple[pa.Table, dict[str, Any]]:
+    """The table and the JSON metadata of a `pack`ed stream (metadata removed)."""
+    table = pa.ipc.open_stream(pa.BufferReader(data)).read_all()
+    raw = (table.schema.metadata or {}).get(META_KEY, b"{}")
+    meta: dict[str, Any] = orjson.loads(raw)
+    return table.replace_schema_metadata(None), meta
+
+
+def key_table(spec: TableSpec, keys: list[Any]) -> pa.Table:
+    """The key columns of `keys` (scalars, or tuples for a composite key) as a table."""
+    names = spec.primary_key
+    columns: dict[str, pa.Array] = {}
+    for j, name in enumerate(names):
+        values = [k[j] if len(names) > 1 else k for k in keys]
+        columns[name] = pa.array(values, type=spec.table_schema.field(name).type)
+    return pa.table(columns)
+
+
+#: Why a shard's fresh rows are missing, in one word (the metric's label): its owner did not
+#: answer in time, answered with an error, or does not hold the shard (rebalance, fence).
+Cause = Literal["timeout", "error", "unheld"]
+
+
+@dataclass(frozen=True, slots=True)
+class MissingShard:
+    """A shard whose fresh rows a query lacks, and why."""
+
+    shard: str
+    partitions: tuple[str, ...]
+    owner: str
+    reason: str
+    cause: Cause = "error"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "shard": self.shard,
+            "partitions": list(self.partitions),
+            "owner": self.owner,
+            "reason": self.reason,
+        }
+
+
+@dataclass
+class FanoutReport:
+    """What a caller wants of a query's fan-out, and what it got.
+
+    `allow_partial`: answer without the fresh rows of shards whose owner did not answer in
+    time (listed in `missing`), or fail with `FreshRowsUnavailable`.
+    """
+
+    allow_partial: bool = True
+    missing: list[MissingShard] = field(default_factory=list)
+
+
+class StaleBase(Exception):
+    """An owner flushed past the coordinator's base version: run again on a newer snapshot."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        super().__init__(f"an owner flushed into table version {version}")
+
+
+class Fanout:
+    """The HTTP client side of fan-out reads, shared by every query of a reader."""
+
+    def __init__(
+        self,
+        owners: ShardOwners,
+        self_url: str,
+        timeout_s: float,
+        token: str | None,
+        workers: int,
+    ) -> None:
+        self.owners = owners
+        self.self_url = self_url
+        self.timeout_s = timeout_s
+        self._headers = {"Content-Type": ARROW_STREAM, "Accept": ARROW_STREAM}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._http = urllib3.PoolManager(num_pools=64, maxsize=workers, retries=False)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="reader-fanout")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.clear()
+
+    def tier(self, local: set[str], base_version: int, spec: TableSpec) -> RemoteTier | None:
+        """The remote tier of a snapshot: every listed shard this process does not read
+        itself (`local`: the shards whose view it took), grouped by owner URL; None when
+        there is none (local mode: no network hop). A shard listed for this process's own
+        URL that it does not read (released in a rebalance, or fenced) is missing, not
+        asked."""
+        groups: dict[str, dict[str, Owner]] = {}
+        unheld: list[Owner] = []
+        for shard, owner in self.owners.current().items():
+            if shard in local:
+                continue
+            if owner.url == self.self_url:
+                unheld.append(owner)
+                self.owners.saw_epoch(shard, -1)  # a newer owner may have claimed it
+            else:
+                groups.setdefault(owner.url, {})[shard] = owner
+        if not groups and not unheld:
+            return None
+        tier = RemoteTier(self, groups, base_version, self.timeout_s, spec)
+        for owner in unheld:
+            tier.missing[owner.shard] = MissingShard(
+                owner.shard,
+                owner.partitions,
+                owner.url,
+                "listed for this process, which does not hold it now (rebalance or fence)",
+                "unheld",
+            )
+        return tier
+
+    def post(self, url: str, body: bytes, timeout_s: float) -> bytes:
+        """POST `body` to an owner's fresh endpoint; the answer's body.
+
+        Raises:
+            urllib3.exceptions.HTTPError: no answer within `timeout_s`, or a broken one.
+            RuntimeError: an error status (its body in the message).
+        """
+        response = self._http.request(
+            "POST",
+            url.rstrip("/") + FRESH_PATH,
+            body=body,
+            headers=self._headers,
+            timeout=urllib3.Timeout(total=max(timeout_s, 0.001)),
+            preload_content=True,
+        )
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {response.data[:300]!r}")
+        return bytes(response.data)
+
+
+class RemoteTier:
+    """The other pods' memtables, as one query snapshot sees them (see the module docstring).
+
+    `ask` sends one request to every owner pod at once and gathers their answers for at most
+    `timeout_s` (`query.fanout_timeout_ms`); what did not come is recorded in `missing`, and
+    a pod that missed it is not asked again by this query, so a stopped pod costs a query
+    one timeout at most.
+    """
+
+    def __init__(
+        self,
+        fanout: Fanout,
+        groups: dict[str, dict[str, Owner]],
+        base_version: int,
+        timeout_s: float,
+        spec: TableSpec,
+    ) -> None:
+        self.fanout = fanout
+        self.groups = groups
+        self.base_version = base_version
+        self.timeout_s = timeout_s
+        self.spec = spec
+        self.missing: dict[str, MissingShard] = {}
+        self._failed: set[str] = set()
+
+    @property
+    def shards(self) -> int:
+        return sum(len(g) for g in self.groups.values())
+
+    def start(self, meta: dict[str, Any], keys: pa.Table | None = None) -> PendingAsk:
+        """Send `meta` (and `keys`) to every owner pod that has not failed this query."""
+        futures: dict[str, Future[bytes]] = {}
+        deadline = time.monotonic() + self.timeout_s
+        for url, shards in self.groups.items():
+            if url in self._failed:
+                continue
+            request = {
+                **meta,
+                "base_version": self.base_version,
+                "shards": {s: o.epoch for s, o in shards.items()},
+            }
+            body = pack(keys if keys is not None else pa.table({}), request)
+            try:
+                futures[url] = self.fanout._pool.submit(self.fanout.post, url, body, self.timeout_s)
+            except RuntimeError:  # the reader is closed
+                self._fail(url, "the reader is closed", cause="error")
+        return PendingAsk(self, futures, deadline)
+
+    def ask(self, meta: dict[str, Any], keys: pa.Table | None = None) -> list[RemoteAnswer]:
+        return self.start(meta, keys).result()
+
+    def decides(self, keys: list[Any]) -> np.ndarray:
+        """For each key: does a remote memtable hold it (so a base row of it is hidden)?"""
+        out = np.zeros(len(keys), dtype=bool)
+        if not keys:
+            return out
+        for answer in self.ask({"kind": "decides"}, key_table(self.spec, keys)):
+            mask = answer.table.column("decided").to_numpy(zero_copy_only=False)
+            out |= mask.astype(bool)
+        return out
+
+    def _fail(
+        self, url: str, reason: str, shards: list[str] | None = None, *, cause: Cause
+    ) -> None:
+        if shards is None:
+            self._failed.add(url)
+        for shard in shards if shards is not None else list(self.groups[url]):
+            owner = self.groups[url][shard]
+            self.missing.setdefault(
+                shard, MissingShard(shard, owner.partitions, url, reason, cause)
+            )
+        log.warning("fanout_owner_missing", owner=url, reason=reason, shards=shards)
+
+    def _gather(self, futures: dict[str, Future[bytes]], deadline: float) -> list[RemoteAnswer]:
+        out = []
+        for url, future in futures.items():
+            remaining = deadline - time.monotonic()
+            try:
+                data = future.result(timeout=max(remaining, 0.0))
+            except (FutureTimeout, urllib3.exceptions.TimeoutError):
+                # Whichever fires first: this wait, or the request's own socket timeout.
+                future.cancel()
+                self._fail(url, f"no answer within {self.timeout_s * 1000:.0f} ms", cause="timeout")
+                continue
+            except Exception as exc:  # noqa: BLE001 - any failure of one owner is "missing"
+                self._fail(url, f"{type(exc).__name__}: {exc}", cause="error")
+                continue
+            try:
+                table, meta = unpack(data)
+            except Exception as exc:  # noqa: BLE001 - a broken answer is a missing one
+                self._fail(url, f"unreadable answer: {exc}", cause="error")
+                continue
+            for shard, epoch in meta.get("served", {}).items():
+                self.fanout.owners.saw_epoch(shard, int(epoch))
+            refused = meta.get("refused", {})
+            for shard, reason in refused.items():
+                self.fanout.owners.saw_epoch(shard, -1)  # listed owner does not hold it
+                self._fail(url, str(reason), [shard], cause="unheld")
+            stale = meta.get("stale_base")
+            if stale is not None:
+                raise StaleBase(int(stale))
+            out.append(RemoteAnswer(url, table, meta))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteAnswer:
+    """One owner pod's answer: its rows and its JSON metadata."""
+
+    owner: str
+    table: pa.Table
+    meta: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PendingAsk:
+    """Requests on their way; `result` waits for them until the query's deadline."""
+
+    tier: RemoteTier
+    futures: dict[str, Future[bytes]]
+    deadline: float
+
+    def result(self) -> list[RemoteAnswer]:
+        return self.tier._gather(self.futures, self.deadline)

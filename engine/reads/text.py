@@ -1,0 +1,404 @@
+"""Full-text (BM25) search over a snapshot, with the base's corpus statistics.
+
+Memtables are scored here with Lance's BM25 formula and tokenizer (`engine.fts`), with
+*global* statistics: documents, document frequencies and average length over the base and
+every fresh memtable together, so their scores compare with the base's. The base's
+statistics are estimated from a sample and counted with Lance's FTS where a term is rare,
+cached per base version (`engine.reads.stats`). Base fragments the text index does not
+cover yet are scored from the memtables this process flushed into them
+(`engine.unindexed.FlushedText`, `engine.reads.tiers.FlushedTier`), while Lance searches
+the indexed fragments only; otherwise Lance searches the whole base (flat where
+unindexed).
+
+Lifecycle: one `TextSearch` per reader. The first query starts the background tokenizer
+(a daemon thread that tokenises new memtable batches every `TOKENIZE_INTERVAL_S`); `close`
+stops it (idempotent; queries then tokenise inline).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import lance
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from lance.query import MatchQuery, PhraseQuery
+
+from engine import fts
+from engine.errors import LanceSinkError
+from engine.filters import Predicate, QueryError, UnknownColumn
+from engine.periodic import PeriodicThread
+from engine.reads.context import ReadContext
+from engine.reads.merge import SCORE, Candidates, materialise, top
+from engine.reads.remote import FanoutReport
+from engine.reads.snapshot import Snapshot
+from engine.reads.tiers import FLUSHED_TIER, FlushedTier, MemtableTier
+from engine.unindexed import FlushedText, covered_fragments
+
+#: avgdl of the base for BM25 is estimated from this many of its documents (per version).
+AVGDL_SAMPLE_ROWS = 2_000
+#: A term found in at least this many sampled base documents has its document frequency
+#: estimated from the sample (relative error ~1/sqrt(20) ~ 22%, a few percent of IDF).
+DF_SAMPLE_MIN_HITS = 20
+#: A rare term's base document frequency is counted on the text-indexed fragments and
+#: scaled to the whole base while the index covers at least this share of its rows (a flush
+#: or two behind); below it, or with no index, Lance counts every row.
+MIN_TEXT_INDEX_COVERAGE = 0.5
+#: A query waits this long for a rare term's first count (Lance's FTS count: a few ms idle,
+#: ~0.5 s while maintenance and flushes keep the CPUs busy: the text p99 under ingestion);
+#: past it the query uses the sample's estimate, and the count, which goes on on the stats
+#: thread, serves the next queries.
+DF_WAIT_S = 0.05
+#: The background tokenizer looks for new memtable batches this often. Under ingestion at
+#: ~30k rows/s a query then finds at most ~750 rows (~6 ms of tokenising) not tokenised
+#: yet; a look costs one view per shard, microseconds for an append table.
+TOKENIZE_INTERVAL_S = 0.025
+
+
+@dataclass
+class MemtableTerms:
+    """The query terms in a set of memtable tiers: their statistics (`documents`, `length`
+    = tokens, `df` per term: live rows with a non-null text, as Lance counts the base) and,
+    per batch with a query term, the term frequencies to score it with."""
+
+    documents: int
+    length: int
+    df: dict[str, int]
+    batches: list[
+        tuple[MemtableTier, int, np.ndarray, fts.BatchTerms, dict[str, int], dict[str, np.ndarray]]
+    ]
+
+
+class TextSearch:
+    """The text query kind: `search` over one snapshot per call.
+
+    `room(n)` says whether n more bytes of flushed memtables may be held for text search
+    (the bound shared with the unindexed-fragment cache); None turns holding them off.
+    """
+
+    def __init__(
+        self,
+        ctx: ReadContext,
+        terms: fts.MemtableTermCache,
+        room: Callable[[int], bool] | None,
+    ) -> None:
+        self.ctx = ctx
+        self.spec = ctx.spec
+        self.terms = terms
+        self.tokenizer = PeriodicThread(
+            "reader-tokenizer", TOKENIZE_INTERVAL_S, self._tokenize_once, "reader_tokenize_failed"
+        )
+        self.flushed_text: FlushedText | None = None
+        if self.spec.fts_columns and room is not None:
+            self.flushed_text = FlushedText(
+                self.spec.fts_columns,
+                lambda: self.tokenizer.thread is not None and not ctx.closed.is_set(),
+                room,
+                terms,
+                None if self.spec.vector is None else self.spec.vector.name,
+            )
+
+    def close(self, timeout: float) -> None:
+        """Stop the background tokenizer (waiting up to `timeout` seconds)."""
+        self.tokenizer.close(timeout)
+
+    def _tokenize_once(self) -> None:
+        """Tokenise the new batches of every memtable of every shard (durable, visible rows
+        only: a view holds nothing else); run every `TOKENIZE_INTERVAL_S` by the background
+        tokenizer. Queries tokenise what it has not reached yet themselves."""
+        for writer in self.ctx.shards():
+            try:
+                view = writer.view()
+            except LanceSinkError:
+                continue  # poisoned or fenced: queries skip it too
+            for m in view.memtables:
+                for column in self.spec.fts_columns:
+                    self.terms.terms(m.memtable, column, m.batches)
+
+    def search(
+        self,
+        text: str,
+        *,
+        k: int = 10,
+        column: str | None = None,
+        phrase: bool = False,
+        filter: str | Predicate | None = None,  # noqa: A002 - the query language's word
+        columns: Sequence[str] | None = None,
+        report: FanoutReport | None = None,
+    ) -> pa.Table:
+        """See `engine.reader.Reader.search_text`."""
+        ctx = self.ctx
+        started = time.monotonic()
+        if not self.spec.fts_columns:
+            raise QueryError("the table has no full-text (fts_columns) column")
+        column = column or self.spec.fts_columns[0]
+        if column not in self.spec.fts_columns:
+            raise UnknownColumn(
+                f"{column!r} is not a full-text column (fts_columns: "
+                f"{', '.join(self.spec.fts_columns)})",
+                column=column,
+            )
+        ctx.check_k(k)
+        self.tokenizer.start()
+        words = fts.tokenize(text)
+        if not words:
+            raise QueryError("the text query has no searchable terms (only stop words?)")
+        predicate = ctx.predicate(filter)
+        out_cols = ctx.columns(columns)
+        fetch = ctx.fetch_columns(out_cols)
+        terms = list(dict.fromkeys(t for t, _ in words))
+
+        def run(snap: Snapshot) -> pa.Table:
+            # Flushed memtables standing for base fragments the text index lacks: scored
+            # here, counted in the base's statistics already, and Lance searches only
+            # indexed rows.
+            held = None if self.flushed_text is None else self.flushed_text.views(snap.base, column)
+            flushed = [FlushedTier(h, snap.base, self.spec) for h in held or ()]
+            base = ctx.meanwhile(
+                self._text_base, snap, text, column, phrase, predicate, k, fetch, held is not None
+            )
+            remote = snap.remote
+            stats = None
+            if remote is not None:  # their memtables count in the corpus statistics too
+                stats = remote.start({"kind": "text_stats", "column": column, "terms": terms})
+            mem = self.memtable_terms([*snap.tiers, *flushed], column, terms)
+            documents, length, df = mem.documents, mem.length, dict(mem.df)
+            for answer in [] if stats is None else stats.result():
+                documents += int(answer.meta["documents"])
+                length += int(answer.meta["length"])
+                for t in terms:
+                    df[t] += int(answer.meta["df"].get(t, 0))
+
+            n_base, avgdl_base, _, _ = self.base_text_stats(snap.base, column)
+            n_total = n_base + documents
+            avgdl = (avgdl_base * n_base + length) / n_total if n_total else 1.0
+            term_idf = {
+                t: fts.idf(n_total, self.base_df(snap.base, column, t) + df[t]) for t in terms
+            }
+            rows = None
+            if remote is not None:
+                rows = remote.start(
+                    {
+                        "kind": "text",
+                        "column": column,
+                        "words": words,
+                        "phrase": phrase,
+                        "idf": term_idf,
+                        "avgdl": avgdl,
+                        "k": k,
+                        "filter": None if predicate is None else predicate.text,
+                        "fetch": fetch,
+                    }
+                )
+            parts = self.memtable_part(mem, words, phrase, term_idf, avgdl, predicate, k, fetch)
+            if rows is not None:
+                parts.extend(snap.remote_rows(rows.result()))
+            parts.append(base.result())
+            return top(parts, SCORE, k, ascending=False)
+
+        merged = ctx.run(run, report)
+        return ctx.finish("text", started, [merged], out_cols, SCORE)
+
+    def memtable_terms(
+        self, tiers: Sequence[MemtableTier], column: str, terms: list[str]
+    ) -> MemtableTerms:
+        """Statistics and term frequencies of `terms` in the tiers' live rows. Flushed tiers
+        (`FLUSHED_TIER`) are scored but not counted: the base's statistics hold them."""
+        # Term frequencies are computed once per batch and term, for the document frequency
+        # and the scores; a batch without any query term is only counted, never scored.
+        out = MemtableTerms(0, 0, dict.fromkeys(terms, 0), [])
+        for tier in tiers:
+            counted = tier.shard != FLUSHED_TIER
+            vocab, batches = self.terms.terms(tier.view.memtable, column, tier.view.batches)
+            for i, bt in enumerate(batches):
+                eligible = tier.view.live[i]
+                live = bt.valid if eligible is None else eligible & bt.valid
+                if counted:
+                    out.documents += int(live.sum())
+                    out.length += int(bt.doc_len[live].sum())
+                tfs: dict[str, np.ndarray] = {}
+                for t in terms:
+                    tid = vocab.get(t)
+                    if tid is None:
+                        continue
+                    tf = fts.term_frequencies(bt, tid)
+                    df = int((tf[live] > 0).sum())
+                    if df:
+                        out.df[t] += df if counted else 0
+                        tfs[t] = tf
+                if tfs:
+                    out.batches.append((tier, i, live, bt, vocab, tfs))
+        return out
+
+    def memtable_part(
+        self,
+        mem: MemtableTerms,
+        words: list[tuple[str, int]],
+        phrase: bool,
+        term_idf: dict[str, float],
+        avgdl: float,
+        predicate: Predicate | None,
+        k: int,
+        fetch: list[str],
+    ) -> list[pa.Table]:
+        """The k best visible rows of the tiers (`fetch` columns and `_score`) by BM25 with
+        the given corpus statistics. The owner pod of a fan-out read answers with this too
+        (`engine.reads.fresh`), scored with the coordinator's statistics."""
+        candidates: list[Candidates] = []
+        for tier, i, live, bt, vocab, tfs in mem.batches:
+            found = self._bm25_batch(
+                tier, i, live, bt, vocab, tfs, words, phrase, term_idf, avgdl, predicate, k
+            )
+            if found is not None:
+                candidates.append(found)
+        return materialise(candidates, k, fetch, SCORE, ascending=False)
+
+    def _bm25_batch(
+        self,
+        tier: MemtableTier,
+        i: int,
+        live: np.ndarray,
+        bt: fts.BatchTerms,
+        vocab: dict[str, int],
+        tfs: dict[str, np.ndarray],
+        words: list[tuple[str, int]],
+        phrase: bool,
+        term_idf: dict[str, float],
+        avgdl: float,
+        predicate: Predicate | None,
+        k: int,
+    ) -> Candidates | None:
+        ids = [vocab.get(t) for t, _ in words]
+        if phrase and any(t is None for t in ids):
+            return None
+        score = np.zeros(len(bt.doc_len), dtype=np.float64)
+        for term, tf in tfs.items():  # the query terms some live row of the batch holds
+            score += fts.bm25(tf, bt.doc_len, term_idf[term], avgdl)
+        mask = live & (score > 0)
+        if phrase and mask.any():
+            known = [t for t in ids if t is not None]
+            mask &= fts.phrase_rows(bt, known, [p - words[0][1] for _, p in words])
+        if predicate is not None and mask.any():
+            mask &= tier.matched(predicate, i)
+        rows = np.flatnonzero(mask)
+        if not len(rows):
+            return None
+        want = k
+        while True:
+            best = rows[np.argsort(-score[rows], kind="stable")[:want]]
+            visible = tier.visible(i, best)
+            if len(visible) >= min(k, len(best)) or len(best) == len(rows):
+                break
+            want *= 4
+        if not len(visible):
+            return None
+        return Candidates(tier, i, visible, score[visible].astype(np.float32))
+
+    def _text_base(
+        self,
+        snap: Snapshot,
+        text: str,
+        column: str,
+        phrase: bool,
+        predicate: Predicate | None,
+        k: int,
+        fetch: list[str],
+        indexed_only: bool,
+    ) -> pa.Table:
+        if snap.base.count_rows() == 0:
+            return pa.table({})
+        query = PhraseQuery(text, column) if phrase else MatchQuery(text, column)
+
+        def fetch_rows(limit: int) -> pa.Table:
+            return snap.base.to_table(
+                full_text_query=query,
+                filter=None if predicate is None else predicate.sql,
+                prefilter=True,
+                columns=[*fetch, SCORE],
+                limit=limit,
+                fast_search=indexed_only,
+            )
+
+        return snap.base_overfetch(k, fetch_rows)
+
+    def base_text_stats(
+        self, base: lance.LanceDataset, column: str
+    ) -> tuple[int, float, int, dict[str, int]]:
+        """(documents, average tokens per document, sample size, documents per term in the
+        sample) of the base. The sample is its first `AVGDL_SAMPLE_ROWS` documents."""
+
+        def compute() -> tuple[int, float, int, dict[str, int]]:
+            # Lance counts documents with a non-null text only (checked on this machine).
+            has_text = pc.field(column).is_valid()
+            n = base.count_rows(filter=has_text)
+            if not n:
+                return 0, 0.0, 0, {}
+            sample = base.to_table(columns=[column], filter=has_text, limit=AVGDL_SAMPLE_ROWS)
+            terms, _ = fts.tokenize_batch(sample.column(column).to_pylist())
+            per_term: dict[str, int] = {}
+            for doc in terms:
+                for t in set(doc):
+                    per_term[t] = per_term.get(t, 0) + 1
+            avgdl = sum(len(t) for t in terms) / max(len(terms), 1)
+            return n, avgdl, len(terms), per_term
+
+        result: tuple[int, float, int, dict[str, int]] = self.ctx.stats.cached(
+            base, ("text", column), compute
+        )
+        return result
+
+    def base_df(self, base: lance.LanceDataset, column: str, term: str) -> int:
+        """Base documents containing `term`: exact from the sample when it covers the whole
+        base; estimated from the sample for a common term (>= `DF_SAMPLE_MIN_HITS` sample
+        documents, so within ~25%); otherwise counted with Lance's FTS (cheap for a rare
+        term, whose posting list is short). Cached, see `StatsCache.cached`."""
+        n, _, sample_n, sample_df = self.base_text_stats(base, column)
+        if not n:
+            return 0
+        hits = sample_df.get(term, 0)
+        if sample_n >= n:
+            return hits
+        if hits >= DF_SAMPLE_MIN_HITS:
+            return round(hits / sample_n * n)
+        # While a first count takes longer than DF_WAIT_S: the sample's estimate (half a
+        # document for a term the sample lacks).
+        estimate = round(max(hits, 0.5) / sample_n * n)
+
+        def compute() -> int:
+            query = MatchQuery(term, column)
+            covered = self.text_index_coverage(base, column)
+            if covered is None or covered >= 1.0 or covered < MIN_TEXT_INDEX_COVERAGE:
+                return int(base.scanner(full_text_query=query).count_rows())
+            # The index lags a flush or two: count on the indexed fragments only and scale
+            # to the whole base (Lance's full count scans the unindexed rows flat, once per
+            # new term: the text p99 under ingestion).
+            indexed = int(base.scanner(full_text_query=query, fast_search=True).count_rows())
+            return round(indexed / covered)
+
+        result: int = self.ctx.stats.cached(
+            base, ("df", column, term), compute, wait_s=DF_WAIT_S, estimate=estimate
+        )
+        return result
+
+    def text_index_coverage(self, base: lance.LanceDataset, column: str) -> float | None:
+        """Share of the base's rows the INVERTED index on `column` covers (None: no index)."""
+
+        def compute() -> float | None:
+            covered = covered_fragments(base, column, text=True)
+            if covered is None:
+                return None
+            rows = indexed = 0
+            for fragment in base.get_fragments():
+                n = int(fragment.count_rows())
+                rows += n
+                if int(fragment.fragment_id) in covered:
+                    indexed += n
+            return indexed / rows if rows else 1.0
+
+        result: float | None = self.ctx.stats.cached(
+            base, ("text_index_coverage", column), compute, reuse=False
+        )
+        return result

@@ -1,0 +1,66 @@
+"""Shard owners for fan-out reads: each writer records its advertised URL with its claim,
+and any process lists the owners from the shard manifests (local folder and S3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+
+from engine.manifest import ManifestStore, ShardManifest, list_owners
+from engine.reads.owners import Owner, ShardOwners
+from tests.engine.conftest import MakeHarness
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_claims_record_the_owner_url_and_any_process_lists_them(
+    any_harness: MakeHarness,
+) -> None:
+    h = any_harness()
+    pod_a = dataclasses.replace(h.config, advertised_url="http://10.0.0.1:8080")
+    pod_b = dataclasses.replace(h.config, advertised_url="http://10.0.0.2:8080")
+    a0 = h.open(shard="t-0-x", config=pod_a)
+    a1 = h.open(shard="t-1-x", config=pod_a)
+    quiet = h.open(shard="t-2-x")  # advertises nothing: not routed to
+    owners = ShardOwners(h.storage, refresh_s=3600)
+    assert owners.current() == {
+        "t-0-x": Owner("t-0-x", "http://10.0.0.1:8080", a0.epoch),
+        "t-1-x": Owner("t-1-x", "http://10.0.0.1:8080", a1.epoch),
+    }
+    # A rebalance: pod B claims t-1 (a newer epoch fences pod A's writer).
+    b1 = h.open(shard="t-1-x", config=pod_b)
+    assert b1.epoch == a1.epoch + 1
+    assert owners.current()["t-1-x"].url == "http://10.0.0.1:8080"  # cached
+    owners.saw_epoch("t-1-x", b1.epoch)  # pod B answered with an epoch not listed
+    assert owners.current()["t-1-x"] == Owner("t-1-x", "http://10.0.0.2:8080", b1.epoch)
+    # A flush keeps the owner (the manifest advances at the same epoch).
+    h2 = h.open(shard="t-0-x", config=pod_b)
+    assert list_owners(h.storage)["t-0-x"].owner_url == "http://10.0.0.2:8080"
+    for w in (a0, a1, quiet, b1, h2):
+        w.close(flush=False, timeout=5)
+
+
+def test_owners_are_reread_after_the_refresh_interval(any_harness: MakeHarness) -> None:
+    """An old copy is re-read in the background: queries meanwhile route by the copy."""
+    h = any_harness()
+    owners = ShardOwners(h.storage, refresh_s=0.0)
+    assert owners.current() == {}
+    w = h.open(shard="t-0-x", config=dataclasses.replace(h.config, advertised_url="http://p:1"))
+    deadline = time.monotonic() + 10
+    while owners.current() != {"t-0-x": Owner("t-0-x", "http://p:1", w.epoch)}:
+        assert time.monotonic() < deadline, "the owners were never re-read"
+        time.sleep(0.01)
+    w.close(flush=False, timeout=5)
+
+
+def test_a_manifest_written_before_owner_urls_still_reads(local_harness: MakeHarness) -> None:
+    h = local_harness()
+    store = ManifestStore(h.storage, "old-0-x")
+    raw = dataclasses.asdict(ShardManifest(version=1, epoch=3))
+    del raw["owner_url"]
+    h.storage.put_if_absent(store.key(1), json.dumps(raw).encode())
+    assert store.latest() == ShardManifest(version=1, epoch=3)
+    assert store.claim("http://p:1").owner_url == "http://p:1"

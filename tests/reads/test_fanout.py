@@ -1,0 +1,357 @@
+"""Fan-out reads in one process: two "pods" (each its own Reader, shard writers and HTTP
+query server on 127.0.0.1) on one table and one WAL root. A query to either pod returns
+every committed row (I18): the other pod's memtable rows before any flush, newest wins
+across pods for upsert tables, no row twice and none lost when the owner flushes between
+the coordinator's base snapshot and its own view, and a partial answer that names the
+missing shard when an owner does not answer in time."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import numpy as np
+import pytest
+from pydantic import SecretStr
+
+from config.settings import QuerySettings
+from engine.backpressure import BlockingValve
+from engine.errors import FreshRowsUnavailable
+from engine.manifest import ManifestStore
+from engine.reader import Fanout, FanoutReport, NoReaderEvents, Reader
+from engine.reads.owners import ShardOwners
+from engine.schema import TableSpec
+from engine.shard import Flusher, ShardWriter
+from engine.storage import Storage, open_storage
+from engine.table import BaseTable
+from sink.http import create_query_app, run_server
+from tests.reads.conftest import read_spec, rows_batch, vectors
+from tests.support.engine import source, writer_config
+
+pytestmark = pytest.mark.timeout(180)
+
+TOKEN = "s3cret"
+DIM = 16
+
+
+class Events(NoReaderEvents):
+    """Records the shards queries lacked (what the metrics facade counts)."""
+
+    def __init__(self) -> None:
+        self.missing: list[tuple[str, str]] = []
+
+    def fanout_missing(self, shard: str, cause: str) -> None:
+        self.missing.append((shard, cause))
+
+
+class Pod:
+    """One process's share of a fan-out deployment: a reader, writers and a query server."""
+
+    def __init__(self, spec: TableSpec, storage: Storage, timeout_ms: int = 2000) -> None:
+        self.spec = spec
+        self.table = BaseTable(spec)
+        self.table.open()
+        self.storage = storage
+        self.flusher = Flusher(1)
+        self.writers: list[ShardWriter] = []
+        settings = QuerySettings(
+            host="127.0.0.1", port=0, auth_token=SecretStr(TOKEN), fanout_timeout_ms=timeout_ms
+        )
+        self.owners = ShardOwners(storage, refresh_s=0.0)
+        self.fanout = Fanout(self.owners, "", timeout_ms / 1000, TOKEN, workers=8)
+        self.events = Events()
+        self.reader = Reader(
+            spec, self.table, lambda: list(self.writers), events=self.events, fanout=self.fanout
+        )
+        self.server = run_server(create_query_app(self.reader, settings), "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.port}"
+        self.fanout.self_url = self.url
+        self.config = dataclasses.replace(
+            writer_config(max_rows=100_000, interval_s=0.002), advertised_url=self.url
+        )
+
+    def open(self, partition: int) -> ShardWriter:
+        writer = ShardWriter.open(
+            f"t-{partition}-fanout",
+            self.spec,
+            self.table,
+            self.storage,
+            self.config,
+            BlockingValve(1 << 40),
+            self.flusher,
+        )
+        self.writers.append(writer)
+        return writer
+
+    def put(self, writer: ShardWriter, offsets: list[int], partition: int, **kw: Any) -> None:
+        batch = rows_batch(self.spec, offsets, partition=partition, **kw)
+        writer.put(batch, source(offsets[0], len(offsets), partition=partition)).result(30)
+
+    def flush(self, writer: ShardWriter) -> None:
+        writer.seal()
+        assert writer.wait_flushed(60)
+
+    def close(self) -> None:
+        self.server.stop()
+        self.reader.close()
+        for w in self.writers:
+            w.close(flush=False, timeout=30)
+        self.flusher.shutdown()
+
+
+@pytest.fixture
+def pods(tmp_path: Path) -> Iterator[Callable[..., tuple[Pod, Pod]]]:
+    made: list[Pod] = []
+
+    def make(mode: str = "append", timeout_ms: int = 2000) -> tuple[Pod, Pod]:
+        spec = read_spec(str(tmp_path / "table.lance"), mode, DIM)
+        storage = open_storage(str(tmp_path / "wal"))
+        a, b = Pod(spec, storage, timeout_ms), Pod(spec, storage, timeout_ms)
+        made.extend([a, b])
+        return a, b
+
+    yield make
+    for pod in made:
+        pod.close()
+
+
+def offsets(table: Any) -> list[int]:
+    return sorted(table.column("_offset").to_pylist())
+
+
+def test_every_pod_returns_every_committed_row_before_any_flush(
+    pods: Callable[..., tuple[Pod, Pod]],
+) -> None:
+    a, b = pods()
+    wa, wb = a.open(0), b.open(1)
+    a.put(wa, list(range(50)), 0)
+    a.flush(wa)  # base: 0..49 (partition 0)
+    a.put(wa, list(range(50, 60)), 0)  # pod A's memtable
+    b.put(wb, list(range(1000, 1020)), 1)  # pod B's memtable
+    for coordinator in (a, b):
+        r = coordinator.reader
+        everything = r.scan(columns=["_offset"], report=FanoutReport())
+        assert offsets(everything) == [*range(60), *range(1000, 1020)]
+        # vector: B's row 1007 is the nearest to its own vector, from either pod
+        q = vectors(np.array([1007]), DIM)[0]
+        got = r.search_vector(q, k=3, columns=["_offset"], report=FanoutReport())
+        assert got.column("_offset").to_pylist()[0] == 1007
+        assert got.column("_distance").to_pylist()[0] == pytest.approx(0, abs=1e-4)
+        # filter-only and filtered kNN across pods
+        assert offsets(r.scan(filter="_offset >= 1010", columns=["_offset"])) == list(
+            range(1010, 1020)
+        )
+        got = r.search_vector(q, k=5, filter="_partition = 0", columns=["_offset"])
+        assert all(o < 1000 for o in got.column("_offset").to_pylist())
+        # text: row1013's own words, scored with statistics over the whole corpus
+        hit = r.search_text("row1013", k=3, columns=["_offset"])
+        assert hit.column("_offset").to_pylist()[0] == 1013
+        hit = r.search_text("row55", k=3, columns=["_offset"])
+        assert hit.column("_offset").to_pylist()[0] == 55
+        # lookup (append: every row of a key)
+        keys = [["t", 1, 1001], ["t", 0, 55], ["t", 0, 3], ["t", 9, 9]]
+        found = r.lookup(keys, columns=["_offset"])
+        assert offsets(found) == [3, 55, 1001]
+
+
+def test_text_scores_are_the_same_from_every_pod(pods: Callable[..., tuple[Pod, Pod]]) -> None:
+    """BM25 statistics cover the whole corpus: a pod scores another pod's memtable rows as
+    that pod scores them itself."""
+    a, b = pods()
+    wa, wb = a.open(0), b.open(1)
+    a.put(wa, list(range(200)), 0)
+    a.flush(wa)
+    a.put(wa, list(range(200, 260)), 0)
+    b.put(wb, list(range(1000, 1100)), 1)
+    got = [
+        p.reader.search_text("alpha golf", k=40, columns=["_offset"]).to_pydict() for p in (a, b)
+    ]
+    # The same scores (ties may come in another order), and rows of both pods among them.
+    assert got[0]["_score"] == pytest.approx(got[1]["_score"], rel=1e-5)
+    score_of = [dict(zip(g["_offset"], g["_score"], strict=True)) for g in got]
+    for offset in set(score_of[0]) & set(score_of[1]):
+        assert score_of[0][offset] == pytest.approx(score_of[1][offset], rel=1e-5)
+    assert any(o >= 1000 for o in got[0]["_offset"])
+
+
+def test_a_remote_upsert_and_tombstone_shadow_the_base(
+    pods: Callable[..., tuple[Pod, Pod]],
+) -> None:
+    a, b = pods(mode="upsert")
+    wa, wb = a.open(0), b.open(1)
+    keys = {o: f"k{o}" for o in range(100)}
+    b.put(wb, list(range(100)), 1, key_of=keys.get)
+    b.flush(wb)  # base holds k0..k99 version 0
+    # On pod B (memtable): k7 updated (version 1), k8 deleted.
+    b.put(wb, [100], 1, key_of=lambda o: "k7", version=1)
+    b.put(wb, [101], 1, key_of=lambda o: "k8", deletes={101})
+    a.put(wa, [500], 0, key_of=lambda o: "kA")
+    r = a.reader  # pod A has none of these memtables
+    found = r.lookup(["k7", "k8", "k9", "kA"], columns=["id", "_offset"])
+    assert sorted(
+        zip(found.column("id").to_pylist(), found.column("_offset").to_pylist(), strict=True)
+    ) == [
+        ("k7", 100),
+        ("k9", 9),
+        ("kA", 500),
+    ]
+    rows = r.scan(columns=["id", "_offset"], limit=1000)
+    ids = rows.column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == 100  # k0..k99 less k8, plus kA; k7 once
+    assert "k8" not in ids
+    assert dict(zip(ids, rows.column("_offset").to_pylist(), strict=True))["k7"] == 100
+    # kNN with the deleted row's own vector: never returned; the updated key once, new row.
+    q8 = vectors(np.array([8]), DIM)[0]
+    got = r.search_vector(q8, k=100, columns=["id", "_offset"])
+    assert "k8" not in got.column("id").to_pylist()
+    q7 = vectors(np.array([7]), DIM)[0]  # the base version of k7
+    got = r.search_vector(q7, k=100, columns=["id", "_offset"])
+    pairs = list(zip(got.column("id").to_pylist(), got.column("_offset").to_pylist(), strict=True))
+    assert [p for p in pairs if p[0] == "k7"] == [("k7", 100)]
+    hit = r.search_text("row8", k=5, columns=["id"])  # k8's base text
+    assert "k8" not in hit.column("id").to_pylist()
+
+
+def test_a_flush_between_the_base_snapshot_and_the_owners_view(
+    pods: Callable[..., tuple[Pod, Pod]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pod B flushes its memtable after pod A opened the base (version V) and before B
+    takes its view: B answers `stale_base`, A runs the query again on a newer base, and the
+    flushed rows are returned once (not lost with V, not twice with the newer base)."""
+    a, b = pods()
+    wa, wb = a.open(0), b.open(1)
+    a.put(wa, list(range(10)), 0)
+    a.flush(wa)
+    opened: list[int] = []
+    real = a.reader.ctx.open_base
+
+    def open_then_flush_b(version: int | None = None) -> Any:
+        base = real(version)
+        opened.append(int(base.version))
+        if len(opened) == 1:
+            b.flush(wb)  # into a version above the one just opened
+        return base
+
+    monkeypatch.setattr(a.reader.ctx, "open_base", open_then_flush_b)
+    queries = {
+        "scan": lambda new: a.reader.scan(columns=["_offset"], limit=1000),
+        "lookup": lambda new: a.reader.lookup([["t", 1, o] for o in new], columns=["_offset"]),
+        "vector": lambda new: a.reader.search_vector(
+            vectors(np.array([new[3]]), DIM)[0], k=1000, columns=["_offset"]
+        ),
+    }
+    first = 1000
+    for name, query in queries.items():
+        new = list(range(first, first + 30))
+        first += 30
+        b.put(wb, new, 1)  # in B's memtable only, until the flush inside the query
+        opened.clear()
+        got = offsets(query(new))
+        assert len(got) == len(set(got)), f"{name}: a row twice"
+        assert set(new) <= set(got), f"{name}: rows lost in the flush"
+        assert len(opened) >= 2, f"{name}: the query did not run again"
+        assert opened[-1] > opened[0]
+
+
+def test_an_owner_that_does_not_answer_is_named_within_the_deadline(
+    pods: Callable[..., tuple[Pod, Pod]],
+) -> None:
+    a, b = pods(timeout_ms=500)
+    wa, wb = a.open(0), b.open(1)
+    a.put(wa, list(range(10)), 0)
+    b.put(wb, list(range(1000, 1010)), 1)
+    # Pod B's query port now accepts connections and never answers (like a SIGSTOPped pod).
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        stale = dataclasses.replace(
+            b.config, advertised_url=f"http://127.0.0.1:{silent.getsockname()[1]}"
+        )
+        b.writers.remove(wb)
+        wb.close(flush=False, timeout=10)
+        wb2 = ShardWriter.open(
+            wb.shard, b.spec, b.table, b.storage, stale, BlockingValve(1 << 40), b.flusher
+        )
+        b.writers.append(wb2)
+        report = FanoutReport()
+        started = time.monotonic()
+        got = a.reader.scan(columns=["_offset"], report=report)
+        assert time.monotonic() - started < 2.0
+        assert offsets(got) == list(range(10))
+        [missing] = report.missing
+        assert missing.shard == wb.shard
+        assert "no answer within 500 ms" in missing.reason
+        assert a.events.missing == [(wb.shard, "timeout")]
+        with pytest.raises(FreshRowsUnavailable, match=wb.shard):
+            a.reader.scan(columns=["_offset"], report=FanoutReport(allow_partial=False))
+        # Over HTTP: partial with the shard named, or 503 when partial answers are refused.
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        r = httpx.post(
+            f"{a.url}/v1/search",
+            json={"filter": "_offset >= 0", "k": 100},
+            headers=headers,
+            timeout=10,
+        )
+        assert r.status_code == 200
+        body = r.json()
+        assert body["partial"] is True
+        assert [m["shard"] for m in body["missing"]] == [wb.shard]
+        r = httpx.post(
+            f"{a.url}/v1/lookup",
+            json={"keys": [["t", 0, 1]], "allow_partial": False},
+            headers=headers,
+            timeout=10,
+        )
+        assert r.status_code == 503
+        assert r.json()["error"]["type"] == "fresh_rows_unavailable"
+
+
+def test_the_internal_endpoint_needs_the_token(pods: Callable[..., tuple[Pod, Pod]]) -> None:
+    a, _ = pods()
+    r = httpx.post(f"{a.url}/internal/v1/fresh", content=b"x", timeout=10)
+    assert r.status_code == 401
+
+
+def test_local_mode_makes_no_request(
+    pods: Callable[..., tuple[Pod, Pod]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod that holds every listed shard answers without a network hop."""
+    a, _ = pods()
+    wa0, wa1 = a.open(0), a.open(1)
+    a.put(wa0, list(range(10)), 0)
+    a.put(wa1, list(range(10, 20)), 1)
+    posted: list[str] = []
+    monkeypatch.setattr(a.fanout, "post", lambda url, *args: posted.append(url) or b"")
+    assert offsets(a.reader.scan(columns=["_offset"])) == list(range(20))
+    assert posted == []
+
+
+def test_a_fenced_owner_serves_nothing(pods: Callable[..., tuple[Pod, Pod]]) -> None:
+    """The manifest names a newer epoch than the owner pod's writer holds (a new writer
+    claimed the shard; the old one has not noticed): the old writer's rows are not served,
+    and the shard is reported missing rather than answered from a stale writer."""
+    a, b = pods()
+    # Pod B's writer checks for a fence only now and then (wal.fence_check_interval_ms):
+    # until it does, only the epoch tells it is stale.
+    b.config = dataclasses.replace(b.config, fence_check_interval_s=3600)
+    wa, wb = a.open(0), b.open(1)
+    a.put(wa, list(range(10)), 0)
+    b.put(wb, list(range(1000, 1010)), 1)
+    assert offsets(a.reader.scan(columns=["_offset"])) == [*range(10), *range(1000, 1010)]
+    ManifestStore(b.storage, wb.shard).claim(b.url)  # epoch 2, listed at pod B's URL
+    deadline = time.monotonic() + 10
+    while a.owners.current()[wb.shard].epoch != 2:  # the listing is re-read in the background
+        assert time.monotonic() < deadline, "the owners were never re-read"
+        time.sleep(0.01)
+    report = FanoutReport()
+    got = a.reader.scan(columns=["_offset"], report=report)
+    assert offsets(got) == list(range(10))
+    [missing] = report.missing
+    assert missing.shard == wb.shard
+    assert missing.cause == "unheld"
+    assert "fenced (epoch 1 < 2)" in missing.reason
