@@ -16,7 +16,7 @@ import pyarrow as pa
 from engine.filters import Predicate
 from engine.reads.context import ReadContext
 from engine.reads.remote import FanoutReport
-from engine.reads.snapshot import Snapshot
+from engine.reads.snapshot import SCAN_BATCH_READAHEAD, SCAN_IO_BUFFER_BYTES, Snapshot
 
 
 def scan(
@@ -59,6 +59,8 @@ def scan(
                     filter=None if predicate is None else predicate.sql,
                     columns=fetch,
                     limit=n,
+                    io_buffer_size=SCAN_IO_BUFFER_BYTES,
+                    batch_readahead=SCAN_BATCH_READAHEAD,
                 )
 
             parts.append(snap.base_overfetch(remaining, fetch_rows).slice(0, remaining))

@@ -43,6 +43,14 @@ BASE_OVERFETCH = 16
 MAX_FETCH_ROUNDS = 6
 
 
+#: Per-query bounds of a Lance scan of the base (a flat kNN over fragments no index covers,
+#: a text or filtered scan). Lance buffers up to 2 GiB of reads per scan and decodes 16
+#: batches ahead by default: with the pool's queries scanning at once, the sink outgrew its
+#: pod (bench/memory). 32 MiB and 4 batches ahead keep each scan's reads bounded.
+SCAN_IO_BUFFER_BYTES = 32 << 20
+SCAN_BATCH_READAHEAD = 4
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """What one query reads: the fresh memtables (newest first) and one base version."""

@@ -34,7 +34,7 @@ from engine.periodic import PeriodicThread
 from engine.reads.context import ReadContext
 from engine.reads.merge import SCORE, Candidates, materialise, top
 from engine.reads.remote import FanoutReport
-from engine.reads.snapshot import Snapshot
+from engine.reads.snapshot import SCAN_BATCH_READAHEAD, SCAN_IO_BUFFER_BYTES, Snapshot
 from engine.reads.tiers import FLUSHED_TIER, FlushedTier, MemtableTier
 from engine.unindexed import FlushedText, covered_fragments
 
@@ -320,6 +320,8 @@ class TextSearch:
                 columns=[*fetch, SCORE],
                 limit=limit,
                 fast_search=indexed_only,
+                io_buffer_size=SCAN_IO_BUFFER_BYTES,
+                batch_readahead=SCAN_BATCH_READAHEAD,
             )
 
         return snap.base_overfetch(k, fetch_rows)

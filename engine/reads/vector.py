@@ -40,7 +40,7 @@ from engine.memtable import Memtable
 from engine.reads.context import ReadContext
 from engine.reads.merge import DISTANCE, Candidates, materialise, top
 from engine.reads.remote import FanoutReport
-from engine.reads.snapshot import Snapshot
+from engine.reads.snapshot import SCAN_BATCH_READAHEAD, SCAN_IO_BUFFER_BYTES, Snapshot
 from engine.reads.tiers import MemtableTier
 from engine.schema import vector_matrix
 from engine.unindexed import CachedFragment, UnindexedFragments, covered_fragments
@@ -312,6 +312,8 @@ class VectorSearch:
                 prefilter=True,
                 columns=[*fetch, DISTANCE],
                 fast_search=cached is not None,
+                io_buffer_size=SCAN_IO_BUFFER_BYTES,
+                batch_readahead=SCAN_BATCH_READAHEAD,
             )
             return found
 
