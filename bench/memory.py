@@ -50,22 +50,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_S = 0.25
 
 
-def pss_bytes(pid: int) -> int:
-    """Proportional set size of a process (0 if it is gone)."""
+def smaps_bytes(pid: int, field: str = "Pss") -> int:
+    """A field of `/proc/PID/smaps_rollup` in bytes (0 if the process is gone): `Pss`, the
+    proportional set size, or `Anonymous`."""
     try:
         text = Path(f"/proc/{pid}/smaps_rollup").read_text()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return 0
-    m = re.search(r"^Pss:\s+(\d+) kB", text, re.MULTILINE)
-    return int(m.group(1)) * 1024 if m else 0
-
-
-def anon_bytes(pid: int) -> int:
-    try:
-        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return 0
-    m = re.search(r"^Anonymous:\s+(\d+) kB", text, re.MULTILINE)
+    m = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
     return int(m.group(1)) * 1024 if m else 0
 
 
@@ -160,14 +152,14 @@ class Sampler(threading.Thread):
     def run(self) -> None:
         start = time.monotonic()
         while not self.stop.wait(SAMPLE_S):
-            sink = pss_bytes(self.pid)
-            kids = sum(pss_bytes(c) for c in children(self.pid))
+            sink = smaps_bytes(self.pid)
+            kids = sum(smaps_bytes(c) for c in children(self.pid))
             if sink > self.peak_sink:
                 self.parts_at_peak = gauges(self.metrics_port) or self.parts_at_peak
             self.peak_sink = max(self.peak_sink, sink)
             self.peak_children = max(self.peak_children, kids)
             self.peak_pod = max(self.peak_pod, sink + kids)
-            self.peak_anon = max(self.peak_anon, anon_bytes(self.pid))
+            self.peak_anon = max(self.peak_anon, smaps_bytes(self.pid, "Anonymous"))
             self.series.append((time.monotonic() - start, sink, kids))
 
 

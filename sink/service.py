@@ -542,10 +542,7 @@ class SinkService:
         state.registry_retry_at = time.monotonic() + delay
         state.position = messages[0].offset()
         self._drop_decoding(state)
-        if not state.paused:
-            self.consumer.pause([state.tp])
-            state.paused = True
-            self.metrics.partition_paused(state.topic, state.partition, True)
+        self._pause(state)
         self.metrics.registry_paused(state.topic, state.partition, True)
         log.warning(
             "registry_unavailable",
@@ -565,9 +562,7 @@ class SinkService:
         restarts to evolve the table, then reads the batch again from its first offset."""
         state.position = messages[0].offset()
         self._drop_decoding(state)
-        if not state.paused:
-            self.consumer.pause([state.tp])
-            state.paused = True
+        self._pause(state)
         if self.evolution is None:
             self.evolution = exc
             log.warning(
@@ -660,11 +655,7 @@ class SinkService:
         # Batches consumed after the held one are dropped and fetched again on resume.
         state.position = held.decoded.last_offset + 1
         self._drop_decoding(state)
-        if not state.paused:
-            self.consumer.pause([state.tp])
-            state.paused = True
-            self.metrics.partition_paused(state.topic, state.partition, True)
-            log.info("partition_paused", topic=state.topic, partition=state.partition)
+        self._pause(state)
 
     def _service_held(self) -> None:
         for state in list(self.partitions.values()):
@@ -686,6 +677,15 @@ class SinkService:
                 continue
             state.held = None
             self._resume(state)
+
+    def _pause(self, state: PartitionState) -> None:
+        """Stop fetching the partition (if it is not paused already); `_resume` undoes it."""
+        if state.paused:
+            return
+        self.consumer.pause([state.tp])
+        state.paused = True
+        self.metrics.partition_paused(state.topic, state.partition, True)
+        log.info("partition_paused", topic=state.topic, partition=state.partition)
 
     def _resume(self, state: PartitionState) -> None:
         if state.position is not None:
@@ -744,10 +744,7 @@ class SinkService:
         state.held = None
         self._drop_decoding(state)
         if isinstance(exc, Fenced):
-            if not state.paused:
-                self.consumer.pause([state.tp])
-                state.paused = True
-                self.metrics.partition_paused(state.topic, state.partition, True)
+            self._pause(state)
             state.fenced = True
             state.fenced_at = time.monotonic()
             log.error(

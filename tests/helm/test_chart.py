@@ -565,12 +565,12 @@ INVALID = {
         },
         (
             "config.backpressure.process_budget_bytes (8GiB = 8589934592 bytes) does not fit "
-            "in resources.limits.memory (2Gi): the pod needs 15168Mi"
+            "in resources.limits.memory (2Gi): the pod needs 14912Mi"
         ),
     ),
     "memory limit below the fixed part": (
         {"resources": {"limits": {"memory": "1Gi"}}},
-        "Raise resources.limits.memory to at least 5952Mi, or leave it null",
+        "Raise resources.limits.memory to at least 5696Mi, or leave it null",
     ),
     "memory limit that is not a quantity": (
         {"resources": {"limits": {"memory": "6GB"}}},
@@ -714,7 +714,7 @@ def test_pod_hardening_and_probes(rendered: dict[str, list[dict[str, Any]]], sce
     budget = TypeAdapter(ByteSize).validate_python(
         values["config"]["backpressure"]["process_budget_bytes"]
     )
-    derived_mib = math.ceil(budget * 1.5 / 2**20) + 1024  # overheadMiB
+    derived_mib = math.ceil(budget * 1.5 / 2**20) + 768  # overheadMiB
     table = values["config"]["table"]
     if values["config"]["query"]["enabled"] and (table.get("vector") or table.get("fts_columns")):
         cache = TypeAdapter(ByteSize).validate_python(
@@ -816,7 +816,7 @@ def test_memory_limit_from_set_flags(helm: str) -> None:
     lance_caches_mib = 256 + 64  # the default Lance index and metadata caches of queries
     maintenance_mib = 512  # maintenance runs in its child process by default
     assert _container(docs)["resources"]["limits"]["memory"] == (
-        f"{3 * 1024 * 3 // 2 + 1024 + cache_mib + lance_caches_mib + maintenance_mib}Mi"
+        f"{3 * 1024 * 3 // 2 + 768 + cache_mib + lance_caches_mib + maintenance_mib}Mi"
     )
 
 
@@ -926,7 +926,7 @@ def test_memory_limit_must_hold_the_budget(helm: str, tmp_path: Path) -> None:
     """A set resources.limits.memory renders exactly when it holds what the derived formula
     needs for the budget (whatever the quantity's unit), and fails one MiB below."""
     # the scenario's settings: budget, overhead, unindexed cache, Lance caches, maintenance
-    need_mib = math.ceil(2 * 2**30 * 1.5 / 2**20) + 1024 + 1024 + 256 + 64 + 512
+    need_mib = math.ceil(2 * 2**30 * 1.5 / 2**20) + 768 + 1024 + 256 + 64 + 512
     path = tmp_path / "values.yaml"
 
     def renders(limit: str | int) -> bool:
@@ -944,14 +944,14 @@ def test_memory_limit_must_hold_the_budget(helm: str, tmp_path: Path) -> None:
     assert not renders(f"{need_mib - 1}Mi")
     assert renders(need_mib * 2**20)
     assert not renders(need_mib * 2**20 - 1)
-    assert need_mib == 5952  # 6,241,124,352 bytes
+    assert need_mib == 5696  # 5,972,688,896 bytes
     assert renders("6Gi")
     assert not renders("5Gi")
-    assert renders("6.25G")  # 6.25e9 bytes
-    assert not renders("6.2G")  # 6.2e9 bytes
-    assert renders("63e8")
-    assert not renders("62e8")
-    assert renders("6.25e+09")
+    assert renders("6G")  # 6e9 bytes
+    assert not renders("5.9G")  # 5.9e9 bytes
+    assert renders("60e8")
+    assert not renders("59e8")
+    assert renders("5.98e+09")
 
 
 def test_memtable_rule_mirrors_the_settings(helm: str, tmp_path: Path) -> None:
