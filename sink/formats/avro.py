@@ -19,7 +19,7 @@ from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer
 
 from sink.formats.records import Fault
-from sink.formats.registry import classify, framing_fault
+from sink.formats.registry import decode_framed, writer_schema_text
 
 __all__ = ["AvroFormat"]
 
@@ -41,10 +41,8 @@ class AvroFormat:
         """The leaves of `payload`'s writer schema (fetched once per id by the client)."""
         from sink.formats.derive import text_leaves  # noqa: PLC0415
 
-        if payload[0] != 0:
-            return None  # a schema GUID: not checked
-        schema = self._client.get_schema(int.from_bytes(payload[1:5], "big"))
-        return None if schema.schema_str is None else text_leaves("avro", schema.schema_str)
+        text = writer_schema_text(self._client, payload)
+        return None if text is None else text_leaves("avro", text)
 
     def records(self, payloads: Sequence[bytes]) -> tuple[list[int], list[Any], dict[int, Fault]]:
         """Decode each payload.
@@ -57,22 +55,4 @@ class AvroFormat:
             RegistryUnavailable: the registry could not be asked for a schema.
         """
         deserialize = self._deserializer
-        positions: list[int] = []
-        records: list[Any] = []
-        faults: dict[int, Fault] = {}
-        unknown: dict[bytes, Fault] = {}  # schema ids the registry said it does not know
-        for pos, payload in enumerate(payloads):
-            fault = framing_fault(payload) or unknown.get(payload[:5])
-            if fault is None:
-                try:
-                    record = deserialize(payload, None)
-                except Exception as exc:  # noqa: BLE001 - every failure is sorted by classify
-                    fault = classify(exc, payload, self.name)
-                    if fault[0] == "unknown_schema_id":
-                        unknown[payload[:5]] = fault
-                else:
-                    positions.append(pos)
-                    records.append(record)
-                    continue
-            faults[pos] = fault
-        return positions, records, faults
+        return decode_framed(payloads, lambda payload: deserialize(payload, None), self.name)

@@ -17,7 +17,7 @@ from confluent_kafka.schema_registry.json_schema import JSONDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from sink.formats.records import Fault
-from sink.formats.registry import classify, framing_fault
+from sink.formats.registry import decode_framed, writer_schema_text
 
 __all__ = ["JsonSchemaFormat"]
 
@@ -35,10 +35,8 @@ class JsonSchemaFormat:
         """The leaves of `payload`'s writer schema (fetched once per id by the client)."""
         from sink.formats.derive import text_leaves  # noqa: PLC0415
 
-        if payload[0] != 0:
-            return None  # a schema GUID: not checked
-        schema = self._client.get_schema(int.from_bytes(payload[1:5], "big"))
-        return None if schema.schema_str is None else text_leaves("json_schema", schema.schema_str)
+        text = writer_schema_text(self._client, payload)
+        return None if text is None else text_leaves("json_schema", text)
 
     def records(self, payloads: Sequence[bytes]) -> tuple[list[int], list[Any], dict[int, Fault]]:
         """See `sink.formats.RecordFormat`."""
@@ -46,24 +44,13 @@ class JsonSchemaFormat:
         # The deserializer needs a context to name the subject; no rules or migrations are
         # configured, so only the writer schema (by id) is used.
         ctx = SerializationContext("", MessageField.VALUE)
-        positions: list[int] = []
-        records: list[Any] = []
-        faults: dict[int, Fault] = {}
-        unknown: dict[bytes, Fault] = {}
-        for pos, payload in enumerate(payloads):
-            fault = framing_fault(payload) or unknown.get(payload[:5])
-            if fault is None:
-                try:
-                    record = deserialize(payload, ctx)
-                except json.JSONDecodeError as exc:
-                    fault = ("invalid_json", f"value is not JSON: {exc}")
-                except Exception as exc:  # noqa: BLE001 - every failure is sorted by classify
-                    fault = classify(exc, payload, self.name)
-                    if fault[0] == "unknown_schema_id":
-                        unknown[payload[:5]] = fault
-                else:
-                    positions.append(pos)
-                    records.append(record)
-                    continue
-            faults[pos] = fault
-        return positions, records, faults
+        return decode_framed(
+            payloads, lambda payload: deserialize(payload, ctx), self.name, _json_fault
+        )
+
+
+def _json_fault(exc: Exception) -> Fault | None:
+    """A value that is not JSON at all (any other failure is `classify`'s)."""
+    if isinstance(exc, json.JSONDecodeError):
+        return ("invalid_json", f"value is not JSON: {exc}")
+    return None

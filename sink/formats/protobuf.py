@@ -34,7 +34,7 @@ from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
 from sink.formats.records import Fault
-from sink.formats.registry import classify, framing_fault
+from sink.formats.registry import decode_framed
 
 __all__ = ["ProtobufFormat", "message_record"]
 
@@ -165,30 +165,21 @@ class ProtobufFormat:
 
     def records(self, payloads: Sequence[bytes]) -> tuple[list[int], list[Any], dict[int, Fault]]:
         """See `sink.formats.RecordFormat`."""
-        positions: list[int] = []
+        if self._cls is None:
+            assert self._deserializer is not None
+            positions, messages, faults = decode_framed(
+                payloads, self._deserializer.message, self.name
+            )
+            return positions, [message_record(msg) for msg in messages], faults
+        positions = []
         records: list[Any] = []
-        faults: dict[int, Fault] = {}
-        unknown: dict[bytes, Fault] = {}
+        faults = {}
         for pos, payload in enumerate(payloads):
-            fault: Fault | None = None
+            msg = self._cls()
             try:
-                if self._cls is not None:
-                    msg = self._cls()
-                    msg.ParseFromString(payload)
-                else:
-                    fault = framing_fault(payload) or unknown.get(payload[:5])
-                    if fault is None:
-                        assert self._deserializer is not None
-                        msg = self._deserializer.message(payload)
-            except Exception as exc:  # noqa: BLE001 - every failure is sorted below
-                if self._cls is not None:
-                    fault = _plain_fault(exc, self._cls)
-                else:
-                    fault = classify(exc, payload, self.name)
-                    if fault[0] == "unknown_schema_id":
-                        unknown[payload[:5]] = fault
-            if fault is not None:
-                faults[pos] = fault
+                msg.ParseFromString(payload)
+            except Exception as exc:  # noqa: BLE001 - every failure is sorted by _plain_fault
+                faults[pos] = _plain_fault(exc, self._cls)
                 continue
             positions.append(pos)
             records.append(message_record(msg))

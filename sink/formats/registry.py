@@ -17,6 +17,7 @@ in-process registry, for tests). `classify` sorts the failures of a deserializer
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from confluent_kafka.schema_registry import SchemaRegistryClient
@@ -78,6 +79,54 @@ def schema_id(payload: bytes) -> str:
     if payload[0] == 0:
         return str(int.from_bytes(payload[1:_HEADER_BYTES], "big"))
     return payload[1:17].hex()
+
+
+def decode_framed(
+    payloads: Sequence[bytes],
+    decode: Callable[[bytes], Any],
+    what: str,
+    fault_of: Callable[[Exception], Fault | None] = lambda _exc: None,
+) -> tuple[list[int], list[Any], dict[int, Fault]]:
+    """Decode each framed payload with `decode` (a registry format's deserializer call).
+
+    A payload without the framing is not passed to `decode`; an exception `decode` raises is
+    a fault by `fault_of` (the format's own reading of it) or else by `classify`; a schema id
+    the registry said it does not know is asked about once per call.
+
+    Returns:
+        The positions of the payloads that decoded, their records, and the fault of every
+        other payload by position.
+
+    Raises:
+        RegistryUnavailable: the registry could not be asked for a schema.
+    """
+    positions: list[int] = []
+    records: list[Any] = []
+    faults: dict[int, Fault] = {}
+    unknown: dict[bytes, Fault] = {}  # schema ids the registry said it does not know
+    for pos, payload in enumerate(payloads):
+        fault = framing_fault(payload) or unknown.get(payload[:_HEADER_BYTES])
+        if fault is None:
+            try:
+                record = decode(payload)
+            except Exception as exc:  # noqa: BLE001 - every failure is sorted below
+                fault = fault_of(exc) or classify(exc, payload, what)
+                if fault[0] == "unknown_schema_id":
+                    unknown[payload[:_HEADER_BYTES]] = fault
+            else:
+                positions.append(pos)
+                records.append(record)
+                continue
+        faults[pos] = fault
+    return positions, records, faults
+
+
+def writer_schema_text(client: SchemaRegistryClient, payload: bytes) -> str | None:
+    """The text of the writer schema a framed payload names by id (fetched once per id by
+    the client); None for a payload that names its schema by GUID (not checked)."""
+    if payload[0] != 0:
+        return None
+    return client.get_schema(int.from_bytes(payload[1:_HEADER_BYTES], "big")).schema_str
 
 
 def classify(exc: Exception, payload: bytes, what: str) -> Fault:
