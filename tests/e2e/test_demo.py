@@ -28,20 +28,7 @@ pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
 def test_demo_runs_to_completion(tmp_path: Path) -> None:
     query_port, metrics_port = free_ports(2)
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sink.cli",
-            "demo",
-            "--messages",
-            "2000",
-            "--dir",
-            str(tmp_path / "demo"),
-            "--query-port",
-            str(query_port),
-            "--metrics-port",
-            str(metrics_port),
-        ],
+        _demo_args(tmp_path, query_port, metrics_port),
         capture_output=True,
         text=True,
         cwd=ROOT,
