@@ -62,6 +62,7 @@ def test_flush_and_open_after_compacting_indexed_fragments(local_harness: MakeHa
     assert stats.flush_failures_total == 0
     assert stats.poisoned is None
     writer.put(make_batch(h.spec, 350, 10), source(350, 10)).result(10)
+    assert writer.wait_flushed(30)  # the memtable these 10 rows sealed is flushed
     writer.close(flush=False)  # 10 rows left to replay
 
     reopened = h.open()  # finds its watermark above the compaction, replays the rest
