@@ -284,15 +284,15 @@ def _lag(args: argparse.Namespace) -> int:
 
     flushed: FlushedReader | None = None
     if args.config is not None:
-        from sink.kafka_conf import kafka_security_conf  # noqa: PLC0415
+        from sink.kafka_conf import lag_confs  # noqa: PLC0415
 
         settings = _load(args.config, args.overrides)
-        conf = kafka_security_conf(settings)
+        conf, probe_conf = lag_confs(settings)
         group = args.group or settings.kafka.group_id
         topics = args.topic or list(settings.kafka.topics)
         flushed = FlushedReader(settings)
     elif args.bootstrap and args.group and args.topic:
-        conf = {"bootstrap.servers": args.bootstrap}
+        conf = probe_conf = {"bootstrap.servers": args.bootstrap}
         group, topics = args.group, args.topic
     else:
         print("lance-sink lag: give --config, or --bootstrap, --group and --topic", file=sys.stderr)
@@ -306,7 +306,9 @@ def _lag(args: argparse.Namespace) -> int:
     from engine.errors import LanceSinkError  # noqa: PLC0415
 
     try:
-        lags = group_lag(conf, group, topics, timeout=args.timeout, flushed=flushed)
+        lags = group_lag(
+            conf, group, topics, timeout=args.timeout, flushed=flushed, probe_conf=probe_conf
+        )
     except (TimeoutError, confluent_kafka.KafkaException, LanceSinkError, OSError) as exc:
         print(f"lance-sink lag: {exc}", file=sys.stderr)
         return EXIT_FAILURE

@@ -37,3 +37,50 @@ def kafka_security_conf(settings: Settings) -> dict[str, Any]:
     if k.ssl_key_password:
         conf["ssl.key.password"] = k.ssl_key_password.get_secret_value()
     return conf
+
+
+def lag_confs(settings: Settings) -> tuple[dict[str, Any], dict[str, Any]]:
+    """librdkafka properties of `lance-sink lag`'s admin client and watermark probe.
+
+    Both take the shared connection and security properties and `kafka.librdkafka`, so a
+    cluster the sink reaches only with pass-through keys (OAUTHBEARER, TLS options, socket
+    settings) is reachable by `lag` too. The admin client is a producer-type handle: the
+    consumer-only pass-through keys (fetch sizes, queue limits, group timeouts), which
+    librdkafka would ignore with a warning on stderr, are left out of its properties.
+
+    Returns:
+        The admin client's properties and the probe consumer's.
+    """
+    shared = kafka_security_conf(settings)
+    passthrough = dict(settings.kafka.librdkafka)
+    admin = {k: v for k, v in passthrough.items() if not _consumer_only(k, v)}
+    return {**shared, **admin}, {**shared, **passthrough}
+
+
+def _consumer_only(key: str, value: object) -> bool:
+    """Whether librdkafka ignores `key` on a producer-type handle (it says so, per key, in a
+    configuration warning: its own table of which client a property applies to)."""
+    import logging  # noqa: PLC0415
+    import uuid  # noqa: PLC0415
+
+    import confluent_kafka  # noqa: PLC0415
+
+    class _Warnings(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    logger = logging.getLogger(f"lance_sink.lag.conf_probe.{uuid.uuid4().hex}")
+    logger.propagate = False
+    warnings = _Warnings()
+    logger.addHandler(warnings)
+    try:
+        producer = confluent_kafka.Producer({key: value, "logger": logger})
+        producer.poll(0)  # delivers the queued log lines to the logger
+    finally:
+        logger.removeHandler(warnings)
+        logging.Logger.manager.loggerDict.pop(logger.name, None)
+    return any("is a consumer property" in line and key in line for line in warnings.lines)

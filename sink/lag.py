@@ -154,9 +154,13 @@ def group_lag(
     topics: list[str],
     timeout: float = 30.0,
     flushed: FlushedReader | None = None,
+    probe_conf: dict[str, Any] | None = None,
 ) -> list[PartitionLag]:
     """Per-partition end, committed (and with `flushed`, flushed) offsets of `group` on
     `topics`, as one snapshot (see the module docstring), sorted.
+
+    `conf` configures the admin client; `probe_conf` (default `conf`) the consumer that
+    fetches the end offsets, which may carry consumer-only properties.
 
     Raises:
         confluent_kafka.KafkaException: the brokers or the group coordinator did not answer,
@@ -188,7 +192,7 @@ def group_lag(
             }
 
         # The first look-up finds the group coordinator and where the probe starts.
-        with WatermarkProbe(conf, partitions, committed_now()) as probe:
+        with WatermarkProbe(probe_conf or conf, partitions, committed_now()) as probe:
             probe.wait_all(deadline)
             committed = committed_now()
             watermarks = probe.after_now()

@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import lance
 import pyarrow as pa
@@ -174,3 +175,31 @@ def test_status_counts_unindexed_rows_now(
             service.dlq.close(5)
         service.reader.close(timeout=1)
         service.engine.close(flush=False, timeout=5)
+
+
+def test_lag_connects_with_the_kafka_pass_through_properties(
+    mock_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    """`kafka.librdkafka` reaches lag's clients: a property that makes the brokers
+    unreachable (IPv6 only, brokers on 127.0.0.1) makes `lag` fail, where it succeeds
+    without it. (It was ignored: a cluster the sink reaches only with pass-through
+    properties could not be asked for its lag.)"""
+    produce(mock_broker.bootstrap, topic, messages(0, 10))
+
+    def config(name: str, librdkafka: dict[str, Any]) -> Path:
+        return write_config(
+            tmp_path / name,
+            bootstrap=mock_broker.bootstrap,
+            topics=[topic],
+            group=group,
+            table_uri=str(tmp_path / "table.lance"),
+            extra={"kafka": {"librdkafka": librdkafka}},
+        )
+
+    # A consumer-only key is taken by the probe and left out of the admin client.
+    plain = lag(config("plain.toml", {"fetch.min.bytes": 1}), "--json", "--timeout", "5")
+    assert plain.returncode == 0, plain.stderr
+    assert json.loads(plain.stdout)["total_lag"] == 10
+    assert "consumer property" not in plain.stderr
+    v6 = lag(config("v6.toml", {"broker.address.family": "v6"}), "--json", "--timeout", "5")
+    assert v6.returncode == 1, (v6.stdout, v6.stderr)

@@ -21,11 +21,17 @@ ROOT = Path(__file__).resolve().parents[2]
 DIM = 8
 
 
+def toml_key(key: str) -> str:
+    """`key` as a TOML key: bare when it can be, quoted otherwise (a dotted librdkafka
+    property is one key, not a path)."""
+    return key if key.replace("_", "").replace("-", "").isalnum() else json.dumps(key)
+
+
 def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, dict):  # an inline table
-        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
+        return "{ " + ", ".join(f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + " }"
     return json.dumps(value)
 
 

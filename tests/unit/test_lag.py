@@ -9,6 +9,7 @@ from config import load_settings
 from engine.shard import shard_id
 from engine.table import flush_properties
 from sink.cli import lag_report, render_lag
+from sink.kafka_conf import lag_confs
 from sink.lag import FlushedReader, PartitionLag, PartitionOffsets
 from tests.support.engine import Harness, make_batch, source
 from tests.support.sink import write_config
@@ -90,3 +91,34 @@ def test_offsets_snapshot_lags() -> None:
     assert snap.lag_seconds(now=12.5) == 12.5
     assert PartitionOffsets(None, 1, 1, 1, 1).lags() is None
     assert PartitionOffsets(10, 10, 10, 10, 10).lag_seconds() == 0.0
+
+
+def test_lag_clients_take_the_pass_through_properties(tmp_path: Path) -> None:
+    """Connection keys of `kafka.librdkafka` go to both of `lag`'s clients; consumer-only
+    keys (which librdkafka would ignore on the admin client with a warning) only to the
+    probe consumer."""
+    settings = load_settings(
+        write_config(
+            tmp_path / "sink.toml",
+            bootstrap="127.0.0.1:9",
+            topics=["t"],
+            group="g",
+            table_uri=str(tmp_path / "table.lance"),
+            extra={
+                "kafka": {
+                    "librdkafka": {
+                        "socket.timeout.ms": 12345,
+                        "fetch.min.bytes": 7,
+                        "queued.max.messages.kbytes": 4096,
+                    }
+                }
+            },
+        )
+    )
+    admin, probe = lag_confs(settings)
+    assert admin["bootstrap.servers"] == probe["bootstrap.servers"] == "127.0.0.1:9"
+    assert admin["socket.timeout.ms"] == probe["socket.timeout.ms"] == 12345
+    assert "fetch.min.bytes" not in admin
+    assert "queued.max.messages.kbytes" not in admin
+    assert probe["fetch.min.bytes"] == 7
+    assert probe["queued.max.messages.kbytes"] == 4096
