@@ -30,22 +30,28 @@ by the production rate, so a difference is only true if both are read together. 
   is durable only in the shard's WAL until a writer opens the shard again (replay) and
   flushes. A writer flushing right now is not seen until its commit lands.
 
-A paused partition (backpressure, dead letters in flight) is not fetched, so its end
-offset in the running sink is that of its last fetch until it resumes; `lance-sink lag`
-fetches every partition itself.
+A paused partition (backpressure, dead letters in flight, a registry outage) is not
+fetched by the sink's consumer, so its end offset there is that of its last fetch. Once a
+partition has been paused for `PAUSED_PROBE_AFTER_S`, `PausedEnds` fetches it with a probe
+consumer of its own (outside the group, from the end, 1 KiB per fetch), so the end offset
+and every lag keep moving while it is paused. `lance-sink lag` fetches every partition
+itself.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import confluent_kafka
+import structlog
 from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
 from confluent_kafka.admin import AdminClient
 
@@ -55,6 +61,8 @@ if TYPE_CHECKING:
     from config.settings import Settings
 
 Level = Literal["committed", "flushed"]
+
+log = structlog.get_logger("lance_sink.lag")
 
 # The probe's longest fetch wait: every fetch response carries a fresh high watermark, so
 # this bounds how old the end offset can be after the committed offsets were read (the
@@ -280,6 +288,125 @@ class WatermarkProbe:
         while (left := until - time.monotonic()) > 0:
             self.consumer.consume(1000, left)
         return self._cached()
+
+
+#: How long a partition stays paused before `PausedEnds` fetches its end offset itself
+#: (backpressure pauses are usually shorter, and cost no probe).
+PAUSED_PROBE_AFTER_S: Final = 1.0
+
+#: The paused-partition probe's fetch wait: as the sink's own consumer (it runs as long as
+#: a partition stays paused, so not `PROBE_FETCH_WAIT_MS`'s 100 requests a second).
+PAUSED_PROBE_FETCH_WAIT_MS: Final = 100
+
+#: Properties of the running sink's consumer that must not reach a probe consumer: it
+#: joins no group, commits nothing, and its errors are not the sink's (its own callbacks).
+_SINK_ONLY_KEYS: Final = frozenset(
+    {
+        "group.id",
+        "group.instance.id",
+        "partition.assignment.strategy",
+        "stats_cb",
+        "on_commit",
+        "error_cb",
+    }
+)
+
+
+class PausedEnds:
+    """End offsets of the partitions a running sink has paused, from fetch responses of a
+    probe consumer of its own (see the module docstring).
+
+    The sink's loop calls `track` with its paused partitions about once a second; any
+    thread reads `end`. The probe consumer and its thread start at the first partition
+    paused for `after_s`, and are closed by `close`.
+    """
+
+    def __init__(self, conf: dict[str, Any], after_s: float = PAUSED_PROBE_AFTER_S) -> None:
+        """`conf`: the sink consumer's librdkafka properties (connection, security,
+        pass-through, isolation level); group membership is dropped."""
+        self._conf = {
+            **{k: v for k, v in conf.items() if k not in _SINK_ONLY_KEYS},
+            "group.id": f"lance-sink-paused-probe-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "max.partition.fetch.bytes": 1024,
+            "fetch.wait.max.ms": PAUSED_PROBE_FETCH_WAIT_MS,
+            "queued.max.messages.kbytes": 1024,
+        }
+        self._after_s = after_s
+        self._since: dict[tuple[str, int], float] = {}  # paused partitions, since when
+        self._ends: dict[tuple[str, int], int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def track(self, paused: Iterable[tuple[str, int]]) -> None:
+        """The partitions paused now (every other one is dropped)."""
+        now = time.monotonic()
+        keys = set(paused)
+        with self._lock:
+            self._since = {k: self._since.get(k, now) for k in keys}
+            for key in set(self._ends) - keys:
+                del self._ends[key]
+            start = self._thread is None and bool(keys) and not self._stop.is_set()
+            if start:
+                self._thread = threading.Thread(target=self._run, name="paused-ends", daemon=True)
+        if start and self._thread is not None:
+            self._thread.start()
+
+    def end(self, key: tuple[str, int]) -> int:
+        """The newest end offset the probe fetched for `key`; -1 if none (not paused long
+        enough, or no fetch answered yet)."""
+        with self._lock:
+            return self._ends.get(key, -1)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the probe and close its consumer (waits up to `timeout`)."""
+        self._stop.set()
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _due(self) -> set[tuple[str, int]]:
+        now = time.monotonic()
+        with self._lock:
+            return {k for k, since in self._since.items() if now - since >= self._after_s}
+
+    def _run(self) -> None:
+        consumer: confluent_kafka.Consumer | None = None
+        assigned: set[tuple[str, int]] = set()
+        try:
+            while not self._stop.is_set():
+                due = self._due()
+                if due != assigned:
+                    if consumer is None:
+                        consumer = confluent_kafka.Consumer(self._conf)
+                    # From the end (one ListOffsets each): fetches from there carry the
+                    # high watermark, whatever the broker answers to ListOffsets.
+                    consumer.assign(
+                        [TopicPartition(t, p, confluent_kafka.OFFSET_END) for t, p in due]
+                    )
+                    assigned = due
+                if consumer is None or not assigned:
+                    self._stop.wait(0.25)
+                    continue
+                consumer.consume(1000, PAUSED_PROBE_FETCH_WAIT_MS / 1000)
+                for topic, partition in assigned:
+                    high = consumer.get_watermark_offsets(
+                        TopicPartition(topic, partition), cached=True
+                    )[1]
+                    if high >= 0:
+                        with self._lock:
+                            if (topic, partition) in self._since:
+                                self._ends[(topic, partition)] = high
+        except (RuntimeError, confluent_kafka.KafkaException):
+            # The figures only stay as stale as without the probe; the sink goes on.
+            log.warning("paused_end_probe_failed", exc_info=True)
+        finally:
+            if consumer is not None:
+                with contextlib.suppress(RuntimeError, confluent_kafka.KafkaException):
+                    consumer.close()
 
 
 class FlushedReader:

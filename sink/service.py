@@ -56,7 +56,7 @@ from sink.dlq import producer_conf as dlq_producer_conf
 from sink.formats import RegistryUnavailable, SchemaEvolution
 from sink.http import ServerHandle, create_query_app, run_server
 from sink.kafka_conf import kafka_security_conf
-from sink.lag import PartitionOffsets, unindexed_rows
+from sink.lag import PartitionOffsets, PausedEnds, unindexed_rows
 from sink.log import configure_logging, librdkafka_logger
 from sink.metrics import Metrics, memory_limit_bytes, resident_bytes
 from sink.server import create_ops_app
@@ -322,6 +322,8 @@ class SinkService:
             }
         )
         self.consumer = confluent_kafka.Consumer(conf)
+        # End offsets of partitions paused for a while (the consumer does not fetch them).
+        self._paused_ends = PausedEnds(conf)
 
     # ------------------------------------------------------------------ control
 
@@ -1216,6 +1218,7 @@ class SinkService:
         self._commit(asynchronous=False, states=states)
         for state in states:
             self._release(state, flush=True, timeout=max(left(DRAIN_RESERVE_S), 0.1))
+        self._paused_ends.close(timeout=min(left(), 1.0))
         with self._offsets_lock:  # no scrape reads a watermark from a closing consumer
             self._consumer_closed = True
         try:
@@ -1293,6 +1296,8 @@ class SinkService:
             if not self._consumer_closed:
                 with contextlib.suppress(RuntimeError, confluent_kafka.KafkaException):
                     high = self.consumer.get_watermark_offsets(state.tp, cached=True)[1]
+        # A paused partition is not fetched: the probe's newer end, once it has one.
+        high = max(high, self._paused_ends.end(key))
         end = high if high >= 0 else self.end_offsets.get(key)
         return PartitionOffsets(end, consumed, durable, committed, flushed, pending_ts)
 
@@ -1313,6 +1318,7 @@ class SinkService:
 
     def refresh_metrics(self) -> None:
         """Refresh every gauge from live state (called from the loop once a second)."""
+        self._paused_ends.track(key for key, state in self.partitions.items() if state.paused)
         self.refresh_offsets()
         self._ingest_window.append((time.monotonic(), self.metrics.rows_total))
         for (topic, partition), state in list(self.partitions.items()):

@@ -79,7 +79,7 @@ def test_avro_topic_with_dead_letters_and_a_registry_outage(
                     "schema_registry": {
                         "url": registry.url,
                         "max_retries": 0,
-                        "unreachable_backoff_max_s": 2,
+                        "unreachable_backoff_max_s": 8,
                     },
                 },
                 "observability": {"metrics_port": port},
@@ -93,20 +93,20 @@ def test_avro_topic_with_dead_letters_and_a_registry_outage(
             # A newer writer schema, produced while the registry is down: the sink cannot
             # fetch it, so the partition waits instead of dead-lettering.
             second = values(
-                registry, topic, schema({"name": "extra", "type": "int"}), range(200, 300)
+                registry, topic, schema({"name": "extra", "type": "int"}), range(200, 320)
             )
             registry.stop()
             produce(
                 kafka_broker.bootstrap,
                 topic,
-                [(f"m-{200 + i}".encode(), v) for i, v in enumerate(second)],
+                [(f"m-{200 + i}".encode(), v) for i, v in enumerate(second[:100])],
                 partition=0,
             )
             deadline = time.monotonic() + 60
             while True:
                 status = json.loads(get(f"http://127.0.0.1:{port}/v1/status"))
                 waiting = status["partitions"][0].get("schema_registry")
-                if waiting and waiting["failures"] >= 2:
+                if waiting and waiting["failures"] == 3:  # the next retry in 4 s
                     break
                 assert time.monotonic() < deadline, status
                 time.sleep(0.3)
@@ -114,6 +114,23 @@ def test_avro_topic_with_dead_letters_and_a_registry_outage(
             metrics = get(f"http://127.0.0.1:{port}/metrics").decode()
             assert f'lance_sink_registry_paused{{partition="0",topic="{topic}"}} 1.0' in metrics
             assert status["partitions"][0]["paused"] is True
+            # Messages produced while the partition is paused move its end offset and lag
+            # (the sink's consumer does not fetch it: a probe of its own does). The next
+            # retry is 4 s away: the end moves before it, the partition still paused.
+            produce(
+                kafka_broker.bootstrap,
+                topic,
+                [(f"m-{300 + i}".encode(), v) for i, v in enumerate(second[100:])],
+                partition=0,
+            )
+            while (part := json.loads(get(f"http://127.0.0.1:{port}/v1/status"))["partitions"][0])[
+                "end"
+            ] != 322:
+                assert time.monotonic() < deadline + 30, part
+                time.sleep(0.1)
+            assert part["paused"] is True
+            assert part["schema_registry"]["failures"] == waiting["failures"], part
+            assert part["lag"]["consumer"] == 322 - part["consumed"] > 20
             registry.start()
             wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[sink])
             metrics = get(f"http://127.0.0.1:{port}/metrics").decode()
@@ -124,7 +141,7 @@ def test_avro_topic_with_dead_letters_and_a_registry_outage(
         registry.stop()
 
     rows = table_rows(table)
-    assert sorted(r["n"] for r in rows) == list(range(300))
+    assert sorted(r["n"] for r in rows) == list(range(320))
     by_n = {r["n"]: r for r in rows}
     assert by_n[7]["vec"] == (np.arange(DIM, dtype=np.float32) * 7).tolist()
     assert by_n[250]["text"] == "message 250"
