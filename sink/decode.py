@@ -77,7 +77,11 @@ like JSON paths; the reasons ``missing_magic_byte``, ``unknown_schema_id`` and
 columns and ``table.evolve`` a writer schema with new fields raises
 `sink.formats.SchemaEvolution`. Everything else below is the JSON format's.
 
-How it is fast: the per-message Python work is reading the Message accessors. The JSON
+How it is fast: the per-message Python work is reading the Message accessors. On a table
+with a vector column, values are parsed by `sink.vector_json` first (simdjson, each vector
+copied into one float32 matrix per batch without a Python float per component); what it
+is not sure of (anything not clean, see there) goes to Arrow's reader below, so rows and
+dead letters are the same as Arrow's alone (``vector_fast_path=False``). Otherwise the JSON
 values are parsed by `pyarrow.json.read_json` with an explicit schema of only the mapped
 fields, in chunks of about 4 MiB (one call each, its blocks parsed on all cores). Each value
 is wrapped as ``{"v":<value>}`` and the rows are newline-joined, so a value that is empty,
@@ -128,6 +132,7 @@ from engine.schema import (
 )
 from sink.formats import Evolving, parse_records, record_format
 from sink.formats.keys import KeyDecoder
+from sink.vector_json import VectorJson
 
 __all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason"]
 
@@ -345,6 +350,11 @@ class Decoder:
     Args:
         spec: the table's shape (`TableSpec.from_settings`).
         source: how messages become rows (`Settings.source`).
+        evolve_derived: registry formats with derived columns and ``table.evolve``: check
+            new writer schemas for new fields (`sink.formats.SchemaEvolution`).
+        vector_fast_path: parse vector tables' JSON with `sink.vector_json` first; False
+            keeps every value on Arrow's reader (the reference the fast path is tested
+            against).
 
     Raises:
         ValueError: the mapping can never fill the table: a source feeding a column type it
@@ -353,7 +363,12 @@ class Decoder:
     """
 
     def __init__(
-        self, spec: TableSpec, source: SourceSettings, *, evolve_derived: bool = False
+        self,
+        spec: TableSpec,
+        source: SourceSettings,
+        *,
+        evolve_derived: bool = False,
+        vector_fast_path: bool = True,
     ) -> None:
         self._spec = spec
         self._source = source
@@ -395,6 +410,12 @@ class Decoder:
             if evolve_derived and self._records is not None
             else None
         )
+        # Vector tables in the JSON format: simdjson first, Arrow's reader for what it
+        # hands back (sink.vector_json). Small messages without vectors parse faster in
+        # Arrow alone (bench/results/decode.txt).
+        self._fast: VectorJson | None = None
+        if vector_fast_path and self._json and spec.vector is not None:
+            self._fast = VectorJson(list(self._path_types.items()), spec.vector.dim)
         self._tombstone_key: _Column | None = None
         if spec.upsert and len(spec.primary_key) == 1:
             self._tombstone_key = next(c for c in self._columns if c.primary_key)
@@ -665,7 +686,36 @@ class Decoder:
     def _parse(
         self, payloads: list[bytes], sizes: np.ndarray
     ) -> tuple[np.ndarray, dict[_Path, pa.Array], pa.Array, dict[int, _Fault]]:
-        """Parse JSON payloads chunk by chunk.
+        """Parse JSON payloads: the vector fast path first (if on), Arrow for the rest.
+
+        Returns:
+            As `_parse_arrow`.
+        """
+        if self._fast is None:
+            return self._parse_arrow(payloads, sizes)
+        fast, leaves, rest = self._fast.parse(payloads)
+        if not rest:
+            return fast, leaves, pa.array(np.ones(len(fast), bool)), {}
+        where = np.asarray(rest, np.int64)
+        slow, slow_leaves, is_object, slow_faults = self._parse_arrow(
+            [payloads[pos] for pos in rest], sizes[where]
+        )
+        faults = {int(where[pos]): fault for pos, fault in slow_faults.items()}
+        if not len(fast):
+            return where[slow], slow_leaves, is_object, faults
+        positions = np.concatenate([fast, where[slow]])
+        order = pa.array(np.argsort(positions, kind="stable"))
+        merged = {
+            path: pa.concat_arrays([leaves[path], slow_leaves[path]]).take(order)
+            for path in self._json_paths
+        }
+        is_object = pa.concat_arrays([pa.array(np.ones(len(fast), bool)), is_object])
+        return np.sort(positions), merged, is_object.take(order), faults
+
+    def _parse_arrow(
+        self, payloads: list[bytes], sizes: np.ndarray
+    ) -> tuple[np.ndarray, dict[_Path, pa.Array], pa.Array, dict[int, _Fault]]:
+        """Parse JSON payloads chunk by chunk with Arrow's reader.
 
         Returns:
             The positions (in `payloads`) of those that parsed, their leaves and object
