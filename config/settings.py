@@ -322,6 +322,12 @@ class VectorSpec(_Section):
     allow_nan: bool = Field(
         default=False, description="Accept NaN components (they poison distances; off)."
     )
+    encoding: Literal["json", "base64_f32"] = Field(
+        default="json",
+        description="How the vector is written in a JSON value: json = an array of numbers; "
+        "base64_f32 = a string of base64 (RFC 4648, padded) over dim little-endian float32, "
+        "i.e. 4 * dim bytes. JSON format only.",
+    )
 
 
 class TableSettings(_Section):

@@ -52,6 +52,7 @@ class VectorColumn:
     dim: int
     metric: Literal["l2", "cosine", "dot"]
     allow_nan: bool = False
+    encoding: Literal["json", "base64_f32"] = "json"  # how JSON values carry it
 
 
 #: Type changes `table.evolve` applies to an existing column (Lance casts them in place).
@@ -94,7 +95,7 @@ class TableSpec:
         vector = None
         if table.vector is not None:
             v = table.vector
-            vector = VectorColumn(v.column, v.dim, v.metric, v.allow_nan)
+            vector = VectorColumn(v.column, v.dim, v.metric, v.allow_nan, v.encoding)
             fields.append(
                 pa.field(v.column, pa.list_(pa.field("item", pa.float32()), v.dim), nullable=False)
             )

@@ -40,7 +40,10 @@ Coercions, JSON values (anything else is ``wrong_type`` naming the column and JS
                with up to microseconds, optional ``Z`` or ``+hh:mm`` offset; no offset means
                UTC; sub-millisecond digits are truncated)
     binary     a base64 string
-    vector     a JSON array of exactly ``dim`` numbers; no nulls inside
+    vector     a JSON array of exactly ``dim`` numbers; no nulls inside; with
+               ``vector.encoding = "base64_f32"`` instead a base64 string of ``4 * dim``
+               bytes (little-endian float32), else ``wrong_type`` (not base64) or
+               ``wrong_vector_dimension`` (another length)
 
 Coercions, byte sources (``@key``, ``@headers.NAME``, ``@value``): a binary column takes the
 bytes as they are; a string column takes them if they are UTF-8 (else ``invalid_utf8``); an
@@ -266,6 +269,7 @@ _CANONICAL: Final[dict[str, pa.DataType]] = {
     "binary": pa.string(),
     "timestamp": _TS_TYPE,
     "vector": pa.list_(pa.float32()),
+    "base64_f32": pa.string(),  # the vector with vector.encoding = "base64_f32"
 }
 #: The scalar column type names of `config.settings.ColumnSpec`.
 _TYPE_NAMES: Final = (
@@ -382,6 +386,12 @@ class Decoder:
         key_format = record_format(source, key=True)
         self._keys = KeyDecoder(key_format) if key_format is not None else None
         self._allow_nan = spec.vector.allow_nan if spec.vector is not None else False
+        self._base64 = spec.vector is not None and spec.vector.encoding == "base64_f32"
+        if self._base64 and not self._json:
+            raise ValueError(
+                'table.vector.encoding = "base64_f32" is for the json format only '
+                f"(source.format is {source.format!r})"
+            )
         unknown = sorted(set(source.columns) - set(spec.table_schema.names))
         if unknown:
             raise ValueError(f"source.columns maps unknown table columns: {', '.join(unknown)}")
@@ -398,7 +408,7 @@ class Decoder:
         self._source_columns = all(n in spec.table_schema.names for n in SOURCE_COLUMNS)
         self._json_columns = [c for c in self._columns if c.kind == "json"]
         self._json_paths = list(dict.fromkeys(c.path for c in self._json_columns))
-        self._path_types = {c.path: c.type_name for c in self._json_columns}
+        self._path_types = {c.path: self._leaf_type(c) for c in self._json_columns}
         self._path_columns = {c.path: c for c in reversed(self._json_columns)}
         self._tree = self._json_tree()
         self._has_timestamps = any(c.type_name == "timestamp" for c in self._json_columns)
@@ -472,11 +482,15 @@ class Decoder:
                     raise ValueError(f"JSON path of {col.name!r} runs through a scalar column")  # noqa: TRY004 - a configuration value, not a type
                 node = child
             current = node.get(leaf)
-            if current is not None and current != col.type_name:
+            if current is not None and current != self._leaf_type(col):
                 what = "an object" if isinstance(current, dict) else "two types"
                 raise ValueError(f"JSON path of {col.name!r} is also read as {what}")
-            node[leaf] = col.type_name
+            node[leaf] = self._leaf_type(col)
         return tree
+
+    def _leaf_type(self, col: _Column) -> str:
+        """How a JSON column is read: its type name, or ``base64_f32`` for a base64 vector."""
+        return "base64_f32" if col.type_name == "vector" and self._base64 else col.type_name
 
     def _read_schema(self, iso_timestamps: bool) -> pa.Schema:
         """The explicit schema for Arrow's JSON reader (timestamps as int or ISO text)."""
@@ -617,6 +631,8 @@ class Decoder:
             if col.type_name == "binary" and self._json:
                 arr = _from_base64(arr, col, rows)
             elif col.type_name == "vector":
+                if self._base64:
+                    arr = self._from_base64_f32(arr, col, rows)
                 self._check_vectors(arr, col, rows, meta)
         elif col.kind == "none":
             arr = pa.nulls(len(rows.index), col.arrow_type)
@@ -677,9 +693,44 @@ class Decoder:
             return
         finite = np.isfinite(flat.to_numpy())
         if not finite.all():
+            values = flat.to_numpy()
+            starts = pc.list_parent_indices(arr).to_numpy()
             for pos, first in _first_in_row(~finite, arr):
-                what = _non_finite(col, first, meta.value(int(rows.index[pos])))
+                if self._base64:
+                    number = float(values[int(np.searchsorted(starts, pos)) + first])
+                    what = f"vector {col.name!r} ({col.where}) component {first} is {_show(number)}"
+                else:
+                    what = _non_finite(col, first, meta.value(int(rows.index[pos])))
                 rows.fault((pos,), ("nan_in_vector", what))
+
+    def _from_base64_f32(self, arr: pa.Array, col: _Column, rows: _Rows) -> pa.Array:
+        """Base64 text of little-endian float32 as ``list<float32>`` (null where the text is
+        null or faulted: not base64, or not 4 * dim bytes)."""
+        assert self._spec.vector is not None
+        dim = self._spec.vector.dim
+        expected = 4 * dim
+        chunks: list[bytes] = []
+        valid = np.zeros(len(arr), bool)
+        head = f"vector {col.name!r} ({col.where})"
+        for pos, text in enumerate(arr.to_pylist()):
+            if text is None:
+                continue
+            try:
+                data = binascii.a2b_base64(text, strict_mode=True)
+            except (binascii.Error, ValueError):
+                rows.fault((pos,), ("wrong_type", f"{head} is not base64"))
+                continue
+            if len(data) != expected:
+                what = f"{head} has {len(data)} bytes, expected {expected} ({dim} float32)"
+                rows.fault((pos,), ("wrong_vector_dimension", what))
+                continue
+            chunks.append(data)
+            valid[pos] = True
+        values = pa.array(np.frombuffer(b"".join(chunks), "<f4").astype(np.float32))
+        offsets = np.zeros(len(arr) + 1, np.int32)
+        offsets[1:] = np.cumsum(valid * dim)
+        mask = None if valid.all() else pa.array(~valid)
+        return pa.ListArray.from_arrays(pa.array(offsets), values, mask=mask)
 
     # -- JSON: one bulk parse, bisection when it fails -----------------------------------
 
@@ -891,9 +942,9 @@ class Decoder:
                     )
                 item = item.get(name)
                 where += "." + name
-            problem = _kind_problem(item, col.type_name)
+            problem = _kind_problem(item, self._path_types[path])
             if problem is None and build:
-                arr = _coerce_one(item, col.type_name)
+                arr = _coerce_one(item, self._path_types[path])
                 if isinstance(arr, str):
                     problem = arr
                 else:
@@ -1237,6 +1288,7 @@ _EXPECTED: Final = {
     "bool": "true or false",
     "timestamp": "epoch milliseconds or an ISO-8601 string",
     "vector": "an array of numbers",
+    "base64_f32": "a base64 string of little-endian float32",
 }
 _NUMBER_TYPES: Final = frozenset({int, float, type(None)})
 #: The Python types (as JSON decoders make them) each column type accepts before conversion;
@@ -1251,6 +1303,7 @@ _KIND_FITS: Final[dict[str, frozenset[type]]] = {
     "bool": frozenset({bool}),
     "timestamp": frozenset({int, str}),
     "vector": frozenset({list}),
+    "base64_f32": frozenset({str}),
 }
 
 
@@ -1291,6 +1344,8 @@ def _coerce_one(item: Any, type_name: str) -> pa.Array | str:
             if isinstance(item, str):
                 return _to_ms_timestamp(pa.array([item]).cast(_TS_PARSE_TYPE))
             return pa.array([item], pa.int64()).cast(target)
+        if type_name == "base64_f32":
+            return pa.array([item], pa.string())
         if type_name == "vector":
             floats = [None if x is None else _to_float(x) for x in item]
             return pa.array([pa.array(floats, pa.float64()).cast(pa.float32())], target)

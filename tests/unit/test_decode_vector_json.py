@@ -358,3 +358,72 @@ def test_generated_messages_with_nan_allowed_decode_as_arrow_alone_does(
     values: list[bytes],
 ) -> None:
     assert_same(values, allow_nan=True)
+
+
+# -- vector.encoding = "base64_f32" -------------------------------------------------
+
+
+def b64(*floats: float, dtype: str = "<f4") -> str:
+    return base64.b64encode(np.array(floats, dtype).tobytes()).decode()
+
+
+def test_base64_f32_vectors_decode_bit_exact_with_specific_dead_letters() -> None:
+    vectors = np.array([[1.5, -0.0, 1e-45, 3.4028235e38], [0.1, 2, 3, 4]], np.float32)
+    values = [
+        f'{{"id": "a", "vec": "{base64.b64encode(vectors[0].tobytes()).decode()}"}}'.encode(),
+        f'{{"id": "b", "vec": "{base64.b64encode(vectors[1].tobytes()).decode()}"}}'.encode(),
+        f'{{"id": "c", "vec": "{b64(1, 2, 3)}"}}'.encode(),  # 12 bytes
+        b'{"id": "d", "vec": "not base64!"}',
+        f'{{"id": "e", "vec": "{b64(1, 2, float("nan"), 4)}"}}'.encode(),
+        f'{{"id": "f", "vec": "{b64(1, float("-inf"), 3, 4)}"}}'.encode(),
+        b'{"id": "g", "vec": [1, 2, 3, 4]}',
+        b'{"id": "h", "vec": null}',
+    ]
+    out = assert_same(values, encoding="base64_f32")
+    assert out.batch is not None
+    got = out.batch.column("vec").flatten().to_numpy().view(np.uint32)
+    assert got.tolist() == vectors.ravel().view(np.uint32).tolist()
+    where = "vector 'vec' ($.vec)"
+    assert [(d.offset, d.reason, d.detail) for d in out.dead_letters] == [
+        (12, "wrong_vector_dimension", f"{where} has 12 bytes, expected 16 (4 float32)"),
+        (13, "wrong_type", f"{where} is not base64"),
+        (14, "nan_in_vector", f"{where} component 2 is NaN"),
+        (15, "nan_in_vector", f"{where} component 1 is -Infinity"),
+        (
+            16,
+            "wrong_type",
+            "'vec' ($.vec) is an array, expected a base64 string of little-endian float32",
+        ),
+        (17, "missing_required", "'vec' ($.vec) is null or missing"),
+    ]
+
+
+def test_base64_f32_nan_allowed_keeps_the_row() -> None:
+    out = assert_same([f'{{"id": "a", "vec": "{b64(1, float("nan"), 3, 4)}"}}'.encode()],
+                      encoding="base64_f32", allow_nan=True)  # fmt: skip
+    assert out.batch is not None
+    assert not out.dead_letters
+
+
+def test_base64_f32_is_refused_outside_the_json_format() -> None:
+    with pytest.raises(ValueError, match="json format only"):
+        Decoder(spec("base64_f32"), SourceSettings(format="raw"))
+
+
+@st.composite
+def base64_message(draw: st.DrawFn) -> bytes:
+    size = draw(st.sampled_from([DIM] * 8 + [0, DIM - 1, DIM + 1]))
+    floats = draw(st.lists(st.floats(width=32), min_size=size, max_size=size))
+    text = base64.b64encode(np.array(floats, "<f4").tobytes()).decode()
+    vec = draw(
+        st.sampled_from([f'"{text}"'] * 8 + ['"@@"', "null", "[1, 2, 3, 4]", '"' + text[:-1] + '"'])
+    )
+    return f'{{"id": "x", "vec": {vec}}}'.encode()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(base64_message(), min_size=1, max_size=12), st.booleans())
+def test_generated_base64_messages_decode_as_arrow_alone_does(
+    values: list[bytes], allow_nan: bool
+) -> None:
+    assert_same(values, encoding="base64_f32", allow_nan=allow_nan)
