@@ -1,12 +1,15 @@
 """Benchmark `sink.decode.Decoder` against two parsing yardsticks on the same data.
 
-Run: ``python -m bench.decode [--runs N] [--small N] [--vectors N] [--batch N] [--out FILE]``
+Run: ``python -m bench.decode [--runs N] [--small N] [--vectors N] [--batch N] [--only SETS]
+[--avro N] [--out FILE]``
 
 Two data sets of real `confluent_kafka.Message` objects (one topic-partition):
 
 - small: ~200-byte JSON objects (string, int, float, bool, epoch-ms timestamp, text);
 - vector: 384-dim float32 embeddings as a JSON array (float32 shortest repr, as
-  ``orjson.dumps(..., option=OPT_SERIALIZE_NUMPY)`` writes them) plus ~200 chars of text.
+  ``orjson.dumps(..., option=OPT_SERIALIZE_NUMPY)`` writes them) plus ~200 chars of text;
+- base64: the same vectors with ``vector.encoding = "base64_f32"`` (a base64 string of the
+  little-endian float32 bytes).
 
 For each, in one process, the median of ``--runs`` runs of:
 
@@ -19,7 +22,14 @@ For each, in one process, the median of ``--runs`` runs of:
 - (b) bulk parse: the decoder's bulk path alone: the same chunks (~4 MiB), wrapping, schema
   and block options, one `pyarrow.json.read_json` call per chunk, nothing else;
 - (c) naive: orjson per message, then `pa.array` / `np.array` per column, no validation,
-  GC paused (not a yardstick of the brief; it shows what the bulk design buys).
+  GC paused (not a yardstick of the brief; it shows what the bulk design buys);
+- decoder, Arrow only (vector tables): ``Decoder(vector_fast_path=False)``, the path before
+  `sink.vector_json` and the reference it is tested against;
+- (d) simdjson as_buffer (vector): pysimdjson per message, the vector copied as doubles
+  with ``Array.as_buffer`` and cast to one float32 matrix per batch, scalars read, no
+  checks: the fast path's parse ceiling;
+- (e) orjson/msgspec->numpy row (vector): the other parsers measured for the fast path,
+  each vector's Python floats assigned into a preallocated float32 matrix row.
 
 Avro (``--avro N`` messages per data set, 0 = skip), in the Confluent wire format from
 confluent-kafka's `AvroSerializer` into its in-process ``mock://`` registry: small records
@@ -37,6 +47,7 @@ MB/s counts JSON value bytes. Not a test: numbers depend on the machine.
 from __future__ import annotations
 
 import argparse
+import base64
 import gc
 import statistics
 import sys
@@ -144,8 +155,8 @@ def _batches(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def run_decoder(data: Dataset, batch: int) -> Callable[[], int]:
-    decoder = Decoder(data.spec, SourceSettings())
+def run_decoder(data: Dataset, batch: int, fast: bool = True) -> Callable[[], int]:
+    decoder = Decoder(data.spec, SourceSettings(), vector_fast_path=fast)
     batches = _batches(data.messages, batch)
 
     def run() -> int:
@@ -183,6 +194,94 @@ def run_decoder_with_bad(data: Dataset, batch: int, every: int = 100) -> Callabl
         return rows
 
     return run
+
+
+def base64_dataset(n: int, rng: np.random.Generator) -> Dataset:
+    """The vector data set with ``vector.encoding = "base64_f32"``."""
+    raw: dict[str, Any] = {
+        "uri": "/tmp/bench-unused",
+        "columns": [
+            {"name": "id", "type": "string", "nullable": False},
+            {"name": "text", "type": "string"},
+        ],
+        "vector": {"column": "vec", "dim": DIM, "encoding": "base64_f32"},
+    }
+    spec = TableSpec.from_settings(TableSettings.model_validate(raw))
+    vectors = rng.standard_normal((n, DIM), dtype=np.float32)
+    text = "lorem ipsum dolor sit amet " * 8
+    messages = [
+        _message(
+            orjson.dumps(
+                {
+                    "id": f"doc-{i:08d}",
+                    "text": text,
+                    "vec": base64.b64encode(vectors[i].tobytes()).decode(),
+                }
+            ),
+            i,
+        )
+        for i in range(n)
+    ]
+    return Dataset("base64", spec, messages)
+
+
+def run_simdjson(data: Dataset, batch: int) -> Callable[[], int]:
+    """(d) pysimdjson per message, the vector by ``Array.as_buffer`` into one float32 matrix
+    per batch, the scalars read; no checks (the fast path's parse ceiling)."""
+    import simdjson  # noqa: PLC0415
+
+    batches = _batches([m.value() for m in data.messages], batch)
+    parser = simdjson.Parser()
+    names = [
+        f.name
+        for f in data.spec.table_schema
+        if f.name not in {"vec", "_topic", "_partition", "_offset"}
+    ]
+
+    def run() -> int:
+        rows = 0
+        for values in batches:
+            bufs = []
+            for v in values:
+                doc: Any = parser.parse(v)
+                for name in names:
+                    doc.get(name)
+                bufs.append(doc["vec"].as_buffer(of_type="d"))
+                doc = None
+            np.frombuffer(b"".join(bufs), np.float64).astype(np.float32).reshape(len(values), DIM)
+            rows += len(values)
+        return rows
+
+    return run
+
+
+def run_into_numpy(data: Dataset, batch: int, parser: str) -> Callable[[], int]:
+    """(e) orjson or msgspec per message, the vector's Python floats assigned into a
+    preallocated float32 matrix row."""
+    batches = _batches([m.value() for m in data.messages], batch)
+    if parser == "msgspec":
+        import msgspec  # noqa: PLC0415
+
+        loads: Callable[[bytes], Any] = msgspec.json.Decoder().decode
+    else:
+        loads = orjson.loads
+
+    def run() -> int:
+        rows = 0
+        for values in batches:
+            matrix = np.empty((len(values), DIM), np.float32)
+            for i, v in enumerate(values):
+                matrix[i] = loads(v)["vec"]
+            rows += len(values)
+        return rows
+
+    return run
+
+
+def _msgspec_available() -> bool:
+    import importlib.util  # noqa: PLC0415
+
+    return importlib.util.find_spec("msgspec") is not None
 
 
 def run_orjson(data: Dataset, batch: int) -> Callable[[], int]:
@@ -365,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=10_000)
     parser.add_argument("--avro", type=int, default=20_000, help="messages per Avro data set")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
+    parser.add_argument(
+        "--only", nargs="*", default=None, help="JSON data sets to run (small, vector, base64)"
+    )
     args = parser.parse_args(argv)
 
     rng = np.random.default_rng(7)
@@ -378,18 +480,29 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"{'data':<8} {'path':<24} {'rows/s':>12} {'MB/s':>8} {'s':>8} {'vs (a)':>7} {'vs (b)':>7}",
     ]
-    for data in (small_dataset(args.small, rng), vector_dataset(args.vectors, rng)):
+    datasets = [
+        small_dataset(args.small, rng),
+        vector_dataset(args.vectors, rng),
+        base64_dataset(args.vectors, rng),
+    ]
+    for data in datasets if not args.only else [d for d in datasets if d.name in args.only]:
         mb = data.payload_bytes / 1e6
-        results = measure(
-            {
-                "(a) orjson.loads/msg": run_orjson(data, args.batch),
-                "(b) bulk parse only": run_bulk_parse(data, args.batch),
-                "decoder": run_decoder(data, args.batch),
-                "decoder, 1% bad msgs": run_decoder_with_bad(data, args.batch),
-                "(c) naive orjson+pa.array": run_naive(data, args.batch),
-            },
-            args.runs,
-        )
+        paths = {
+            "(a) orjson.loads/msg": run_orjson(data, args.batch),
+            "(b) bulk parse only": run_bulk_parse(data, args.batch),
+            "decoder": run_decoder(data, args.batch),
+            "decoder, 1% bad msgs": run_decoder_with_bad(data, args.batch),
+        }
+        if data.name != "base64":
+            paths["(c) naive orjson+pa.array"] = run_naive(data, args.batch)
+        if data.spec.vector is not None:
+            paths["decoder, Arrow only"] = run_decoder(data, args.batch, fast=False)
+        if data.name == "vector":
+            paths["(d) simdjson as_buffer"] = run_simdjson(data, args.batch)
+            paths["(e) orjson->numpy row"] = run_into_numpy(data, args.batch, "orjson")
+            if _msgspec_available():
+                paths["(e) msgspec->numpy row"] = run_into_numpy(data, args.batch, "msgspec")
+        results = measure(paths, args.runs)
         base_a = results["(a) orjson.loads/msg"][0]
         base_b = results["(b) bulk parse only"][0]
         for label, (seconds, rows) in results.items():

@@ -427,3 +427,25 @@ def test_generated_base64_messages_decode_as_arrow_alone_does(
     values: list[bytes], allow_nan: bool
 ) -> None:
     assert_same(values, encoding="base64_f32", allow_nan=allow_nan)
+
+
+def test_base64_f32_decoded_in_one_call_and_per_value_agree() -> None:
+    """dim 3 (12 bytes, no padding): a clean batch decodes in one call; one bad text among
+    texts of the same length falls back to per value and faults only its row."""
+    raw = {"uri": "/tmp/unused", "columns": [{"name": "id", "type": "string"}],
+           "vector": {"column": "vec", "dim": 3, "encoding": "base64_f32"}}  # fmt: skip
+    table = TableSpec.from_settings(TableSettings.model_validate(raw))
+    vectors = np.array([[1.5, -0.0, 1e-45], [0.1, 2, 3], [4, 5, 6]], np.float32)
+    texts = [base64.b64encode(v.tobytes()).decode() for v in vectors]
+    clean = [Msg(f'{{"id": "{i}", "vec": "{t}"}}'.encode(), i) for i, t in enumerate(texts)]
+    out = Decoder(table, SourceSettings()).decode(clean)
+    assert out.batch is not None
+    got = out.batch.column("vec").flatten().to_numpy().view(np.uint32)
+    assert got.tolist() == vectors.ravel().view(np.uint32).tolist()
+    bad = [*clean[:2], Msg(b'{"id": "2", "vec": "AAAA=AAAAAAAAAAA"}', 2)]
+    out = Decoder(table, SourceSettings()).decode(bad)
+    assert out.batch is not None
+    assert out.batch.column("vec").flatten().to_numpy().view(np.uint32).tolist() == (
+        vectors[:2].ravel().view(np.uint32).tolist()
+    )
+    assert [(d.offset, d.reason) for d in out.dead_letters] == [(2, "wrong_type")]
