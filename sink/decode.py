@@ -347,8 +347,9 @@ def _type_name(type_: pa.DataType) -> str:
 class Decoder:
     """Turns one topic-partition's messages into one batch plus dead letters.
 
-    Built once per table by the consumer loop; `decode` is called from the poll thread and
-    never concurrently on one decoder. `decode` does not raise for bad messages: each one
+    Built once per table by the consumer loop; `decode` is called from the
+    ``source.decode_workers`` threads, several batches at once on one decoder (its only
+    shared state, the timestamp hint, is a guess that any thread may set). `decode` does not raise for bad messages: each one
     becomes a `DeadLetter`. There is nothing to close.
 
     Args:

@@ -38,6 +38,7 @@ Identity with the Arrow path is proven by a property test over generated message
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, cast
@@ -116,8 +117,10 @@ class _Leaf:
 class VectorJson:
     """Parse JSON values of a vector table with simdjson; see the module docstring.
 
-    Stateless apart from its simdjson parser (reused, not thread-safe): one per decoder,
-    used from the decoder's thread only.
+    Stateless apart from its simdjson parsers: one per thread (a parser is reused for each
+    value and refuses a new value while proxies of the last one live, so a parser shared
+    by the sink's decode workers sent one worker's values to the Arrow path), so `parse`
+    may run on several threads at once.
 
     Args:
         leaves: every mapped JSON path with its kind (a column type name; ``vector`` for
@@ -126,7 +129,7 @@ class VectorJson:
     """
 
     def __init__(self, leaves: Sequence[tuple[_Path, str]], dim: int) -> None:
-        self._parser = simdjson.Parser()
+        self._local = threading.local()
         self._dim = dim
         vectors = [p for p, kind in leaves if kind == "vector"]
         self._vector: _Path | None = vectors[0] if vectors else None
@@ -152,7 +155,10 @@ class VectorJson:
         vector = self._vector
         scalars = self._scalars
         fits = self._fits
-        parse = self._parser.parse
+        parser = getattr(self._local, "parser", None)
+        if parser is None:
+            parser = self._local.parser = simdjson.Parser()
+        parse = parser.parse
         array_type = simdjson.Array
         object_type = simdjson.Object
         good: list[int] = []

@@ -7,6 +7,7 @@ comparison would prove nothing).
 from __future__ import annotations
 
 import base64
+import threading
 from typing import Any
 
 import numpy as np
@@ -197,6 +198,27 @@ def test_fast_path_takes_clean_messages_and_hands_back_the_doubtful() -> None:
     ]
     values = [*clean, *doubtful]
     assert handed_back(values) == list(range(len(clean), len(values)))
+
+
+def test_fast_path_runs_on_several_threads_at_once() -> None:
+    """The sink's decode workers share one decoder: each thread parses with its own simdjson
+    parser, so none of them is pushed onto the Arrow path by the other's live document."""
+    leaves = [(("id",), "string"), (("vec",), "vector"), (("meta", "score"), "float32")]
+    fast = VectorJson(leaves, DIM)
+    values = [CLEAN] * 20_000
+    rest: dict[int, int] = {}
+    start = threading.Barrier(2)
+
+    def parse(k: int) -> None:
+        start.wait()
+        rest[k] = len(fast.parse(values)[2])
+
+    threads = [threading.Thread(target=parse, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert rest == {0: 0, 1: 0}
 
 
 def test_float32_ties_finds_exact_halfway_doubles_only() -> None:
