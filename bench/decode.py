@@ -25,6 +25,11 @@ For each, in one process, the median of ``--runs`` runs of:
   GC paused (not a yardstick of the brief; it shows what the bulk design buys);
 - decoder, Arrow only (vector tables): ``Decoder(vector_fast_path=False)``, the path before
   `sink.vector_json` and the reference it is tested against;
+- decoder Nw (vector tables): as the sink runs it: batches of ~8 MiB decoded by N threads
+  sharing one decoder (``source.decode_workers``); "Arrow only" as above; "split adaptive"
+  and "split 0.25" (vector): each batch split between simdjson and Arrow's reader on a
+  helper thread (``Decoder(arrow_share=None | 0.25)``), the way to a second core while
+  simdjson holds the GIL;
 - (d) simdjson as_buffer (vector): pysimdjson per message, the vector copied as doubles
   with ``Array.as_buffer`` and cast to one float32 matrix per batch, scalars read, no
   checks: the fast path's parse ceiling;
@@ -53,6 +58,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,18 +161,30 @@ def _batches(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def run_decoder(data: Dataset, batch: int, fast: bool = True) -> Callable[[], int]:
-    decoder = Decoder(data.spec, SourceSettings(), vector_fast_path=fast)
+def run_decoder(
+    data: Dataset,
+    batch: int,
+    fast: bool = True,
+    share: float | None = 0.0,
+    workers: int = 1,
+) -> Callable[[], int]:
+    """`Decoder.decode` over the batches; with `workers` > 1 the batches are decoded by a
+    pool of that many threads sharing one decoder, as the sink's ``source.decode_workers``
+    do (several batches at once)."""
+    decoder = Decoder(data.spec, SourceSettings(), vector_fast_path=fast, arrow_share=share)
     batches = _batches(data.messages, batch)
+    pool = ThreadPoolExecutor(workers) if workers > 1 else None
+
+    def one(messages: Sequence[Any]) -> int:
+        out = decoder.decode(messages)
+        assert out.batch is not None
+        assert not out.dead_letters
+        return len(out.batch)
 
     def run() -> int:
-        rows = 0
-        for messages in batches:
-            out = decoder.decode(messages)
-            assert out.batch is not None
-            assert not out.dead_letters
-            rows += len(out.batch)
-        return rows
+        if pool is not None:
+            return sum(pool.map(one, batches))
+        return sum(map(one, batches))
 
     # Once outside the timing: the engine must accept what the decoder makes.
     data.spec.validate(decoder.decode(batches[0]).batch)
@@ -497,6 +515,24 @@ def main(argv: list[str] | None = None) -> int:
             paths["(c) naive orjson+pa.array"] = run_naive(data, args.batch)
         if data.spec.vector is not None:
             paths["decoder, Arrow only"] = run_decoder(data, args.batch, fast=False)
+            # As the sink runs it: batches of ~8 MiB (CONSUME_TARGET_BYTES) decoded by
+            # source.decode_workers threads sharing one decoder.
+            sink_batch = max(
+                1, min(args.batch, (8 << 20) // (data.payload_bytes // len(data.messages)))
+            )
+            for workers in (1, 2):
+                w = f"{workers}w"
+                paths[f"decoder {w}"] = run_decoder(data, sink_batch, workers=workers)
+                if data.name == "vector":
+                    paths[f"decoder {w} split adaptive"] = run_decoder(
+                        data, sink_batch, share=None, workers=workers
+                    )
+                    paths[f"decoder {w} split 0.25"] = run_decoder(
+                        data, sink_batch, share=0.25, workers=workers
+                    )
+                paths[f"decoder {w} Arrow only"] = run_decoder(
+                    data, sink_batch, fast=False, workers=workers
+                )
         if data.name == "vector":
             paths["(d) simdjson as_buffer"] = run_simdjson(data, args.batch)
             paths["(e) orjson->numpy row"] = run_into_numpy(data, args.batch, "orjson")

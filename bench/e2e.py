@@ -1,13 +1,15 @@
 """End-to-end benchmark: the real `lance-sink run` against tansu, next to its ceilings.
 
-    python -m bench.e2e [--small N] [--vectors N] [--avro N] [--repeat R] [--out FILE]
+    python -m bench.e2e [--small N] [--vectors N] [--base64 N] [--avro N] [--repeat R]
+        [--out FILE]
 
 For each data set (200-byte JSON messages; 384-dim vector JSON messages with ~200 chars of
-text; with ``--avro N``, the same records in Avro (Confluent wire format, confluent-kafka's
-`AvroSerializer`, schemas in the HTTP registry of `tests.support.registry`): small, and the
-vector as ``array<float>`` and as little-endian float32 ``bytes``) it pre-produces the
-messages into a tansu broker (memory storage), then measures in the same run, on the same
-data:
+text; with ``--base64 N``, the same vectors as base64 of little-endian float32 inside the
+JSON (``vector.encoding = "base64_f32"``); with ``--avro N``, the same records in Avro
+(Confluent wire format, confluent-kafka's `AvroSerializer`, schemas in the HTTP registry
+of `tests.support.registry`): small, and the vector as ``array<float>`` and as
+little-endian float32 ``bytes``) it pre-produces the messages into a tansu broker (memory
+storage), then measures in the same run, on the same data:
 
 - raw consume ceiling: a bare consumer reading every message (batch `consume()`);
 - raw decode ceiling: `sink.decode.Decoder` on those messages, nothing else;
@@ -24,6 +26,7 @@ Report: medians are not possible for a one-shot catch-up of a large backlog on a
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import re
@@ -90,6 +93,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: The vector data set with ``vector.encoding = "base64_f32"``.
+BASE64 = "vector-base64"
 AVRO_KINDS = ("avro-small", "avro-vec-array", "avro-vec-bytes")
 
 
@@ -131,6 +136,10 @@ def payloads(kind: str, n: int) -> list[bytes]:
     vectors = rng.standard_normal((n, DIM), dtype=np.float32).round(6)
     for i in range(n):
         text = " ".join(rng.choice(WORDS, 40))[:200]
+        if kind == BASE64:
+            vec = base64.b64encode(vectors[i].astype("<f4").tobytes()).decode()
+            out.append(orjson.dumps({"id": f"v-{i:09d}", "n": i, "text": text, "vec": vec}))
+            continue
         out.append(
             orjson.dumps(
                 {"id": f"v-{i:09d}", "n": i, "text": text, "vec": vectors[i]},
@@ -236,8 +245,10 @@ def write_config(
     ]
     if "vector" in table:
         v = table["vector"]
+        encoding = v.get("encoding", "json")
         lines.append(
-            f'vector = {{ column = "{v["column"]}", dim = {v["dim"]}, metric = "{v["metric"]}" }}'
+            f'vector = {{ column = "{v["column"]}", dim = {v["dim"]}, metric = "{v["metric"]}", '
+            f'encoding = "{encoding}" }}'
         )
     path.write_text("\n".join(lines) + "\n")
 
@@ -322,6 +333,14 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
+def sink_table(uri: str, kind: str) -> dict[str, Any]:
+    """The table of data set `kind` (the base64 set: the vector table, base64_f32)."""
+    table = table_settings(uri, "vec" in kind)
+    if kind == BASE64:
+        table["vector"]["encoding"] = "base64_f32"
+    return table
+
+
 def run_sink(
     bootstrap: str,
     topic: str,
@@ -330,11 +349,10 @@ def run_sink(
     workdir: Path,
     registry_url: str | None = None,
 ) -> dict[str, float]:
-    vector = "vec" in kind
     port = free_port()
     group = f"bench-{uuid.uuid4().hex[:6]}"
     config = workdir / "sink.toml"
-    table = table_settings(str(workdir / "t.lance"), vector)
+    table = sink_table(str(workdir / "t.lance"), kind)
     write_config(config, bootstrap, topic, group, table, port, registry_url)
     log = (workdir / "sink.log").open("wb")
     proc = subprocess.Popen(
@@ -411,6 +429,12 @@ def main() -> None:
         "weigh on its rate)",
     )
     parser.add_argument(
+        "--base64",
+        type=int,
+        default=200_000,
+        help="vector messages with the vector as base64 of little-endian float32; 0 = none",
+    )
+    parser.add_argument(
         "--avro",
         type=int,
         default=200_000,
@@ -441,12 +465,11 @@ def main() -> None:
         f"WAL flush {FLUSH_INTERVAL_MS} ms; medians of {args.repeat} alternating runs)"
     )
     try:
-        sets = [("small", args.small), ("vector", args.vectors)]
+        sets = [("small", args.small), ("vector", args.vectors), (BASE64, args.base64)]
         sets += [(kind, args.avro) for kind in AVRO_KINDS]
         for kind, n in sets:
             if n <= 0:
                 continue
-            vector = "vec" in kind
             avro = kind in AVRO_KINDS
             registry_url = registry.url if avro else None
             topic = f"bench-{kind}-{uuid.uuid4().hex[:6]}"
@@ -456,9 +479,7 @@ def main() -> None:
             del values
             what = "Avro" if avro else "JSON"
             report(f"\n## {kind}: {n} messages, {mb:.0f} MB of {what} ({mb * 1e6 / n:.0f} B each)")
-            spec = TableSpec.from_settings(
-                TableSettings.model_validate(table_settings("unused", vector))
-            )
+            spec = TableSpec.from_settings(TableSettings.model_validate(sink_table("unused", kind)))
             source = (
                 SourceSettings(format="avro", schema_registry={"url": registry.url})
                 if avro
