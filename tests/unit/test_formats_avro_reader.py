@@ -1,0 +1,162 @@
+"""`AvroFormat` reads framed payloads with fastavro directly (one parsed schema per id):
+it must give exactly the records and faults of confluent-kafka's `AvroDeserializer` called
+per message, on a corpus of several writer schemas, logical types, unions, maps, enums,
+fixed, bytes vectors, primitive schemas, GUID framing and bad payloads."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, date, datetime
+from decimal import Decimal
+from typing import Any
+
+import numpy as np
+import pytest
+from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+
+from config.settings import SchemaRegistrySettings
+from sink.formats.avro import AvroFormat
+from sink.formats.registry import build_client, decode_framed
+
+TOPIC = "corpus"
+
+META = {
+    "type": "record",
+    "name": "Meta",
+    "fields": [
+        {"name": "n", "type": "int"},
+        {"name": "price", "type": {"type": "bytes", "logicalType": "decimal", "precision": 9,
+                                   "scale": 2}},
+    ],
+}  # fmt: skip
+V1 = [
+    {"name": "id", "type": "string"},
+    {"name": "n", "type": ["null", "long"], "default": None},
+    {"name": "vec", "type": {"type": "array", "items": "float"}},
+]
+V2 = [
+    *V1,
+    {"name": "text", "type": ["null", "string"], "default": None},
+    {"name": "at", "type": {"type": "long", "logicalType": "timestamp-millis"}},
+    {"name": "at_us", "type": ["null", {"type": "long", "logicalType": "timestamp-micros"}]},
+    {"name": "day", "type": {"type": "int", "logicalType": "date"}},
+    {"name": "uid", "type": {"type": "string", "logicalType": "uuid"}},
+    {"name": "meta", "type": ["null", META], "default": None},
+    {"name": "color", "type": {"type": "enum", "name": "Color", "symbols": ["RED", "BLUE"]}},
+    {"name": "tags", "type": {"type": "map", "values": "int"}},
+    {"name": "blob", "type": {"type": "fixed", "name": "F2", "size": 2}},
+]
+V3 = [  # the vector as little-endian float32 bytes, n widened to double
+    {"name": "id", "type": "string"},
+    {"name": "n", "type": ["null", "double"], "default": None},
+    {"name": "vec", "type": "bytes"},
+    {"name": "ok", "type": "boolean"},
+]
+
+
+def record(fields: list[dict[str, Any]], name: str) -> str:
+    return json.dumps({"type": "record", "name": name, "fields": fields})
+
+
+def corpus() -> tuple[SchemaRegistryClient, list[bytes]]:
+    client = build_client(SchemaRegistrySettings(url=f"mock://{uuid.uuid4().hex}"))
+
+    def serializer(schema: str, topic: str = TOPIC) -> Any:
+        ser = AvroSerializer(client, schema)
+        context = SerializationContext(topic, MessageField.VALUE)
+        return lambda value: ser(value, context)
+
+    v1 = serializer(record(V1, "Doc"))
+    v2 = serializer(record(V2, "Doc"))
+    v3 = serializer(record(V3, "Doc"))
+    raw = serializer('"bytes"', "raw")
+    text = serializer('"string"', "text")
+    vec = np.arange(4, dtype="<f4") / 3
+    at = datetime(2026, 3, 1, 12, 0, 0, 123_999, tzinfo=UTC)
+    full = {
+        "id": "v2", "n": None, "vec": [0.5, -1.0], "text": "héllo", "at": at, "at_us": at,
+        "day": date(2026, 3, 2), "uid": str(uuid.UUID(int=7)),
+        "meta": {"n": 5, "price": Decimal("12.34")}, "color": "BLUE", "tags": {"a": 1},
+        "blob": b"\x01\x02",
+    }  # fmt: skip
+    good = [
+        v1({"id": "v1", "n": 3, "vec": [1.0, 2.5]}),
+        v2(full),
+        v2({**full, "id": "v2-nulls", "text": None, "at_us": None, "meta": None, "tags": {}}),
+        v3({"id": "v3", "n": 1.5, "vec": vec.tobytes(), "ok": True}),
+        v3({"id": "v3-odd", "n": None, "vec": vec.tobytes()[:6], "ok": False}),
+        raw(b"\x00\x01raw bytes"),
+        text("a plain string"),
+    ]
+    guid = client.get_latest_version(f"{TOPIC}-value").guid
+    by_guid = b"\x01" + uuid.UUID(guid).bytes + good[1][5:]
+    unknown_guid = b"\x01" + uuid.UUID(int=1).bytes + good[1][5:]
+    unknown_id = b"\x00\x00\x00\x03\xe7" + good[0][5:]  # schema id 999
+    bad_union = bytearray(good[0])
+    bad_union[5 + 1 + len("v1")] = 0x08  # union branch 4 of a 2-branch union
+    bad_utf8 = bytearray(good[0])
+    bad_utf8[6:8] = b"\xff\xfe"  # the id's characters
+    bad = [
+        b"",
+        b'{"id": "json"}',
+        b"\x02" + good[0][1:],  # an unknown magic byte
+        good[0][:5],  # the framing alone
+        good[1][:-7],  # truncated
+        good[0] + b"trailing",  # decodes, as with the deserializer
+        unknown_id,
+        bytes(bad_union),
+        bytes(bad_utf8),
+        by_guid,
+        unknown_guid,
+        good[3][:5] + b"\x80",  # a varint that never ends
+    ]
+    # Interleaved, with repeats, so cached readers and per-call faults are both exercised.
+    payloads = [p for pair in zip(good + good, bad + bad[:2], strict=False) for p in pair]
+    return client, payloads + bad + good
+
+
+def reference(client: SchemaRegistryClient, payloads: list[bytes]) -> Any:
+    """What confluent-kafka's AvroDeserializer, called per message, gives."""
+    deserializer = AvroDeserializer(client)
+    return decode_framed(payloads, lambda payload: deserializer(payload, None), "Avro")
+
+
+def test_fast_reads_match_the_deserializer() -> None:
+    client, payloads = corpus()
+    expected = reference(client, payloads)
+    fmt = AvroFormat(client)
+    for _ in range(2):  # the second call reads with the readers cached per schema id
+        positions, records, faults = fmt.records(payloads)
+        assert positions == expected[0]
+        assert records == expected[1]
+        assert faults == expected[2]
+    reasons = {reason for reason, _ in faults.values()}
+    assert reasons == {"missing_magic_byte", "unknown_schema_id", "not_matching_schema"}
+    # The corpus reaches every kind of value it is meant to.
+    decoded = {r["id"] if isinstance(r, dict) else r for r in records}
+    assert {"v1", "v2", "v2-nulls", "v3", "v3-odd", b"\x00\x01raw bytes"} <= decoded
+    assert "a plain string" in decoded
+    assert sum(1 for r in records if isinstance(r, dict) and r["id"] == "v2") == 5  # + GUID
+
+
+def test_the_registry_is_asked_once_per_schema_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per message the deserializer looked each schema up in the client; the reader is kept
+    per id, so a batch of many messages asks the client once per id."""
+    client, payloads = corpus()
+    asked: list[int] = []
+    get_schema = client.get_schema
+
+    def counting(schema_id: int, *args: Any, **kwargs: Any) -> Any:
+        asked.append(schema_id)
+        return get_schema(schema_id, *args, **kwargs)
+
+    monkeypatch.setattr(client, "get_schema", counting)
+    fmt = AvroFormat(client)
+    fmt.records(payloads * 10)
+    fmt.records(payloads)
+    known = sorted(set(asked) - {999})
+    assert sorted(asked) == sorted([*known, 999, 999])  # 999 is unknown: asked per call
+    assert len(known) == 5  # v1, v2, v3, "bytes", "string"
