@@ -32,10 +32,11 @@ from __future__ import annotations
 import binascii
 import datetime as dt
 import decimal
+import itertools
 import math
 import uuid
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import numpy as np
 import pyarrow as pa
@@ -116,10 +117,9 @@ def lookup(record: Any, path: Sequence[str]) -> tuple[Any, str | None]:
 def column_values(records: Sequence[Any], path: Sequence[str]) -> tuple[list[Any], dict[int, str]]:
     """The values at `path` in every record, and what stands in the way, by position."""
     if len(path) == 1:
-        name = path[0]
-        try:
-            return [r.get(name) for r in records], {}
-        except AttributeError:
+        try:  # one C loop: ~3x faster than a comprehension calling r.get
+            return list(map(dict.get, records, itertools.repeat(path[0]))), {}
+        except TypeError:
             pass  # a record that is not a dict: the general path says where
     values: list[Any] = []
     problems: dict[int, str] = {}
@@ -179,7 +179,10 @@ def _vectors_from_bytes(
 ) -> tuple[pa.Array, dict[int, Fault]]:
     """Little-endian float32 bytes per row as a list<float32> column: one join, one view."""
     faults: dict[int, Fault] = {}
-    lengths = np.fromiter((-1 if v is None else len(v) for v in values), np.int64, len(values))
+    try:  # no nulls (the usual case): a C loop over the lengths
+        lengths = np.fromiter(map(len, cast("list[bytes]", values)), np.int64, len(values))
+    except TypeError:
+        lengths = np.fromiter((-1 if v is None else len(v) for v in values), np.int64, len(values))
     for pos in np.flatnonzero((lengths > 0) & (lengths % 4 != 0)).tolist():
         faults[pos] = (
             "wrong_vector_dimension",
@@ -190,7 +193,10 @@ def _vectors_from_bytes(
         )
         lengths[pos] = -1
     valid = lengths >= 0
-    data = b"".join(v for v, ok in zip(values, valid.tolist(), strict=True) if ok and v)
+    if faults or not valid.all():
+        data = b"".join(v for v, ok in zip(values, valid.tolist(), strict=True) if ok and v)
+    else:
+        data = b"".join(cast("list[bytes]", values))
     flat = np.frombuffer(data, dtype="<f4")
     offsets = np.zeros(len(values) + 1, np.int32)
     np.cumsum(np.where(valid, lengths, 0) // 4, out=offsets[1:])
