@@ -161,6 +161,8 @@ def to_column(
         if problem is not None:
             faults[pos] = ("wrong_type", f"{describe} {problem}")
             converted = None
+            if type_name == "vector" and isinstance(value, bytes):
+                faults[pos] = _bytes_dimension_fault(len(value), describe)
         out.append(converted)
     if type_name == "vector":
         return _vector_list(out), faults
@@ -184,13 +186,7 @@ def _vectors_from_bytes(
     except TypeError:
         lengths = np.fromiter((-1 if v is None else len(v) for v in values), np.int64, len(values))
     for pos in np.flatnonzero((lengths > 0) & (lengths % 4 != 0)).tolist():
-        faults[pos] = (
-            "wrong_vector_dimension",
-            (
-                f"vector {describe} is {int(lengths[pos])} bytes, not a whole number of "
-                "float32 components"
-            ),
-        )
+        faults[pos] = _bytes_dimension_fault(int(lengths[pos]), describe)
         lengths[pos] = -1
     valid = lengths >= 0
     if faults or not valid.all():
@@ -204,6 +200,15 @@ def _vectors_from_bytes(
         pa.array(offsets), pa.array(flat, pa.float32()), mask=pa.array(~valid)
     )
     return arr, faults
+
+
+def _bytes_dimension_fault(size: int, describe: str) -> Fault:
+    """A vector given as bytes that are not whole float32 components (the same fault
+    whether its column is all bytes or mixes bytes and arrays)."""
+    return (
+        "wrong_vector_dimension",
+        f"vector {describe} is {size} bytes, not a whole number of float32 components",
+    )
 
 
 def _vector_list(values: list[list[float] | None]) -> pa.Array:

@@ -18,8 +18,10 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerialize
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from config.settings import SchemaRegistrySettings
+from sink import formats
 from sink.formats.avro import AvroFormat
 from sink.formats.registry import build_client, decode_framed
+from tests.unit.test_decode import Msg, decode, spec_for
 
 TOPIC = "corpus"
 
@@ -61,8 +63,9 @@ def record(fields: list[dict[str, Any]], name: str) -> str:
     return json.dumps({"type": "record", "name": name, "fields": fields})
 
 
-def corpus() -> tuple[SchemaRegistryClient, list[bytes]]:
-    client = build_client(SchemaRegistrySettings(url=f"mock://{uuid.uuid4().hex}"))
+def corpus(url: str | None = None) -> tuple[SchemaRegistryClient, list[bytes]]:
+    """Payloads written into the mock registry at `url` (a new one if None)."""
+    client = build_client(SchemaRegistrySettings(url=url or f"mock://{uuid.uuid4().hex}"))
 
     def serializer(schema: str, topic: str = TOPIC) -> Any:
         ser = AvroSerializer(client, schema)
@@ -160,3 +163,32 @@ def test_the_registry_is_asked_once_per_schema_id(monkeypatch: pytest.MonkeyPatc
     known = sorted(set(asked) - {999})
     assert sorted(asked) == sorted([*known, 999, 999])  # 999 is unknown: asked per call
     assert len(known) == 5  # v1, v2, v3, "bytes", "string"
+
+
+def test_chunked_decoding_gives_the_rows_and_dead_letters_of_one_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`parse_records` decodes a batch in chunks (CPU caches): the rows, column faults and
+    dead letters must be those of one pass over the whole batch."""
+    reg = {"url": f"mock://{uuid.uuid4().hex}"}
+    _, payloads = corpus(reg["url"])
+    spec = spec_for(
+        [
+            {"name": "id", "type": "string", "nullable": False},
+            {"name": "n", "type": "int64"},  # v3 writes a double: a column fault
+            {"name": "text", "type": "string"},
+            {"name": "at", "type": "timestamp"},
+            {"name": "color", "type": "string"},
+        ],
+        dim=2,  # v3's bytes vectors have 4 components: dead letters
+    )
+    messages = [Msg(v, 100 + i) for i, v in enumerate(payloads * 3)]
+    results = []
+    for chunk in (10**9, 7):
+        monkeypatch.setattr(formats, "_CHUNK", chunk)
+        out, rows = decode(spec, messages, format="avro", schema_registry=reg)
+        results.append((rows, [(d.offset, d.reason, d.detail) for d in out.dead_letters]))
+    assert results[1] == results[0]
+    rows, dead = results[0]
+    assert len(rows) > 10
+    assert {"wrong_type", "wrong_vector_dimension", "not_an_object"} <= {r for _, r, _ in dead}
