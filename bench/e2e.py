@@ -1,15 +1,15 @@
 """End-to-end benchmark: the real `lance-sink run` against tansu, next to its ceilings.
 
-    python -m bench.e2e [--small N] [--vectors N] [--base64 N] [--avro N] [--repeat R]
-        [--out FILE]
+    python -m bench.e2e [--small N] [--vectors N] [--base64 N] [--avro-small N]
+        [--avro-vec-bytes N] [--avro-vec-array N] [--avro N] [--repeat R] [--out FILE]
 
 For each data set (200-byte JSON messages; 384-dim vector JSON messages with ~200 chars of
 text; with ``--base64 N``, the same vectors as base64 of little-endian float32 inside the
-JSON (``vector.encoding = "base64_f32"``); with ``--avro N``, the same records in Avro
-(Confluent wire format, confluent-kafka's `AvroSerializer`, schemas in the HTTP registry
-of `tests.support.registry`): small, and the vector as ``array<float>`` and as
-little-endian float32 ``bytes``) it pre-produces the messages into a tansu broker (memory
-storage), then measures in the same run, on the same data:
+JSON (``vector.encoding = "base64_f32"``); the same records in Avro (Confluent wire format,
+confluent-kafka's `AvroSerializer`, schemas in the HTTP registry of
+`tests.support.registry`): small, and the vector as ``array<float>`` and as little-endian
+float32 ``bytes``) it pre-produces the messages into a tansu broker (memory storage), then
+measures in the same run, on the same data:
 
 - raw consume ceiling: a bare consumer reading every message (batch `consume()`);
 - raw decode ceiling: `sink.decode.Decoder` on those messages, nothing else;
@@ -435,10 +435,29 @@ def main() -> None:
         help="vector messages with the vector as base64 of little-endian float32; 0 = none",
     )
     parser.add_argument(
+        "--avro-small",
+        type=int,
+        default=1_000_000,
+        help="small Avro messages (as many as the JSON small set: a run lasts ~8 s); 0 = none",
+    )
+    parser.add_argument(
+        "--avro-vec-bytes",
+        type=int,
+        default=400_000,
+        help="Avro messages with the vector as float32 bytes (a run lasts ~6 s); 0 = none",
+    )
+    parser.add_argument(
+        "--avro-vec-array",
+        type=int,
+        default=60_000,
+        help="Avro messages with the vector as array<float> (fastavro decodes ~7k/s per "
+        "core: a run lasts ~9 s); 0 = none",
+    )
+    parser.add_argument(
         "--avro",
         type=int,
-        default=200_000,
-        help="messages per Avro data set (small, vector array, vector bytes); 0 = none",
+        default=None,
+        help="messages for each of the three Avro data sets (overrides the three above)",
     )
     parser.add_argument(
         "--repeat",
@@ -466,7 +485,11 @@ def main() -> None:
     )
     try:
         sets = [("small", args.small), ("vector", args.vectors), (BASE64, args.base64)]
-        sets += [(kind, args.avro) for kind in AVRO_KINDS]
+        avro = [args.avro_small, args.avro_vec_array, args.avro_vec_bytes]
+        sets += [
+            (kind, args.avro if args.avro is not None else n)
+            for kind, n in zip(AVRO_KINDS, avro, strict=True)
+        ]
         for kind, n in sets:
             if n <= 0:
                 continue
