@@ -39,9 +39,11 @@ For each, in one process, the median of ``--runs`` runs of:
 Avro (``--avro N`` messages per data set, 0 = skip), in the Confluent wire format from
 confluent-kafka's `AvroSerializer` into its in-process ``mock://`` registry: small records
 (the same fields), and 384-dim vectors as ``array<float>`` and as ``bytes`` holding
-little-endian float32. Paths: the decoder (``source.format = "avro"``), and (f) fastavro's
+little-endian float32. Paths: the decoder (``source.format = "avro"``), (f) fastavro's
 ``schemaless_reader`` per message after the 5-byte header, results dropped (the per-message
-decoding ceiling; the vector-as-bytes form then leaves only a ``numpy.frombuffer``).
+decoding ceiling; the vector-as-bytes form then leaves only a ``numpy.frombuffer``), and (g)
+confluent-kafka's ``AvroDeserializer`` per message, results dropped (what the decoder
+called per message before it read with fastavro directly).
 
 Runs interleave the paths so drift on a shared machine hits all alike; on the 2-core VM
 used so far, threaded paths still vary by up to ~30% between processes.
@@ -474,6 +476,23 @@ def run_fastavro(data: Dataset, schema: str) -> Callable[[], int]:
     return run
 
 
+def run_avro_deserializer(data: Dataset, source: SourceSettings) -> Callable[[], int]:
+    from confluent_kafka.schema_registry.avro import AvroDeserializer  # noqa: PLC0415
+
+    from sink.formats.registry import build_client  # noqa: PLC0415
+
+    assert source.schema_registry is not None
+    deserializer = AvroDeserializer(build_client(source.schema_registry))
+    values = [m.value() for m in data.messages]
+
+    def run() -> int:
+        for v in values:
+            deserializer(v, None)
+        return len(values)
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__)
     parser.add_argument("--runs", type=int, default=5)
@@ -554,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         results = measure(
             {
                 "(f) fastavro/msg": run_fastavro(data, schema),
+                "(g) AvroDeserializer/msg": run_avro_deserializer(data, source),
                 "decoder": run_avro_decoder(data, source, args.batch),
             },
             args.runs,
@@ -561,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         base_f = results["(f) fastavro/msg"][0]
         for label, (seconds, rows) in results.items():
             lines.append(
-                f"{data.name:<14} {label:<18} {rows / seconds:>12,.0f} {mb / seconds:>8.1f} "
+                f"{data.name:<14} {label:<24} {rows / seconds:>12,.0f} {mb / seconds:>8.1f} "
                 f"{seconds:>8.3f} {base_f / seconds:>6.2f}x (vs f)"
             )
         avg = data.payload_bytes / len(data.messages)
