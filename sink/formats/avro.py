@@ -59,6 +59,10 @@ class AvroFormat:
     def __init__(self, client: SchemaRegistryClient) -> None:
         self._client = client
         self._deserializer = AvroDeserializer(client)
+        # The deserializer's own parser, cached per schema (named references resolve as they
+        # do there). A private method: taken here so that a confluent-kafka release without
+        # it fails at start-up rather than dead-lettering every message.
+        self._parse = self._deserializer._get_parsed_schema
         #: A reader per schema id that has been fetched and parsed. Ids the registry did not
         #: know are not kept: the id may be registered later.
         self._readers: dict[int, _Reader] = {}
@@ -167,11 +171,8 @@ class AvroFormat:
         if reader is not None:
             return reader
         try:
-            # The same calls AvroDeserializer makes for a message: the client's cached
-            # schema, parsed with its named references by the deserializer's own method
-            # (private, but the one place that parsing is done; the tests compare records).
-            schema = self._client.get_schema(schema_id)
-            parsed = self._deserializer._get_parsed_schema(schema)
+            # The same calls AvroDeserializer makes for a message (the tests compare records).
+            parsed = self._parse(self._client.get_schema(schema_id))
         except Exception as exc:  # noqa: BLE001 - every failure is sorted by classify
             return classify(exc, payload, self.name)
         reader = self._readers[schema_id] = _Reader(parsed)
