@@ -7,10 +7,10 @@ it once per id (and caches it), and it is parsed once per id, by confluent-kafka
 message then decodes with fastavro's ``schemaless_reader`` against that parsed schema,
 which is what `AvroDeserializer` does underneath. The deserializer itself is called per
 message only for payloads that name their schema by GUID (magic byte 1): per message it
-costs ~3x the fastavro read itself (it looks the schema up in the client, rebuilds the
+costs up to ~3x the fastavro read itself (it looks the schema up in the client, rebuilds the
 framing reader and expands the schema for rules on every call), and with no
 serialization context (the sink has none) it applies no rules, migrations or ``from_dict``,
-so the direct read gives the same records. `tests/unit/test_formats_avro.py` checks
+so the direct read gives the same records. `tests/unit/test_formats_avro_reader.py` checks
 records and dead letters against the deserializer on a corpus of several schema versions,
 logical types, unions, bytes and bad payloads.
 
