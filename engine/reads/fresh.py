@@ -5,9 +5,10 @@ version V, the shards it believes this process holds with their epochs, the quer
 its parameters) and answers with the same code the local query runs on its memtables:
 
 - `vector`: the k nearest visible rows (`VectorSearch.memtable_part`);
-- `text_stats`, then `text`: the corpus statistics of the query terms, then the k best
-  rows scored with the coordinator's statistics over the whole corpus
-  (`TextSearch.memtable_terms`, `memtable_part`);
+- `text`: the corpus statistics of the query terms in its memtables, and its k best rows
+  ranked with the statistics the coordinator sends (an estimate, or the exact ones when
+  it asks again), with their term frequencies and lengths and the frontier of the rows
+  not returned (`TextSearch.owner_part`; see `engine.reads.text`);
 - `scan`: up to `limit` visible rows matching the filter (`scan.tier_rows`);
 - `lookup`: the visible rows of the keys (`Lookup.memtable_part`);
 - `decides`: for each key, whether a memtable holds it (an upsert or a delete), so the
@@ -34,7 +35,7 @@ from engine.memtable import key_values
 from engine.reads import snapshot as snapshots
 from engine.reads.context import ReadContext
 from engine.reads.lookup import Lookup
-from engine.reads.merge import DISTANCE, SCORE, top
+from engine.reads.merge import DISTANCE, top
 from engine.reads.remote import pack, unpack
 from engine.reads.scan import tier_rows
 from engine.reads.snapshot import Snapshot
@@ -99,11 +100,6 @@ class FreshServer:
         if kind == "decides":
             hidden = snap.local_hidden(key_values(keys, self.spec.primary_key))
             return pa.table({"decided": pa.array(hidden, pa.bool_())}), {}
-        if kind == "text_stats":
-            terms = [str(t) for t in meta["terms"]]
-            mem = self.text.memtable_terms(snap.tiers, str(meta["column"]), terms)
-            stats = {"documents": mem.documents, "length": mem.length, "df": mem.df}
-            return pa.table({}), stats
         fetch = ctx.columns(meta["fetch"])
         if kind == "lookup":
             wanted = key_values(keys, self.spec.primary_key)
@@ -118,13 +114,25 @@ class FreshServer:
             return self._one([top(parts, DISTANCE, k, ascending=True)], fetch, DISTANCE), {}
         if kind == "text":
             column = str(meta["column"])
+            terms = [str(t) for t in meta["terms"]]
             words = [(str(t), int(p)) for t, p in meta["words"]]
             idf = {str(t): float(v) for t, v in meta["idf"].items()}
-            mem = self.text.memtable_terms(snap.tiers, column, list(idf))
-            parts = self.text.memtable_part(
-                mem, words, bool(meta["phrase"]), idf, float(meta["avgdl"]), predicate, k, fetch
+            if set(terms) != set(idf) or {t for t, _ in words} - set(terms):
+                raise QueryError("malformed fan-out request: terms, words and idf disagree")
+            mem = self.text.memtable_terms(snap.tiers, column, terms)
+            table, best = self.text.owner_part(
+                mem,
+                terms,
+                words,
+                bool(meta["phrase"]),
+                idf,
+                float(meta["avgdl"]),
+                predicate,
+                k,
+                fetch,
             )
-            return self._one([top(parts, SCORE, k, ascending=False)], fetch, SCORE), {}
+            stats = {"documents": mem.documents, "length": mem.length, "df": mem.df}
+            return table, {**stats, "frontier": best}
         raise QueryError(f"unknown fan-out request kind {kind!r}")
 
     def _one(self, parts: list[pa.Table], fetch: list[str], extra: str | None) -> pa.Table:

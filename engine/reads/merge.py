@@ -30,6 +30,21 @@ class Candidates:
     values: np.ndarray
 
 
+def select(
+    candidates: list[Candidates], k: int, *, ascending: bool
+) -> list[tuple[Candidates, np.ndarray]]:
+    """The k best of `candidates` (by value): each candidate holding some, with the
+    positions (into its `rows`) of its winners."""
+    if not candidates:
+        return []
+    values = np.concatenate([c.values for c in candidates])
+    owner = np.repeat(np.arange(len(candidates)), [len(c.rows) for c in candidates])
+    positions = np.concatenate([np.arange(len(c.rows)) for c in candidates])
+    key = values if ascending else -values.astype(np.float64)
+    best = np.argpartition(key, k - 1)[:k] if len(key) > k else np.arange(len(key))
+    return [(candidates[int(c)], positions[best[owner[best] == c]]) for c in np.unique(owner[best])]
+
+
 def materialise(
     candidates: list[Candidates],
     k: int,
@@ -41,17 +56,8 @@ def materialise(
     """The rows of the k best memtable candidates (by `column` value), one table per
     batch they come from. Only winners are taken from their batches: with hundreds of
     small batches in a memtable, building a table per batch dominated a query."""
-    if not candidates:
-        return []
-    values = np.concatenate([c.values for c in candidates])
-    owner = np.repeat(np.arange(len(candidates)), [len(c.rows) for c in candidates])
-    positions = np.concatenate([np.arange(len(c.rows)) for c in candidates])
-    key = values if ascending else -values.astype(np.float64)
-    best = np.argpartition(key, k - 1)[:k] if len(key) > k else np.arange(len(key))
     out = []
-    for c in np.unique(owner[best]):
-        mine = positions[best[owner[best] == c]]
-        cand = candidates[int(c)]
+    for cand, mine in select(candidates, k, ascending=ascending):
         table = cand.tier.take(cand.batch, cand.rows[mine], fetch)
         out.append(table.append_column(column, pa.array(cand.values[mine], pa.float32())))
     return out

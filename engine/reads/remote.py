@@ -231,12 +231,18 @@ class RemoteTier:
     def shards(self) -> int:
         return sum(len(g) for g in self.groups.values())
 
-    def start(self, meta: dict[str, Any], keys: pa.Table | None = None) -> PendingAsk:
-        """Send `meta` (and `keys`) to every owner pod that has not failed this query."""
+    def start(
+        self,
+        meta: dict[str, Any],
+        keys: pa.Table | None = None,
+        only: set[str] | None = None,
+    ) -> PendingAsk:
+        """Send `meta` (and `keys`) to every owner pod (or those of `only`, by URL) that
+        has not failed this query."""
         futures: dict[str, Future[bytes]] = {}
         deadline = time.monotonic() + self.timeout_s
         for url, shards in self.groups.items():
-            if url in self._failed:
+            if url in self._failed or (only is not None and url not in only):
                 continue
             request = {
                 **meta,

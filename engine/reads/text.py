@@ -10,6 +10,21 @@ cover yet are scored from the memtables this process flushed into them
 the indexed fragments only; otherwise Lance searches the whole base (flat where
 unindexed).
 
+Across pods (fan-out) the statistics include the other pods' memtables, and the scores are
+exactly those of one process holding every shard, in one round trip per owner pod:
+
+1. the coordinator sends each owner an estimate of the statistics (`TextSearch._hint`:
+   the base's, plus the memtables' totals as its last fan-out text query found them);
+2. the owner answers with its memtables' statistics and its `REMOTE_CANDIDATES` * k best
+   rows ranked by the estimate, each with its term frequencies and length, and the
+   `frontier` of the rows it did not return (`TextSearch.owner_part`);
+3. the coordinator adds up the exact statistics, scores every returned row with them (the
+   same sums as a local memtable row: `rescore`) and merges. A BM25 score grows with each
+   term frequency and shrinks with the length, so the frontier's best score under the
+   exact statistics bounds every row not returned (`frontier_best`); an owner whose bound
+   beats the k-th score is asked again with the exact statistics (a second round trip,
+   for that owner only, when the estimate was far off).
+
 Lifecycle: one `TextSearch` per reader. The first query starts the background tokenizer
 (a daemon thread that tokenises new memtable batches every `TOKENIZE_INTERVAL_S`); `close`
 stops it (idempotent; queries then tokenise inline).
@@ -19,12 +34,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import lance
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import structlog
 from lance.query import MatchQuery, PhraseQuery
 
 from engine import fts
@@ -32,11 +49,13 @@ from engine.errors import LanceSinkError
 from engine.filters import Predicate, QueryError, UnknownColumn
 from engine.periodic import PeriodicThread
 from engine.reads.context import ReadContext
-from engine.reads.merge import SCORE, Candidates, materialise, top
-from engine.reads.remote import FanoutReport
+from engine.reads.merge import SCORE, Candidates, materialise, select, top
+from engine.reads.remote import FanoutReport, RemoteAnswer, RemoteTier
 from engine.reads.snapshot import SCAN_BATCH_READAHEAD, SCAN_IO_BUFFER_BYTES, Snapshot
 from engine.reads.tiers import FLUSHED_TIER, FlushedTier, MemtableTier
 from engine.unindexed import FlushedText, covered_fragments
+
+log = structlog.get_logger("lance_sink.reader")
 
 #: avgdl of the base for BM25 is estimated from this many of its documents (per version).
 AVGDL_SAMPLE_ROWS = 2_000
@@ -56,6 +75,22 @@ DF_WAIT_S = 0.05
 #: ~30k rows/s a query then finds at most ~750 rows (~6 ms of tokenising) not tokenised
 #: yet; a look costs one view per shard, microseconds for an append table.
 TOKENIZE_INTERVAL_S = 0.025
+#: An owner pod answers a fan-out text query with this many times k rows, ranked by the
+#: coordinator's estimate of the corpus statistics (`TextSearch._hint`): the coordinator
+#: scores them with the exact statistics and asks again only when a row not returned
+#: might beat its k-th (`frontier_best`). The estimate is off by the memtables' change
+#: since the last query, so the exact top k is almost always among the first 2k.
+REMOTE_CANDIDATES = 2
+#: Terms whose memtable document frequency `_hint` remembers per column (then it starts
+#: over): a few hundred KiB at most.
+HINT_TERMS = 10_000
+#: Columns of an owner pod's text answer besides `_score`: each row's frequency of every
+#: query term (in the request's `terms` order) and its length in tokens.
+TERM_FREQUENCIES = "_bm25_tf"
+DOC_LENGTH = "_bm25_dl"
+#: `frontier` compares its points pairwise only up to this many (a few MB of booleans);
+#: past it, the points are sent as they are (still a valid bound, only longer).
+FRONTIER_PAIRWISE_MAX = 1_024
 
 
 @dataclass
@@ -91,6 +126,9 @@ class TextSearch:
         self.tokenizer = PeriodicThread(
             "reader-tokenizer", TOKENIZE_INTERVAL_S, self._tokenize_once, "reader_tokenize_failed"
         )
+        #: Memtable totals (documents, tokens, df per term) per column, as the last
+        #: fan-out text query found them: its estimate for the next (`_hint`).
+        self._mem_totals: dict[str, tuple[int, int, dict[str, int]]] = {}
         self.flushed_text: FlushedText | None = None
         if self.spec.fts_columns and room is not None:
             self.flushed_text = FlushedText(
@@ -160,44 +198,49 @@ class TextSearch:
             base = ctx.meanwhile(
                 self._text_base, snap, text, column, phrase, predicate, k, fetch, held is not None
             )
+            n_base, avgdl_base, _, _ = self.base_text_stats(snap.base, column)
+            base_df = {t: self.base_df(snap.base, column, t) for t in terms}
             remote = snap.remote
-            stats = None
-            if remote is not None:  # their memtables count in the corpus statistics too
-                stats = remote.start({"kind": "text_stats", "column": column, "terms": terms})
+            request: dict[str, Any] = {
+                "kind": "text",
+                "column": column,
+                "terms": terms,
+                "words": words,
+                "phrase": phrase,
+                "filter": None if predicate is None else predicate.text,
+                "fetch": fetch,
+            }
+            pending = None
+            if remote is not None:  # one round trip: ranked by an estimate, see `remote_text`
+                hint_idf, hint_avgdl = self._hint(column, terms, n_base, avgdl_base, base_df)
+                pending = remote.start(
+                    {
+                        **request,
+                        "idf": hint_idf,
+                        "avgdl": hint_avgdl,
+                        "k": min(k * REMOTE_CANDIDATES, self.ctx.settings.max_k),
+                    }
+                )
             mem = self.memtable_terms([*snap.tiers, *flushed], column, terms)
             documents, length, df = mem.documents, mem.length, dict(mem.df)
-            for answer in [] if stats is None else stats.result():
+            answers = [] if pending is None else pending.result()
+            for answer in answers:  # their memtables count in the corpus statistics too
                 documents += int(answer.meta["documents"])
                 length += int(answer.meta["length"])
                 for t in terms:
                     df[t] += int(answer.meta["df"].get(t, 0))
+            if remote is not None:
+                self._remember(column, documents, length, df)
 
-            n_base, avgdl_base, _, _ = self.base_text_stats(snap.base, column)
             n_total = n_base + documents
             avgdl = (avgdl_base * n_base + length) / n_total if n_total else 1.0
-            term_idf = {
-                t: fts.idf(n_total, self.base_df(snap.base, column, t) + df[t]) for t in terms
-            }
-            rows = None
-            if remote is not None:
-                rows = remote.start(
-                    {
-                        "kind": "text",
-                        "column": column,
-                        "words": words,
-                        "phrase": phrase,
-                        "idf": term_idf,
-                        "avgdl": avgdl,
-                        "k": k,
-                        "filter": None if predicate is None else predicate.text,
-                        "fetch": fetch,
-                    }
-                )
+            term_idf = {t: fts.idf(n_total, base_df[t] + df[t]) for t in terms}
             parts = self.memtable_part(mem, words, phrase, term_idf, avgdl, predicate, k, fetch)
-            if rows is not None:
-                parts.extend(snap.remote_rows(rows.result()))
             parts.append(base.result())
-            return top(parts, SCORE, k, ascending=False)
+            if remote is None:
+                return top(parts, SCORE, k, ascending=False)
+            exact = {"idf": term_idf, "avgdl": avgdl, "k": k}
+            return self._merge_remote(snap, remote, parts, answers, {**request, **exact}, k)
 
         merged = ctx.run(run, report)
         return ctx.finish("text", started, [merged], out_cols, SCORE)
@@ -245,18 +288,149 @@ class TextSearch:
         fetch: list[str],
     ) -> list[pa.Table]:
         """The k best visible rows of the tiers (`fetch` columns and `_score`) by BM25 with
-        the given corpus statistics. The owner pod of a fan-out read answers with this too
-        (`engine.reads.fresh`), scored with the coordinator's statistics."""
+        the given corpus statistics."""
         candidates: list[Candidates] = []
         for tier, i, live, bt, vocab, tfs in mem.batches:
-            found = self._bm25_batch(
-                tier, i, live, bt, vocab, tfs, words, phrase, term_idf, avgdl, predicate, k
-            )
+            scored = self._scored(tier, i, live, bt, vocab, tfs, words, phrase, term_idf, avgdl)
+            if scored is None:
+                continue
+            found = self._best_visible(tier, i, *scored, predicate, k)
             if found is not None:
                 candidates.append(found)
         return materialise(candidates, k, fetch, SCORE, ascending=False)
 
-    def _bm25_batch(
+    def owner_part(
+        self,
+        mem: MemtableTerms,
+        terms: list[str],
+        words: list[tuple[str, int]],
+        phrase: bool,
+        term_idf: dict[str, float],
+        avgdl: float,
+        predicate: Predicate | None,
+        k: int,
+        fetch: list[str],
+    ) -> tuple[pa.Table, list[list[int]]]:
+        """An owner pod's answer to a fan-out text query (`engine.reads.fresh`): its k best
+        visible rows by BM25 with the given statistics (the coordinator's estimate or its
+        exact statistics), each with its term frequencies (`TERM_FREQUENCIES`, in `terms`
+        order) and length (`DOC_LENGTH`), so the coordinator scores them with the exact
+        statistics; and the frontier of the rows not returned (`frontier`), so it knows the
+        best score any of them can have."""
+        candidates: list[Candidates] = []
+        qualifying: list[tuple[Candidates | None, np.ndarray, fts.BatchTerms, dict[str, Any]]] = []
+        for tier, i, live, bt, vocab, tfs in mem.batches:
+            scored = self._scored(tier, i, live, bt, vocab, tfs, words, phrase, term_idf, avgdl)
+            if scored is None:
+                continue
+            score, mask = scored
+            if predicate is not None and mask.any():
+                mask = mask & tier.matched(predicate, i)
+            found = self._best_visible(tier, i, score, mask, None, k)
+            if found is not None:
+                candidates.append(found)
+            qualifying.append((found, np.flatnonzero(mask), bt, tfs))
+        fields = [self.spec.table_schema.field(c) for c in fetch]
+        schema = pa.schema(
+            [
+                *fields,
+                pa.field(SCORE, pa.float32()),
+                pa.field(TERM_FREQUENCIES, pa.list_(pa.int32(), len(terms))),
+                pa.field(DOC_LENGTH, pa.int32()),
+            ]
+        )
+        tables = []
+        returned: dict[int, np.ndarray] = {}
+        terms_of = {id(q[0]): (q[2], q[3]) for q in qualifying if q[0] is not None}
+        for cand, mine in select(candidates, k, ascending=False):
+            rows = cand.rows[mine]
+            returned[id(cand)] = rows
+            bt, tfs = terms_of[id(cand)]
+            tf = _tf_matrix(tfs, terms, rows, len(bt.doc_len))
+            table = cand.tier.take(cand.batch, rows, fetch)
+            table = table.append_column(SCORE, pa.array(cand.values[mine], pa.float32()))
+            flat = pa.array(tf.reshape(-1), pa.int32())
+            table = table.append_column(
+                TERM_FREQUENCIES, pa.FixedSizeListArray.from_arrays(flat, len(terms))
+            )
+            table = table.append_column(DOC_LENGTH, pa.array(bt.doc_len[rows], pa.int32()))
+            tables.append(table.select(schema.names).cast(schema))
+        signatures = []
+        for found, matching, bt, tfs in qualifying:
+            rows = matching
+            if found is not None and id(found) in returned:
+                rows = np.setdiff1d(matching, returned[id(found)], assume_unique=True)
+            if len(rows):
+                tf = _tf_matrix(tfs, terms, rows, len(bt.doc_len))
+                signatures.append(np.column_stack([tf, bt.doc_len[rows]]))
+        table = pa.concat_tables(tables) if tables else schema.empty_table()
+        best = frontier(np.concatenate(signatures)) if signatures else np.empty((0, 0))
+        return table, best.astype(np.int64).tolist()
+
+    def _merge_remote(
+        self,
+        snap: Snapshot,
+        remote: RemoteTier,
+        parts: list[pa.Table],
+        answers: list[RemoteAnswer],
+        exact: dict[str, Any],
+        k: int,
+    ) -> pa.Table:
+        """The top k of this process's `parts` and the owner pods' `answers` (ranked by an
+        estimate of the statistics), scored with the exact statistics (`exact`); an owner
+        whose rows not returned might beat the k-th (its frontier's best score is above
+        it) is asked again with the exact statistics. See `REMOTE_CANDIDATES`."""
+        terms: list[str] = exact["terms"]
+        idf: dict[str, float] = exact["idf"]
+        avgdl: float = exact["avgdl"]
+
+        def merged(by_owner: dict[str, RemoteAnswer]) -> pa.Table:
+            rescored = [
+                replace(a, table=rescore(a.table, terms, idf, avgdl)) for a in by_owner.values()
+            ]
+            return top([*parts, *snap.remote_rows(rescored)], SCORE, k, ascending=False)
+
+        by_owner = {a.owner: a for a in answers}
+        result = merged(by_owner)
+        kth = result.column(SCORE)[k - 1].as_py() if result.num_rows >= k else -np.inf
+        again = {
+            a.owner
+            for a in answers
+            if frontier_best(a.meta.get("frontier", []), terms, idf, avgdl) > kth
+        }
+        if not again:
+            return result
+        log.debug("fanout_text_second_round", owners=sorted(again))
+        for answer in remote.start(exact, only=again).result():
+            by_owner[answer.owner] = answer
+        return merged(by_owner)
+
+    def _hint(
+        self,
+        column: str,
+        terms: list[str],
+        n_base: int,
+        avgdl_base: float,
+        base_df: dict[str, int],
+    ) -> tuple[dict[str, float], float]:
+        """An estimate of the corpus statistics before the owner pods answer with theirs:
+        the base's, plus the memtables' totals as the last fan-out text query on `column`
+        found them (a term it did not count: as common in the memtables as in the base)."""
+        documents, length, mem_df = self._mem_totals.get(column, (0, 0, {}))
+        n = n_base + documents
+        avgdl = (avgdl_base * n_base + length) / n if n else 1.0
+        share = documents / n_base if n_base else 0.0
+        idf = {t: fts.idf(n, base_df[t] + mem_df.get(t, base_df[t] * share)) for t in terms}
+        return idf, avgdl
+
+    def _remember(self, column: str, documents: int, length: int, df: dict[str, int]) -> None:
+        """Keep a fan-out text query's memtable totals for the next query's `_hint`."""
+        _, _, known = self._mem_totals.get(column, (0, 0, {}))
+        known = {} if len(known) >= HINT_TERMS else dict(known)
+        known.update(df)
+        self._mem_totals[column] = (documents, length, known)
+
+    def _scored(
         self,
         tier: MemtableTier,
         i: int,
@@ -268,9 +442,9 @@ class TextSearch:
         phrase: bool,
         term_idf: dict[str, float],
         avgdl: float,
-        predicate: Predicate | None,
-        k: int,
-    ) -> Candidates | None:
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """BM25 scores of a batch's rows, and which rows qualify (live, scored, the phrase
+        when asked for); None when none can."""
         ids = [vocab.get(t) for t, _ in words]
         if phrase and any(t is None for t in ids):
             return None
@@ -281,8 +455,20 @@ class TextSearch:
         if phrase and mask.any():
             known = [t for t in ids if t is not None]
             mask &= fts.phrase_rows(bt, known, [p - words[0][1] for _, p in words])
+        return score, mask
+
+    def _best_visible(
+        self,
+        tier: MemtableTier,
+        i: int,
+        score: np.ndarray,
+        mask: np.ndarray,
+        predicate: Predicate | None,
+        k: int,
+    ) -> Candidates | None:
+        """The k best rows of `mask` that match `predicate` and no newer tier decides."""
         if predicate is not None and mask.any():
-            mask &= tier.matched(predicate, i)
+            mask = mask & tier.matched(predicate, i)
         rows = np.flatnonzero(mask)
         if not len(rows):
             return None
@@ -404,3 +590,76 @@ class TextSearch:
             base, ("text_index_coverage", column), compute, reuse=False
         )
         return result
+
+
+def _tf_matrix(
+    tfs: dict[str, np.ndarray], terms: list[str], rows: np.ndarray, n: int
+) -> np.ndarray:
+    """Frequencies of `terms` (columns, 0 for a term the batch lacks) for `rows`."""
+    zeros = np.zeros(n, dtype=np.int32)
+    return np.column_stack([tfs.get(t, zeros)[rows] for t in terms]).astype(np.int32)
+
+
+def frontier(signatures: np.ndarray) -> np.ndarray:
+    """The rows of `signatures` (term frequencies..., length) no other row dominates.
+
+    A BM25 score grows with every term frequency and shrinks with the length, whatever the
+    corpus statistics; so the best score any of the rows can have, under any statistics,
+    is the best of these (`frontier_best`). Rows of the same frequencies keep the shortest
+    only, then dominated rows are dropped pairwise (up to `FRONTIER_PAIRWISE_MAX`)."""
+    if not len(signatures):
+        return signatures
+    unique = np.unique(signatures, axis=0)  # sorted: per frequencies, shortest first
+    freqs = unique[:, :-1]
+    first = np.ones(len(unique), dtype=bool)
+    first[1:] = (freqs[1:] != freqs[:-1]).any(axis=1)
+    unique = unique[first]
+    if len(unique) > FRONTIER_PAIRWISE_MAX:
+        return unique
+    dominates = (unique[:, None, :-1] >= unique[None, :, :-1]).all(axis=2) & (
+        unique[:, None, -1] <= unique[None, :, -1]
+    )
+    np.fill_diagonal(dominates, False)
+    kept: np.ndarray = unique[~dominates.any(axis=0)]
+    return kept
+
+
+def bm25_rows(
+    tf: np.ndarray, doc_len: np.ndarray, terms: list[str], term_idf: dict[str, float], avgdl: float
+) -> np.ndarray:
+    """BM25 of rows given their term frequencies (one column per term of `terms`), float32:
+    the same sums in the same order as a memtable batch's, so the same values."""
+    score = np.zeros(len(doc_len), dtype=np.float64)
+    for j, term in enumerate(terms):  # a term a row lacks adds exactly 0.0
+        score += fts.bm25(tf[:, j], doc_len, term_idf[term], avgdl)
+    out: np.ndarray = score.astype(np.float32)
+    return out
+
+
+def rescore(
+    table: pa.Table, terms: list[str], term_idf: dict[str, float], avgdl: float
+) -> pa.Table:
+    """An owner pod's text answer (`TextSearch.owner_part`) scored with `term_idf` and
+    `avgdl`, without the frequency and length columns."""
+    rows = table.num_rows
+    tf = (
+        table.column(TERM_FREQUENCIES).combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        if rows
+        else np.zeros(0, dtype=np.int32)
+    ).reshape(rows, len(terms))
+    doc_len = table.column(DOC_LENGTH).to_numpy(zero_copy_only=False)
+    score = bm25_rows(tf, doc_len, terms, term_idf, avgdl)
+    table = table.drop_columns([TERM_FREQUENCIES, DOC_LENGTH])
+    return table.set_column(
+        table.schema.get_field_index(SCORE), SCORE, pa.array(score, pa.float32())
+    )
+
+
+def frontier_best(
+    points: list[list[int]], terms: list[str], term_idf: dict[str, float], avgdl: float
+) -> float:
+    """The best score any row of a `frontier` can have with these statistics (-inf: none)."""
+    if not points:
+        return float("-inf")
+    signatures = np.asarray(points, dtype=np.int64)
+    return float(bm25_rows(signatures[:, :-1], signatures[:, -1], terms, term_idf, avgdl).max())

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx2 as httpx
 import numpy as np
+import pyarrow as pa
 import pytest
 from pydantic import SecretStr
 
@@ -24,6 +25,7 @@ from engine.backpressure import BlockingValve
 from engine.errors import FreshRowsUnavailable
 from engine.manifest import ManifestStore
 from engine.reader import Fanout, FanoutReport, NoReaderEvents, Reader
+from engine.reads import text as text_module
 from engine.reads.owners import ShardOwners
 from engine.schema import TableSpec
 from engine.shard import Flusher, ShardWriter
@@ -120,6 +122,22 @@ def pods(tmp_path: Path) -> Iterator[Callable[..., tuple[Pod, Pod]]]:
         pod.close()
 
 
+@pytest.fixture
+def pods3(tmp_path: Path) -> Iterator[Callable[[], tuple[Pod, Pod, Pod]]]:
+    made: list[Pod] = []
+
+    def make() -> tuple[Pod, Pod, Pod]:
+        spec = read_spec(str(tmp_path / "table.lance"), "append", DIM)
+        storage = open_storage(str(tmp_path / "wal"))
+        three = Pod(spec, storage), Pod(spec, storage), Pod(spec, storage)
+        made.extend(three)
+        return three
+
+    yield make
+    for pod in made:
+        pod.close()
+
+
 def offsets(table: Any) -> list[int]:
     return sorted(table.column("_offset").to_pylist())
 
@@ -177,6 +195,124 @@ def test_text_scores_are_the_same_from_every_pod(pods: Callable[..., tuple[Pod, 
     for offset in set(score_of[0]) & set(score_of[1]):
         assert score_of[0][offset] == pytest.approx(score_of[1][offset], rel=1e-5)
     assert any(o >= 1000 for o in got[0]["_offset"])
+
+
+VOCABULARY = [
+    "kilo", "lima", "mike", "oscar", "papa", "romeo", "sierra", "tango", "victor", "whiskey",
+    "amber", "basil", "cedar", "dune", "ember", "fjord", "grove", "heath", "inlet", "juniper",
+]  # fmt: skip
+#: Zipf-like: a few common words and a long tail, so terms differ in rarity.
+WEIGHTS = 1 / np.arange(1, len(VOCABULARY) + 1)
+
+
+def varied_text(offset: int) -> str:
+    rng = np.random.default_rng(offset)
+    words = rng.choice(VOCABULARY, int(rng.integers(2, 16)), p=WEIGHTS / WEIGHTS.sum())
+    return " ".join(str(w) for w in words)
+
+
+def put_varied(pod: Pod, writer: ShardWriter, offsets: list[int], partition: int) -> None:
+    """Rows whose texts vary in length and term frequencies (BM25 ranks them apart)."""
+    batch = rows_batch(pod.spec, offsets, partition=partition)
+    texts = pa.array([varied_text(o) for o in offsets], pa.string())
+    batch = batch.set_column(batch.schema.get_field_index("text"), "text", texts)
+    writer.put(batch, source(offsets[0], len(offsets), partition=partition)).result(30)
+
+
+TEXT_QUERIES: list[dict[str, Any]] = [
+    {"text": "kilo"},
+    {"text": "juniper inlet"},
+    {"text": "kilo juniper heath", "k": 7},
+    {"text": "lima dune", "k": 25},
+    {"text": "mike kilo", "phrase": True},
+    {"text": "papa grove kilo", "filter": "n > 1100", "k": 12},
+    {"text": "fjord", "k": 1},
+]
+
+
+def test_text_across_pods_scores_as_one_process_holding_every_shard(
+    pods3: Callable[[], tuple[Pod, Pod, Pod]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BM25 across pods (statistics over the whole corpus, one round trip per owner) gives
+    exactly the scores of a single process that holds every shard: each returned row's
+    score is that row's single-process score, and the k scores are the single-process k
+    scores (a tie at the k-th may be broken by another row)."""
+    a, b, c = pods3()
+    wa, wb, wc = a.open(0), b.open(1), c.open(2)
+    put_varied(a, wa, list(range(300)), 0)
+    a.flush(wa)
+    a.table.dataset().create_scalar_index("text", "INVERTED", with_position=True)
+    put_varied(a, wa, list(range(300, 380)), 0)
+    put_varied(b, wb, list(range(1000, 1150)), 1)
+    put_varied(c, wc, list(range(2000, 2150)), 2)
+    single = Reader(a.spec, a.table, lambda: [wa, wb, wc])  # every shard, no fan-out
+    posts: list[str] = []
+    real_post = a.fanout.post
+    monkeypatch.setattr(
+        a.fanout, "post", lambda url, *args: posts.append(url) or real_post(url, *args)
+    )
+    try:
+        for coordinator in (a, b, a):  # a twice: the second time with a warm estimate
+            for query in TEXT_QUERIES:
+                q = dict(query)
+                text, k = q.pop("text"), q.pop("k", 10)
+                got = coordinator.reader.search_text(text, k=k, columns=["_offset"], **q)
+                want = single.search_text(text, k=k, columns=["_offset"], **q)
+                everything = single.search_text(text, k=1000, columns=["_offset"], **q)
+                score_of = dict(
+                    zip(
+                        everything["_offset"].to_pylist(),
+                        everything["_score"].to_pylist(),
+                        strict=True,
+                    )
+                )
+                assert got["_score"].to_pylist() == want["_score"].to_pylist(), query
+                for offset, score in zip(
+                    got["_offset"].to_pylist(), got["_score"].to_pylist(), strict=True
+                ):
+                    assert score_of[offset] == score, (query, offset)
+                assert any(o >= 1000 for o in score_of), "the owners' rows are not scored"
+        # One request per owner pod and query: statistics and rows come together.
+        posts.clear()
+        a.reader.search_text("kilo juniper heath", k=7, columns=["_offset"])
+        assert sorted(posts) == sorted([b.url, c.url])
+    finally:
+        single.close()
+
+
+def test_a_text_estimate_far_off_asks_the_owners_again(
+    pods3: Callable[[], tuple[Pod, Pod, Pod]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Owners rank their rows by the coordinator's estimate of the statistics; when it is
+    so far off that a row they did not return might make the top k, the coordinator asks
+    again with the exact statistics, and the answer is still the single-process one."""
+    a, b, c = pods3()
+    wa, wb, wc = a.open(0), b.open(1), c.open(2)
+    put_varied(a, wa, list(range(200)), 0)
+    put_varied(b, wb, list(range(1000, 1300)), 1)
+    put_varied(c, wc, list(range(2000, 2300)), 2)
+    single = Reader(a.spec, a.table, lambda: [wa, wb, wc])
+    text_search = a.reader.text
+
+    def inverted(*args: Any) -> tuple[dict[str, float], float]:
+        idf, avgdl = text_module.TextSearch._hint(text_search, *args)
+        return {t: 1 / v for t, v in idf.items()}, avgdl * 50  # rare terms look common
+
+    monkeypatch.setattr(text_search, "_hint", inverted)
+    posts: list[str] = []
+    real_post = a.fanout.post
+    monkeypatch.setattr(
+        a.fanout, "post", lambda url, *args: posts.append(url) or real_post(url, *args)
+    )
+    try:
+        for text in ("kilo juniper", "juniper fjord heath", "kilo lima mike"):
+            posts.clear()
+            got = a.reader.search_text(text, k=5, columns=["_offset"])
+            want = single.search_text(text, k=5, columns=["_offset"])
+            assert got["_score"].to_pylist() == want["_score"].to_pylist(), text
+            assert len(posts) > 2, f"{text}: no owner was asked again"
+    finally:
+        single.close()
 
 
 def test_a_remote_upsert_and_tombstone_shadow_the_base(
