@@ -484,6 +484,11 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
     # on another pod cannot take the slots that pod's queries need here.
     fresh_pool = QueryPool(settings.max_concurrent_queries)
     app.state.fresh_pool = fresh_pool
+    # The text half of a hybrid query runs here while its query's own thread runs the
+    # vector half: the query takes the longer of the two, not their sum (with fan-out,
+    # each half waits for its own round trip to the other pods).
+    hybrid_pool = ThreadPoolExecutor(settings.max_concurrent_queries, "query-hybrid")
+    app.state.hybrid_pool = hybrid_pool
 
     @app.exception_handler(_HttpError)
     async def http_error(request: Request, exc: _HttpError) -> Response:
@@ -589,7 +594,7 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
             predicate = reader.parse_filter(body.filter)
             columns = reader.columns(body.columns) if body.columns is not None else None
             if body.vector is not None and body.text is not None:
-                return _hybrid(reader, vector_search, text_search, body.k, columns)
+                return _hybrid(reader, vector_search, text_search, body.k, columns, hybrid_pool)
             if body.vector is not None:
                 return vector_search(body.k, columns)
             if body.text is not None:
@@ -639,12 +644,18 @@ def _hybrid(
     text_search: Callable[[int, list[str] | None], pa.Table],
     k: int,
     columns: list[str] | None,
+    beside: ThreadPoolExecutor,
 ) -> pa.Table:
-    """Reciprocal rank fusion of a kNN and a BM25 result (see the module docstring)."""
+    """Reciprocal rank fusion of a kNN and a BM25 result (see the module docstring); the
+    BM25 search runs on `beside` meanwhile."""
     out_cols = reader.columns(columns)
     key_cols = list(reader.spec.primary_key)
     fetch = list(dict.fromkeys([*out_cols, *key_cols]))
-    lists = [vector_search(k, fetch), text_search(k, fetch)]
+    text = beside.submit(text_search, k, fetch)
+    try:
+        lists = [vector_search(k, fetch), text.result()]
+    finally:
+        text.cancel()  # the vector half failed: the text half is not needed (if queued)
     fused: dict[Any, float] = {}
     rows: dict[Any, dict[str, Any]] = {}
     for table in lists:
@@ -722,6 +733,9 @@ class ServerHandle:
             pool = getattr(state, name, None)
             if isinstance(pool, QueryPool):
                 pool.shutdown()
+        hybrid = getattr(state, "hybrid_pool", None)
+        if isinstance(hybrid, ThreadPoolExecutor):
+            hybrid.shutdown(wait=False)
 
 
 def run_server(

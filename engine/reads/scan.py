@@ -48,7 +48,10 @@ def scan(
             )
         parts = tier_rows(snap, predicate, limit, fetch)
         remaining = limit - sum(p.num_rows for p in parts)
-        for table in [] if remote is None else snap.remote_rows(remote.result()):
+        # Any `limit` matching rows answer a scan: when this process's memtables hold them,
+        # the owners' answers are not waited for (nor the base read).
+        answers = [] if remote is None or remaining <= 0 else remote.result()
+        for table in snap.remote_rows(answers):
             if remaining > 0 and table.num_rows:
                 parts.append(table.slice(0, remaining))
                 remaining -= min(remaining, table.num_rows)

@@ -447,6 +447,41 @@ def test_an_owner_that_does_not_answer_is_named_within_the_deadline(
         assert r.json()["error"]["type"] == "fresh_rows_unavailable"
 
 
+def test_a_scan_this_pods_memtables_fill_does_not_wait_for_the_owners(
+    pods: Callable[..., tuple[Pod, Pod]],
+) -> None:
+    """Any `limit` matching rows answer a scan: when the coordinator's own memtables hold
+    them, a silent owner neither delays the answer nor makes it partial; when they do not,
+    the owner is waited for (and named)."""
+    a, b = pods(timeout_ms=2000)
+    wa, wb = a.open(0), b.open(1)
+    a.put(wa, list(range(10)), 0)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        stale = dataclasses.replace(
+            b.config, advertised_url=f"http://127.0.0.1:{silent.getsockname()[1]}"
+        )
+        wb.close(flush=False, timeout=10)
+        b.writers.remove(wb)
+        b.writers.append(
+            ShardWriter.open(
+                wb.shard, b.spec, b.table, b.storage, stale, BlockingValve(1 << 40), b.flusher
+            )
+        )
+        report = FanoutReport()
+        started = time.monotonic()
+        got = a.reader.scan(filter="_offset >= 3", columns=["_offset"], limit=5, report=report)
+        assert time.monotonic() - started < 1.0
+        assert len(offsets(got)) == 5
+        assert set(offsets(got)) <= set(range(3, 10))
+        assert report.missing == []
+        report = FanoutReport()
+        got = a.reader.scan(filter="_offset >= 3", columns=["_offset"], limit=50, report=report)
+        assert offsets(got) == list(range(3, 10))
+        assert [m.shard for m in report.missing] == [wb.shard]
+
+
 def test_the_internal_endpoint_needs_the_token(pods: Callable[..., tuple[Pod, Pod]]) -> None:
     a, _ = pods()
     r = httpx.post(f"{a.url}/internal/v1/fresh", content=b"x", timeout=10)

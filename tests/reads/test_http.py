@@ -90,6 +90,30 @@ def test_vector_text_filter_hybrid_and_lookup(client: TestClient) -> None:
     assert sorted(row["_offset"] for row in r.json()["rows"]) == [5, 130]
 
 
+def test_the_two_halves_of_a_hybrid_query_run_at_the_same_time(
+    harness: ReadHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hybrid query takes the longer of its vector and text searches, not their sum: each
+    half waits here until the other has started too."""
+    both = threading.Barrier(2, timeout=10)
+    reader = harness.reader
+    for name in ("search_vector", "search_text"):
+        real = getattr(reader, name)
+
+        def meet(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            both.wait()  # BrokenBarrierError (a 500) when the halves run one after the other
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(reader, name, meet)
+    with client_for(harness) as client:
+        r = client.post(
+            "/v1/search",
+            json={"vector": vec(120), "text": "row120", "k": 5, "columns": ["_offset"]},
+        )
+    assert r.status_code == 200, r.text
+    assert r.json()["rows"][0]["_offset"] == 120
+
+
 def test_arrow_stream_output(client: TestClient) -> None:
     r = client.post(
         "/v1/search",
