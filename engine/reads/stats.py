@@ -100,6 +100,13 @@ class StatsCache:
         self._store(key, value, version, rows, now)
         return value
 
+    def peek(self, key: tuple[Any, ...]) -> Any:
+        """The value last computed for `key` at any base version (None: none yet); never
+        computes."""
+        with self._stats_lock:
+            hit = self._stats.get(key)
+        return None if hit is None else hit[0]
+
     def _store(self, key: tuple[Any, ...], value: Any, version: int, rows: int, at: float) -> None:
         with self._stats_lock:
             if len(self._stats) >= STATS_CACHE_ENTRIES:

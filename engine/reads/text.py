@@ -199,7 +199,6 @@ class TextSearch:
                 self._text_base, snap, text, column, phrase, predicate, k, fetch, held is not None
             )
             n_base, avgdl_base, _, _ = self.base_text_stats(snap.base, column)
-            base_df = {t: self.base_df(snap.base, column, t) for t in terms}
             remote = snap.remote
             request: dict[str, Any] = {
                 "kind": "text",
@@ -211,8 +210,9 @@ class TextSearch:
                 "fetch": fetch,
             }
             pending = None
-            if remote is not None:  # one round trip: ranked by an estimate, see `remote_text`
-                hint_idf, hint_avgdl = self._hint(column, terms, n_base, avgdl_base, base_df)
+            if remote is not None:  # one round trip, ranked by an estimate (module docstring)
+                estimate = {t: self.base_df_estimate(snap.base, column, t) for t in terms}
+                hint_idf, hint_avgdl = self._hint(column, terms, n_base, avgdl_base, estimate)
                 pending = remote.start(
                     {
                         **request,
@@ -221,8 +221,11 @@ class TextSearch:
                         "k": min(k * REMOTE_CANDIDATES, self.ctx.settings.max_k),
                     }
                 )
+            # While the owners answer: this process's memtables, and the base's document
+            # frequencies (a rare term's first count may take up to DF_WAIT_S).
             mem = self.memtable_terms([*snap.tiers, *flushed], column, terms)
             documents, length, df = mem.documents, mem.length, dict(mem.df)
+            base_df = {t: self.base_df(snap.base, column, t) for t in terms}
             answers = [] if pending is None else pending.result()
             for answer in answers:  # their memtables count in the corpus statistics too
                 documents += int(answer.meta["documents"])
@@ -329,7 +332,7 @@ class TextSearch:
             found = self._best_visible(tier, i, score, mask, None, k)
             if found is not None:
                 candidates.append(found)
-            qualifying.append((found, np.flatnonzero(mask), bt, tfs))
+            qualifying.append((found, mask, bt, tfs))
         fields = [self.spec.table_schema.field(c) for c in fetch]
         schema = pa.schema(
             [
@@ -354,12 +357,12 @@ class TextSearch:
                 TERM_FREQUENCIES, pa.FixedSizeListArray.from_arrays(flat, len(terms))
             )
             table = table.append_column(DOC_LENGTH, pa.array(bt.doc_len[rows], pa.int32()))
-            tables.append(table.select(schema.names).cast(schema))
+            tables.append(table)  # `take` gives the table schema's fields: `schema` already
         signatures = []
-        for found, matching, bt, tfs in qualifying:
-            rows = matching
+        for found, mask, bt, tfs in qualifying:
             if found is not None and id(found) in returned:
-                rows = np.setdiff1d(matching, returned[id(found)], assume_unique=True)
+                mask[returned[id(found)]] = False
+            rows = np.flatnonzero(mask)
             if len(rows):
                 tf = _tf_matrix(tfs, terms, rows, len(bt.doc_len))
                 signatures.append(np.column_stack([tf, bt.doc_len[rows]]))
@@ -571,6 +574,17 @@ class TextSearch:
         )
         return result
 
+    def base_df_estimate(self, base: lance.LanceDataset, column: str, term: str) -> int:
+        """`base_df` as last counted (at any base version), else estimated from the sample;
+        never waits (the estimate a fan-out text query sends the owner pods)."""
+        counted = self.ctx.stats.peek(("df", column, term))
+        if counted is not None:
+            return int(counted)
+        n, _, sample_n, sample_df = self.base_text_stats(base, column)
+        if not n or not sample_n:
+            return 0
+        return round(max(sample_df.get(term, 0), 0.5) / sample_n * n)
+
     def text_index_coverage(self, base: lance.LanceDataset, column: str) -> float | None:
         """Share of the base's rows the INVERTED index on `column` covers (None: no index)."""
 
@@ -606,14 +620,16 @@ def frontier(signatures: np.ndarray) -> np.ndarray:
     A BM25 score grows with every term frequency and shrinks with the length, whatever the
     corpus statistics; so the best score any of the rows can have, under any statistics,
     is the best of these (`frontier_best`). Rows of the same frequencies keep the shortest
-    only, then dominated rows are dropped pairwise (up to `FRONTIER_PAIRWISE_MAX`)."""
+    only (one sort), then dominated rows are dropped pairwise (up to
+    `FRONTIER_PAIRWISE_MAX`; a query's terms make few distinct frequency vectors)."""
     if not len(signatures):
         return signatures
-    unique = np.unique(signatures, axis=0)  # sorted: per frequencies, shortest first
-    freqs = unique[:, :-1]
-    first = np.ones(len(unique), dtype=bool)
-    first[1:] = (freqs[1:] != freqs[:-1]).any(axis=1)
-    unique = unique[first]
+    freqs, lengths = signatures[:, :-1], signatures[:, -1]
+    order = np.lexsort((lengths, *freqs.T[::-1]))  # by frequencies, then shortest first
+    ordered = signatures[order]
+    first = np.ones(len(ordered), dtype=bool)
+    first[1:] = (ordered[1:, :-1] != ordered[:-1, :-1]).any(axis=1)
+    unique = ordered[first]
     if len(unique) > FRONTIER_PAIRWISE_MAX:
         return unique
     dominates = (unique[:, None, :-1] >= unique[None, :, :-1]).all(axis=2) & (

@@ -18,6 +18,8 @@ import httpx2 as httpx
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import SecretStr
 
 from config.settings import QuerySettings
@@ -313,6 +315,31 @@ def test_a_text_estimate_far_off_asks_the_owners_again(
             assert len(posts) > 2, f"{text}: no owner was asked again"
     finally:
         single.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.integers(0, 4), st.integers(0, 4), st.integers(0, 3), st.integers(1, 30)),
+        min_size=1,
+        max_size=60,
+    ),
+    idf=st.lists(st.floats(0.01, 12), min_size=3, max_size=3),
+    avgdl=st.floats(1, 40),
+)
+def test_the_frontier_bounds_every_row_under_any_statistics(
+    rows: list[tuple[int, int, int, int]], idf: list[float], avgdl: float
+) -> None:
+    """The best score of the frontier (what an owner sends for the rows it did not return)
+    is the best score of all the rows, whatever the corpus statistics."""
+    signatures = np.array(rows, dtype=np.int64)
+    terms = ["x", "y", "z"]
+    term_idf = dict(zip(terms, idf, strict=True))
+    points = text_module.frontier(signatures)
+    assert len(points) <= len({tuple(r[:-1]) for r in rows})
+    every = text_module.bm25_rows(signatures[:, :-1], signatures[:, -1], terms, term_idf, avgdl)
+    best = text_module.frontier_best(points.tolist(), terms, term_idf, avgdl)
+    assert best == float(every.max())
 
 
 def test_a_remote_upsert_and_tombstone_shadow_the_base(
