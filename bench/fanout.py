@@ -355,10 +355,45 @@ def main(args: argparse.Namespace | None = None) -> None:
         add_arguments(parser)
         args = parser.parse_args()
     report = run(args)
-    text = json.dumps(report, indent=2)
+    text = table(report) + "\n" + json.dumps(report, indent=2)
     print(text, flush=True)
     if args.out is not None:
         args.out.write_text(text + "\n")
+
+
+def table(report: dict[str, Any]) -> str:
+    """The report's latencies as a table per phase (the JSON follows it in the output)."""
+    head = (
+        f"fan-out vs one process holding every shard (python -m bench.query --processes 3): "
+        f"{report['base_rows']:,}-row base, {report['memtable_rows']:,} memtable rows over "
+        f"{SHARDS} shards, k = 10; ingest phase: {report['rate_per_pod']:g} rows/s per process"
+    )
+    lines = [head]
+    for phase in ("idle", "ingest"):
+        if phase not in report:
+            continue
+        result = report[phase]
+        lines.append(f"\n## {phase} ({result['seconds']} s of queries)")
+        lines.append(
+            f"{'query':<14} {'single p50':>10} {'p99':>7} {'fan-out p50':>12} {'p99':>7} "
+            f"{'added p50':>10} {'p99 ratio':>10}  target (<= +10 ms p50, <= 2x p99)"
+        )
+        for kind, v in result.items():
+            if not isinstance(v, dict) or "single" not in v:
+                continue
+            s, f = v["single"], v["fanout"]
+            lines.append(
+                f"{kind:<14} {s['p50_ms']:>10.1f} {s['p99_ms']:>7.1f} {f['p50_ms']:>12.1f} "
+                f"{f['p99_ms']:>7.1f} {v['added_p50_ms']:>+10.1f} {v['p99_ratio']:>9.2f}x  "
+                f"{'met' if v['meets_target'] else 'missed'}"
+            )
+        lines.append(
+            f"partial answers: {result['partial_answers'] or 'none'}; failed queries: "
+            f"{result['failed_queries'] or 'none'}"
+        )
+    if "owner_requests" in report:
+        lines.append(f"requests pod-0 sent to the owner pods, by kind: {report['owner_requests']}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -119,6 +119,10 @@ class FreshServer:
             idf = {str(t): float(v) for t, v in meta["idf"].items()}
             if set(terms) != set(idf) or {t for t, _ in words} - set(terms):
                 raise QueryError("malformed fan-out request: terms, words and idf disagree")
+            # This pod's background tokenizer keeps its memtables tokenised for the next
+            # request (a pod that only answers other pods' text queries never starts it
+            # in `search`, and tokenised every new batch inline, under ingestion).
+            self.text.tokenizer.start()
             mem = self.text.memtable_terms(snap.tiers, column, terms)
             table, best = self.text.owner_part(
                 mem,

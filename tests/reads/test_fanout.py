@@ -274,6 +274,9 @@ def test_text_across_pods_scores_as_one_process_holding_every_shard(
                 ):
                     assert score_of[offset] == score, (query, offset)
                 assert any(o >= 1000 for o in score_of), "the owners' rows are not scored"
+        # Owners that were only asked by other pods tokenise their memtables in the
+        # background too.
+        assert c.reader.text.tokenizer.thread is not None
         # One request per owner pod and query: statistics and rows come together.
         posts.clear()
         a.reader.search_text("kilo juniper heath", k=7, columns=["_offset"])
