@@ -114,10 +114,7 @@ import itertools
 import json
 import math
 import os
-import threading
-import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal, Protocol, TypeAlias, cast
 
@@ -175,16 +172,6 @@ _BLOCKS_PER_CHUNK: Final = 4
 #: Smallest block: below this a block's fixed cost outweighs a second core.
 _MIN_BLOCK_BYTES: Final = 64 << 10
 _CORES: Final = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
-
-#: Fewest rows of a vector batch worth splitting between simdjson and Arrow's reader on a
-#: helper thread: a hand-off costs ~0.1 ms, and Arrow's fixed cost per call ~0.5 ms.
-_SPLIT_MIN_ROWS: Final = 512
-#: Weight of the newest batch in the per-row costs that size the split: a few batches
-#: follow a change of load (another decode worker starting) without chasing noise.
-_SPLIT_EWMA: Final = 0.3
-#: Arrow's per-row cost relative to simdjson's before anything is measured (2-3x on
-#: 4 KB vector rows, bench/results/decode.txt).
-_SPLIT_START_RATIO: Final = 2.0
 
 _WRAP_HEAD: Final = b'{"v":'
 _WRAP_JOIN: Final = b'}\n{"v":'
@@ -345,47 +332,6 @@ def _shifted(parsed: _ParseResult, where: np.ndarray) -> _ParseResult:
     return where[positions], leaves, is_object, {int(where[p]): f for p, f in faults.items()}
 
 
-class _Split:
-    """How many rows of a vector batch go to Arrow's reader on a helper thread.
-
-    simdjson (with the fast path's Python around it) holds the GIL; Arrow's reader parses
-    without it. Splitting a batch so that both parts end together keeps a second core
-    busy while the GIL-bound part runs: the share of Arrow is its speed over the sum of
-    both speeds, from costs per row averaged over the last batches (measured while both
-    run, so contention with other decode workers counts). The averages are updated
-    without a lock: a lost update only delays the adjustment by one batch.
-    """
-
-    def __init__(self, fixed: float | None) -> None:
-        if fixed is not None and not 0.0 <= fixed <= 1.0:
-            raise ValueError(f"arrow_share must be between 0 and 1, not {fixed}")
-        self._fixed = fixed
-        # Seconds per row of each part, None until a split batch is measured.
-        self._costs: tuple[float, float] | None = None
-
-    def arrow_rows(self, n: int) -> int:
-        """Rows of an `n`-row batch for Arrow's reader (the batch's last ones)."""
-        if self._fixed is not None:
-            return round(n * self._fixed)
-        if n < _SPLIT_MIN_ROWS or _CORES < 2:
-            return 0
-        fast, arrow = self._costs or (1.0, _SPLIT_START_RATIO)
-        return int(n * fast / (fast + arrow))
-
-    def record(
-        self, fast_rows: int, fast_seconds: float, arrow_rows: int, arrow_seconds: float
-    ) -> None:
-        """Note how long each part of a split batch took."""
-        if min(fast_rows, arrow_rows) <= 0 or min(fast_seconds, arrow_seconds) <= 0:
-            return
-        fast, arrow = fast_seconds / fast_rows, arrow_seconds / arrow_rows
-        if self._costs is not None:
-            old_fast, old_arrow = self._costs
-            fast = old_fast + _SPLIT_EWMA * (fast - old_fast)
-            arrow = old_arrow + _SPLIT_EWMA * (arrow - old_arrow)
-        self._costs = (fast, arrow)
-
-
 @dataclass(slots=True)
 class _Rows:
     """Rows under decoding: message index per row, columns, and faults by message index."""
@@ -415,9 +361,8 @@ class Decoder:
 
     Built once per table by the consumer loop; `decode` is called from the
     ``source.decode_workers`` threads, several batches at once on one decoder (its only
-    shared state, the timestamp hint and the split's costs, are guesses that any thread may
-    set). `decode` does not raise for bad messages: each one becomes a `DeadLetter`. There
-    is nothing to close.
+    shared state, the timestamp hint, is a guess that any thread may set). `decode` does
+    not raise for bad messages: each one becomes a `DeadLetter`. There is nothing to close.
 
     Args:
         spec: the table's shape (`TableSpec.from_settings`).
@@ -427,16 +372,6 @@ class Decoder:
         vector_fast_path: parse vector tables' JSON with `sink.vector_json` first; False
             keeps every value on Arrow's reader (the reference the fast path is tested
             against).
-        arrow_share: with the fast path, the share of each batch parsed by Arrow's reader
-            on a helper thread while simdjson parses the rest (simdjson holds the GIL,
-            Arrow's reader does not, so the two can use two cores): 0 (the default) keeps
-            every batch on simdjson, a number up to 1 fixes the share, None sizes it from
-            the measured speed of both parts (batches of at least `_SPLIT_MIN_ROWS` rows,
-            several cores). Off by default: Arrow's reader costs 3-4x simdjson's CPU per
-            row, so the split wins only where a core would otherwise idle; on a busy
-            2-core machine it measured 0.55x of simdjson alone (bench/decode.py, rows
-            "split").
-
     Raises:
         ValueError: the mapping can never fill the table: a source feeding a column type it
             cannot produce, JSON paths that overlap, or (raw format) a required column
@@ -450,7 +385,6 @@ class Decoder:
         *,
         evolve_derived: bool = False,
         vector_fast_path: bool = True,
-        arrow_share: float | None = 0.0,
     ) -> None:
         self._spec = spec
         self._source = source
@@ -504,9 +438,6 @@ class Decoder:
         self._fast: VectorJson | None = None
         if vector_fast_path and self._json and spec.vector is not None:
             self._fast = VectorJson(list(self._path_types.items()), spec.vector.dim)
-        self._split = _Split(arrow_share)
-        self._helper: ThreadPoolExecutor | None = None
-        self._helper_lock = threading.Lock()
         self._tombstone_key: _Column | None = None
         if spec.upsert and len(spec.primary_key) == 1:
             self._tombstone_key = next(c for c in self._columns if c.primary_key)
@@ -830,17 +761,7 @@ class Decoder:
         """
         if self._fast is None:
             return self._parse_arrow(payloads, sizes)
-        n = len(payloads)
-        head = n - self._split.arrow_rows(n)
-        tail: Future[tuple[_ParseResult, float]] | None = None
-        if head < n:
-            tail = self._helper_pool().submit(self._timed_arrow, payloads[head:], sizes[head:])
-        started = time.perf_counter()
-        try:
-            fast, leaves, rest = self._fast.parse(payloads if tail is None else payloads[:head])
-        finally:
-            fast_seconds = time.perf_counter() - started
-            arrow = None if tail is None else tail.result()
+        fast, leaves, rest = self._fast.parse(payloads)
         ones = pa.array(np.ones(len(fast), bool))
         pieces: list[_ParseResult] = [(fast, leaves, ones, {})]
         if rest:
@@ -848,26 +769,7 @@ class Decoder:
             pieces.append(
                 _shifted(self._parse_arrow([payloads[p] for p in rest], sizes[where]), where)
             )
-        if arrow is not None:
-            parsed, arrow_seconds = arrow
-            pieces.append(_shifted(parsed, np.arange(head, n, dtype=np.int64)))
-            self._split.record(head, fast_seconds, n - head, arrow_seconds)
         return self._merge(pieces)
-
-    def _timed_arrow(self, payloads: list[bytes], sizes: np.ndarray) -> tuple[_ParseResult, float]:
-        """`_parse_arrow` on a helper thread, with how long it took."""
-        started = time.perf_counter()
-        parsed = self._parse_arrow(payloads, sizes)
-        return parsed, time.perf_counter() - started
-
-    def _helper_pool(self) -> ThreadPoolExecutor:
-        """The threads that run Arrow's share of split batches (one per core: each decode
-        worker may have a share in flight); started on first use, idle threads cost nothing
-        and end with the process."""
-        with self._helper_lock:
-            if self._helper is None:
-                self._helper = ThreadPoolExecutor(_CORES, thread_name_prefix="decode-arrow")
-            return self._helper
 
     def _merge(self, pieces: list[_ParseResult]) -> _ParseResult:
         """Parse results of disjoint positions as one, in position order."""

@@ -1,6 +1,5 @@
 """`sink.vector_json`: the simdjson vector path gives the same rows (bit-exact) and dead
-letters as Arrow's reader alone (`Decoder(vector_fast_path=False)`), alone or with the
-batch split with Arrow's reader on a helper thread (``arrow_share``), on hand-picked edge
+letters as Arrow's reader alone (`Decoder(vector_fast_path=False)`), on hand-picked edge
 cases and on generated messages; and it does take the clean messages (else the
 comparison would prove nothing).
 """
@@ -19,7 +18,6 @@ from hypothesis import strategies as st
 
 from config.settings import SourceSettings, TableSettings
 from engine.schema import TableSpec
-from sink import decode as decode_module
 from sink.decode import Decoded, Decoder
 from sink.vector_json import VectorJson, float32_ties
 from tests.unit.test_decode import Msg
@@ -79,9 +77,6 @@ def assert_same(values: list[bytes], encoding: str = "json", allow_nan: bool = F
     fast = Decoder(table, source()).decode(messages)
     arrow = Decoder(table, source(), vector_fast_path=False).decode(messages)
     assert _comparable(fast) == _comparable(arrow)
-    # The batch split between simdjson and Arrow's reader on a helper thread.
-    split = Decoder(table, source(), arrow_share=0.5).decode(messages)
-    assert _comparable(split) == _comparable(arrow)
     if fast.batch is not None:
         table.validate(fast.batch)
     return fast
@@ -224,34 +219,6 @@ def test_fast_path_runs_on_several_threads_at_once() -> None:
     for t in threads:
         t.join()
     assert rest == {0: 0, 1: 0}
-
-
-def test_split_batches_keep_offset_order_and_size_the_share_by_speed() -> None:
-    """A large batch with bad values on both sides of the split: rows and dead letters as
-    Arrow's alone, in offset order; the adaptive split gives Arrow a share below half (it
-    is the slower parser per row) once it has measured both parts."""
-    rng = np.random.default_rng(3)
-    values = []
-    for i in range(1200):
-        vec = ", ".join(f"{x:.6g}" for x in rng.standard_normal(DIM))
-        values.append(f'{{"id": "r{i}", "n": {i}, "vec": [{vec}]}}'.encode())
-    for i in (5, 700, 1100):
-        values[i] = b'{"id": "bad", "vec": [1, 2]}'
-    values[900] = b"{not json"
-    values[100] = b'{"id": "x", "vec": [-0, 1, 2, 3]}'  # handed back by simdjson
-    messages = [Msg(v, 10 + i) for i, v in enumerate(values)]
-    table = spec()
-    arrow = _comparable(Decoder(table, source(), vector_fast_path=False).decode(messages))
-    for share in (0.0, 0.3, 0.9, 1.0):
-        assert _comparable(Decoder(table, source(), arrow_share=share).decode(messages)) == arrow
-    adaptive = Decoder(table, source(), arrow_share=None)
-    for _ in range(3):
-        assert _comparable(adaptive.decode(messages)) == arrow
-    arrow_rows = adaptive._split.arrow_rows(len(values))
-    if decode_module._CORES > 1:
-        assert 0 < arrow_rows < len(values) // 2
-    else:  # one core: nothing to gain from a helper thread
-        assert arrow_rows == 0
 
 
 def test_float32_ties_finds_exact_halfway_doubles_only() -> None:
