@@ -44,6 +44,7 @@ faiss is limited to one OpenMP thread per call (see `engine.reads.vector`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 import faiss
@@ -54,6 +55,7 @@ from engine import fts
 from engine.filters import Predicate
 from engine.reads.context import NoReaderEvents, ReadContext, ReaderEvents, ReaderSettings
 from engine.reads.fresh import FreshServer
+from engine.reads.hybrid import HybridSearch
 from engine.reads.lookup import Lookup
 from engine.reads.merge import DISTANCE, SCORE
 from engine.reads.remote import Fanout, FanoutReport, MissingShard
@@ -114,6 +116,7 @@ class Reader:
         if self.flushed_text is not None:
             table.watch_appends(self.flushed_text)
         self.lookups = Lookup(self.ctx)
+        self.hybrid = HybridSearch(self.ctx, self.vector, self.text)
         self.fresh = FreshServer(self.ctx, self.vector, self.text, self.lookups)
         faiss.omp_set_num_threads(1)
 
@@ -234,6 +237,44 @@ class Reader:
             filter=filter,
             columns=columns,
             report=report,
+        )
+
+    def search_hybrid(
+        self,
+        vector: Sequence[float] | np.ndarray,
+        text: str,
+        *,
+        k: int = 10,
+        column: str | None = None,
+        phrase: bool = False,
+        filter: str | Predicate | None = None,  # noqa: A002 - the query language's word
+        columns: Sequence[str] | None = None,
+        nprobes: int | None = None,
+        refine_factor: int | None = None,
+        report: FanoutReport | None = None,
+        beside: Executor | None = None,
+    ) -> tuple[pa.Table, pa.Table]:
+        """`search_vector` and `search_text` with the same k and filter, on ONE snapshot:
+        (the vector result, the text result), each exactly what that search gives on this
+        snapshot. With fan-out, each owner pod is asked once for both (see
+        `engine.reads.hybrid`). The text half runs on `beside` meanwhile (None: after the
+        vector half, on this thread).
+
+        Raises:
+            QueryError: see `search_vector` and `search_text`.
+        """
+        return self.hybrid.search(
+            vector,
+            text,
+            k=k,
+            column=column,
+            phrase=phrase,
+            filter=filter,
+            columns=columns,
+            nprobes=nprobes,
+            refine_factor=refine_factor,
+            report=report,
+            beside=beside,
         )
 
     def scan(

@@ -17,10 +17,11 @@ page is served.
 
 - ``vector`` only: kNN (`_distance`, nearest first); ``text`` only: BM25 (`_score`, best
   first); ``filter`` only: up to k matching rows. ``filter`` with either is a pre-filter.
-- ``vector`` and ``text``: hybrid. Both searches run with the same filter and k, and are
-  fused by reciprocal rank fusion: ``_score = sum over the two lists of 1 / (60 + rank)``
-  (rank from 1; a row missing from a list adds nothing), best first. RRF needs no score
-  calibration between a distance and BM25, which is why it is used.
+- ``vector`` and ``text``: hybrid. Both searches run with the same filter and k on one
+  snapshot (with fan-out: one request per owner pod for both), and are fused by reciprocal
+  rank fusion: ``_score = sum over the two lists of 1 / (60 + rank)`` (rank from 1; a row
+  missing from a list adds nothing), best first. RRF needs no score calibration between a
+  distance and BM25, which is why it is used.
 
 Fresh rows of other pods (several pods in one consumer group, see `engine.reads.remote`): a
 query reads every shard's memtables, its own and, within ``query.fanout_timeout_ms``, those
@@ -486,7 +487,7 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
     app.state.fresh_pool = fresh_pool
     # The text half of a hybrid query runs here while its query's own thread runs the
     # vector half: the query takes the longer of the two, not their sum (with fan-out,
-    # each half waits for its own round trip to the other pods).
+    # both halves wait for the same one request per owner pod, `Reader.search_hybrid`).
     hybrid_pool = ThreadPoolExecutor(settings.max_concurrent_queries, "query-hybrid")
     app.state.hybrid_pool = hybrid_pool
 
@@ -594,7 +595,7 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
             predicate = reader.parse_filter(body.filter)
             columns = reader.columns(body.columns) if body.columns is not None else None
             if body.vector is not None and body.text is not None:
-                return _hybrid(reader, vector_search, text_search, body.k, columns, hybrid_pool)
+                return _hybrid(reader, body, predicate, columns, report, hybrid_pool)
             if body.vector is not None:
                 return vector_search(body.k, columns)
             if body.text is not None:
@@ -640,22 +641,33 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
 
 def _hybrid(
     reader: Reader,
-    vector_search: Callable[[int, list[str] | None], pa.Table],
-    text_search: Callable[[int, list[str] | None], pa.Table],
-    k: int,
+    body: SearchRequest,
+    predicate: Predicate | None,
     columns: list[str] | None,
+    report: FanoutReport,
     beside: ThreadPoolExecutor,
 ) -> pa.Table:
-    """Reciprocal rank fusion of a kNN and a BM25 result (see the module docstring); the
-    BM25 search runs on `beside` meanwhile."""
+    """Reciprocal rank fusion of a kNN and a BM25 result (see the module docstring), both
+    searched on one snapshot (`Reader.search_hybrid`: one request per owner pod); the BM25
+    search runs on `beside` meanwhile."""
+    assert body.vector is not None
+    assert body.text is not None
     out_cols = reader.columns(columns)
     key_cols = list(reader.spec.primary_key)
     fetch = list(dict.fromkeys([*out_cols, *key_cols]))
-    text = beside.submit(text_search, k, fetch)
-    try:
-        lists = [vector_search(k, fetch), text.result()]
-    finally:
-        text.cancel()  # the vector half failed: the text half is not needed (if queued)
+    lists = reader.search_hybrid(
+        body.vector,
+        body.text,
+        k=body.k,
+        column=body.text_column,
+        phrase=body.phrase,
+        filter=predicate,
+        columns=fetch,
+        nprobes=body.nprobes,
+        refine_factor=body.refine_factor,
+        report=report,
+        beside=beside,
+    )
     fused: dict[Any, float] = {}
     rows: dict[Any, dict[str, Any]] = {}
     for table in lists:
@@ -664,7 +676,7 @@ def _hybrid(
         for rank, (key, row) in enumerate(zip(keys, selected, strict=True)):
             fused[key] = fused.get(key, 0.0) + 1.0 / (RRF_K + rank + 1)
             rows.setdefault(key, row)
-    best = sorted(fused, key=lambda key: -fused[key])[:k]
+    best = sorted(fused, key=lambda key: -fused[key])[: body.k]
     schema = pa.schema(
         [reader.spec.table_schema.field(c) for c in out_cols] + [pa.field(SCORE, pa.float32())]
     )
@@ -672,7 +684,7 @@ def _hybrid(
 
 
 def _respond(table: pa.Table, request: Request, started: float, report: FanoutReport) -> Response:
-    # A hybrid query reports a shard once per search: once here.
+    # Report each missing shard once.
     missing = list({m.shard: m.as_dict() for m in report.missing}.values())
     if ARROW_STREAM in request.headers.get("accept", ""):
         sink = pa.BufferOutputStream()

@@ -12,7 +12,10 @@ its parameters) and answers with the same code the local query runs on its memta
 - `scan`: up to `limit` visible rows matching the filter (`scan.tier_rows`);
 - `lookup`: the visible rows of the keys (`Lookup.memtable_part`);
 - `decides`: for each key, whether a memtable holds it (an upsert or a delete), so the
-  coordinator hides its base row (newest wins across pods).
+  coordinator hides its base row (newest wins across pods);
+- `parts`: several of the above at once (a hybrid query's vector and text requests), one
+  packed sub-request per row, answered from ONE snapshot with one packed sub-answer per
+  row, in order (`engine.reads.remote.RemoteTier.start_parts`).
 
 The snapshot is taken as the single-process rule says, with the coordinator's base: views
 first, then the base at version V, then `ShardView.fresh(V)`. If a view dropped a memtable
@@ -36,7 +39,7 @@ from engine.reads import snapshot as snapshots
 from engine.reads.context import ReadContext
 from engine.reads.lookup import Lookup
 from engine.reads.merge import DISTANCE, top
-from engine.reads.remote import pack, unpack
+from engine.reads.remote import PART, PARTS, pack, unpack
 from engine.reads.scan import tier_rows
 from engine.reads.snapshot import Snapshot
 from engine.reads.text import TextSearch
@@ -67,8 +70,11 @@ class FreshServer:
             version = int(meta["base_version"])
             asked = {str(s): int(e) for s, e in meta["shards"].items()}
             kind = str(meta["kind"])
+            parts = [unpack(b) for b in keys.column(PART).to_pylist()] if kind == PARTS else []
         except (KeyError, TypeError, ValueError, pa.ArrowInvalid) as exc:
             raise QueryError(f"malformed fan-out request: {exc}") from exc
+        if any(str(m.get("kind")) == PARTS for _, m in parts):
+            raise QueryError("malformed fan-out request: a part is itself a parts request")
         held = {w.shard: w for w in self.ctx.shards()}
         refused: dict[str, str] = {}
         served: dict[str, int] = {}
@@ -90,7 +96,11 @@ class FreshServer:
         snap = snapshots.take(self.spec, writers, lambda: self.ctx.open_base(version), skipped)
         if snap.dropped_through > version:
             return pack(pa.table({}), {"stale_base": snap.dropped_through})
-        table, extra = self._run(kind, meta, keys, snap)
+        if kind == PARTS:  # every part from this one snapshot
+            answers = [pack(*self._run(str(m["kind"]), m, k, snap)) for k, m in parts]
+            table, extra = pa.table({PART: pa.array(answers, pa.binary())}), dict[str, Any]()
+        else:
+            table, extra = self._run(kind, meta, keys, snap)
         return pack(table, {"served": served, "refused": refused, **extra})
 
     def _run(

@@ -22,7 +22,11 @@ A pod that failed once in a query is not asked again by that query.
 
 Wire format: request and answer are one Arrow IPC stream each; the schema metadata key
 `lance_sink` holds the JSON parameters, the rows hold keys (requests) or result rows
-(answers). The bearer token is the query API's own.
+(answers). The bearer token is the query API's own. A query of several kinds at once (a
+hybrid query: vector and text) sends each owner ONE request of kind `parts`, whose rows
+(column `part`) are the sub-requests, each a packed stream of its own; the owner answers
+them all from one snapshot, with one packed answer per sub-request in the same order
+(`RemoteTier.start_parts`), so each kind merges its answers as when it runs alone.
 
 Lifecycle: one `Fanout` per reader (the HTTP client pool and a thread pool for the
 requests), `close` shuts both down; one `RemoteTier` per query snapshot.
@@ -30,12 +34,13 @@ requests), `close` shuts both down; one `RemoteTier` per query snapshot.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import orjson
@@ -56,6 +61,10 @@ META_KEY = b"lance_sink"
 #: version meanwhile (each retry opens the latest base, which holds that flush: a second
 #: retry needs another flush within the same few milliseconds).
 STALE_BASE_RETRIES = 3
+#: Request kind of several sub-requests in one (`RemoteTier.start_parts`), and the column of
+#: its request and answer rows that holds one packed sub-request or sub-answer each.
+PARTS = "parts"
+PART = "part"
 
 
 def pack(table: pa.Table, meta: Mapping[str, Any]) -> bytes:
@@ -256,6 +265,15 @@ class RemoteTier:
                 self._fail(url, "the reader is closed", cause="error")
         return PendingAsk(self, futures, deadline)
 
+    def start_parts(self, metas: list[dict[str, Any]]) -> list[Asked]:
+        """Send every owner pod ONE request holding each of `metas` (a sub-request each;
+        none with keys), which the owner answers from one snapshot; one `Asked` per
+        sub-request, in order, whose `result` is that sub-request's answers. The answers
+        are gathered once, by whichever `result` is called first (from any thread)."""
+        parts = pa.array([pack(pa.table({}), meta) for meta in metas], pa.binary())
+        shared = SharedAsk(self.start({"kind": PARTS}, pa.table({PART: parts})))
+        return [PartAsk(shared, i) for i in range(len(metas))]
+
     def ask(self, meta: dict[str, Any], keys: pa.Table | None = None) -> list[RemoteAnswer]:
         return self.start(meta, keys).result()
 
@@ -332,3 +350,73 @@ class PendingAsk:
 
     def result(self) -> list[RemoteAnswer]:
         return self.tier._gather(self.futures, self.deadline)
+
+
+class Asked(Protocol):
+    """Requests on their way to the owner pods (`PendingAsk`, or one part of a `parts`
+    request: `PartAsk`); `result` waits for the answers until the query's deadline.
+
+    Raises:
+        StaleBase: an owner flushed past the request's base version.
+    """
+
+    def result(self) -> list[RemoteAnswer]: ...
+
+
+class SharedAsk:
+    """A `PendingAsk` whose answers several threads wait for: gathered once, by the first
+    caller; every caller gets them (or the same `StaleBase`)."""
+
+    def __init__(self, pending: PendingAsk) -> None:
+        self._pending = pending
+        self._lock = threading.Lock()
+        self._answers: list[RemoteAnswer] | None = None
+        self._error: StaleBase | None = None
+
+    def result(self) -> list[RemoteAnswer]:
+        with self._lock:
+            if self._answers is None and self._error is None:
+                try:
+                    self._answers = self._pending.result()
+                except StaleBase as exc:
+                    self._error = exc
+        if self._error is not None:
+            raise StaleBase(self._error.version) from self._error
+        assert self._answers is not None
+        return self._answers
+
+
+@dataclass(frozen=True, slots=True)
+class PartAsk:
+    """Sub-request `index` of a `parts` request: each owner's answer to it alone."""
+
+    shared: SharedAsk
+    index: int
+
+    def result(self) -> list[RemoteAnswer]:
+        out = []
+        for answer in self.shared.result():
+            try:
+                table, meta = unpack(answer.table.column(PART)[self.index].as_py())
+            except Exception as exc:  # noqa: BLE001 - a broken answer is a missing one
+                tier = self.shared._pending.tier
+                tier._fail(answer.owner, f"unreadable answer part: {exc}", cause="error")
+                continue
+            out.append(RemoteAnswer(answer.owner, table, {**answer.meta, **meta}))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A query kind's search begun on a snapshot (its base search running): `request` is
+    what it asks each owner pod in a first round (None: there is no owner pod to ask), and
+    `finish` completes the search with those owners' answers (None: none asked)."""
+
+    request: dict[str, Any] | None
+    finish: Callable[[Asked | None], pa.Table]
+
+    def alone(self, remote: RemoteTier | None) -> pa.Table:
+        """The search with its own request to the owner pods."""
+        if remote is None or self.request is None:
+            return self.finish(None)
+        return self.finish(remote.start(self.request))

@@ -50,7 +50,7 @@ from engine.filters import Predicate, QueryError, UnknownColumn
 from engine.periodic import PeriodicThread
 from engine.reads.context import ReadContext
 from engine.reads.merge import SCORE, Candidates, materialise, select, top
-from engine.reads.remote import FanoutReport, RemoteAnswer, RemoteTier
+from engine.reads.remote import Asked, FanoutReport, RemoteAnswer, RemoteTier, Started
 from engine.reads.snapshot import SCAN_BATCH_READAHEAD, SCAN_IO_BUFFER_BYTES, Snapshot
 from engine.reads.tiers import FLUSHED_TIER, FlushedTier, MemtableTier
 from engine.unindexed import FlushedText, covered_fragments
@@ -168,8 +168,31 @@ class TextSearch:
         report: FanoutReport | None = None,
     ) -> pa.Table:
         """See `engine.reader.Reader.search_text`."""
-        ctx = self.ctx
         started = time.monotonic()
+        begin, out_cols = self.prepare(
+            text, k=k, column=column, phrase=phrase, filter=filter, columns=columns
+        )
+        merged = self.ctx.run(lambda snap: begin(snap).alone(snap.remote), report)
+        return self.ctx.finish("text", started, [merged], out_cols, SCORE)
+
+    def prepare(
+        self,
+        text: str,
+        *,
+        k: int,
+        column: str | None,
+        phrase: bool,
+        filter: str | Predicate | None,  # noqa: A002 - the query language's word
+        columns: Sequence[str] | None,
+    ) -> tuple[Callable[[Snapshot], Started], list[str]]:
+        """The request validated: how to begin it on a snapshot (its first-round owner
+        request, ranked by an estimate of the statistics, and the rest: `Started`), and
+        its output columns (the merged top k holds `fetch` columns and `_score`).
+
+        Raises:
+            QueryError: see `engine.reader.Reader.search_text`.
+        """
+        ctx = self.ctx
         if not self.spec.fts_columns:
             raise QueryError("the table has no full-text (fts_columns) column")
         column = column or self.spec.fts_columns[0]
@@ -188,8 +211,10 @@ class TextSearch:
         out_cols = ctx.columns(columns)
         fetch = ctx.fetch_columns(out_cols)
         terms = list(dict.fromkeys(t for t, _ in words))
+        name = column
 
-        def run(snap: Snapshot) -> pa.Table:
+        def begin(snap: Snapshot) -> Started:
+            column = name
             # Flushed memtables standing for base fragments the text index lacks: scored
             # here, counted in the base's statistics already, and Lance searches only
             # indexed rows.
@@ -209,44 +234,45 @@ class TextSearch:
                 "filter": None if predicate is None else predicate.text,
                 "fetch": fetch,
             }
-            pending = None
+            first = None
             if remote is not None:  # one round trip, ranked by an estimate (module docstring)
                 estimate = {t: self.base_df_estimate(snap.base, column, t) for t in terms}
                 hint_idf, hint_avgdl = self._hint(column, terms, n_base, avgdl_base, estimate)
-                pending = remote.start(
-                    {
-                        **request,
-                        "idf": hint_idf,
-                        "avgdl": hint_avgdl,
-                        "k": min(k * REMOTE_CANDIDATES, self.ctx.settings.max_k),
-                    }
-                )
-            # While the owners answer: this process's memtables, and the base's document
-            # frequencies (a rare term's first count may take up to DF_WAIT_S).
-            mem = self.memtable_terms([*snap.tiers, *flushed], column, terms)
-            documents, length, df = mem.documents, mem.length, dict(mem.df)
-            base_df = {t: self.base_df(snap.base, column, t) for t in terms}
-            answers = [] if pending is None else pending.result()
-            for answer in answers:  # their memtables count in the corpus statistics too
-                documents += int(answer.meta["documents"])
-                length += int(answer.meta["length"])
-                for t in terms:
-                    df[t] += int(answer.meta["df"].get(t, 0))
-            if remote is not None:
-                self._remember(column, documents, length, df)
+                first = {
+                    **request,
+                    "idf": hint_idf,
+                    "avgdl": hint_avgdl,
+                    "k": min(k * REMOTE_CANDIDATES, self.ctx.settings.max_k),
+                }
 
-            n_total = n_base + documents
-            avgdl = (avgdl_base * n_base + length) / n_total if n_total else 1.0
-            term_idf = {t: fts.idf(n_total, base_df[t] + df[t]) for t in terms}
-            parts = self.memtable_part(mem, words, phrase, term_idf, avgdl, predicate, k, fetch)
-            parts.append(base.result())
-            if remote is None:
-                return top(parts, SCORE, k, ascending=False)
-            exact = {"idf": term_idf, "avgdl": avgdl, "k": k}
-            return self._merge_remote(snap, remote, parts, answers, {**request, **exact}, k)
+            def finish(pending: Asked | None) -> pa.Table:
+                # While the owners answer: this process's memtables, and the base's document
+                # frequencies (a rare term's first count may take up to DF_WAIT_S).
+                mem = self.memtable_terms([*snap.tiers, *flushed], column, terms)
+                documents, length, df = mem.documents, mem.length, dict(mem.df)
+                base_df = {t: self.base_df(snap.base, column, t) for t in terms}
+                answers = [] if pending is None else pending.result()
+                for answer in answers:  # their memtables count in the corpus statistics too
+                    documents += int(answer.meta["documents"])
+                    length += int(answer.meta["length"])
+                    for t in terms:
+                        df[t] += int(answer.meta["df"].get(t, 0))
+                if pending is not None:
+                    self._remember(column, documents, length, df)
 
-        merged = ctx.run(run, report)
-        return ctx.finish("text", started, [merged], out_cols, SCORE)
+                n_total = n_base + documents
+                avgdl = (avgdl_base * n_base + length) / n_total if n_total else 1.0
+                term_idf = {t: fts.idf(n_total, base_df[t] + df[t]) for t in terms}
+                parts = self.memtable_part(mem, words, phrase, term_idf, avgdl, predicate, k, fetch)
+                parts.append(base.result())
+                if remote is None or pending is None:
+                    return top(parts, SCORE, k, ascending=False)
+                exact = {"idf": term_idf, "avgdl": avgdl, "k": k}
+                return self._merge_remote(snap, remote, parts, answers, {**request, **exact}, k)
+
+            return Started(first, finish)
+
+        return begin, out_cols
 
     def memtable_terms(
         self, tiers: Sequence[MemtableTier], column: str, terms: list[str]

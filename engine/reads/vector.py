@@ -39,7 +39,7 @@ from engine.filters import Predicate, QueryError
 from engine.memtable import Memtable
 from engine.reads.context import ReadContext
 from engine.reads.merge import DISTANCE, Candidates, materialise, top
-from engine.reads.remote import FanoutReport
+from engine.reads.remote import Asked, FanoutReport, Started
 from engine.reads.snapshot import SCAN_BATCH_READAHEAD, SCAN_IO_BUFFER_BYTES, Snapshot
 from engine.reads.tiers import MemtableTier
 from engine.schema import vector_matrix
@@ -113,8 +113,36 @@ class VectorSearch:
         report: FanoutReport | None = None,
     ) -> pa.Table:
         """See `engine.reader.Reader.search_vector`."""
-        ctx = self.ctx
         started = time.monotonic()
+        begin, out_cols = self.prepare(
+            vector,
+            k=k,
+            filter=filter,
+            columns=columns,
+            nprobes=nprobes,
+            refine_factor=refine_factor,
+        )
+        merged = self.ctx.run(lambda snap: begin(snap).alone(snap.remote), report)
+        return self.ctx.finish("vector", started, [merged], out_cols, DISTANCE)
+
+    def prepare(
+        self,
+        vector: Sequence[float] | np.ndarray,
+        *,
+        k: int,
+        filter: str | Predicate | None,  # noqa: A002 - the query language's word
+        columns: Sequence[str] | None,
+        nprobes: int | None,
+        refine_factor: int | None,
+    ) -> tuple[Callable[[Snapshot], Started], list[str]]:
+        """The request validated: how to begin it on a snapshot (its owner request and
+        the rest, `Started`), and its output columns (the merged top k holds `fetch`
+        columns and `_distance`).
+
+        Raises:
+            QueryError: see `engine.reader.Reader.search_vector`.
+        """
+        ctx = self.ctx
         spec_vec = self.spec.vector
         if spec_vec is None:
             raise QueryError("the table has no vector column")
@@ -130,33 +158,34 @@ class VectorSearch:
         out_cols = ctx.columns(columns)
         fetch = ctx.fetch_columns(out_cols)
 
-        def run(snap: Snapshot) -> pa.Table:
+        def begin(snap: Snapshot) -> Started:
             # Lance searches the base on a base worker meanwhile, the owner pods their
             # memtables; faiss the memtables and the base's unindexed fragments here.
             base = self._knn_base(snap, query, predicate, fetch, nprobes, refine_factor)
             limit = snap.base_limit(k)
             lance_first = ctx.meanwhile(base.lance, limit)
-            remote = None
+            request = None
             if snap.remote is not None:
-                remote = snap.remote.start(
-                    {
-                        "kind": "vector",
-                        "vector": query.tolist(),
-                        "k": k,
-                        "filter": None if predicate is None else predicate.text,
-                        "fetch": fetch,
-                    }
-                )
-            parts = self.memtable_part(snap, query, k, predicate, fetch)
-            fresh_first = base.fresh(limit)
-            first = top([lance_first.result(), *fresh_first], DISTANCE, limit, ascending=True)
-            if remote is not None:
-                parts.extend(snap.remote_rows(remote.result()))
-            parts.append(snap.base_overfetch(k, base.fetch, first))
-            return top(parts, DISTANCE, k, ascending=True)
+                request = {
+                    "kind": "vector",
+                    "vector": query.tolist(),
+                    "k": k,
+                    "filter": None if predicate is None else predicate.text,
+                    "fetch": fetch,
+                }
 
-        merged = ctx.run(run, report)
-        return ctx.finish("vector", started, [merged], out_cols, DISTANCE)
+            def finish(remote: Asked | None) -> pa.Table:
+                parts = self.memtable_part(snap, query, k, predicate, fetch)
+                fresh_first = base.fresh(limit)
+                first = top([lance_first.result(), *fresh_first], DISTANCE, limit, ascending=True)
+                if remote is not None:
+                    parts.extend(snap.remote_rows(remote.result()))
+                parts.append(snap.base_overfetch(k, base.fetch, first))
+                return top(parts, DISTANCE, k, ascending=True)
+
+            return Started(request, finish)
+
+        return begin, out_cols
 
     def memtable_part(
         self,

@@ -18,6 +18,7 @@ import httpx2 as httpx
 import numpy as np
 import pyarrow as pa
 import pytest
+from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import SecretStr
@@ -29,6 +30,7 @@ from engine.manifest import ManifestStore
 from engine.reader import Fanout, FanoutReport, NoReaderEvents, Reader
 from engine.reads import text as text_module
 from engine.reads.owners import ShardOwners
+from engine.reads.remote import unpack
 from engine.schema import TableSpec
 from engine.shard import Flusher, ShardWriter
 from engine.storage import Storage, open_storage
@@ -316,6 +318,81 @@ def test_a_text_estimate_far_off_asks_the_owners_again(
             want = single.search_text(text, k=5, columns=["_offset"])
             assert got["_score"].to_pylist() == want["_score"].to_pylist(), text
             assert len(posts) > 2, f"{text}: no owner was asked again"
+    finally:
+        single.close()
+
+
+HYBRID_QUERIES: list[dict[str, Any]] = [
+    {"vector": 1005, "text": "kilo juniper"},
+    {"vector": 2010, "text": "lima dune", "k": 15},
+    {"vector": 42, "text": "papa grove kilo", "filter": "n > 1100", "k": 12},
+    {"vector": 330, "text": "mike kilo", "phrase": True, "k": 5},
+]
+
+
+def test_hybrid_across_pods_is_one_request_per_owner_with_the_single_process_answer(
+    pods3: Callable[[], tuple[Pod, Pod, Pod]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hybrid query (vector and text) to any pod gives the answer of one process holding
+    every shard (both fused lists: the vector half's rows and distances, the text half's
+    scores), and asks each owner pod ONCE per query: one `parts` request carrying both
+    halves, answered from one snapshot on the owner."""
+    a, b, c = pods3()
+    wa, wb, wc = a.open(0), b.open(1), c.open(2)
+    put_varied(a, wa, list(range(300)), 0)
+    a.flush(wa)
+    put_varied(a, wa, list(range(300, 380)), 0)
+    put_varied(b, wb, list(range(1000, 1150)), 1)
+    put_varied(c, wc, list(range(2000, 2150)), 2)
+    single = Reader(a.spec, a.table, lambda: [wa, wb, wc])  # every shard, no fan-out
+    kinds: dict[str, list[str]] = {}
+    for pod in (a, b, c):
+        real_post = pod.fanout.post
+
+        def counted(url: str, body: bytes, timeout_s: float, _real: Any = real_post) -> bytes:
+            kinds.setdefault(url, []).append(str(unpack(body)[1]["kind"]))
+            return bytes(_real(url, body, timeout_s))
+
+        monkeypatch.setattr(pod.fanout, "post", counted)
+    settings_ = QuerySettings(auth_token=SecretStr(TOKEN))
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        with TestClient(create_query_app(single, settings_)) as one:
+            for coordinator in (a, b, c, a):  # a twice: the second time with a warm estimate
+                owners = sorted({a.url, b.url, c.url} - {coordinator.url})
+                for query in HYBRID_QUERIES:
+                    body = {**query, "vector": vectors(np.array([query["vector"]]), DIM)[0]}
+                    body = {**body, "vector": body["vector"].tolist(), "columns": ["_offset"]}
+                    kinds.clear()
+                    got = httpx.post(
+                        f"{coordinator.url}/v1/search", json=body, headers=headers, timeout=60
+                    )
+                    assert got.status_code == 200, got.text
+                    assert sorted(kinds) == owners, query
+                    for url in owners:  # a text second round would be a second "text" request
+                        assert kinds[url] in (["parts"], ["parts", "text"]), (query, kinds)
+                    want = one.post("/v1/search", json=body, headers=headers)
+                    assert want.status_code == 200, want.text
+                    assert got.json()["rows"] == want.json()["rows"], query
+                    assert "partial" not in got.json()
+                    # The engine's two lists, each the single-process one.
+                    k, q = (
+                        body.get("k", 10),
+                        {x: body[x] for x in ("filter", "phrase") if x in body},
+                    )
+                    near, scored = coordinator.reader.search_hybrid(
+                        body["vector"], body["text"], k=k, columns=["_offset"], **q
+                    )
+                    f = q.get("filter")
+                    v = single.search_vector(body["vector"], k=k, filter=f, columns=["_offset"])
+                    t = single.search_text(body["text"], k=k, columns=["_offset"], **q)
+                    assert near.to_pydict() == v.to_pydict(), query
+                    assert scored["_score"].to_pylist() == t["_score"].to_pylist(), query
+        # With a warm estimate, one request per owner and hybrid query, and no other.
+        kinds.clear()
+        body = {"vector": vectors(np.array([7]), DIM)[0].tolist(), "text": "kilo juniper heath"}
+        a.reader.search_hybrid(body["vector"], body["text"], k=7)
+        assert kinds == {b.url: ["parts"], c.url: ["parts"]}
     finally:
         single.close()
 
