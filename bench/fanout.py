@@ -23,7 +23,8 @@ one maintenance process indexes the flushed rows as a sink's does; queries are t
 ``--warmup-s``. The report gives p50/p99 per kind and side, the added p50 and the p99
 ratio, answers that came back partial (an owner missed `query.fanout_timeout_ms`), and the
 requests pod-0 sent to owner pods by kind (a text query asks each owner once unless the
-estimate of the statistics was far off, see `engine.reads.text`).
+estimate of the statistics was far off, see `engine.reads.text`; a hybrid query asks each
+owner once, a `parts` request carrying its vector and text parts).
 
 Target (issue 20): fan-out adds at most 10 ms at p50 and at most 2x at p99, idle.
 """
@@ -323,8 +324,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 url, requests = counts.get(timeout=60)
                 if url == urls.get("pod-0"):
                     # Requests pod-0 sent to the 2 owner pods, by request kind, over
-                    # runs + 1 queries of each query kind (hybrid sends vector and text;
-                    # text: 2 per text or hybrid query unless owners were asked again).
+                    # runs + 1 queries of each query kind (hybrid sends one `parts`
+                    # request; text: 2 per text query, and 2 more per text or hybrid
+                    # query whose owners were asked again).
                     report["owner_requests"] = dict(sorted(requests.items()))
         except queue.Empty:
             pass

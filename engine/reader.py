@@ -37,7 +37,8 @@ skipped (its rows are served by its next owner after replay) and reported throug
 
 Threading: a `Reader` is shared by concurrent queries (the HTTP layer's worker threads).
 Within a vector or text query, Lance's part of the base search runs on a base worker
-(`ReaderSettings.base_workers`) while the calling thread searches the memtables.
+(`ReaderSettings.base_workers`) while the calling thread searches the memtables; a hybrid
+query (`search_hybrid`) runs its text half on a thread the caller gives.
 faiss is limited to one OpenMP thread per call (see `engine.reads.vector`).
 """
 

@@ -12,5 +12,6 @@ concern per module, in the order a query meets them:
 - `merge`: candidates of memtable batches, materialised only if they make the top k, and
   the merge of ranked parts.
 - `stats`: base statistics cached per base version, refreshed in the background.
-- `vector`, `text`, `scan`, `lookup`: one query kind each.
+- `vector`, `text`, `scan`, `lookup`: one query kind each; `hybrid`: vector and text on
+  one snapshot, with one request per owner pod for both.
 """
