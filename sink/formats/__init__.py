@@ -168,14 +168,10 @@ def parse_records(
         rows += len(part.positions)
     return RecordColumns(
         np.concatenate([part.positions + i * _CHUNK for i, part in enumerate(parts)]),
-        {path: _concat([part.leaves[path] for part in parts]) for path, _, _ in paths},
+        {path: pa.concat_arrays([part.leaves[path] for part in parts]) for path, _, _ in paths},
         faults,
         column_faults,
     )
-
-
-def _concat(arrays: list[pa.Array]) -> pa.Array:
-    return pa.concat_arrays(arrays)
 
 
 def _parse_chunk(
