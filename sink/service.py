@@ -55,11 +55,12 @@ from sink.dlq import DeadLetterBatch, DeadLetterProducer
 from sink.dlq import producer_conf as dlq_producer_conf
 from sink.formats import RegistryUnavailable, SchemaEvolution
 from sink.http import ServerHandle, create_query_app, run_server
-from sink.kafka_conf import kafka_security_conf
+from sink.kafka_conf import kafka_security_conf, lag_confs
 from sink.lag import PartitionOffsets, PausedEnds, unindexed_rows
 from sink.log import configure_logging, librdkafka_logger
 from sink.metrics import Metrics, memory_limit_bytes, resident_bytes
 from sink.server import create_ops_app
+from sink.topic_shards import TopicShards
 
 log = structlog.get_logger("lance_sink.sink")
 
@@ -243,6 +244,10 @@ class SinkService:
             else None
         )
         query = settings.query
+        # Every partition's shard, so no query routes by an owners copy that lacks one.
+        self.topic_shards = TopicShards(
+            lag_confs(settings)[0], list(settings.kafka.topics), self.engine.shard_id
+        )
         self.reader = Reader(
             self.engine.spec,
             self.engine.table,
@@ -256,6 +261,7 @@ class SinkService:
                 query.fanout_timeout_ms / 1000,
                 None if query.auth_token is None else query.auth_token.get_secret_value(),
                 workers=2 * query.max_concurrent_queries,
+                expected=self.topic_shards.current,
             )
             if query.enabled
             else None,
@@ -369,6 +375,8 @@ class SinkService:
     def run(self) -> int:
         """Consume until stopped; returns the exit code (0 clean, 1 fatal)."""
         k = self.settings.kafka
+        if self.reader.ctx.fanout is not None:
+            self.topic_shards.start()
         self.start_servers()
         self._trim.start()
         if self.settings.maintenance.enabled:
@@ -1219,6 +1227,7 @@ class SinkService:
         for state in states:
             self._release(state, flush=True, timeout=max(left(DRAIN_RESERVE_S), 0.1))
         self._paused_ends.close(timeout=min(left(), 1.0))
+        self.topic_shards.close(timeout=min(left(), 1.0))
         with self._offsets_lock:  # no scrape reads a watermark from a closing consumer
             self._consumer_closed = True
         try:

@@ -8,18 +8,28 @@ epoch). A process that answers for a shard with another epoch than the one liste
 is recognised by it: an older epoch is a fenced owner, a newer one means this list is
 stale.
 
+A copy that lists a shard at an old epoch is safe to route by: the listed owner refuses the
+shard (or is the zombie DESIGN.md names), so the query says `partial`. A copy that does not
+list a shard at all is not: that shard's fresh rows would be in no answer and named in no
+`missing`. So a query passes `need`, the shards it must route (every partition of the
+topics the sink consumes, less those it reads itself); a copy that lacks one of them is
+not used: the query reads the manifests itself, or waits for a read that started after it
+asked. A shard still unlisted then was not claimed when the query asked, so it holds no
+committed row the query must return.
+
 Lifecycle: one `ShardOwners` per reader, shared by every query thread. The first
 `current()` reads the manifests; later, a copy older than `refresh_s` is re-read on a
 short-lived daemon thread while queries keep using it (on S3 a read is one LIST per shard
-plus one GET: no query waits for it), and a copy marked stale (`saw_epoch` with an epoch it
-does not list) is re-read by the query that finds it, since its routing is wrong now. One
-read at a time; the others use the copy they have. Nothing to close.
+plus one GET: no query waits for it), a copy marked stale (`saw_epoch` with an epoch it
+does not list) is re-read by the query that finds it, since its routing is wrong now, and
+a copy that lacks a needed shard is re-read as above. Nothing to close.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import structlog
@@ -48,21 +58,33 @@ class ShardOwners:
         self.storage = storage
         self.refresh_s = refresh_s
         self._owners: dict[str, Owner] | None = None
-        self._read_at = 0.0
+        #: Every shard the copy saw, with or without an owner URL.
+        self._known: frozenset[str] = frozenset()
+        self._read_at = 0.0  # when the read of the copy started
         self._stale = False
         self._lock = threading.Lock()
-        self._reading = threading.Lock()
+        self._reading = threading.Lock()  # the background or stale re-read
+        self._fresh_read = threading.Lock()  # reads for a `need` the copy lacks
 
-    def current(self) -> dict[str, Owner]:
-        """Every shard whose newest manifest names an owner URL, by shard.
+    def current(self, need: Collection[str] | None = ()) -> dict[str, Owner]:
+        """Every shard whose newest manifest names an owner URL, by shard, from a copy that
+        lists every shard of `need` or was read after this call began (`need` None: which
+        shards are needed is unknown, so the latter).
 
         Raises:
-            PersistenceError: the first read of the manifests failed (later failures keep
-                the old copy, logged).
+            PersistenceError: the first read of the manifests failed, or the read for a
+                shard of `need` the copy lacks did (other failures keep the old copy,
+                logged).
         """
+        asked = time.monotonic()
         with self._lock:
             owners, fresh = self._owners, not self._stale
-            due = time.monotonic() - self._read_at >= self.refresh_s
+            due = asked - self._read_at >= self.refresh_s
+            lacking = owners is not None and (
+                need is None or any(s not in self._known for s in need)
+            )
+        if lacking:
+            return self._read_after(asked)
         if owners is not None and fresh and not due:
             return owners
         if owners is not None and not self._reading.acquire(blocking=False):
@@ -75,6 +97,15 @@ class ShardOwners:
             ).start()
             return owners
         return self._read_and_release(owners)
+
+    def _read_after(self, asked: float) -> dict[str, Owner]:
+        """A copy whose read started at or after `asked`: one read at a time, and a query
+        that waited for another query's read uses it when it started late enough."""
+        with self._fresh_read:
+            with self._lock:
+                if self._owners is not None and self._read_at >= asked:
+                    return self._owners
+            return self._read(None)  # a failed read raises: the copy lacks a shard
 
     def _read_and_release(self, old: dict[str, Owner] | None) -> dict[str, Owner]:
         try:
@@ -97,8 +128,10 @@ class ShardOwners:
             if m.owner_url
         }
         with self._lock:
-            self._owners, self._read_at, self._stale = owners, started, False
-        return owners
+            if started >= self._read_at:  # a read that started earlier never wins
+                self._owners, self._known = owners, frozenset(manifests)
+                self._read_at, self._stale = started, False
+            return self._owners if self._owners is not None else owners
 
     def saw_epoch(self, shard: str, epoch: int) -> None:
         """A process answered for `shard` at `epoch`: re-read the owners at the next

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -148,8 +148,15 @@ class Fanout:
         timeout_s: float,
         token: str | None,
         workers: int,
+        expected: Callable[[], Collection[str] | None] | None = None,
     ) -> None:
+        """`expected`: the shards whose fresh rows every query must route (the sink's:
+        one per partition of the topics it consumes), or None while they are unknown; a
+        query then routes by owners read after it began (`ShardOwners.current`). Without
+        `expected`, a shard claimed since the cached copy was read is in no answer until
+        the copy is re-read."""
         self.owners = owners
+        self.expected = expected
         self.self_url = self_url
         self.timeout_s = timeout_s
         self._headers = {"Content-Type": ARROW_STREAM, "Accept": ARROW_STREAM}
@@ -170,7 +177,11 @@ class Fanout:
         asked."""
         groups: dict[str, dict[str, Owner]] = {}
         unheld: list[Owner] = []
-        for shard, owner in self.owners.current().items():
+        need: Collection[str] | None = ()
+        if self.expected is not None:
+            expected = self.expected()  # None: unknown yet (a pod starting)
+            need = None if expected is None else [s for s in expected if s not in local]
+        for shard, owner in self.owners.current(need).items():
             if shard in local:
                 continue
             if owner.url == self.self_url:

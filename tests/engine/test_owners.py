@@ -6,11 +6,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from engine.errors import PersistenceError
 from engine.manifest import ManifestStore, ShardManifest, list_owners
+from engine.reads import owners as owners_module
 from engine.reads.owners import Owner, ShardOwners
+from engine.storage import Storage
 from tests.engine.conftest import MakeHarness
 
 pytestmark = pytest.mark.timeout(120)
@@ -64,3 +68,72 @@ def test_a_manifest_written_before_owner_urls_still_reads(local_harness: MakeHar
     h.storage.put_if_absent(store.key(1), json.dumps(raw).encode())
     assert store.latest() == ShardManifest(version=1, epoch=3)
     assert store.claim("http://p:1").owner_url == "http://p:1"
+
+
+def test_a_copy_that_lacks_a_needed_shard_is_read_again_first(
+    local_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard claimed after the copy was read is routed by the very next query that
+    needs it; a needed shard nobody claimed yet costs a read per query, and a failed read
+    of one is an error rather than an answer without the shard."""
+    h = local_harness()
+    owners = ShardOwners(h.storage, refresh_s=3600)
+    reads: list[float] = []
+    real = owners_module.list_owners
+
+    def counted(storage: Storage) -> dict[str, ShardManifest]:
+        reads.append(time.monotonic())
+        return real(storage)
+
+    monkeypatch.setattr(owners_module, "list_owners", counted)
+    url = dataclasses.replace(h.config, advertised_url="http://p:1")
+    w0 = h.open(shard="t-0-x", config=url)
+    assert set(owners.current(["t-0-x"])) == {"t-0-x"}
+    assert set(owners.current(["t-0-x"])) == {"t-0-x"} and len(reads) == 1  # cached
+    w1 = h.open(shard="t-1-x", config=url)
+    assert set(owners.current()) == {"t-0-x"}  # nothing needed: the cached copy
+    assert set(owners.current(["t-0-x", "t-1-x"])) == {"t-0-x", "t-1-x"}
+    assert len(reads) == 2
+    # A shard that advertises no URL is listed as known: needing it reads nothing more.
+    quiet = h.open(shard="t-2-x")
+    assert set(owners.current(["t-1-x", "t-2-x"])) == {"t-0-x", "t-1-x"} and len(reads) == 3
+    assert set(owners.current(["t-2-x"])) == {"t-0-x", "t-1-x"} and len(reads) == 3
+    # Never claimed: each query reads (a copy read after it asked lists all it can).
+    for _ in range(2):
+        assert set(owners.current(["t-9-x"])) == {"t-0-x", "t-1-x"}
+    assert len(reads) == 5
+    # Unknown need (the sink has not listed the partitions yet): a read per query.
+    owners.current(None)
+    assert len(reads) == 6
+
+    def broken(storage: Storage) -> dict[str, ShardManifest]:
+        raise PersistenceError("storage down")
+
+    monkeypatch.setattr(owners_module, "list_owners", broken)
+    assert set(owners.current(["t-1-x"])) == {"t-0-x", "t-1-x"}  # listed: no read needed
+    with pytest.raises(PersistenceError):
+        owners.current(["t-9-x"])
+    for w in (w0, w1, quiet):
+        w.close(flush=False, timeout=5)
+
+
+def test_queries_waiting_for_the_owners_share_a_read_that_began_after_them(
+    local_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = local_harness()
+    owners = ShardOwners(h.storage, refresh_s=3600)
+    owners.current()
+    reads: list[float] = []
+    real = owners_module.list_owners
+
+    def slow(storage: Storage) -> dict[str, ShardManifest]:
+        reads.append(time.monotonic())
+        time.sleep(0.3)
+        return real(storage)
+
+    monkeypatch.setattr(owners_module, "list_owners", slow)
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: owners.current(["t-9-x"]), range(8)))
+    assert all(r == {} for r in results)
+    # The first query's read, then at most one more for those that asked while it ran.
+    assert len(reads) <= 2, reads

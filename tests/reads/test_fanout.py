@@ -58,7 +58,13 @@ class Events(NoReaderEvents):
 class Pod:
     """One process's share of a fan-out deployment: a reader, writers and a query server."""
 
-    def __init__(self, spec: TableSpec, storage: Storage, timeout_ms: int = 2000) -> None:
+    def __init__(
+        self,
+        spec: TableSpec,
+        storage: Storage,
+        timeout_ms: int = 2000,
+        expected: Callable[[], set[str] | None] | None = None,
+    ) -> None:
         self.spec = spec
         self.table = BaseTable(spec)
         self.table.open()
@@ -69,7 +75,9 @@ class Pod:
             host="127.0.0.1", port=0, auth_token=SecretStr(TOKEN), fanout_timeout_ms=timeout_ms
         )
         self.owners = ShardOwners(storage, refresh_s=0.0)
-        self.fanout = Fanout(self.owners, "", timeout_ms / 1000, TOKEN, workers=8)
+        self.fanout = Fanout(
+            self.owners, "", timeout_ms / 1000, TOKEN, workers=8, expected=expected
+        )
         self.events = Events()
         self.reader = Reader(
             spec, self.table, lambda: list(self.writers), events=self.events, fanout=self.fanout
@@ -603,6 +611,32 @@ def test_the_internal_endpoint_needs_the_token(pods: Callable[..., tuple[Pod, Po
     a, _ = pods()
     r = httpx.post(f"{a.url}/internal/v1/fresh", content=b"x", timeout=10)
     assert r.status_code == 401
+
+
+@pytest.mark.parametrize("known", [True, False], ids=["partitions-listed", "not-yet-listed"])
+def test_a_shard_claimed_after_the_owners_were_read_is_asked(tmp_path: Path, known: bool) -> None:
+    """Pod B claims a new shard and makes rows durable after pod A read the owners: a
+    query to pod A routes to it at once. Routing by A's cached copy, which does not list
+    the shard, lost those rows with no `partial` (seen in a rebalance under load)."""
+    spec = read_spec(str(tmp_path / "table.lance"), "append", DIM)
+    storage = open_storage(str(tmp_path / "wal"))
+    shards = {f"t-{p}-fanout" for p in (0, 1)}  # every partition's shard (from the brokers)
+    a = Pod(spec, storage, expected=lambda: shards if known else None)
+    b = Pod(spec, storage)
+    try:
+        a.owners.refresh_s = 3600  # the copy is never old: only `need` makes A re-read it
+        wa = a.open(0)
+        a.put(wa, list(range(10)), 0)
+        assert offsets(a.reader.scan(columns=["_offset"])) == list(range(10))
+        wb = b.open(1)
+        b.put(wb, list(range(1000, 1005)), 1)  # durable: its offsets may be committed
+        report = FanoutReport()
+        got = a.reader.scan(columns=["_offset"], report=report)
+        assert offsets(got) == [*range(10), *range(1000, 1005)]
+        assert report.missing == []
+    finally:
+        b.close()
+        a.close()
 
 
 def test_local_mode_makes_no_request(

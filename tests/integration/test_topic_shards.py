@@ -1,0 +1,52 @@
+"""`TopicShards` on a real broker: the shard of every partition of the sink's topics,
+listed from the brokers' metadata (fan-out routes by it), none for a topic not created yet,
+and the partitions of a topic created while the sink runs from the next list on."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from sink.topic_shards import TopicShards
+from tests.support.brokers import Broker
+
+pytestmark = [pytest.mark.broker, pytest.mark.timeout(120)]
+
+
+def test_every_partition_of_the_topics_is_listed(tansu_broker: Broker, topic: str) -> None:
+    """On tansu: librdkafka's mock cluster answers no CreateTopics/CreatePartitions."""
+    conf = {"bootstrap.servers": tansu_broker.bootstrap}
+    admin = AdminClient(conf)
+    for future in admin.create_topics([NewTopic(topic, 3)]).values():
+        future.result(30)
+    calls: list[tuple[str, int]] = []
+
+    def shard_id(t: str, p: int) -> str:
+        calls.append((t, p))
+        return f"{t}/{p}"
+
+    shards = TopicShards(conf, [topic, f"{topic}-later"], shard_id, refresh_s=0.2)
+    assert shards.current() is None  # unknown until the first list
+    shards.start()
+    try:
+        deadline = time.monotonic() + 30
+        while shards.current() is None:
+            assert time.monotonic() < deadline, "the partitions were never listed"
+            time.sleep(0.05)
+        assert shards.current() == {f"{topic}/{p}" for p in range(3)}
+        # The second topic is created while the sink runs: its partitions join the list.
+        for future in admin.create_topics([NewTopic(f"{topic}-later", 2)]).values():
+            future.result(30)
+        want = {f"{topic}/{p}" for p in range(3)} | {f"{topic}-later/{p}" for p in range(2)}
+        while shards.current() != want:
+            assert time.monotonic() < deadline, shards.current()
+            time.sleep(0.05)
+        time.sleep(0.5)  # more lists
+        # A partition's shard id is looked up once (it may cost a storage listing).
+        assert sorted(calls) == sorted(
+            [(topic, p) for p in range(3)] + [(f"{topic}-later", p) for p in range(2)]
+        )
+    finally:
+        shards.close()
