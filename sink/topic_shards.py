@@ -93,4 +93,3 @@ class TopicShards:
                 self._stop.wait(RETRY_S)
                 continue
             self._stop.wait(self._refresh_s)
-
