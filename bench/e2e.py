@@ -29,8 +29,10 @@ import argparse
 import base64
 import contextlib
 import json
+import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -326,6 +328,44 @@ class Committed:
         self._consumer.close()
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of a process's live threads, summed by thread name
+    (librdkafka names its threads rdk:*, Lance's runtime its workers; Python threads all
+    carry the interpreter's name)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for proc, prefix in [(pid, ""), *((c, "child ") for c in children(pid))]:
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{proc}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    stat = (task / "stat").read_text()
+                    name = stat[stat.index("(") + 1 : stat.rindex(")")]
+                    fields = stat[stat.rindex(")") + 2 :].split()
+                    # rdk:broker3 -> rdk:broker
+                    group = prefix + (re.sub(r"[\d/:.-]+$", "", name) or name)
+                    seconds = (int(fields[11]) + int(fields[12])) / tick
+                    out[group] = out.get(group, 0.0) + seconds
+    return out
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (the sink's decode workers)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            text = stat.read_text()
+            if int(text[text.rindex(")") + 2 :].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+    return out
+
+
+def cpu_split(before: dict[str, float], after: dict[str, float], seconds: float) -> str:
+    """Cores used per thread group between two `thread_cpu` readings, busiest first."""
+    used = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    parts = [f"{k} {v / seconds:.2f}" for k, v in sorted(used.items(), key=lambda kv: -kv[1])]
+    return f"{sum(used.values()) / seconds:.2f} cores (" + ", ".join(parts[:6]) + ")"
+
+
 def peak_rss(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -348,7 +388,11 @@ def run_sink(
     kind: str,
     workdir: Path,
     registry_url: str | None = None,
-) -> dict[str, float]:
+    broker_pid: int | None = None,
+    profile: Path | None = None,
+) -> dict[str, Any]:
+    """One catch-up of `lance-sink run` (see the module docstring); with `profile`, a
+    py-spy profile of the catch-up (folded stacks, every thread)."""
     port = free_port()
     group = f"bench-{uuid.uuid4().hex[:6]}"
     config = workdir / "sink.toml"
@@ -363,6 +407,8 @@ def run_sink(
     )
     first = None
     committed = Committed(bootstrap, group, topic)
+    spy: subprocess.Popen[bytes] | None = None
+    cpu_at: tuple[dict[str, float], dict[str, float]] = ({}, {})
     try:
         # The clock starts when the first rows become durable (after start-up and the group
         # join, which are not throughput) and stops when every offset is committed.
@@ -373,9 +419,16 @@ def run_sink(
                     rows = ingested(scrape(port))
                     if rows > 0:
                         first = (time.perf_counter(), rows)
+                        cpu_at = (thread_cpu(proc.pid), thread_cpu(broker_pid or proc.pid))
+                        if profile is not None:
+                            spy = py_spy(proc.pid, profile)
             done = committed.total()
             if done >= n:
                 end = time.perf_counter()
+                cpu_end = (thread_cpu(proc.pid), thread_cpu(broker_pid or proc.pid))
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)
+                    spy.wait(60)
                 break
             time.sleep(0.02)
         rss = peak_rss(proc.pid)
@@ -415,7 +468,31 @@ def run_sink(
         "commit_p99": quantile(commit, 0.99),
         "fresh_p50": quantile(fresh, 0.5),
         "fresh_p99": quantile(fresh, 0.99),
+        "sink_cpu": cpu_split(cpu_at[0], cpu_end[0], seconds),
+        "broker_cpu": cpu_split(cpu_at[1], cpu_end[1], seconds) if broker_pid else "",
     }
+
+
+def py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """py-spy recording `pid` into `out` (folded stacks) until interrupted."""
+    return subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "py-spy"),
+            "record",
+            "--pid",
+            str(pid),
+            "--rate",
+            "250",
+            "--threads",
+            "--nonblocking",
+            "--format",
+            "raw",
+            "--output",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def main() -> None:
@@ -467,7 +544,15 @@ def main() -> None:
         "ratio's median by up to 0.1x on the 2-core development machine)",
     )
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="folder for a py-spy profile of each sink run (folded stacks)",
+    )
     args = parser.parse_args()
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
     lines: list[str] = []
 
     def report(line: str) -> None:
@@ -522,14 +607,27 @@ def main() -> None:
                         (
                             consume_s,
                             decode_s,
-                            run_sink(bootstrap, topic, total, kind, workdir, registry_url),
+                            run_sink(
+                                bootstrap,
+                                topic,
+                                total,
+                                kind,
+                                workdir,
+                                registry_url,
+                                broker.pid,
+                                None if args.profile is None else args.profile / f"{kind}-{r}.txt",
+                            ),
                         )
                     )
                 finally:
                     shutil.rmtree(workdir, ignore_errors=True)
             consume_s = statistics.median(c for c, _, _ in runs)
             decode_s = statistics.median(d for _, d, _ in runs)
-            sink = {key: statistics.median(s[key] for _, _, s in runs) for key in runs[0][2]}
+            sink = {
+                key: statistics.median(s[key] for _, _, s in runs)
+                for key in runs[0][2]
+                if not isinstance(runs[0][2][key], str)
+            }
             sink["peak_rss"] = max(s["peak_rss"] for _, _, s in runs)
             ratios = sorted(s["rows_per_s"] / min(n / c, n / d) for c, d, s in runs)
             ceiling = min(n / consume_s, n / decode_s)
@@ -559,6 +657,9 @@ def main() -> None:
                 f"p50 {sink['fresh_p50'] * 1000:.0f} ms, p99 {sink['fresh_p99'] * 1000:.0f} ms"
             )
             report(f"peak RSS of the sink: {sink['peak_rss'] / 2**20:,.0f} MiB")
+            for i, (_, _, run) in enumerate(runs):
+                report(f"CPU while catching up, run {i + 1}: sink {run['sink_cpu']}")
+                report(f"                          tansu {run['broker_cpu']}")
     finally:
         registry.stop()
         broker.terminate()
