@@ -624,6 +624,12 @@ class SourceSettings(_Section):
         "polling and committing (results are put in offset order per partition). About one "
         "per core the sink may use.",
     )
+    decode_processes: bool = Field(
+        default=False,
+        description="Decode in worker processes (one per decode worker) instead of threads: "
+        "the consumer loop, WAL and memtables keep the interpreter lock to themselves. Each "
+        "worker holds its own copy of the decoder (and registry clients).",
+    )
 
     @field_validator("columns")
     @classmethod

@@ -37,6 +37,18 @@ class LanceSinkError(Exception):
         detail = " ".join(f"{k}={v}" for k, v in self.context.items())
         super().__init__(f"{message} [{detail}]" if detail else message)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole (a decode worker process raises these in the sink's process): the
+        # default would call the class with the formatted message alone.
+        return (_restore, (type(self), self.args, self.__dict__))
+
+
+def _restore(cls: type[LanceSinkError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class RetriableError(LanceSinkError):
     """A transient failure: the same operation may succeed later."""

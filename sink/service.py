@@ -16,7 +16,8 @@ Lifecycle:
   lost → close without committing.
 
 The loop never blocks on storage or on decoding: each partition's consumed messages are
-decoded on `source.decode_workers` threads and put in offset order as their decoding ends;
+decoded on `source.decode_workers` threads (each in a worker process of its own with
+`source.decode_processes`) and put in offset order as their decoding ends;
 puts return futures that are checked on each iteration; `consume()` is called every
 `kafka.consume_timeout_ms` whatever the writers do, so commits follow durability closely.
 """
@@ -51,6 +52,7 @@ from engine.reads.owners import ShardOwners
 from engine.shard import PutResult, ShardWriter
 from engine.wal import SourceRange
 from sink.decode import DeadLetter, Decoded, Decoder
+from sink.decode_process import ProcessDecoder
 from sink.dlq import DeadLetterBatch, DeadLetterProducer
 from sink.dlq import producer_conf as dlq_producer_conf
 from sink.formats import RegistryUnavailable, SchemaEvolution
@@ -224,10 +226,16 @@ class SinkService:
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.engine = engine or Engine.from_settings(settings, events=self.metrics)
-        self.decoder = Decoder(
-            self.engine.spec,
-            settings.source,
-            evolve_derived=derived_columns and settings.table.evolve,
+        evolve = derived_columns and settings.table.evolve
+        self.decoder: Decoder | ProcessDecoder = (
+            ProcessDecoder(
+                self.engine.spec,
+                settings.source,
+                evolve_derived=evolve,
+                workers=settings.source.decode_workers,
+            )
+            if settings.source.decode_processes
+            else Decoder(self.engine.spec, settings.source, evolve_derived=evolve)
         )
         # Set when a writer schema needs the table evolved: `run` drains and returns
         # EXIT_RESTART_TO_EVOLVE (see `_evolution_needed`).
@@ -1244,6 +1252,8 @@ class SinkService:
         self.engine.close(flush=False, timeout=min(left(), 1.0))
         self._open_pool.shutdown(wait=False, cancel_futures=True)
         self._decode_pool.shutdown(wait=False, cancel_futures=True)
+        if isinstance(self.decoder, ProcessDecoder):
+            self.decoder.close(timeout=min(left(), 1.0))
         for server in self.servers:
             server.stop(timeout=max(min(left() / 2, 5.0), 0.1))
         log.info(

@@ -3,13 +3,22 @@ and the committed offsets reach the log end."""
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.support.brokers import Broker
-from tests.support.kafka import produce
-from tests.support.sink import SinkProcess, messages, sink_config, table_rows, wait_caught_up
+from tests.support.kafka import committed_offsets, produce
+from tests.support.sink import (
+    SinkProcess,
+    message,
+    messages,
+    sink_config,
+    table_rows,
+    wait_caught_up,
+)
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -85,3 +94,80 @@ def test_batches_decoded_out_of_order_are_put_in_offset_order(
     for partition in range(4):
         offsets = [r["_offset"] for r in rows if r["_partition"] == partition]
         assert offsets == list(range(ends[partition])), partition
+
+
+def test_decoding_in_worker_processes_exactly_once_across_a_sigkill(
+    mock_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    """`source.decode_processes`: the rows are the same, exactly once across a SIGKILL of
+    the sink in the middle of the stream, and the killed sink's decode workers exit."""
+    n = 6000
+    produce(mock_broker.bootstrap, topic, messages(0, n // 2))
+    config, table = sink_config(
+        tmp_path,
+        mock_broker.bootstrap,
+        [topic],
+        group,
+        extra={
+            "source": {"decode_processes": True, "decode_workers": 2},
+            "kafka": {"consume_batch_size": 200},
+        },
+    )
+    first = SinkProcess(config, tmp_path / "first.log")
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers) < 2:
+            assert first.alive(), first.log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no decode workers started"
+            workers = [pid for pid in children(first.proc.pid) if "spawn_main" in cmdline(pid)]
+            time.sleep(0.1)
+        produce(mock_broker.bootstrap, topic, messages(n // 2, n // 2))
+        # Killed once part of the stream is committed (and the rest is not).
+        while sum(committed_offsets(mock_broker.bootstrap, group, topic, 4).values()) < n // 4:
+            assert time.monotonic() < deadline, "nothing was committed"
+            time.sleep(0.05)
+    finally:
+        first.kill()
+    deadline = time.monotonic() + 20
+    while any(Path(f"/proc/{pid}").exists() and state(pid) != "Z" for pid in workers):
+        assert time.monotonic() < deadline, f"decode workers {workers} outlived the sink"
+        time.sleep(0.1)
+    second = SinkProcess(config, tmp_path / "second.log")
+    try:
+        ends = wait_caught_up(mock_broker.bootstrap, group, topic, procs=[second])
+    finally:
+        code = second.stop()
+    assert code == 0, second.log_path.read_text()[-3000:]
+    assert sum(ends.values()) == n
+    rows = table_rows(table)
+    assert sorted(r["n"] for r in rows) == list(range(n))
+    by_n = {r["n"]: r for r in rows}
+    assert by_n[4321]["text"] == "message number 4321"
+    assert by_n[4321]["vec"] == pytest.approx(json.loads(message(4321)[1])["vec"])
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        if int(text.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

@@ -729,6 +729,9 @@ def test_pod_hardening_and_probes(rendered: dict[str, list[dict[str, Any]]], sce
         derived_mib += math.ceil(lance_caches / 2**20)
     if values["config"]["maintenance"]["enabled"] and values["config"]["maintenance"]["process"]:
         derived_mib += values["resources"]["memory"]["maintenanceProcessMiB"]
+    source = values["config"]["source"]
+    if source.get("decode_processes"):
+        derived_mib += source["decode_workers"] * values["resources"]["memory"]["decodeProcessMiB"]
     limits = values["resources"]["limits"]
     if limits["memory"] is None:
         assert container["resources"]["limits"]["memory"] == f"{derived_mib}Mi"
@@ -799,6 +802,26 @@ def test_memory_limit_formula_and_override(helm: str, tmp_path: Path) -> None:
     docs = _template(helm, _scenario("object-storage-values"), path)
     assert _container(docs)["resources"]["limits"]["memory"] == (
         f"{math.ceil(3_000_000_000 * 2 / 2**20) + 100}Mi"
+    )
+    # Decoding in worker processes: each worker's allowance on top.
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "config": {
+                    "backpressure": {"process_budget_bytes": 3_000_000_000},
+                    "query": {"enabled": False},
+                    "maintenance": {"enabled": False},
+                    "source": {"decode_processes": True, "decode_workers": 3},
+                },
+                "resources": {
+                    "memory": {"budgetFactor": 2, "overheadMiB": 100, "decodeProcessMiB": 70}
+                },
+            }
+        )
+    )
+    docs = _template(helm, _scenario("object-storage-values"), path)
+    assert _container(docs)["resources"]["limits"]["memory"] == (
+        f"{math.ceil(3_000_000_000 * 2 / 2**20) + 100 + 3 * 70}Mi"
     )
     path.write_text(yaml.safe_dump({"resources": {"limits": {"memory": "6Gi"}}}))
     resources = _container(_template(helm, _scenario("object-storage-values"), path))["resources"]

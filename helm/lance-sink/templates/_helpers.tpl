@@ -181,6 +181,8 @@ MiB of memory the sink needs for its settings, an integer (the derived memory li
   + ceil((query.lance_index_cache_bytes + query.lance_metadata_cache_bytes) / 1 MiB) when the
   query API is on
   + resources.memory.maintenanceProcessMiB when maintenance runs in its child process
+  + source.decode_workers x resources.memory.decodeProcessMiB when decoding runs in worker
+  processes (source.decode_processes)
 */}}
 {{- define "lance-sink.memoryNeedMiB" -}}
 {{- $budget := include "lance-sink.bytes" (list "config.backpressure.process_budget_bytes" .Values.config.backpressure.process_budget_bytes) | float64 -}}
@@ -199,7 +201,11 @@ MiB of memory the sink needs for its settings, an integer (the derived memory li
 {{- if and .Values.config.maintenance.enabled .Values.config.maintenance.process -}}
 {{- $maintenance = int64 .Values.resources.memory.maintenanceProcessMiB -}}
 {{- end -}}
-{{- add $mib (int64 .Values.resources.memory.overheadMiB) $cache $maintenance -}}
+{{- $decode := 0 -}}
+{{- if .Values.config.source.decode_processes -}}
+{{- $decode = mul (int64 .Values.config.source.decode_workers) (int64 .Values.resources.memory.decodeProcessMiB) -}}
+{{- end -}}
+{{- add $mib (int64 .Values.resources.memory.overheadMiB) $cache $maintenance $decode -}}
 {{- end -}}
 
 {{/*
