@@ -14,27 +14,10 @@ from config import load_settings
 from engine.engine import Engine
 from tests.support.brokers import Broker
 from tests.support.kafka import produce
+from tests.support.maintenance import MAINTENANCE, assert_maintained_without_flush_failures
 from tests.support.sink import SinkProcess, messages, sink_config, table_rows, wait_caught_up
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(600)]
-
-#: Maintenance as in production (on), with every task firing within seconds during the
-#: run: vector, text and scalar indexes, optimize, compaction of indexed fragments (pylance
-#: cannot decode those commits; see engine.table.transaction_properties) and cleanup.
-MAINTENANCE_ON = {
-    "enabled": True,
-    "interval_s": 1,
-    "optimize_interval_s": 1,
-    "vector_index_min_rows": 1000,
-    "optimize_unindexed_rows": 500,
-    "compact_min_fragments": 3,
-    "cleanup_retention_s": 1,
-    "scalar_indexes": {"n": "BTREE"},
-}
-MAINTENANCE = pytest.mark.parametrize(
-    "maintenance",
-    [pytest.param({}, id="maintenance-off"), pytest.param(MAINTENANCE_ON, id="maintenance-on")],
-)
 
 
 def produce_in_background(
@@ -50,20 +33,6 @@ def produce_in_background(
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
-
-
-def assert_maintained_without_flush_failures(procs: list[SinkProcess]) -> None:
-    """With maintenance on: compaction ran with indexes present, and no flush ever failed."""
-    events = [e for p in procs for e in p.events()]
-    flush_failures = [e for e in events if e.get("event") == "flush_failed"]
-    assert not flush_failures, flush_failures[:3]
-    assert not [e for e in events if e.get("event") == "partition_open_failed"]
-    done = {
-        e["task"]
-        for e in events
-        if e.get("event") == "maintenance_ran" and e.get("outcome") == "done"
-    }
-    assert {"fts_index", "scalar_indexes", "compact"} <= done, done
 
 
 def assert_exactly_once(table: str, n: int) -> None:
