@@ -40,7 +40,8 @@ outcome ``done`` / ``skipped`` / ``conflict`` / ``failed``:
   segments per query).
 - ``compact``: once `compact_min_fragments` fragments are small (below
   `SMALL_FRAGMENT_ROWS`): `compact_files`, at most `COMPACT_MAX_SOURCE_FRAGMENTS` source
-  fragments per run (bounded work).
+  fragments per run (bounded work); ``skipped`` when Lance merged none (it merges only
+  adjacent fragments covered by the same indexes).
 - ``cleanup``: delete old table versions, see "Version retention" below.
 
 Version retention. A shard writer's open (`BaseTable.find_flush`) reads the transaction
@@ -424,7 +425,9 @@ class Maintenance:
     # ------------------------------------------------------------------ compaction
 
     def compact(self) -> None:
-        """Merge small fragments (bounded per run)."""
+        """Merge small fragments (bounded per run). Skipped when Lance merges none: it
+        compacts only runs of adjacent fragments covered by the same indexes, so small
+        fragments can be left that it will not merge (nothing committed then)."""
         ds = self.table.dataset()
         small = [f for f in ds.get_fragments() if f.metadata.physical_rows < SMALL_FRAGMENT_ROWS]
         if len(small) < self.settings.compact_min_fragments:
@@ -433,6 +436,8 @@ class Maintenance:
             target_rows_per_fragment=TARGET_ROWS_PER_FRAGMENT,
             max_source_fragments=COMPACT_MAX_SOURCE_FRAGMENTS,
         )
+        if not metrics.fragments_removed:
+            raise _Skip
         log.info(
             "table_compacted",
             fragments_removed=metrics.fragments_removed,

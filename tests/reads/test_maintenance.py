@@ -301,6 +301,38 @@ def test_compaction_merges_small_fragments(make_harness: MakeHarness) -> None:
     assert m.run_once()["compact"] == "skipped"
 
 
+def test_compaction_that_merges_nothing_is_skipped(make_harness: MakeHarness) -> None:
+    """Lance compacts indexed and unindexed fragments apart: a run over small fragments it
+    cannot merge rewrites nothing (no commit), and reports ``skipped``, not ``done``
+    (``done`` and the `table_compacted` line would claim a compaction that never was)."""
+    h = make_harness(mode="upsert")
+    w = h.open()
+    for first in range(0, 200, 100):
+        h.put(w, range(first, first + 100))
+        h.flush(w)
+    events = Recorder()
+    m = maintenance(
+        h,
+        events,
+        vector_index_min_rows=10_000,
+        fts_index=False,
+        compact_min_fragments=2,
+        optimize_unindexed_rows=10_000,  # the next fragment stays out of the key index
+    )
+    outcomes = m.run_once()
+    assert outcomes["key_index"] == "done"
+    assert outcomes["compact"] == "done"  # the two indexed fragments, into one
+    h.put(w, range(200, 300))
+    h.flush(w)
+    fragments = h.table.dataset().get_fragments()
+    assert len(fragments) == 2  # indexed and unindexed: Lance merges neither into the other
+    version = h.table.latest_version()
+    assert m.run_once()["compact"] == "skipped"
+    assert h.table.latest_version() == version
+    assert ("compact", "done") in events.events
+    assert events.events[-2:] == [("compact", "skipped"), ("cleanup", "skipped")]
+
+
 def test_cleanup_keeps_what_a_shard_replay_needs(make_harness: MakeHarness) -> None:
     """A flush commit whose shard manifest does not record it yet (the crash window) pins
     itself and every newer version; versions below it are deleted once old enough."""
