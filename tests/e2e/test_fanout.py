@@ -3,7 +3,9 @@ table (local directory), each serving the query API on its own port and advertis
 the shard manifests. A row committed by any of them is returned by a query to every one of
 them (vector, text, filter, lookup) before its memtable is flushed; a key updated or deleted
 in one pod's memtable shadows its base row in every pod's answers; and a SIGSTOPped owner
-makes a query return within its deadline, naming the partitions it lacks (I18)."""
+makes a query return within its deadline, naming the partitions it lacks (I18). Each test
+runs with maintenance off and on (production runs it: index builds, compaction and cleanup
+commit to the base while pods read it and flush into it)."""
 
 from __future__ import annotations
 
@@ -21,13 +23,20 @@ import pytest
 
 from tests.support.brokers import Broker, free_ports
 from tests.support.kafka import committed_offsets, produce
+from tests.support.maintenance import (
+    MAINTENANCE,
+    MAINTENANCE_ON,
+    assert_maintained_without_flush_failures,
+    assert_no_flush_failures,
+    maintenance_done,
+)
 from tests.support.sink import SinkProcess, message, wait_caught_up, write_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
 
 TOKEN = "fan-out-token"
 PARTITIONS = 4
-FIRST = 40  # rows per partition flushed into the base (memtable.max_rows)
+FIRST = 80  # rows per partition flushed into the base (memtable.max_rows)
 
 
 def vector_of(i: int) -> list[float]:
@@ -43,6 +52,7 @@ def start_pods(
     memtable: dict[str, Any] | None = None,
     table_uri: str | None = None,
     storage_options: dict[str, str] | None = None,
+    maintenance: dict[str, Any] | None = None,
 ) -> tuple[list[SinkProcess], list[str]]:
     procs, urls = [], []
     for name, port in zip(names, free_ports(len(names)), strict=True):
@@ -66,6 +76,7 @@ def start_pods(
                     "owners_refresh_ms": 200,
                     "max_k": 100_000,
                 },
+                "maintenance": maintenance or {},  # {}: off (write_config's default)
             },
         )
         env = {"LANCE_SINK__QUERY__AUTH_TOKEN": TOKEN}
@@ -112,6 +123,23 @@ def post(url: str, path: str, body: dict[str, Any], timeout: float = 20) -> dict
     return out
 
 
+#: Maintenance on for a base of PARTITIONS * FIRST rows, the vector index included (built
+#: once every partition's first rows are in: IVF_PQ on fewer than 256 rows is an empty
+#: index), so base rows are found through every kind of index the base can have.
+MAINTENANCE_ON_SMALL_BASE = {**MAINTENANCE_ON, "vector_index_min_rows": PARTITIONS * FIRST}
+#: What maintenance must have done to the base before the queries are asked: the tasks,
+#: and the columns whose index holds base rows.
+BASE_MAINTAINED = {"vector_index", "fts_index", "key_index", "scalar_indexes", "compact"}
+BASE_INDEXED = {"vec", "text", "id", "n"}
+
+
+@pytest.mark.parametrize(
+    "maintenance",
+    [
+        pytest.param({}, id="maintenance-off"),
+        pytest.param(MAINTENANCE_ON_SMALL_BASE, id="maintenance-on"),
+    ],
+)
 @pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_any_pod_answers_with_every_committed_row(
     mock_broker: Broker,
@@ -119,8 +147,13 @@ def test_any_pod_answers_with_every_committed_row(
     group: str,
     tmp_path: Path,
     where: str,
+    maintenance: dict[str, Any],
     request: pytest.FixtureRequest,
 ) -> None:
+    """Every pod answers with every committed row: its own memtables', the other pods'
+    (fan-out) and the base's, with updates and deletes in memtables shadowing base rows.
+    With maintenance on, the queries are asked once the base is indexed (vector, text, key,
+    scalar) and compacted: base rows come through the indexes, memtable rows do not."""
     bootstrap = mock_broker.bootstrap
     table_uri, options = str(tmp_path / "table.lance"), None
     if where == "s3":
@@ -132,7 +165,13 @@ def test_any_pod_answers_with_every_committed_row(
         produce(bootstrap, topic, [message(p)], partition=p)
     key_partition = {i: i % PARTITIONS for i in range(10_000)}
     procs, urls = start_pods(
-        tmp_path, bootstrap, topic, group, table_uri=table_uri, storage_options=options
+        tmp_path,
+        bootstrap,
+        topic,
+        group,
+        table_uri=table_uri,
+        storage_options=options,
+        maintenance=maintenance,
     )
     try:
         deadline = time.monotonic() + 90
@@ -176,6 +215,20 @@ def test_any_pod_answers_with_every_committed_row(
         while base_rows() < PARTITIONS * FIRST:
             assert time.monotonic() < deadline, "the first memtables were not flushed"
             time.sleep(0.2)
+
+        def indexed() -> set[str]:
+            """The columns whose index holds rows of the base."""
+            ds = lance.dataset(table_uri, storage_options=options)
+            return {c for i in ds.describe_indices() if i.num_rows_indexed for c in i.field_names}
+
+        if maintenance:
+            deadline = time.monotonic() + 60
+            while True:
+                done, columns = maintenance_done(procs), indexed()
+                if done >= BASE_MAINTAINED and columns >= BASE_INDEXED:
+                    break
+                assert time.monotonic() < deadline, f"maintenance did {done}, indexed {columns}"
+                time.sleep(0.5)
         time.sleep(1)
         assert base_rows() == PARTITIONS * FIRST  # no more flushed
 
@@ -241,19 +294,27 @@ def test_any_pod_answers_with_every_committed_row(
     finally:
         codes = [p.stop() for p in procs]
     assert codes == [0, 0, 0]
+    if maintenance:
+        assert_maintained_without_flush_failures(procs)
+    else:
+        assert_no_flush_failures(procs)
 
 
+@MAINTENANCE
 def test_rebalance_and_kill_during_a_stream_of_queries(
-    mock_broker: Broker, topic: str, group: str, tmp_path: Path
+    mock_broker: Broker, topic: str, group: str, tmp_path: Path, maintenance: dict[str, Any]
 ) -> None:
     """Queries to the live pods while messages stream in, a pod joins and another is
     SIGKILLed: no answer holds a row twice, and no answer lacks a row whose offset was
-    committed before the query started, unless it says it is partial."""
+    committed before the query started, unless it says it is partial. With maintenance on,
+    index builds and compactions commit to the base under the queries and the flushes."""
     bootstrap = mock_broker.bootstrap
     for p in range(PARTITIONS):
         produce(bootstrap, topic, [message(p)], partition=p)
     small = {"max_rows": 300, "max_age_s": 3600}  # flushes happen during the stream too
-    procs, urls = start_pods(tmp_path, bootstrap, topic, group, "ab", small)
+    procs, urls = start_pods(
+        tmp_path, bootstrap, topic, group, "ab", small, maintenance=maintenance
+    )
     wait_serving(procs, urls)
     total, sent = 2_400, [PARTITIONS]
     # Message i goes to partition i % PARTITIONS at local index i // PARTITIONS.
@@ -293,7 +354,9 @@ def test_rebalance_and_kill_during_a_stream_of_queries(
         deadline = time.monotonic() + 8
         while time.monotonic() < deadline:
             query_round()
-        more, more_urls = start_pods(tmp_path, bootstrap, topic, group, "c", small)
+        more, more_urls = start_pods(
+            tmp_path, bootstrap, topic, group, "c", small, maintenance=maintenance
+        )
         wait_serving(more, more_urls)
         procs += more
         urls += more_urls
@@ -312,3 +375,7 @@ def test_rebalance_and_kill_during_a_stream_of_queries(
     finally:
         codes = [p.stop() for k, p in enumerate(procs) if k not in killed]
     assert codes == [0] * len(codes)
+    if maintenance:
+        assert_maintained_without_flush_failures(procs)
+    else:
+        assert_no_flush_failures(procs)
