@@ -300,6 +300,11 @@ def test_any_pod_answers_with_every_committed_row(
         assert_no_flush_failures(procs)
 
 
+#: What maintenance must have done while a stream of queries ran: index builds, and a
+#: compaction of indexed fragments.
+UNDER_QUERIES = {"fts_index", "key_index", "scalar_indexes", "compact"}
+
+
 @MAINTENANCE
 def test_rebalance_and_kill_during_a_stream_of_queries(
     mock_broker: Broker, topic: str, group: str, tmp_path: Path, maintenance: dict[str, Any]
@@ -367,6 +372,12 @@ def test_rebalance_and_kill_during_a_stream_of_queries(
         killed.add(0)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:  # the session timeout, then replay elsewhere
+            query_round()
+        # With maintenance on, the queries go on until it has indexed and compacted the
+        # base (it begins after them, at the first flush): its commits land among them.
+        deadline = time.monotonic() + 60
+        while maintenance and not (done := maintenance_done(procs)) >= UNDER_QUERIES:
+            assert time.monotonic() < deadline, f"maintenance did only {done}"
             query_round()
         producer.join(60)
         wait_caught_up(bootstrap, group, topic, timeout=120, procs=procs[1:])
