@@ -177,13 +177,13 @@ def test_any_pod_answers_with_every_committed_row(
         deadline = time.monotonic() + 90
         while len(set(owners(procs).values())) < 3 or len(owners(procs)) < PARTITIONS:
             assert time.monotonic() < deadline, f"partitions not spread: {owners(procs)}"
-            for p in procs:
-                assert p.alive(), p.log_path.read_text()[-3000:]
+            for proc in procs:
+                assert proc.alive(), proc.log_path.read_text()[-3000:]
             time.sleep(0.5)
 
         def send(ids: list[int], **overrides: Any) -> None:
             for p in range(PARTITIONS):
-                rows = []
+                rows: list[tuple[bytes, bytes | None]] = []
                 for i in ids:
                     if key_partition[i] != p:
                         continue

@@ -191,4 +191,5 @@ def wait_caught_up(
 
 
 def table_rows(uri: str) -> list[dict[str, Any]]:
-    return lance.dataset(uri).to_table().to_pylist()
+    rows: list[dict[str, Any]] = lance.dataset(uri).to_table().to_pylist()
+    return rows
