@@ -2,6 +2,7 @@
 
     python -m bench.e2e [--small N] [--vectors N] [--base64 N] [--avro-small N]
         [--avro-vec-bytes N] [--avro-vec-array N] [--avro N] [--repeat R] [--out FILE]
+        [--decode threads,processes] [--profile DIR]
 
 For each data set (200-byte JSON messages; 384-dim vector JSON messages with ~200 chars of
 text; with ``--base64 N``, the same vectors as base64 of little-endian float32 inside the
@@ -17,7 +18,10 @@ measures in the same run, on the same data:
   child process; sustained rows/s and MB/s, peak RSS (VmHWM), and from its own metrics the
   commit delay (durable -> committed) p50/p99;
 - freshness: after catching up, messages are produced at a steady rate and the sink's
-  `lance_sink_freshness_seconds` (message timestamp -> visible) gives p50/p99.
+  `lance_sink_freshness_seconds` (message timestamp -> visible) gives p50/p99;
+- where the two cores went while it caught up: CPU per thread group of the sink (its decode
+  worker processes included) and of tansu; with ``--decode threads,processes`` the sink
+  runs both ways (``source.decode_processes``), alternating, on the same data.
 
 Report: medians are not possible for a one-shot catch-up of a large backlog on a shared
 2-core machine; read the ratios, which compare runs made seconds apart on the same data.
@@ -40,6 +44,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -216,12 +221,14 @@ def write_config(
     table: dict[str, Any],
     port: int,
     registry_url: str | None = None,
+    decode_processes: bool = False,
 ) -> None:
     source = (
         ["[source]", 'format = "avro"', f'schema_registry = {{ url = "{registry_url}" }}']
         if registry_url
-        else []
+        else ["[source]"]
     )
+    source.append(f"decode_processes = {str(decode_processes).lower()}")
     lines = [
         *source,
         "[kafka]",
@@ -390,6 +397,7 @@ def run_sink(
     registry_url: str | None = None,
     broker_pid: int | None = None,
     profile: Path | None = None,
+    decode_processes: bool = False,
 ) -> dict[str, Any]:
     """One catch-up of `lance-sink run` (see the module docstring); with `profile`, a
     py-spy profile of the catch-up (folded stacks, every thread)."""
@@ -397,7 +405,7 @@ def run_sink(
     group = f"bench-{uuid.uuid4().hex[:6]}"
     config = workdir / "sink.toml"
     table = sink_table(str(workdir / "t.lance"), kind)
-    write_config(config, bootstrap, topic, group, table, port, registry_url)
+    write_config(config, bootstrap, topic, group, table, port, registry_url, decode_processes)
     log = (workdir / "sink.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "sink.cli", "run", "--config", str(config)],
@@ -431,7 +439,7 @@ def run_sink(
                     spy.wait(60)
                 break
             time.sleep(0.02)
-        rss = peak_rss(proc.pid)
+        rss = peak_rss(proc.pid) + sum(peak_rss(c) for c in children(proc.pid))
         text = scrape(port)
         commit = histogram(text, "lance_sink_commit_delay_seconds")
         # Freshness: a steady stream after catching up.
@@ -471,6 +479,49 @@ def run_sink(
         "sink_cpu": cpu_split(cpu_at[0], cpu_end[0], seconds),
         "broker_cpu": cpu_split(cpu_at[1], cpu_end[1], seconds) if broker_pid else "",
     }
+
+
+def report_sink(
+    report: Callable[[str], None],
+    n: int,
+    mb: float,
+    runs: list[tuple[float, float, dict[str, Any]]],
+) -> None:
+    """The sink's lines of a data set's report: medians of `runs` (consume seconds, decode
+    seconds, `run_sink`'s figures), ratios against the same run's ceilings."""
+    sink = {
+        key: statistics.median(s[key] for _, _, s in runs)
+        for key in runs[0][2]
+        if not isinstance(runs[0][2][key], str)
+    }
+    sink["peak_rss"] = max(s["peak_rss"] for _, _, s in runs)
+    ratios = sorted(s["rows_per_s"] / min(n / c, n / d) for c, d, s in runs)
+    consume_s = statistics.median(c for c, _, _ in runs)
+    decode_s = statistics.median(d for _, d, _ in runs)
+    ceiling = min(n / consume_s, n / decode_s)
+    report(
+        f"lance-sink sustained  {sink['rows_per_s']:>12,.0f} msg/s "
+        f"{sink['rows_per_s'] * mb / n:>8,.1f} MB/s  ({sink['seconds']:.1f} s to lag 0)"
+    )
+    per_run = ", ".join(f"{x:.2f}x" for x in ratios)
+    report(
+        "ratio sink / min(consume, decode) ceiling, median of the runs: "
+        f"{statistics.median(ratios):.2f}x (per run: {per_run}; ratio of the medians "
+        f"{sink['rows_per_s'] / ceiling:.2f}x)"
+    )
+    report(
+        f"commit delay (durable -> committed) p50 {sink['commit_p50'] * 1000:.0f} ms, "
+        f"p99 {sink['commit_p99'] * 1000:.0f} ms "
+        f"({sink['commit_p99'] * 1000 / FLUSH_INTERVAL_MS:.1f}x the WAL flush interval)"
+    )
+    report(
+        "freshness (timestamp -> visible) at ~1k msg/s: "
+        f"p50 {sink['fresh_p50'] * 1000:.0f} ms, p99 {sink['fresh_p99'] * 1000:.0f} ms"
+    )
+    report(f"peak RSS of the sink (and its decode workers): {sink['peak_rss'] / 2**20:,.0f} MiB")
+    for i, (_, _, run) in enumerate(runs):
+        report(f"CPU while catching up, run {i + 1}: sink {run['sink_cpu']}")
+        report(f"                          tansu {run['broker_cpu']}")
 
 
 def py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
@@ -545,12 +596,21 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
+        "--decode",
+        default="threads",
+        help="comma-separated: threads, processes (source.decode_processes); the sink runs "
+        "once per mode in each repeat, alternating",
+    )
+    parser.add_argument(
         "--profile",
         type=Path,
         default=None,
         help="folder for a py-spy profile of each sink run (folded stacks)",
     )
     args = parser.parse_args()
+    modes = [m.strip() for m in args.decode.split(",") if m.strip()]
+    if not modes or set(modes) - {"threads", "processes"}:
+        parser.error("--decode takes threads and/or processes")
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
     lines: list[str] = []
@@ -594,72 +654,51 @@ def main() -> None:
                 else SourceSettings()
             )
             # Ceilings and sink runs alternate, so a noisy minute hits all three alike.
-            runs: list[tuple[float, float, dict[str, float]]] = []
+            runs: dict[str, list[tuple[float, float, dict[str, Any]]]] = {m: [] for m in modes}
+            sink_runs = 0
             for r in range(args.repeat):
                 consume_s, messages = raw_consume(bootstrap, topic, n)
                 decode_s = raw_decode(spec, messages, source)
                 del messages
-                workdir = Path(tempfile.mkdtemp(prefix="lance-sink-e2e-"))
-                try:
-                    # Each freshness phase appended LIVE_MESSAGES to the topic.
-                    total = n + r * LIVE_MESSAGES
-                    runs.append(
-                        (
-                            consume_s,
-                            decode_s,
-                            run_sink(
-                                bootstrap,
-                                topic,
-                                total,
-                                kind,
-                                workdir,
-                                registry_url,
-                                broker.pid,
-                                None if args.profile is None else args.profile / f"{kind}-{r}.txt",
-                            ),
+                for mode in modes:
+                    workdir = Path(tempfile.mkdtemp(prefix="lance-sink-e2e-"))
+                    profile = None
+                    if args.profile is not None:
+                        profile = args.profile / f"{kind}-{mode}-{r}.txt"
+                    try:
+                        # Each freshness phase appended LIVE_MESSAGES to the topic.
+                        total = n + sink_runs * LIVE_MESSAGES
+                        sink = run_sink(
+                            bootstrap,
+                            topic,
+                            total,
+                            kind,
+                            workdir,
+                            registry_url,
+                            broker.pid,
+                            profile,
+                            decode_processes=mode == "processes",
                         )
-                    )
-                finally:
-                    shutil.rmtree(workdir, ignore_errors=True)
-            consume_s = statistics.median(c for c, _, _ in runs)
-            decode_s = statistics.median(d for _, d, _ in runs)
-            sink = {
-                key: statistics.median(s[key] for _, _, s in runs)
-                for key in runs[0][2]
-                if not isinstance(runs[0][2][key], str)
-            }
-            sink["peak_rss"] = max(s["peak_rss"] for _, _, s in runs)
-            ratios = sorted(s["rows_per_s"] / min(n / c, n / d) for c, d, s in runs)
-            ceiling = min(n / consume_s, n / decode_s)
+                        runs[mode].append((consume_s, decode_s, sink))
+                        sink_runs += 1
+                    finally:
+                        shutil.rmtree(workdir, ignore_errors=True)
+            every = [run for mode in modes for run in runs[mode]]
+            consume_s = statistics.median(c for c, _, _ in every)
+            decode_s = statistics.median(d for _, d, _ in every)
             report(
                 f"raw consume ceiling   {n / consume_s:>12,.0f} msg/s {mb / consume_s:>8,.1f} MB/s"
             )
             report(
                 f"raw decode ceiling    {n / decode_s:>12,.0f} msg/s {mb / decode_s:>8,.1f} MB/s"
             )
-            report(
-                f"lance-sink sustained  {sink['rows_per_s']:>12,.0f} msg/s "
-                f"{sink['rows_per_s'] * mb / n:>8,.1f} MB/s  ({sink['seconds']:.1f} s to lag 0)"
-            )
-            per_run = ", ".join(f"{x:.2f}x" for x in ratios)
-            report(
-                "ratio sink / min(consume, decode) ceiling, median of the runs: "
-                f"{statistics.median(ratios):.2f}x (per run: {per_run}; ratio of the medians "
-                f"{sink['rows_per_s'] / ceiling:.2f}x)"
-            )
-            report(
-                f"commit delay (durable -> committed) p50 {sink['commit_p50'] * 1000:.0f} ms, "
-                f"p99 {sink['commit_p99'] * 1000:.0f} ms "
-                f"({sink['commit_p99'] * 1000 / FLUSH_INTERVAL_MS:.1f}x the WAL flush interval)"
-            )
-            report(
-                "freshness (timestamp -> visible) at ~1k msg/s: "
-                f"p50 {sink['fresh_p50'] * 1000:.0f} ms, p99 {sink['fresh_p99'] * 1000:.0f} ms"
-            )
-            report(f"peak RSS of the sink: {sink['peak_rss'] / 2**20:,.0f} MiB")
-            for i, (_, _, run) in enumerate(runs):
-                report(f"CPU while catching up, run {i + 1}: sink {run['sink_cpu']}")
-                report(f"                          tansu {run['broker_cpu']}")
+            for mode in modes:
+                if len(modes) > 1:
+                    report(
+                        f"-- decoding in {mode} (source.decode_processes = "
+                        f"{str(mode == 'processes').lower()})"
+                    )
+                report_sink(report, n, mb, runs[mode])
     finally:
         registry.stop()
         broker.terminate()
