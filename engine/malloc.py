@@ -45,6 +45,17 @@ def tune_malloc() -> bool:
         return False
 
 
+def set_mmap_threshold(nbytes: int) -> bool:
+    """Serve allocations below `nbytes` from the heaps (`mallopt(M_MMAP_THRESHOLD)`), for
+    a process whose environment carries `tune_malloc`'s threshold but which reuses large
+    blocks at a high rate (a decode worker: a fresh mapping per batch buffer costs page
+    faults on every batch). Returns whether it took effect (False off glibc)."""
+    try:
+        return bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, nbytes) == 1)
+    except (OSError, AttributeError):
+        return False
+
+
 def release_free_memory() -> None:
     """Give the kernel back what malloc holds free (`malloc_trim(0)`: the tops of the heaps
     and whole free pages inside them). No-op off glibc."""

@@ -2,20 +2,22 @@
 
 The sink's consumer loop, WAL appends and memtable inserts are Python threads of one
 process, and so is decoding on `source.decode_workers` threads: on vector JSON the
-interpreter lock, not the cores, bounds the sink (bench/results/e2e.txt: every Python
-thread together used 1.07 cores of 2 while the sink ingested 32k msg/s). With
+interpreter lock, not the cores, bounds the sink (bench/results/e2e.txt: its Python
+threads together use about one core while cores are left idle). With
 ``source.decode_processes`` each decode thread hands its batch to a worker process of its
 own and waits for the answer without holding the lock; the worker runs the very
-`sink.decode.Decoder`, so rows and dead letters are the same.
+`sink.decode.Decoder`, so rows and dead letters are the same. The price is CPU: a copy of
+every value in and of every row out, and a decoder per worker.
 
 A batch crosses as its values joined in one buffer, copied into a shared memory segment,
 plus the other columns pickled through a pipe (offsets, timestamps, keys, headers: one
 list each); the answer is the pickled `Decoded` without its record batch, which comes back
 as an Arrow IPC stream in a second segment. (Pickling the values one by one cost the
 sink's process a fifth of its time, and a pipe moves ~1 GB/s, a copy in the kernel on both
-sides: ~8 us of CPU per 4 KB vector message.) What the
-worker raises (`RegistryUnavailable`, `SchemaEvolution`, a bug) is raised by `decode` in
-the caller's thread, as the in-process decoder would.
+sides: ~8 us of CPU per 4 KB vector message.) What the worker raises
+(`RegistryUnavailable`, `SchemaEvolution`, a bug) is raised by `decode` in the caller's
+thread, as the in-process decoder would (an exception that cannot be pickled arrives as a
+`RuntimeError` naming it).
 
 Lifecycle: `ProcessDecoder` starts its workers (spawned: no copy of the parent's threads
 or locks) when built and each decode thread takes one at its first batch; a worker that
@@ -29,9 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import multiprocessing
+import pickle
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from multiprocessing.connection import Connection
@@ -42,6 +46,7 @@ import pyarrow as pa
 import structlog
 
 from config.settings import SourceSettings
+from engine.malloc import set_mmap_threshold
 from engine.schema import TableSpec
 from sink.decode import Decoded, Decoder, MessageLike
 
@@ -49,6 +54,8 @@ log = structlog.get_logger("lance_sink.sink")
 
 #: First size of each worker's two shared memory segments (grown when a batch needs more).
 SEGMENT_BYTES = 8 << 20
+#: A decode worker's malloc serves blocks below this from its heaps (see `_serve`).
+WORKER_MMAP_THRESHOLD = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,42 +150,62 @@ class _Message:
 def _serve(conn: Connection, spec: TableSpec, source: SourceSettings, evolve: bool) -> None:
     """A worker: decode every batch that arrives until the pipe closes.
 
-    A request is the pickled `_Batch` with where its values are (`_Segments.request`); the
-    answer is the pickled outcome (`Decoded` without its record batch, or the exception
-    raised) with the size of the record batch's Arrow IPC stream, written into the
-    response segment, or sent through the pipe when it does not fit there.
+    A request is the pickled `_Batch` with the names of the request segment (holding its
+    values) and of the response segment, and the values' size. The answer is the pickled
+    outcome (`Decoded` without its record batch, or the exception raised) with the size of
+    the record batch's Arrow IPC stream, written into the response segment, or sent
+    through the pipe when it does not fit there.
     """
+    # The sink's process bounds malloc (`engine.malloc.tune_malloc`) and its environment
+    # carries the 1 MiB mmap threshold here; a worker reuses a few large buffers per batch,
+    # which a fresh mapping each time turns into page faults (measured: 12% slower).
+    set_mmap_threshold(WORKER_MMAP_THRESHOLD)
     decoder = Decoder(spec, source, evolve_derived=evolve)
-    segments: dict[str, shared_memory.SharedMemory] = {}
-
-    def attach(name: str) -> memoryview:
-        if name not in segments:
-            for old in segments.values():
-                old.close()
-            segments.clear()
-        if name not in segments:
-            # (Spawned workers share the sink's resource tracker, which unlinks the
-            # segments if the sink's process dies without doing so.)
-            segments[name] = shared_memory.SharedMemory(name=name)
-        buf = segments[name].buf
-        assert buf is not None
-        return buf
-
+    # As the sink's loop does (`SinkService.run`): decoding makes and frees many objects;
+    # collections rescanning the imported modules' heap would slow it down.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
+    segments = _Attached()
     try:
         conn.send(("ready", None))
         while True:
             batch, request, size, response = conn.recv()
-            conn.send(_answer(decoder, attach, batch, request, size, response))
+            conn.send(_answer(decoder, segments, batch, request, size, response))
     except (EOFError, OSError):  # the sink is gone (or closed us)
         pass
     finally:
-        for segment in segments.values():
+        segments.close()
+
+
+class _Attached:
+    """A worker's view of the sink's two segments, by role: attached once, and again only
+    when the sink replaced one (a new name: it grew)."""
+
+    def __init__(self) -> None:
+        self._segments: dict[str, shared_memory.SharedMemory] = {}
+
+    def buf(self, role: str, name: str) -> memoryview:
+        segment = self._segments.get(role)
+        if segment is None or segment.name != name:
+            if segment is not None:
+                segment.close()
+            # (Spawned workers share the sink's resource tracker, which unlinks the
+            # segments if the sink's process dies without doing so.)
+            segment = self._segments[role] = shared_memory.SharedMemory(name=name)
+        buf = segment.buf
+        assert buf is not None
+        return buf
+
+    def close(self) -> None:
+        for segment in self._segments.values():
             segment.close()
+        self._segments.clear()
 
 
 def _answer(
     decoder: Decoder,
-    attach: Callable[[str], memoryview],
+    segments: _Attached,
     batch: _Batch,
     request: str,
     size: int,
@@ -188,14 +215,18 @@ def _answer(
     itself when it does not fit in the response segment (None when it was written there)."""
     rows: bytes | pa.Buffer = b""
     try:
-        blob = bytes(attach(request)[:size])
+        blob = bytes(segments.buf("request", request)[:size])
         decoded = decoder.decode(batch.messages(blob))
         if decoded.batch is not None:
             rows = _ipc(decoded.batch)
         answer: tuple[str, Any] = ("ok", dataclasses.replace(decoded, batch=None))
     except Exception as exc:  # noqa: BLE001 - raised again in the sink's thread
+        try:
+            pickle.dumps(exc)
+        except Exception:  # noqa: BLE001 - any reason it cannot cross: its text does
+            exc = RuntimeError(f"{type(exc).__name__} in a decode worker: {exc}")
         answer = ("error", exc)
-    if rows and len(rows) <= len(out := attach(response)):
+    if rows and len(rows) <= len(out := segments.buf("response", response)):
         out[: len(rows)] = memoryview(rows).cast("B")
         return answer, len(rows), None
     return answer, len(rows), rows or None

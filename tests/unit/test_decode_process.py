@@ -12,9 +12,11 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
@@ -261,3 +263,43 @@ def test_a_mapping_that_cannot_work_fails_in_the_sinks_process(tmp_path: Path) -
     source = SourceSettings.model_validate({"columns": {"nope": "$.x"}})
     with pytest.raises(ValueError, match="unknown table columns"):
         ProcessDecoder(spec(tmp_path), source, evolve_derived=False, workers=1)
+
+
+class _Unpicklable(Exception):
+    def __init__(self) -> None:
+        super().__init__("holds a lock")
+        self.lock = threading.Lock()
+
+
+class _Failing:
+    def decode(self, messages: Any) -> Decoded:
+        raise _Unpicklable
+
+
+def test_an_error_that_cannot_be_pickled_arrives_by_its_text() -> None:
+    """The worker's side of a batch (`_answer`, in this process): an exception pickle
+    refuses would kill the worker when sent; it is sent as a RuntimeError naming it."""
+    request = shared_memory.SharedMemory(create=True, size=1 << 20)
+    response = shared_memory.SharedMemory(create=True, size=1 << 20)
+    segments = decode_process._Attached()
+    try:
+        batch, blob = decode_process._Batch.of(corpus(3))
+        assert request.buf is not None
+        request.buf[: len(blob)] = blob
+        (kind, error), size, inline = decode_process._answer(
+            _Failing(),  # type: ignore[arg-type]
+            segments,
+            batch,
+            request.name,
+            len(blob),
+            response.name,
+        )
+        assert (kind, size, inline) == ("error", 0, None)
+        assert isinstance(error, RuntimeError)
+        assert str(error) == "_Unpicklable in a decode worker: holds a lock"
+        pickle.dumps(error)
+    finally:
+        segments.close()
+        for segment in (request, response):
+            segment.close()
+            segment.unlink()
