@@ -58,6 +58,7 @@ from config.settings import SourceSettings, TableSettings
 from engine.schema import TableSpec
 from sink.cli import tune_process
 from sink.decode import Decoder
+from tests.support.procs import children
 from tests.support.registry import FakeRegistry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -352,17 +353,6 @@ def thread_cpu(pid: int) -> dict[str, float]:
                     group = prefix + (re.sub(r"[\d/:.-]+$", "", name) or name)
                     seconds = (int(fields[11]) + int(fields[12])) / tick
                     out[group] = out.get(group, 0.0) + seconds
-    return out
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (the sink's decode workers)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            text = stat.read_text()
-            if int(text[text.rindex(")") + 2 :].split()[1]) == pid:
-                out.append(int(stat.parent.name))
     return out
 
 

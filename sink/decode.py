@@ -110,6 +110,7 @@ creates, so any freeze/pause belongs around the consumer loop's ``consume()``.
 from __future__ import annotations
 
 import binascii
+import gc
 import itertools
 import json
 import math
@@ -324,6 +325,24 @@ class _Parsed:
 #: What parsing a list of JSON values gives: the positions of those that parsed, their
 #: leaves and object mask, and the faults of those that did not, by position.
 _ParseResult: TypeAlias = tuple[np.ndarray, dict[_Path, pa.Array], pa.Array, dict[int, _Fault]]
+
+
+def value_sizes(values: Sequence[bytes | None]) -> np.ndarray:
+    """Each value's length, -1 for a tombstone (None), as int64."""
+    try:
+        return np.fromiter(map(len, values), np.int64, len(values))  # type: ignore[arg-type]
+    except TypeError:  # tombstones among them
+        return np.fromiter((-1 if v is None else len(v) for v in values), np.int64, len(values))
+
+
+def freeze_gc() -> None:
+    """Move what the process holds now out of the cyclic GC's reach and make collections
+    rare: decoding makes and frees many objects, and collections that rescanned the large,
+    long-lived heap made it 5-8x slower (the sink's loop and each decode worker call it
+    once they are set up; messages are freed by reference counting)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
 
 
 def _shifted(parsed: _ParseResult, where: np.ndarray) -> _ParseResult:
@@ -544,12 +563,7 @@ class Decoder:
         topic, partition = first.topic() or "", first.partition() or 0
         offsets = np.array([m.offset() for m in messages], dtype=np.int64)
         values = [m.value() for m in messages]
-        try:
-            sizes = np.fromiter(map(len, values), np.int64, len(values))  # type: ignore[arg-type]
-        except TypeError:  # tombstones among them
-            sizes = np.fromiter(
-                (-1 if v is None else len(v) for v in values), np.int64, len(values)
-            )
+        sizes = value_sizes(values)
         candidates = np.flatnonzero((sizes >= 0) & (sizes <= self._max_bytes))
         dead: dict[int, _Fault] = {
             int(i): (

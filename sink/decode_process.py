@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import multiprocessing
 import pickle
 import threading
@@ -48,7 +47,7 @@ import structlog
 from config.settings import SourceSettings
 from engine.malloc import set_mmap_threshold
 from engine.schema import TableSpec
-from sink.decode import Decoded, Decoder, MessageLike
+from sink.decode import Decoded, Decoder, MessageLike, freeze_gc, value_sizes
 
 log = structlog.get_logger("lance_sink.sink")
 
@@ -76,10 +75,7 @@ class _Batch:
     def of(cls, messages: Sequence[MessageLike]) -> tuple[_Batch, bytes]:
         first = messages[0]
         values = [m.value() for m in messages]
-        try:
-            lengths = np.fromiter(map(len, values), np.int64, len(values))  # type: ignore[arg-type]
-        except TypeError:  # tombstones among them
-            lengths = np.fromiter((-1 if v is None else len(v) for v in values), np.int64)
+        lengths = value_sizes(values)
         batch = cls(
             first.topic() or "",
             first.partition() or 0,
@@ -161,11 +157,7 @@ def _serve(conn: Connection, spec: TableSpec, source: SourceSettings, evolve: bo
     # which a fresh mapping each time turns into page faults (measured: 12% slower).
     set_mmap_threshold(WORKER_MMAP_THRESHOLD)
     decoder = Decoder(spec, source, evolve_derived=evolve)
-    # As the sink's loop does (`SinkService.run`): decoding makes and frees many objects;
-    # collections rescanning the imported modules' heap would slow it down.
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(100_000, 50, 100)
+    freeze_gc()  # as the sink's loop does
     segments = _Attached()
     try:
         conn.send(("ready", None))

@@ -11,6 +11,7 @@ import pytest
 
 from tests.support.brokers import Broker
 from tests.support.kafka import committed_offsets, produce
+from tests.support.procs import children, cmdline, running
 from tests.support.sink import (
     SinkProcess,
     message,
@@ -130,7 +131,7 @@ def test_decoding_in_worker_processes_exactly_once_across_a_sigkill(
     finally:
         first.kill()
     deadline = time.monotonic() + 20
-    while any(Path(f"/proc/{pid}").exists() and state(pid) != "Z" for pid in workers):
+    while any(running(pid) for pid in workers):
         assert time.monotonic() < deadline, f"decode workers {workers} outlived the sink"
         time.sleep(0.1)
     second = SinkProcess(config, tmp_path / "second.log")
@@ -145,29 +146,3 @@ def test_decoding_in_worker_processes_exactly_once_across_a_sigkill(
     by_n = {r["n"]: r for r in rows}
     assert by_n[4321]["text"] == "message number 4321"
     assert by_n[4321]["vec"] == pytest.approx(json.loads(message(4321)[1])["vec"])
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        if int(text.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"

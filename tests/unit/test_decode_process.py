@@ -30,6 +30,7 @@ from sink import decode_process
 from sink.decode import Decoded, Decoder
 from sink.decode_process import ProcessDecoder, _Message
 from sink.formats import RegistryUnavailable, SchemaEvolution
+from tests.support.procs import running
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -246,17 +247,9 @@ def test_nothing_is_left_when_the_sinks_process_is_sigkilled(tmp_path: Path) -> 
         proc.kill()
         proc.wait(10)
     deadline = time.monotonic() + 20
-    while any(_running(pid) for pid in started["pids"]) or any(s.exists() for s in segments):
+    while any(running(pid) for pid in started["pids"]) or any(s.exists() for s in segments):
         assert time.monotonic() < deadline, (started, [s.exists() for s in segments])
         time.sleep(0.1)
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_a_mapping_that_cannot_work_fails_in_the_sinks_process(tmp_path: Path) -> None:
