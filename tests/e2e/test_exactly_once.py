@@ -101,8 +101,10 @@ def test_decoding_in_worker_processes_exactly_once_across_a_sigkill(
     mock_broker: Broker, topic: str, group: str, tmp_path: Path
 ) -> None:
     """`source.decode_processes`: the rows are the same, exactly once across a SIGKILL of
-    the sink in the middle of the stream, and the killed sink's decode workers exit."""
-    n = 6000
+    the sink in the middle of the stream, and the killed sink's decode workers exit. The
+    last quarter is produced after the kill, so the second sink decodes some of the stream
+    whatever the first had committed."""
+    n = 8000
     produce(mock_broker.bootstrap, topic, messages(0, n // 2))
     config, table = sink_config(
         tmp_path,
@@ -123,8 +125,8 @@ def test_decoding_in_worker_processes_exactly_once_across_a_sigkill(
             assert time.monotonic() < deadline, "no decode workers started"
             workers = [pid for pid in children(first.proc.pid) if "spawn_main" in cmdline(pid)]
             time.sleep(0.1)
-        produce(mock_broker.bootstrap, topic, messages(n // 2, n // 2))
-        # Killed once part of the stream is committed (and the rest is not).
+        produce(mock_broker.bootstrap, topic, messages(n // 2, n // 4))
+        # Killed once part of the stream is committed.
         while sum(committed_offsets(mock_broker.bootstrap, group, topic, 4).values()) < n // 4:
             assert time.monotonic() < deadline, "nothing was committed"
             time.sleep(0.05)
@@ -134,6 +136,7 @@ def test_decoding_in_worker_processes_exactly_once_across_a_sigkill(
     while any(running(pid) for pid in workers):
         assert time.monotonic() < deadline, f"decode workers {workers} outlived the sink"
         time.sleep(0.1)
+    produce(mock_broker.bootstrap, topic, messages(3 * n // 4, n // 4))
     second = SinkProcess(config, tmp_path / "second.log")
     try:
         ends = wait_caught_up(mock_broker.bootstrap, group, topic, procs=[second])
