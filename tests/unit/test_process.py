@@ -75,7 +75,7 @@ release_free_memory()
 freed = before - rss()
 child = subprocess.run(
     [sys.executable, "-c", "import os; print(os.environ['MALLOC_ARENA_MAX'], "
-     "os.environ['MALLOC_MMAP_THRESHOLD_'])"],
+     "os.environ['MALLOC_MMAP_THRESHOLD_'], os.environ['MALLOC_TRIM_THRESHOLD_'])"],
     capture_output=True, text=True, check=True,
 ).stdout.split()
 print(ok, freed > 32 << 20, *child)
@@ -84,17 +84,17 @@ print(ok, freed > 32 << 20, *child)
 
 def test_malloc_is_tuned_for_the_process_and_its_children() -> None:
     """`tune_malloc` takes effect here (mallopt) and reaches child processes (the maintenance
-    child) through the environment, the operator's own values winning; and
-    `release_free_memory` gives back free memory inside the heap."""
+    child, decode workers) through the environment, the operator's own values winning;
+    and `release_free_memory` gives back free memory inside the heap."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     out = subprocess.run(
         [sys.executable, "-c", MALLOC_PROBE], env=env, capture_output=True, text=True,
         check=True, timeout=60,
     ).stdout.split()  # fmt: skip
-    assert out == ["True", "True", "2", str(1 << 20)]
+    assert out == ["True", "True", "2", str(1 << 20), str(32 << 20)]
     env["MALLOC_ARENA_MAX"] = "4"
     out = subprocess.run(
         [sys.executable, "-c", MALLOC_PROBE], env=env, capture_output=True, text=True,
         check=True, timeout=60,
     ).stdout.split()  # fmt: skip
-    assert out == ["True", "True", "4", str(1 << 20)]
+    assert out == ["True", "True", "4", str(1 << 20), str(32 << 20)]
