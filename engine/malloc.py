@@ -58,12 +58,18 @@ def tune_malloc() -> bool:
 
 
 def set_mmap_threshold(nbytes: int) -> bool:
-    """Serve allocations below `nbytes` from the heaps (`mallopt(M_MMAP_THRESHOLD)`), for
-    a process whose environment carries `tune_malloc`'s threshold but which reuses large
-    blocks at a high rate (a decode worker: a fresh mapping per batch buffer costs page
-    faults on every batch). Returns whether it took effect (False off glibc)."""
+    """Serve allocations below `nbytes` from the heaps (`mallopt(M_MMAP_THRESHOLD)`) and
+    keep up to `nbytes` free at a heap's top (`M_TRIM_THRESHOLD`), for a process whose
+    environment carries `tune_malloc`'s thresholds but which reuses large blocks at a high
+    rate (a decode worker: a fresh mapping per batch buffer, or the top of the heap given
+    back after each batch, costs page faults on every batch). Returns whether it took
+    effect (False off glibc)."""
     try:
-        return bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, nbytes) == 1)
+        libc = ctypes.CDLL(None)
+        return bool(
+            libc.mallopt(M_MMAP_THRESHOLD, nbytes) == 1
+            and libc.mallopt(M_TRIM_THRESHOLD, nbytes) == 1
+        )
     except (OSError, AttributeError):
         return False
 

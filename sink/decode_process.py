@@ -9,7 +9,7 @@ own and waits for the answer without holding the lock; the worker runs the very
 `sink.decode.Decoder`, so rows and dead letters are the same. The price is CPU: a copy of
 every value in and of every row out, and a decoder per worker.
 
-A batch crosses as its values joined in one buffer, copied into a shared memory segment,
+A batch crosses as its values copied one after another into a shared memory segment,
 plus the other columns pickled through a pipe (offsets, timestamps, keys, headers: one
 list each); the answer is the pickled `Decoded` without its record batch, which comes back
 as an Arrow IPC stream in a second segment. (Pickling the values one by one cost the
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -59,8 +59,8 @@ WORKER_MMAP_THRESHOLD = 64 << 20
 
 @dataclass(frozen=True, slots=True)
 class _Batch:
-    """One topic-partition's messages as columns: the values joined in one buffer (what
-    crosses to a worker: the buffer raw, the rest pickled)."""
+    """One topic-partition's messages as columns, but for their values (what crosses to a
+    worker pickled; the values cross in a shared memory segment)."""
 
     topic: str
     partition: int
@@ -72,7 +72,8 @@ class _Batch:
     lengths: np.ndarray
 
     @classmethod
-    def of(cls, messages: Sequence[MessageLike]) -> tuple[_Batch, bytes]:
+    def of(cls, messages: Sequence[MessageLike]) -> tuple[_Batch, list[bytes]]:
+        """The batch of `messages`, and their values (tombstones left out) in order."""
         first = messages[0]
         values = [m.value() for m in messages]
         lengths = value_sizes(values)
@@ -85,14 +86,20 @@ class _Batch:
             [m.headers() for m in messages],
             lengths,
         )
-        return batch, b"".join(filter(None, values))
+        return batch, cast("list[bytes]", [v for v in values if v is not None])
 
-    def messages(self, blob: bytes) -> list[_Message]:
+    @property
+    def nbytes(self) -> int:
+        """The values' size, joined."""
+        return int(np.maximum(self.lengths, 0).sum())
+
+    def messages(self, joined: memoryview) -> list[_Message]:
+        """The messages again, each value copied out of `joined` (the values joined)."""
         t, p = self.topic, self.partition
         ends = np.cumsum(np.maximum(self.lengths, 0)).tolist()
         starts = [0, *ends[:-1]]
         values = [
-            None if n < 0 else blob[a:b]
+            None if n < 0 else bytes(joined[a:b])
             for n, a, b in zip(self.lengths.tolist(), starts, ends, strict=True)
         ]
         return [
@@ -207,8 +214,7 @@ def _answer(
     itself when it does not fit in the response segment (None when it was written there)."""
     rows: bytes | pa.Buffer = b""
     try:
-        blob = bytes(segments.buf("request", request)[:size])
-        decoded = decoder.decode(batch.messages(blob))
+        decoded = decoder.decode(batch.messages(segments.buf("request", request)[:size]))
         if decoded.batch is not None:
             rows = _ipc(decoded.batch)
         answer: tuple[str, Any] = ("ok", dataclasses.replace(decoded, batch=None))
@@ -245,27 +251,37 @@ class _Worker:
         self.request = shared_memory.SharedMemory(create=True, size=SEGMENT_BYTES)
         self.response = shared_memory.SharedMemory(create=True, size=SEGMENT_BYTES)
 
-    def call(self, batch: _Batch, blob: bytes) -> Decoded:
+    def call(self, batch: _Batch, values: list[bytes]) -> Decoded:
         if not self.ready:
             kind, error = self.conn.recv()
             if kind != "ready":
                 raise RuntimeError(f"decode worker did not start: {error}")
             self.ready = True
-        if len(blob) > self.request.size:
-            self.request = _grown(self.request, len(blob))
+        nbytes = batch.nbytes
+        if nbytes > self.request.size:
+            self.request = _grown(self.request, nbytes)
         buf = self.request.buf
         assert buf is not None
-        buf[: len(blob)] = blob
-        self.conn.send((batch, self.request.name, len(blob), self.response.name))
-        (kind, value), size, inline = self.conn.recv()
+        # Each value straight into the segment: joining them first made a fresh buffer of
+        # the batch's size (its own mapping: page faults on every batch) and copied twice.
+        end = 0
+        for value in values:
+            start, end = end, end + len(value)
+            buf[start:end] = value
+        self.conn.send((batch, self.request.name, nbytes, self.response.name))
+        (kind, answer), size, inline = self.conn.recv()
         if kind == "error":
-            raise value
-        decoded: Decoded = value
+            raise answer
+        decoded: Decoded = answer
         if size:
             if inline is None:
                 out = self.response.buf
                 assert out is not None
-                inline = bytes(out[:size])  # the segment is reused by the next batch
+                # Copied (the segment is reused by the next batch) into Arrow's pool, which
+                # keeps its blocks, rather than a fresh mapping.
+                rows = pa.allocate_buffer(size)
+                np.frombuffer(rows, np.uint8)[:] = np.frombuffer(out, np.uint8, size)
+                inline = rows
             else:  # it did not fit: a larger segment for the next batches
                 self.response = _grown(self.response, size)
             reader = pa.ipc.open_stream(pa.py_buffer(inline))
@@ -327,15 +343,15 @@ class ProcessDecoder:
             raise ValueError("decode needs at least one message")
         if self._closed:
             raise RuntimeError("the decoder is closed")
-        batch, blob = _Batch.of(messages)
+        batch, values = _Batch.of(messages)
         worker = self._worker()
         try:
-            return worker.call(batch, blob)
+            return worker.call(batch, values)
         except (EOFError, OSError) as exc:  # the worker died: once more on a new one
             log.warning("decode_worker_died", worker=worker.process.name, error=repr(exc))
             worker = self._replace(worker)
             try:
-                return worker.call(batch, blob)
+                return worker.call(batch, values)
             except (EOFError, OSError) as again:
                 raise RuntimeError(f"decode worker died twice on one batch: {again!r}") from exc
 

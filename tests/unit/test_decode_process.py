@@ -276,7 +276,8 @@ def test_an_error_that_cannot_be_pickled_arrives_by_its_text() -> None:
     response = shared_memory.SharedMemory(create=True, size=1 << 20)
     segments = decode_process._Attached()
     try:
-        batch, blob = decode_process._Batch.of(corpus(3))
+        batch, values = decode_process._Batch.of(corpus(3))
+        blob = b"".join(values)
         assert request.buf is not None
         request.buf[: len(blob)] = blob
         (kind, error), size, inline = decode_process._answer(
