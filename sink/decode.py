@@ -81,10 +81,11 @@ columns and ``table.evolve`` a writer schema with new fields raises
 `sink.formats.SchemaEvolution`. Everything else below is the JSON format's.
 
 How it is fast: the per-message Python work is reading the Message accessors. On a table
-with a vector column, values are parsed by `sink.vector_json` first (simdjson, each vector
-copied into one float32 matrix per batch without a Python float per component); what it
-is not sure of (anything not clean, see there) goes to Arrow's reader below, so rows and
-dead letters are the same as Arrow's alone (``vector_fast_path=False``). Otherwise the JSON
+with a vector column carried as a JSON array, values are parsed by `sink.vector_json`
+first (simdjson, each vector copied into one float32 matrix per batch without a Python
+float per component); what it is not sure of (anything not clean, see there) goes to
+Arrow's reader below, so rows and dead letters are the same as Arrow's alone
+(``vector_fast_path=False``). Otherwise (base64 vectors included) the JSON
 values are parsed by `pyarrow.json.read_json` with an explicit schema of only the mapped
 fields, in chunks of about 4 MiB (one call each, its blocks parsed on all cores). Each value
 is wrapped as ``{"v":<value>}`` and the rows are newline-joined, so a value that is empty,
@@ -453,9 +454,11 @@ class Decoder:
         )
         # Vector tables in the JSON format: simdjson first, Arrow's reader for what it
         # hands back (sink.vector_json). Small messages without vectors parse faster in
-        # Arrow alone (bench/results/decode.txt).
+        # Arrow alone (bench/results/decode.txt), and so do base64 vectors: as fast on one
+        # thread, and Arrow's reader lets go of the interpreter lock, which simdjson holds
+        # (bench/results/e2e.txt: the sink on threads 1.1x).
         self._fast: VectorJson | None = None
-        if vector_fast_path and self._json and spec.vector is not None:
+        if vector_fast_path and self._json and spec.vector is not None and not self._base64:
             self._fast = VectorJson(list(self._path_types.items()), spec.vector.dim)
         self._tombstone_key: _Column | None = None
         if spec.upsert and len(spec.primary_key) == 1:
