@@ -338,8 +338,9 @@ class Committed:
 
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) of a process's live threads, summed by thread name
-    (librdkafka names its threads rdk:*, Lance's runtime its workers; Python threads all
-    carry the interpreter's name)."""
+    (librdkafka names its threads rdk:*, Lance's runtime its workers; the sink names its
+    WAL writers wal, its flushes flush, its decode threads decode; the consumer loop and
+    any unnamed thread carry the interpreter's name)."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for proc, prefix in [(pid, ""), *((c, "child ") for c in children(pid))]:

@@ -63,6 +63,7 @@ from engine.memtable import Memtable, MemtableView, SealLimits, entry_batches, s
 from engine.schema import TableSpec
 from engine.storage import AlreadyExists, Storage, canonical_uri, uri_spellings
 from engine.table import BaseTable, flush_properties, holds_generation
+from engine.threads import name_os_thread
 from engine.wal import EntryEncoder, SourceRange, Wal, WalEntry, merge_ranges
 
 log = structlog.get_logger("lance_sink.engine")
@@ -253,8 +254,12 @@ class Flusher:
     trip per entry on S3) never delays the next flush."""
 
     def __init__(self, workers: int = 1) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flush")
-        self._trimmer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wal-trim")
+        self._pool = ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="flush", initializer=name_os_thread
+        )
+        self._trimmer = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="wal-trim", initializer=name_os_thread
+        )
 
     def submit(self, fn: Callable[[], None]) -> None:
         self._pool.submit(fn)
@@ -509,6 +514,7 @@ class ShardWriter:
         return not self._pending and not self._closing and not self.memory.seal_required
 
     def _wal_loop(self) -> None:
+        name_os_thread("wal")  # its Python name holds the shard: too long for the OS
         interval = self.config.max_wal_flush_interval_s
         while True:
             with self._lock:

@@ -98,6 +98,7 @@ from engine.filters import (
 )
 from engine.reader import SCORE, FanoutReport, Reader
 from engine.reads.remote import FRESH_PATH
+from engine.threads import name_os_thread
 
 log = structlog.get_logger("lance_sink.http")
 
@@ -269,7 +270,9 @@ class QueryPool:
         self._running = 0
         self._abandoned = 0
         self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=2 * size, thread_name_prefix="query")
+        self._executor = ThreadPoolExecutor(
+            max_workers=2 * size, thread_name_prefix="query", initializer=name_os_thread
+        )
 
     @property
     def running(self) -> int:
@@ -488,7 +491,9 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
     # The text half of a hybrid query runs here while its query's own thread runs the
     # vector half: the query takes the longer of the two, not their sum (with fan-out,
     # both halves wait for the same one request per owner pod, `Reader.search_hybrid`).
-    hybrid_pool = ThreadPoolExecutor(settings.max_concurrent_queries, "query-hybrid")
+    hybrid_pool = ThreadPoolExecutor(
+        settings.max_concurrent_queries, "query-hybrid", initializer=name_os_thread
+    )
     app.state.hybrid_pool = hybrid_pool
 
     @app.exception_handler(_HttpError)

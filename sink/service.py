@@ -50,6 +50,7 @@ from engine.periodic import PeriodicThread
 from engine.reader import Fanout, Reader, ReaderSettings
 from engine.reads.owners import ShardOwners
 from engine.shard import PutResult, ShardWriter
+from engine.threads import name_os_thread
 from engine.wal import SourceRange
 from sink.decode import DeadLetter, Decoded, Decoder, freeze_gc
 from sink.decode_process import ProcessDecoder
@@ -306,9 +307,13 @@ class SinkService:
         self._stop = threading.Event()
         self._stop_at: float | None = None  # when the drain was asked for (monotonic)
         self._fatal: str | None = None
-        self._open_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="open")
+        self._open_pool = ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix="open", initializer=name_os_thread
+        )
         self._decode_pool = ThreadPoolExecutor(
-            max_workers=settings.source.decode_workers, thread_name_prefix="decode"
+            max_workers=settings.source.decode_workers,
+            thread_name_prefix="decode",
+            initializer=name_os_thread,
         )
         self._decoding_messages = 0  # handed to the decode workers, not yet fed
         self._parked_messages = 0  # consumed while the decode queue was full

@@ -1,14 +1,18 @@
 """`sink.cli.tune_process`: what `lance-sink run` sets on its own process (run in a child
-interpreter each, since the settings are process-wide)."""
+interpreter each, since the settings are process-wide); malloc; OS thread names."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
+from engine.threads import name_os_thread
 from sink.cli import available_cpus
 
 PROBE = """
@@ -98,3 +102,18 @@ def test_malloc_is_tuned_for_the_process_and_its_children() -> None:
         check=True, timeout=60,
     ).stdout.split()  # fmt: skip
     assert out == ["True", "True", "4", str(1 << 20), str(32 << 20)]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="Linux: OS thread names")
+def test_threads_name_themselves_for_the_os() -> None:
+    """A pool's workers take their Python names (as the sink's decode pool does), a thread
+    a name of its own, cut to the kernel's 15 bytes."""
+
+    def os_name() -> str:
+        return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+
+    with ThreadPoolExecutor(1, thread_name_prefix="decode", initializer=name_os_thread) as pool:
+        assert pool.submit(os_name).result() == "decode_0"
+    with ThreadPoolExecutor(1) as pool:
+        named = pool.submit(lambda: (name_os_thread("wal-a-very-long-shard-name"), os_name()))
+        assert named.result() == (True, "wal-a-very-long")
