@@ -445,6 +445,9 @@ class Decoder:
         self._tree = self._json_tree()
         self._has_timestamps = any(c.type_name == "timestamp" for c in self._json_columns)
         self._iso_timestamps = False  # which representation the last batch's timestamps used
+        # Whether the last batch held a value with a raw newline: then the next batch is
+        # checked for them before its first parse (see `_wrap`).
+        self._newlines = False
         self._read_schemas = {iso: self._read_schema(iso) for iso in (False, True)}
         # Derived columns with table.evolve: new writer schemas are checked (sink.formats).
         self._evolving = (
@@ -821,8 +824,9 @@ class Decoder:
             run = payloads if (lo, hi) == (0, len(payloads)) else payloads[lo:hi]
             keep = np.arange(lo, hi)
             # The wrapping is ASCII: the buffer is UTF-8 exactly when every payload is.
-            buf: bytes | None = _wrap(run)
-            if not _is_utf8_buffer(cast("bytes", buf)):
+            buf: bytes | None
+            buf, self._newlines = _wrap(run, self._newlines)
+            if not _is_utf8_buffer(buf):
                 good = [pos for pos, p in enumerate(run) if _is_utf8(p)]
                 for pos in sorted(set(range(len(run))) - set(good)):
                     faults[lo + pos] = (
@@ -864,6 +868,12 @@ class Decoder:
         if not payloads:
             return [], {}
         parsed = self._bulk(payloads, buf)
+        if parsed is None and buf is not None and not self._newlines:
+            # Unchecked for raw newlines (see `_wrap`): if there are some, parse again
+            # with them made spaces before looking for bad values.
+            buf, self._newlines = _wrap(payloads, True)
+            if self._newlines:
+                parsed = self._bulk(payloads, buf)
         if parsed is not None:
             return [parsed], {}
         faults: dict[int, _Fault] = {}
@@ -922,7 +932,7 @@ class Decoder:
             Their leaves, or None if any of them does not parse.
         """
         if buf is None:
-            buf = _wrap(payloads)
+            buf, _ = _wrap(payloads, True)
         read_options = _read_options(len(buf), max(map(len, payloads)))
         first = self._iso_timestamps
         for iso in (first, not first) if self._has_timestamps else (first,):
@@ -1201,11 +1211,18 @@ def _read_options(buf_bytes: int, longest_payload: int) -> pj.ReadOptions:
     return pj.ReadOptions(use_threads=_CORES > 1 and buf_bytes > block, block_size=block)
 
 
-def _wrap(payloads: list[bytes]) -> bytes:
-    """The payloads as one newline-delimited buffer of ``{"v":<payload>}`` rows.
+def _wrap(payloads: list[bytes], newlines: bool) -> tuple[bytes, bool]:
+    """The payloads as one newline-delimited buffer of ``{"v":<payload>}`` rows, and
+    whether a payload held a raw newline (only looked for when `newlines`).
 
     Wrapping makes every payload one row or a parse error: an empty payload, two documents
-    in one payload or a non-object can never shift the rows after it.
+    in one payload or a non-object can never shift the rows after it. A raw newline in a
+    value can only be JSON whitespace; Arrow's reader cuts its blocks at newlines, so one
+    inside a value either falls inside a block (whitespace, parsed as such) or splits the
+    value between two blocks, and then the parse fails: a block then starts with the rest
+    of a value, unbalanced, and can never read as whole rows. So newlines are looked for
+    (a scan of the whole buffer, ~1 us per 2 KB value) only after a batch held some, or
+    when a parse failed; found, they are made spaces.
     """
 
     def joined(parts: list[bytes]) -> bytes:
@@ -1216,10 +1233,9 @@ def _wrap(payloads: list[bytes]) -> bytes:
         return _WRAP_JOIN.join(parts)
 
     buf = joined(payloads)
-    if buf.count(b"\n") != len(payloads) - 1:
-        # A raw newline in a value can only be JSON whitespace; keep blocks on row ends.
-        buf = joined([p.replace(b"\n", b" ") for p in payloads])
-    return buf
+    if not newlines or buf.count(b"\n") == len(payloads) - 1:
+        return buf, False
+    return joined([p.replace(b"\n", b" ") for p in payloads]), True
 
 
 def _base64_in_one(arr: pa.Array, expected: int) -> bytes | None:

@@ -658,6 +658,37 @@ def test_pretty_printed_json_with_raw_newlines() -> None:
     expect_good(rows, list(range(5)))
 
 
+def test_pretty_printed_json_across_the_readers_blocks() -> None:
+    """Raw newlines are looked for only when a parse fails or the last batch held some: a
+    batch of pretty-printed values spanning several of Arrow's reader blocks (each cut at a
+    newline, some inside values) decodes as the same values compact; so does the compact
+    batch after it, and a pretty batch with one bad value dead-letters only that one."""
+    spec = spec_for(dim=None)
+    decoder = Decoder(spec, SourceSettings())
+    n = 3000
+
+    def values(pretty: bool) -> list[bytes]:
+        option = orjson.OPT_INDENT_2 if pretty else 0
+        return [orjson.dumps(good(i, text=f"text {i}"), option=option) for i in range(n)]
+
+    def rows_of(out: Decoded) -> list[dict[str, Any]]:
+        assert out.batch is not None
+        return [{k: r[k] for k in ("id", "n", "text")} for r in out.batch.to_pylist()]
+
+    pretty = values(pretty=True)
+    assert sum(map(len, pretty)) > 4 * (64 << 10)  # four blocks of at least 64 KiB
+    expected = [{"id": f"id-{i}", "n": i, "text": f"text {i}"} for i in range(n)]
+    for batch in (pretty, values(pretty=False), pretty):
+        out = decoder.decode(msgs(*batch, first=0))
+        assert out.dead_letters == []
+        assert rows_of(out) == expected
+    bad = [*pretty[:1000], b'{"id": "x",\n "n": "not a number"}', *pretty[1001:]]
+    for fresh in (False, True):  # after a pretty batch, and as a decoder's first batch
+        out = (Decoder(spec, SourceSettings()) if fresh else decoder).decode(msgs(*bad, first=0))
+        assert [(d.offset, d.reason) for d in out.dead_letters] == [(1000, "wrong_type")]
+        assert rows_of(out) == expected[:1000] + expected[1001:]
+
+
 def test_duplicate_keys_last_one_wins() -> None:
     spec = spec_for()
     dup = b'{"id": "id-1", "n": 0, "n": 1, "text": "text 1", "vec": [1, 0.5, -1, 2]}'
