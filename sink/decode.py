@@ -81,11 +81,11 @@ columns and ``table.evolve`` a writer schema with new fields raises
 `sink.formats.SchemaEvolution`. Everything else below is the JSON format's.
 
 How it is fast: the per-message Python work is reading the Message accessors. On a table
-with a vector column carried as a JSON array, values are parsed by `sink.vector_json`
-first (simdjson, each vector copied into one float32 matrix per batch without a Python
-float per component); what it is not sure of (anything not clean, see there) goes to
-Arrow's reader below, so rows and dead letters are the same as Arrow's alone
-(``vector_fast_path=False``). Otherwise (base64 vectors included) the JSON
+with a vector column, values are parsed by `sink.vector_json` first (simdjson, each vector
+copied into one float32 matrix per batch without a Python float per component; base64
+vectors only in small batches); what it is not sure of (anything not clean, see there)
+goes to Arrow's reader below, so rows and dead letters are the same as Arrow's alone
+(``vector_fast_path=False``). Otherwise the JSON
 values are parsed by `pyarrow.json.read_json` with an explicit schema of only the mapped
 fields, in chunks of about 4 MiB (one call each, its blocks parsed on all cores). Each value
 is wrapped as ``{"v":<value>}`` and the rows are newline-joined, so a value that is empty,
@@ -173,6 +173,11 @@ _PARSE_CHUNK_BYTES: Final = 4 << 20
 _BLOCKS_PER_CHUNK: Final = 4
 #: Smallest block: below this a block's fixed cost outweighs a second core.
 _MIN_BLOCK_BYTES: Final = 64 << 10
+#: Batches of base64 vector values up to this many take the simdjson path, larger ones
+#: Arrow's reader alone (see `Decoder.__init__`). Measured on threads, 2.3 KB values: the
+#: sink caught up 1.1-1.5x faster with Arrow's reader for every batch, but its freshness
+#: at 1k msg/s (batches of a few values) went from p50 47 to 55-69 ms.
+_SIMDJSON_BASE64_MAX: Final = 64
 _CORES: Final = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
 
 _WRAP_HEAD: Final = b'{"v":'
@@ -457,11 +462,13 @@ class Decoder:
         )
         # Vector tables in the JSON format: simdjson first, Arrow's reader for what it
         # hands back (sink.vector_json). Small messages without vectors parse faster in
-        # Arrow alone (bench/results/decode.txt), and so do base64 vectors: as fast on one
-        # thread, and Arrow's reader lets go of the interpreter lock, which simdjson holds
-        # (bench/results/e2e.txt: the sink on threads 1.1x).
+        # Arrow alone (bench/results/decode.txt). Base64 vectors parse as fast either way
+        # on one thread, but Arrow's reader lets go of the interpreter lock, which
+        # simdjson holds, and costs a fixed ~0.1-0.5 ms a call: batches above
+        # `_SIMDJSON_BASE64_MAX` (catching up) take Arrow's reader, smaller ones (a live
+        # stream, where latency counts) simdjson.
         self._fast: VectorJson | None = None
-        if vector_fast_path and self._json and spec.vector is not None and not self._base64:
+        if vector_fast_path and self._json and spec.vector is not None:
             self._fast = VectorJson(list(self._path_types.items()), spec.vector.dim)
         self._tombstone_key: _Column | None = None
         if spec.upsert and len(spec.primary_key) == 1:
@@ -779,7 +786,7 @@ class Decoder:
         Returns:
             As `_parse_arrow`.
         """
-        if self._fast is None:
+        if self._fast is None or (self._base64 and len(payloads) > _SIMDJSON_BASE64_MAX):
             return self._parse_arrow(payloads, sizes)
         fast, leaves, rest = self._fast.parse(payloads)
         ones = pa.array(np.ones(len(fast), bool))

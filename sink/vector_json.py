@@ -1,12 +1,12 @@
 """The vector fast path of the JSON format: simdjson straight into one float32 matrix.
 
 `sink.decode.Decoder` hands `VectorJson.parse` the JSON values of a batch when its table
-has a vector column carried as a JSON array (base64 vectors parse in Arrow's reader). Each
-value is parsed with simdjson (pysimdjson's DOM), the vector's numbers are copied by
-simdjson into a buffer of doubles (``Array.as_buffer``: no Python float per component), the
-buffers of the whole batch are joined once and cast to float32 in one numpy call, and the
-scalar leaves are read as Python values and built into Arrow arrays one column at a time.
-Arrow's JSON reader converts numbers one by one and was the sink's bottleneck on vectors
+has a vector column (base64 vectors: only small batches, see there). Each value is parsed
+with simdjson (pysimdjson's DOM), the vector's numbers are copied by simdjson into a buffer
+of doubles (``Array.as_buffer``: no Python float per component), the buffers of the whole
+batch are joined once and cast to float32 in one numpy call, and the scalar leaves are
+read as Python values and built into Arrow arrays one column at a time. Arrow's JSON reader
+converts numbers one by one and was the sink's bottleneck on vectors
 (bench/results/decode.txt); on small messages without vectors it is faster than this path,
 so the decoder uses this path only for vector tables.
 
@@ -67,6 +67,7 @@ _SIMDJSON_ERRORS: Final = (ValueError, RuntimeError, TypeError, KeyError, IndexE
 _FITS: Final[dict[str, tuple[type, ...]]] = {
     "string": (str,),
     "binary": (str,),
+    "base64_f32": (str,),
     "int32": (int,),
     "int64": (int,),
     "timestamp": (int, str),
@@ -111,7 +112,7 @@ def float32_ties(values: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True, slots=True)
 class _Leaf:
     path: _Path
-    kind: str  # a column type name
+    kind: str  # a column type name, or "base64_f32" for a base64 vector
 
 
 class VectorJson:
@@ -124,7 +125,7 @@ class VectorJson:
 
     Args:
         leaves: every mapped JSON path with its kind (a column type name; ``vector`` for
-            the vector, a JSON array).
+            the vector as a JSON array, ``base64_f32`` for it as a base64 string).
         dim: the vector's dimension.
     """
 
@@ -147,8 +148,8 @@ class VectorJson:
 
         Returns:
             The positions (ascending) of the payloads parsed here, their leaves in the
-            decoder's canonical types (vectors as ``list<float32>``, binary columns as
-            their text), and the positions of those left for Arrow.
+            decoder's canonical types (vectors as ``list<float32>``, base64 vectors and
+            binary columns as their text), and the positions of those left for Arrow.
         """
         dim = self._dim
         nbytes = dim * 8
@@ -322,7 +323,7 @@ def _scalar_leaf(
     """One scalar leaf as Arrow's reader makes it, and the rows (indices into `values`)
     to hand back to the Arrow path."""
     bad: list[int] = []
-    if kind in {"string", "binary"}:
+    if kind in {"string", "binary", "base64_f32"}:
         return pa.array(values, pa.string()), bad
     if kind == "bool":
         return pa.array(values, pa.bool_()), bad

@@ -1,8 +1,8 @@
 """`sink.vector_json`: the simdjson vector path gives the same rows (bit-exact) and dead
 letters as Arrow's reader alone (`Decoder(vector_fast_path=False)`), on hand-picked edge
 cases and on generated messages; and it does take the clean messages (else the
-comparison would prove nothing). Base64 vectors (which Arrow's reader parses alone):
-rows and dead letters as Python's base64 and numpy make them.
+comparison would prove nothing). Base64 vectors (simdjson in small batches, Arrow's
+reader in large ones): also rows and dead letters as Python's base64 and numpy make them.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from config.settings import SourceSettings, TableSettings
 from engine.schema import TableSpec
+from sink import decode as decode_module
 from sink.decode import Decoded, Decoder
 from sink.vector_json import VectorJson, float32_ties
 from tests.unit.test_decode import Msg
@@ -404,9 +405,7 @@ def test_base64_f32_vectors_decode_bit_exact_with_specific_dead_letters() -> Non
         b'{"id": "g", "vec": [1, 2, 3, 4]}',
         b'{"id": "h", "vec": null}',
     ]
-    out = Decoder(spec("base64_f32"), source()).decode(
-        [Msg(v, 10 + i) for i, v in enumerate(values)]
-    )
+    out = assert_same(values, encoding="base64_f32")
     assert out.batch is not None
     got = out.batch.column("vec").flatten().to_numpy().view(np.uint32)
     assert got.tolist() == vectors.ravel().view(np.uint32).tolist()
@@ -427,24 +426,34 @@ def test_base64_f32_vectors_decode_bit_exact_with_specific_dead_letters() -> Non
 
 def test_base64_f32_nan_allowed_keeps_the_row() -> None:
     value = f'{{"id": "a", "vec": "{b64(1, float("nan"), 3, 4)}"}}'.encode()
-    out = Decoder(spec("base64_f32", allow_nan=True), source()).decode([Msg(value, 0)])
+    out = assert_same([value], encoding="base64_f32", allow_nan=True)
     assert out.batch is not None
     assert not out.dead_letters
     assert np.isnan(out.batch.column("vec").flatten().to_numpy()[1])
 
 
-def test_base64_f32_vectors_parse_in_arrows_reader(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Base64 vectors skip the simdjson path: Arrow's reader, as fast on one thread, lets
-    go of the interpreter lock, which simdjson holds."""
+def test_large_batches_of_base64_vectors_parse_in_arrows_reader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Base64 vectors in a batch above `_SIMDJSON_BASE64_MAX` skip the simdjson path
+    (Arrow's reader, as fast on one thread, lets go of the interpreter lock); a smaller
+    batch takes it (Arrow's reader costs a fixed fraction of a millisecond per call)."""
+
+    class Refused(Exception):
+        pass
 
     def refuse(*_: object) -> None:
-        raise AssertionError("the simdjson path parsed a base64 table's values")
+        raise Refused
 
     monkeypatch.setattr(VectorJson, "parse", refuse)
     value = f'{{"id": "a", "vec": "{b64(1, 2, 3, 4)}"}}'.encode()
-    out = Decoder(spec("base64_f32"), source()).decode([Msg(value, 0)])
+    decoder = Decoder(spec("base64_f32"), source())
+    n = decode_module._SIMDJSON_BASE64_MAX + 1
+    out = decoder.decode([Msg(value, i) for i in range(n)])
     assert out.batch is not None
-    assert out.batch.column("vec").to_pylist() == [[1, 2, 3, 4]]
+    assert out.batch.column("vec").to_pylist() == [[1, 2, 3, 4]] * n
+    with pytest.raises(Refused):
+        decoder.decode([Msg(value, i) for i in range(n - 1)])
 
 
 def test_base64_f32_is_refused_outside_the_json_format() -> None:
@@ -489,16 +498,15 @@ def test_generated_base64_messages_decode_as_python_base64_does(
     values: list[bytes], allow_nan: bool
 ) -> None:
     """Every generated message is a row holding the very float32 bits it carried, or a
-    dead letter with the reason Python's base64 and numpy give."""
-    out = Decoder(spec("base64_f32", allow_nan), source()).decode(
-        [Msg(v, i) for i, v in enumerate(values)]
-    )
+    dead letter with the reason Python's base64 and numpy give; the simdjson path and
+    Arrow's reader alone agree on them."""
+    out = assert_same(values, encoding="base64_f32", allow_nan=allow_nan)
     expected = [_base64_expected(v, allow_nan) for v in values]
     rows = [vec.view(np.uint32).tolist() for kind, vec in expected if vec is not None]
     got = [] if out.batch is None else out.batch.column("vec").to_pylist()
     assert [np.array(v, np.float32).view(np.uint32).tolist() for v in got] == rows
     assert [(d.offset, d.reason) for d in out.dead_letters] == [
-        (i, kind) for i, (kind, _) in enumerate(expected) if kind != "row"
+        (10 + i, kind) for i, (kind, _) in enumerate(expected) if kind != "row"
     ]
 
 
@@ -526,7 +534,8 @@ def test_base64_f32_decoded_in_one_call_and_per_value_agree() -> None:
     short = base64.b64encode(b"\0" * 11).decode()
     assert len(short) == len(texts[0])
     padded = [*clean[:2], Msg(f'{{"id": "2", "vec": "{short}"}}'.encode(), 2)]
-    out = Decoder(table, SourceSettings()).decode(padded)
-    assert out.batch is not None
-    assert len(out.batch) == 2
-    assert [(d.offset, d.reason) for d in out.dead_letters] == [(2, "wrong_vector_dimension")]
+    for fast in (True, False):
+        out = Decoder(table, SourceSettings(), vector_fast_path=fast).decode(padded)
+        assert out.batch is not None
+        assert len(out.batch) == 2
+        assert [(d.offset, d.reason) for d in out.dead_letters] == [(2, "wrong_vector_dimension")]
