@@ -30,6 +30,9 @@ For each, in one process, the median of ``--runs`` runs of:
   the GIL, so a second worker adds no decode throughput to the fast path (a batch split
   with Arrow's reader on a helper thread was tried and measured no faster: 52k vs 51k
   rows/s on two workers, 50k vs 55k on one);
+- decoder 2 processes (vector tables): the same batches from two threads, each handing
+  them to a decode worker process of its own (``source.decode_processes``): the decode
+  ceiling of the two cores, copies in and out included;
 - (d) simdjson as_buffer (vector): pysimdjson per message, the vector copied as doubles
   with ``Array.as_buffer`` and cast to one float32 matrix per batch, scalars read, no
   checks: the fast path's parse ceiling;
@@ -54,6 +57,7 @@ MB/s counts JSON value bytes. Not a test: numbers depend on the machine.
 from __future__ import annotations
 
 import argparse
+import atexit
 import base64
 import gc
 import statistics
@@ -75,6 +79,7 @@ from config.settings import SourceSettings, TableSettings
 from engine.schema import TableSpec
 from sink import decode as decode_module
 from sink.decode import Decoder
+from sink.decode_process import ProcessDecoder
 
 TOPIC = "bench"
 DIM = 384
@@ -168,11 +173,19 @@ def run_decoder(
     batch: int,
     fast: bool = True,
     workers: int = 1,
+    processes: bool = False,
 ) -> Callable[[], int]:
     """`Decoder.decode` over the batches; with `workers` > 1 the batches are decoded by a
     pool of that many threads sharing one decoder, as the sink's ``source.decode_workers``
-    do (several batches at once)."""
-    decoder = Decoder(data.spec, SourceSettings(), vector_fast_path=fast)
+    do (several batches at once); with `processes` each of those threads hands its batches
+    to a worker process of its own (``source.decode_processes``; closed at exit)."""
+    decoder: Decoder | ProcessDecoder = (
+        ProcessDecoder(data.spec, SourceSettings(), evolve_derived=False, workers=workers)
+        if processes
+        else Decoder(data.spec, SourceSettings(), vector_fast_path=fast)
+    )
+    if isinstance(decoder, ProcessDecoder):
+        atexit.register(decoder.close)
     batches = _batches(data.messages, batch)
     pool = ThreadPoolExecutor(workers) if workers > 1 else None
 
@@ -363,7 +376,7 @@ def run_bulk_parse(data: Dataset, batch: int) -> Callable[[], int]:
             sizes = np.fromiter(map(len, values), np.int64, len(values))
             for lo, hi in d._chunks(sizes, d._PARSE_CHUNK_BYTES):
                 chunk = values[lo:hi]
-                buf = d._wrap(chunk)
+                buf, _ = d._wrap(chunk, False)  # as the decoder's first parse of a batch
                 table = pj.read_json(
                     pa.BufferReader(buf),
                     read_options=d._read_options(len(buf), max(map(len, chunk))),
@@ -544,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
                 paths[f"decoder {w} Arrow only"] = run_decoder(
                     data, sink_batch, fast=False, workers=workers
                 )
+            paths["decoder 2 processes"] = run_decoder(data, sink_batch, workers=2, processes=True)
         if data.name == "vector":
             paths["(d) simdjson as_buffer"] = run_simdjson(data, args.batch)
             paths["(e) orjson->numpy row"] = run_into_numpy(data, args.batch, "orjson")

@@ -174,9 +174,11 @@ _BLOCKS_PER_CHUNK: Final = 4
 #: Smallest block: below this a block's fixed cost outweighs a second core.
 _MIN_BLOCK_BYTES: Final = 64 << 10
 #: Batches of base64 vector values up to this many take the simdjson path, larger ones
-#: Arrow's reader alone (see `Decoder.__init__`). Measured on threads, 2.3 KB values: the
-#: sink caught up 1.1-1.5x faster with Arrow's reader for every batch, but its freshness
-#: at 1k msg/s (batches of a few values) went from p50 47 to 55-69 ms.
+#: Arrow's reader alone (see `Decoder.__init__`), unless the last batch held a value
+#: Arrow's reader refused (then screening every value of its chunk cost 2x the simdjson
+#: path: bench/decode, 1% bad messages). Measured on threads, 2.3 KB values: the sink
+#: caught up 1.1-1.5x faster with Arrow's reader for every batch, but its freshness at
+#: 1k msg/s (batches of a few values) went from p50 47 to 55-69 ms.
 _SIMDJSON_BASE64_MAX: Final = 64
 _CORES: Final = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
 
@@ -453,6 +455,10 @@ class Decoder:
         # Whether the last batch held a value with a raw newline: then the next batch is
         # checked for them before its first parse (see `_wrap`).
         self._newlines = False
+        # Chunks that did not parse in one go (screened value by value), and whether large
+        # batches of base64 vectors go to Arrow's reader (see `_parse`).
+        self._screened = 0
+        self._base64_in_arrow = True
         self._read_schemas = {iso: self._read_schema(iso) for iso in (False, True)}
         # Derived columns with table.evolve: new writer schemas are checked (sink.formats).
         self._evolving = (
@@ -786,9 +792,19 @@ class Decoder:
         Returns:
             As `_parse_arrow`.
         """
-        if self._fast is None or (self._base64 and len(payloads) > _SIMDJSON_BASE64_MAX):
+        if self._fast is None:
             return self._parse_arrow(payloads, sizes)
+        if self._base64 and len(payloads) > _SIMDJSON_BASE64_MAX and self._base64_in_arrow:
+            failures = self._screened
+            parsed = self._parse_arrow(payloads, sizes)
+            # A chunk that did not parse in one go was screened value by value, which costs
+            # more than the simdjson path: the next batches take that path until one of
+            # them is clean (racy between decode threads, harmless: only the speed moves).
+            self._base64_in_arrow = self._screened == failures
+            return parsed
         fast, leaves, rest = self._fast.parse(payloads)
+        if self._base64:
+            self._base64_in_arrow = not rest
         ones = pa.array(np.ones(len(fast), bool))
         pieces: list[_ParseResult] = [(fast, leaves, ones, {})]
         if rest:
@@ -883,6 +899,7 @@ class Decoder:
                 parsed = self._bulk(payloads, buf)
         if parsed is not None:
             return [parsed], {}
+        self._screened += 1
         faults: dict[int, _Fault] = {}
         passed: list[int] = []
         for pos, payload in enumerate(payloads):

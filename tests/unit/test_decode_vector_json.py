@@ -456,6 +456,35 @@ def test_large_batches_of_base64_vectors_parse_in_arrows_reader(
         decoder.decode([Msg(value, i) for i in range(n - 1)])
 
 
+def test_base64_batches_return_to_simdjson_after_a_value_arrows_reader_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A large batch with a value Arrow's reader refuses is screened value by value (its
+    dead letter as always); the next large batch takes the simdjson path (cheaper with bad
+    values about), and once one comes clean, Arrow's reader again."""
+    calls: list[int] = []
+    parse = VectorJson.parse
+
+    def spy(self: VectorJson, payloads: list[bytes]) -> Any:
+        calls.append(len(payloads))
+        return parse(self, payloads)
+
+    monkeypatch.setattr(VectorJson, "parse", spy)
+    n = decode_module._SIMDJSON_BASE64_MAX + 1
+    good = [f'{{"id": "{i}", "vec": "{b64(i, 2, 3, 4)}"}}'.encode() for i in range(n)]
+    decoder = Decoder(spec("base64_f32"), source())
+    bad = [*good[:-1], b'{"id": "x", "vec": ']
+    out = decoder.decode([Msg(v, i) for i, v in enumerate(bad)])
+    assert [(d.offset, d.reason) for d in out.dead_letters] == [(n - 1, "invalid_json")]
+    assert calls == []  # Arrow's reader, then the screening
+    for expected in ([n], []):  # simdjson (after the refusal), then Arrow's reader again
+        out = decoder.decode([Msg(v, i) for i, v in enumerate(good)])
+        assert out.batch is not None
+        assert out.batch.column("vec").to_pylist() == [[i, 2, 3, 4] for i in range(n)]
+        assert calls == expected
+        calls.clear()
+
+
 def test_base64_f32_is_refused_outside_the_json_format() -> None:
     with pytest.raises(ValueError, match="json format only"):
         Decoder(spec("base64_f32"), SourceSettings(format="raw"))
