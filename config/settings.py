@@ -841,7 +841,9 @@ class MaintenanceSettings(_Section):
         default="IVF_PQ", description="Kind of vector index built on the base table."
     )
     vector_index_min_rows: PositiveInt = Field(
-        default=50_000, description="Build the vector index once the base table has this many rows."
+        default=50_000,
+        description="Build the vector index once the base table has this many rows (IVF_PQ: "
+        "at least 256, the rows it trains its codebooks on).",
     )
     num_partitions: PositiveInt | None = Field(
         default=None, description="IVF partitions; default about sqrt(rows)."

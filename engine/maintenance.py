@@ -21,8 +21,9 @@ retried by the shard writer's own flush backoff.
 Tasks, in order, each reporting `MaintenanceEvents.ran(task, outcome, seconds)` with
 outcome ``done`` / ``skipped`` / ``conflict`` / ``failed``:
 
-- ``vector_index``: once the table has `vector_index_min_rows` rows and no index on the
-  vector column: IVF_PQ or IVF_HNSW_SQ (`vector_index`) with the table's metric.
+- ``vector_index``: once the table has `vector_index_min_rows` rows (IVF_PQ: and at least
+  `PQ_TRAINING_ROWS`) and no index on the vector column: IVF_PQ or IVF_HNSW_SQ
+  (`vector_index`) with the table's metric.
   `num_partitions` defaults to about sqrt(rows) (at least 1, at most rows / 256 so every
   partition can train), `num_sub_vectors` to the largest divisor of dim not above dim / 16.
 - ``fts_index``: an INVERTED index (default tokenizer, with positions for phrase queries)
@@ -174,6 +175,10 @@ def derived_sub_vectors(dim: int) -> int:
 #: MiB (bench/memory), the issue's 660k to 1 GiB. 64 MiB caps the sample at 43,690 rows of
 #: 384 floats, still 79 per partition at sqrt(300k) partitions.
 MAX_TRAINING_BYTES = 64 << 20
+#: Rows IVF_PQ needs to train its codebooks (256 codes per sub-vector). On fewer, Lance
+#: creates an index that holds no row (measured: 255 rows, 0 indexed; 256 rows, 256), and
+#: the task would never run again since the column then has an index.
+PQ_TRAINING_ROWS = 256
 MIN_SAMPLE_RATE = 16  # below this per-partition sample, kmeans centroids get noisy
 
 
@@ -322,7 +327,10 @@ class Maintenance:
             raise _Skip
         ds = self.table.dataset()
         rows = ds.count_rows()
-        if rows < self.settings.vector_index_min_rows or index_on(ds, vector.name, None):
+        least = self.settings.vector_index_min_rows
+        if self.settings.vector_index == "IVF_PQ":
+            least = max(least, PQ_TRAINING_ROWS)
+        if rows < least or index_on(ds, vector.name, None):
             raise _Skip
         partitions = self.settings.num_partitions or derived_partitions(rows)
         kwargs: dict[str, Any] = {

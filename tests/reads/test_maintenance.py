@@ -162,6 +162,25 @@ def test_creates_each_index_and_answers_do_not_change(make_harness: MakeHarness)
     assert again["vector_index"] == again["fts_index"] == again["key_index"] == "skipped"
 
 
+def test_ivf_pq_waits_for_the_rows_it_trains_on(make_harness: MakeHarness) -> None:
+    """With `vector_index_min_rows` below 256, IVF_PQ is not built on fewer rows than its
+    codebooks train on (Lance would make an index of no row, and the task would never run
+    again: the column has an index); from 256 rows on it is, and holds them all."""
+    h = make_harness()
+    w = h.open()
+    h.put(w, range(200))
+    h.flush(w)
+    m = maintenance(h, vector_index_min_rows=10, fts_index=False)
+    assert m.run_once()["vector_index"] == "skipped"
+    assert all(i.field_names != ["vec"] for i in h.table.dataset().describe_indices())
+    h.put(w, range(200, 300))
+    h.flush(w)
+    assert m.run_once()["vector_index"] == "done"
+    ds = h.table.dataset()
+    (index,) = [i for i in ds.describe_indices() if i.field_names == ["vec"]]
+    assert ds.stats.index_stats(index.name)["num_indexed_rows"] == 300
+
+
 def test_scalar_indexes_on_filter_columns_keep_filtered_answers(
     make_harness: MakeHarness,
 ) -> None:
