@@ -1031,6 +1031,9 @@ class SinkService:
     def _on_assign(
         self, consumer: confluent_kafka.Consumer, partitions: list[TopicPartition]
     ) -> None:
+        # Every rebalance may bring partitions added to a topic, which another pod may be
+        # about to claim: list them for fan-out now (`sink.topic_shards`).
+        self.topic_shards.refresh_soon()
         if not partitions:
             consumer.incremental_assign([])
             self.ready.set()

@@ -9,9 +9,12 @@ maps each to its shard id (`Engine.shard_id`), and a query whose owners copy lac
 them reads the owners again first (`engine.reads.remote.Fanout`, DESIGN.md I18).
 
 Lifecycle: `start` begins a daemon thread that lists the partitions at once and then every
-`refresh_s` (every `RETRY_S` after a failure, keeping the last list); `current` is None
-until the first list arrives, which makes queries read the owners every time until then;
-`close` stops the thread. A partition added to a topic is routed from the next list on.
+`refresh_s` (every `RETRY_S` after a failure, keeping the last list), and at once after
+`refresh_soon`; `current` is None until the first list arrives, which makes queries read
+the owners every time until then; `close` stops the thread. A partition added to a topic
+is routed from the next list on: the sink asks for one at every rebalance of its group
+(`SinkService._on_assign` / `_on_revoke`), and a new partition reaches a pod of the group
+(which then claims its shard) only through one, so the list is mostly there first.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class TopicShards:
         self._ids: dict[tuple[str, int], str] = {}  # a partition's id never changes
         self._current: frozenset[str] | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by `refresh_soon` and `close`
         self._thread = threading.Thread(target=self._run, name="topic-shards", daemon=True)
 
     def start(self) -> None:
@@ -57,8 +61,13 @@ class TopicShards:
         """The shard of every partition the last list found; None before the first."""
         return self._current
 
+    def refresh_soon(self) -> None:
+        """List the partitions again now rather than at the next interval (no wait)."""
+        self._wake.set()
+
     def close(self, timeout: float = 1.0) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -86,10 +95,11 @@ class TopicShards:
     def _run(self) -> None:
         admin = AdminClient(dict(self._conf))
         while not self._stop.is_set():
+            self._wake.clear()
             try:
                 self.refresh(admin)
             except Exception as exc:  # noqa: BLE001 - keep the last list, try again soon
                 log.warning("topic_partitions_list_failed", error=str(exc))
-                self._stop.wait(RETRY_S)
+                self._wake.wait(RETRY_S)
                 continue
-            self._stop.wait(self._refresh_s)
+            self._wake.wait(self._refresh_s)

@@ -50,3 +50,31 @@ def test_every_partition_of_the_topics_is_listed(tansu_broker: Broker, topic: st
         )
     finally:
         shards.close()
+
+
+def test_a_refresh_asked_for_lists_at_once(tansu_broker: Broker, topic: str) -> None:
+    """`refresh_soon` (the sink asks at every rebalance) lists the partitions again without
+    waiting for the interval: a topic created after the first list joins at once."""
+    conf = {"bootstrap.servers": tansu_broker.bootstrap}
+    admin = AdminClient(conf)
+    for future in admin.create_topics([NewTopic(topic, 1)]).values():
+        future.result(30)
+    shards = TopicShards(conf, [topic, f"{topic}-later"], lambda t, p: f"{t}/{p}", refresh_s=3600)
+    shards.start()
+    try:
+        deadline = time.monotonic() + 30
+        while shards.current() is None:
+            assert time.monotonic() < deadline, "the partitions were never listed"
+            time.sleep(0.05)
+        assert shards.current() == {f"{topic}/0"}
+        for future in admin.create_topics([NewTopic(f"{topic}-later", 2)]).values():
+            future.result(30)
+        time.sleep(0.5)
+        assert shards.current() == {f"{topic}/0"}  # the next list is an hour away
+        shards.refresh_soon()
+        want = {f"{topic}/0", f"{topic}-later/0", f"{topic}-later/1"}
+        while shards.current() != want:
+            assert time.monotonic() < deadline, shards.current()
+            time.sleep(0.05)
+    finally:
+        shards.close()
