@@ -5,6 +5,7 @@ and the partitions of a topic created while the sink runs from the next list on.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -13,6 +14,15 @@ from sink.topic_shards import TopicShards
 from tests.support.brokers import Broker
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(120)]
+
+
+def wait_for_list(
+    shards: TopicShards, done: Callable[[frozenset[str] | None], bool], deadline: float
+) -> None:
+    """Until the shards' current list is `done`, failing at `deadline` (monotonic)."""
+    while not done(shards.current()):
+        assert time.monotonic() < deadline, shards.current()
+        time.sleep(0.05)
 
 
 def test_every_partition_of_the_topics_is_listed(tansu_broker: Broker, topic: str) -> None:
@@ -32,17 +42,13 @@ def test_every_partition_of_the_topics_is_listed(tansu_broker: Broker, topic: st
     shards.start()
     try:
         deadline = time.monotonic() + 30
-        while shards.current() is None:
-            assert time.monotonic() < deadline, "the partitions were never listed"
-            time.sleep(0.05)
+        wait_for_list(shards, lambda now: now is not None, deadline)
         assert shards.current() == {f"{topic}/{p}" for p in range(3)}
         # The second topic is created while the sink runs: its partitions join the list.
         for future in admin.create_topics([NewTopic(f"{topic}-later", 2)]).values():
             future.result(30)
         want = {f"{topic}/{p}" for p in range(3)} | {f"{topic}-later/{p}" for p in range(2)}
-        while shards.current() != want:
-            assert time.monotonic() < deadline, shards.current()
-            time.sleep(0.05)
+        wait_for_list(shards, lambda now: now == want, deadline)
         time.sleep(0.5)  # more lists
         # A partition's shard id is looked up once (it may cost a storage listing).
         assert sorted(calls) == sorted(
@@ -63,9 +69,7 @@ def test_a_refresh_asked_for_lists_at_once(tansu_broker: Broker, topic: str) -> 
     shards.start()
     try:
         deadline = time.monotonic() + 30
-        while shards.current() is None:
-            assert time.monotonic() < deadline, "the partitions were never listed"
-            time.sleep(0.05)
+        wait_for_list(shards, lambda now: now is not None, deadline)
         assert shards.current() == {f"{topic}/0"}
         for future in admin.create_topics([NewTopic(f"{topic}-later", 2)]).values():
             future.result(30)
@@ -73,8 +77,6 @@ def test_a_refresh_asked_for_lists_at_once(tansu_broker: Broker, topic: str) -> 
         assert shards.current() == {f"{topic}/0"}  # the next list is an hour away
         shards.refresh_soon()
         want = {f"{topic}/0", f"{topic}-later/0", f"{topic}-later/1"}
-        while shards.current() != want:
-            assert time.monotonic() < deadline, shards.current()
-            time.sleep(0.05)
+        wait_for_list(shards, lambda now: now == want, deadline)
     finally:
         shards.close()
