@@ -373,7 +373,7 @@ def run_bulk_parse(data: Dataset, batch: int) -> Callable[[], int]:
     def run() -> int:
         rows = 0
         for values in batches:
-            sizes = np.fromiter(map(len, values), np.int64, len(values))
+            sizes = d.value_sizes(values)
             for lo, hi in d._chunks(sizes, d._PARSE_CHUNK_BYTES):
                 chunk = values[lo:hi]
                 buf, _ = d._wrap(chunk, False)  # as the decoder's first parse of a batch

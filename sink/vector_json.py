@@ -1,12 +1,12 @@
 """The vector fast path of the JSON format: simdjson straight into one float32 matrix.
 
 `sink.decode.Decoder` hands `VectorJson.parse` the JSON values of a batch when its table
-has a vector column (base64 vectors: only small batches, see there). Each value is parsed
-with simdjson (pysimdjson's DOM), the vector's numbers are copied by simdjson into a buffer
-of doubles (``Array.as_buffer``: no Python float per component), the buffers of the whole
-batch are joined once and cast to float32 in one numpy call, and the scalar leaves are
-read as Python values and built into Arrow arrays one column at a time. Arrow's JSON reader
-converts numbers one by one and was the sink's bottleneck on vectors
+has a vector column (base64 vectors: only small batches, see `sink.decode`). Each value is
+parsed with simdjson (pysimdjson's DOM), the vector's numbers are copied by simdjson into a
+buffer of doubles (``Array.as_buffer``: no Python float per component), the buffers of the
+whole batch are joined once and cast to float32 in one numpy call, and the scalar leaves
+are read as Python values and built into Arrow arrays one column at a time. Arrow's JSON
+reader converts numbers one by one and was the sink's bottleneck on vectors
 (bench/results/decode.txt); on small messages without vectors it is faster than this path,
 so the decoder uses this path only for vector tables.
 
