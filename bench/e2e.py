@@ -2,7 +2,7 @@
 
     python -m bench.e2e [--small N] [--vectors N] [--base64 N] [--avro-small N]
         [--avro-vec-bytes N] [--avro-vec-array N] [--avro N] [--repeat R] [--out FILE]
-        [--decode threads,processes] [--profile DIR]
+        [--decode threads,processes] [--profile DIR [--profile-gil]]
 
 For each data set (200-byte JSON messages; 384-dim vector JSON messages with ~200 chars of
 text; with ``--base64 N``, the same vectors as base64 of little-endian float32 inside the
@@ -389,9 +389,11 @@ def run_sink(
     broker_pid: int | None = None,
     profile: Path | None = None,
     decode_processes: bool = False,
+    profile_gil: bool = False,
 ) -> dict[str, Any]:
     """One catch-up of `lance-sink run` (see the module docstring); with `profile`, a
-    py-spy profile of the catch-up (folded stacks, every thread)."""
+    py-spy profile of the catch-up (folded stacks, every thread; with `profile_gil` only
+    the samples of the thread holding the interpreter lock)."""
     port = free_port()
     group = f"bench-{uuid.uuid4().hex[:6]}"
     config = workdir / "sink.toml"
@@ -420,7 +422,7 @@ def run_sink(
                         first = (time.perf_counter(), rows)
                         cpu_at = (thread_cpu(proc.pid), thread_cpu(broker_pid or proc.pid))
                         if profile is not None:
-                            spy = py_spy(proc.pid, profile)
+                            spy = py_spy(proc.pid, profile, gil=profile_gil)
             done = committed.total()
             if done >= n:
                 end = time.perf_counter()
@@ -515,8 +517,10 @@ def report_sink(
         report(f"                          tansu {run['broker_cpu']}")
 
 
-def py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
-    """py-spy recording `pid` into `out` (folded stacks) until interrupted."""
+def py_spy(pid: int, out: Path, *, gil: bool = False) -> subprocess.Popen[bytes]:
+    """py-spy recording `pid` into `out` (folded stacks) until interrupted; with `gil`,
+    only the samples of the thread that holds the interpreter lock (a sample with no
+    holder is dropped: the count against the run's length is how busy the lock was)."""
     return subprocess.Popen(
         [
             str(Path(sys.executable).parent / "py-spy"),
@@ -527,6 +531,7 @@ def py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
             "250",
             "--threads",
             "--nonblocking",
+            *(["--gil"] if gil else []),
             "--format",
             "raw",
             "--output",
@@ -598,10 +603,18 @@ def main() -> None:
         default=None,
         help="folder for a py-spy profile of each sink run (folded stacks)",
     )
+    parser.add_argument(
+        "--profile-gil",
+        action="store_true",
+        help="with --profile: sample only the thread holding the interpreter lock (what "
+        "bounds the sink while decoding runs on threads)",
+    )
     args = parser.parse_args()
     modes = [m.strip() for m in args.decode.split(",") if m.strip()]
     if not modes or set(modes) - {"threads", "processes"}:
         parser.error("--decode takes threads and/or processes")
+    if args.profile_gil and args.profile is None:
+        parser.error("--profile-gil needs --profile DIR")
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
     lines: list[str] = []
@@ -669,6 +682,7 @@ def main() -> None:
                             broker.pid,
                             profile,
                             decode_processes=mode == "processes",
+                            profile_gil=args.profile_gil,
                         )
                         runs[mode].append((consume_s, decode_s, sink))
                         sink_runs += 1
