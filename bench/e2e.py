@@ -24,7 +24,9 @@ measures in the same run, on the same data:
   runs both ways (``source.decode_processes``), alternating, on the same data.
 
 Report: medians are not possible for a one-shot catch-up of a large backlog on a shared
-2-core machine; read the ratios, which compare runs made seconds apart on the same data.
+2-core machine; read the ratios, which compare runs made seconds apart on the same data:
+each sink run is measured right after ceilings of its own, and its ratio is against those
+(this machine's speed drifts by tens of percent within minutes).
 """
 
 from __future__ import annotations
@@ -657,14 +659,15 @@ def main() -> None:
                 if avro
                 else SourceSettings()
             )
-            # Ceilings and sink runs alternate, so a noisy minute hits all three alike.
+            # Ceilings and sink runs alternate: each sink run follows ceilings of its own, so
+            # a noisy minute of this machine hits a run and its yardsticks alike.
             runs: dict[str, list[tuple[float, float, dict[str, Any]]]] = {m: [] for m in modes}
             sink_runs = 0
             for r in range(args.repeat):
-                consume_s, messages = raw_consume(bootstrap, topic, n)
-                decode_s = raw_decode(spec, messages, source)
-                del messages
                 for mode in modes:
+                    consume_s, messages = raw_consume(bootstrap, topic, n)
+                    decode_s = raw_decode(spec, messages, source)
+                    del messages
                     workdir = Path(tempfile.mkdtemp(prefix="lance-sink-e2e-"))
                     profile = None
                     if args.profile is not None:
