@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from engine.filters import Predicate
 from engine.reads.context import ReadContext
-from engine.reads.remote import FanoutReport
+from engine.reads.remote import FanoutReport, RemoteAnswer
 from engine.reads.snapshot import SCAN_BATCH_READAHEAD, SCAN_IO_BUFFER_BYTES, Snapshot
 
 
@@ -36,21 +36,21 @@ def scan(
     fetch = ctx.fetch_columns(out_cols)
 
     def run(snap: Snapshot) -> list[pa.Table]:
-        remote = None
-        if snap.remote is not None:
-            remote = snap.remote.start(
-                {
-                    "kind": "scan",
-                    "filter": None if predicate is None else predicate.text,
-                    "limit": limit,
-                    "fetch": fetch,
-                }
-            )
         parts = tier_rows(snap, predicate, limit, fetch)
         remaining = limit - sum(p.num_rows for p in parts)
         # Any `limit` matching rows answer a scan: when this process's memtables hold them,
-        # the owners' answers are not waited for (nor the base read).
-        answers = [] if remote is None or remaining <= 0 else remote.result()
+        # the owners are not asked (nor the base read). Asked only then, as a request sent
+        # and not waited for would hold a fan-out thread for its timeout if its owner is
+        # silent, and delay other queries' requests behind it.
+        answers: list[RemoteAnswer] = []
+        if snap.remote is not None and remaining > 0:
+            request = {
+                "kind": "scan",
+                "filter": None if predicate is None else predicate.text,
+                "limit": limit,
+                "fetch": fetch,
+            }
+            answers = snap.remote.start(request).result()
         for table in snap.remote_rows(answers):
             if remaining > 0 and table.num_rows:
                 parts.append(table.slice(0, remaining))
