@@ -455,9 +455,7 @@ class Decoder:
         # Whether the last batch held a value with a raw newline: then the next batch is
         # checked for them before its first parse (see `_wrap`).
         self._newlines = False
-        # Chunks that did not parse in one go (screened value by value), and whether large
-        # batches of base64 vectors go to Arrow's reader (see `_parse`).
-        self._screened = 0
+        # Whether large batches of base64 vectors go to Arrow's reader (see `_parse`).
         self._base64_in_arrow = True
         self._read_schemas = {iso: self._read_schema(iso) for iso in (False, True)}
         # Derived columns with table.evolve: new writer schemas are checked (sink.formats).
@@ -795,12 +793,11 @@ class Decoder:
         if self._fast is None:
             return self._parse_arrow(payloads, sizes)
         if self._base64 and len(payloads) > _SIMDJSON_BASE64_MAX and self._base64_in_arrow:
-            failures = self._screened
             parsed = self._parse_arrow(payloads, sizes)
-            # A chunk that did not parse in one go was screened value by value, which costs
-            # more than the simdjson path: the next batches take that path until one of
-            # them is clean (racy between decode threads, harmless: only the speed moves).
-            self._base64_in_arrow = self._screened == failures
+            # A batch with bad values was screened value by value, which costs more than
+            # the simdjson path: the next batches take that path until one of them is clean
+            # (racy between decode threads, harmless: only the speed moves).
+            self._base64_in_arrow = not parsed[3]
             return parsed
         fast, leaves, rest = self._fast.parse(payloads)
         if self._base64:
@@ -899,7 +896,6 @@ class Decoder:
                 parsed = self._bulk(payloads, buf)
         if parsed is not None:
             return [parsed], {}
-        self._screened += 1
         faults: dict[int, _Fault] = {}
         passed: list[int] = []
         for pos, payload in enumerate(payloads):
