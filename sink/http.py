@@ -84,7 +84,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from config.settings import QuerySettings
@@ -150,14 +150,16 @@ class SearchRequest(BaseModel):
 
     _unicode = field_validator("text", "text_column", "filter", "columns")(_valid_unicode)
 
-    vector: list[float] | None = Field(default=None, description="Query vector (kNN).")
+    vector: list[StrictFloat] | None = Field(
+        default=None, description="Query vector (kNN): JSON numbers."
+    )
     text: str | None = Field(default=None, description="Full-text query (BM25).")
     text_column: str | None = Field(
         default=None,
         min_length=1,
         description="FTS column to search (default: the first fts_column).",
     )
-    phrase: bool = Field(default=False, description="Match the text as a phrase.")
+    phrase: bool = Field(default=False, strict=True, description="Match the text as a phrase.")
     filter: str | None = Field(default=None, description="SQL-like pre-filter.")
     k: int = Field(default=10, strict=True, description="Rows to return (1..query.max_k).")
     columns: list[str] | None = Field(
@@ -231,6 +233,22 @@ def _error(status: int, kind: str, message: str, request_id: str | None = None) 
     if status == 503:
         headers = {"Retry-After": "1"}
     return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+def _refusal(exc: StarletteHTTPException) -> str:
+    """The message of one of FastAPI's refusals; for a body its JSON parser could not read,
+    why (FastAPI's own says only that there was an error)."""
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return (
+            f"the body is not UTF-8 text (byte {cause.start}); it is read as JSON whatever "
+            "its Content-Type"
+        )
+    if isinstance(cause, RecursionError):
+        return "the body's JSON nests too deeply to be read"
+    if cause is not None:
+        return f"the body could not be read as JSON: {type(cause).__name__}: {cause}"
+    return str(exc.detail)
 
 
 def request_id_of(scope: Scope) -> str | None:
@@ -504,7 +522,7 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
     async def starlette_error(request: Request, exc: StarletteHTTPException) -> Response:
         # FastAPI's own refusals (a body it cannot parse, an unknown path or method).
         kind = "invalid_request" if exc.status_code == 400 else "http_error"
-        return _error(exc.status_code, kind, str(exc.detail), request_id_of(request.scope))
+        return _error(exc.status_code, kind, _refusal(exc), request_id_of(request.scope))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:

@@ -75,6 +75,14 @@ DF_WAIT_S = 0.05
 #: ~30k rows/s a query then finds at most ~750 rows (~6 ms of tokenising) not tokenised
 #: yet; a look costs one view per shard, microseconds for an append table.
 TOKENIZE_INTERVAL_S = 0.025
+#: Bounds of a text query. Each distinct term is counted in the base and the memtables and
+#: searched in Lance's index, so the terms bound a query's time and memory: 20,000 terms in
+#: one query took 1-6 GB and every query slot. Queries past them get 400, as filters past
+#: theirs (`engine.filters`).
+MAX_TEXT_CHARS = 16_384
+MAX_TEXT_TERMS = 128
+#: Lance's tokenizer leaves out longer words (its INVERTED index's `max_token_length`).
+MAX_TOKEN_CHARS = 40
 #: An owner pod answers a fan-out text query with this many times k rows, ranked by the
 #: coordinator's estimate of the corpus statistics (`TextSearch._hint`): the coordinator
 #: scores them with the exact statistics and asks again only when a row not returned
@@ -203,14 +211,25 @@ class TextSearch:
                 column=column,
             )
         ctx.check_k(k)
+        if len(text) > MAX_TEXT_CHARS:
+            raise QueryError(
+                f"the text query is {len(text)} characters long; at most {MAX_TEXT_CHARS}"
+            )
         self.tokenizer.start()
         words = fts.tokenize(text)
         if not words:
-            raise QueryError("the text query has no searchable terms (only stop words?)")
+            raise QueryError(
+                "the text query has no searchable terms: only stop words, or words of "
+                f"{MAX_TOKEN_CHARS} characters or more, which the index leaves out"
+            )
+        terms = list(dict.fromkeys(t for t, _ in words))
+        if len(terms) > MAX_TEXT_TERMS:
+            raise QueryError(
+                f"the text query has {len(terms)} distinct terms; at most {MAX_TEXT_TERMS}"
+            )
         predicate = ctx.predicate(filter)
         out_cols = ctx.columns(columns)
         fetch = ctx.fetch_columns(out_cols)
-        terms = list(dict.fromkeys(t for t, _ in words))
         name = column
 
         def begin(snap: Snapshot) -> Started:

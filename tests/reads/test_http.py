@@ -523,3 +523,38 @@ def test_the_status_command_sends_the_token(
         assert '"partitions": []' in capsys.readouterr().out
     finally:
         handle.stop()
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"text": "alpha", "phrase": "yes"}, "phrase"),
+        ({"text": "alpha", "phrase": 1}, "phrase"),
+        ({"vector": ["0.5"] * 16}, "vector.0"),
+        ({"vector": [True] * 16}, "vector.0"),
+        ({"text": " ".join(f"w{i}" for i in range(129))}, "129 distinct terms; at most 128"),
+        ({"vector": [0.0] * 16, "text": " ".join(f"w{i}" for i in range(200))}, "at most 128"),
+    ],
+)
+def test_search_fields_keep_their_types_and_bounds(
+    client: TestClient, body: dict[str, Any], says: str
+) -> None:
+    # "phrase": "yes" was a phrase query and ["0.5", ...] a vector; 20,000 terms took GBs.
+    r = client.post("/v1/search", json=body)
+    assert r.status_code == 400, r.text
+    assert says in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        (b'{"text": "caf\xe9"}', "not UTF-8 text (byte 13)"),
+        (b'{"text": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests too deeply"),
+    ],
+)
+def test_a_body_json_cannot_read_says_why(client: TestClient, raw: bytes, says: str) -> None:
+    # Both were "There was an error parsing the body".
+    r = client.post("/v1/search", content=raw)
+    assert r.status_code == 400, r.text
+    assert says in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "invalid_request"

@@ -15,6 +15,7 @@ import pytest
 from engine.errors import Poisoned
 from engine.filters import QueryError, UnknownColumn
 from engine.reads import stats as stats_module
+from engine.reads import text as text_module
 from tests.reads.conftest import ReadHarness, text_of, vectors
 
 pytestmark = pytest.mark.timeout(120)
@@ -240,10 +241,32 @@ def test_request_errors_are_typed(make_harness: MakeHarness) -> None:
         r.search_text("alpha", column="id")
     with pytest.raises(QueryError, match="no searchable terms"):
         r.search_text("the and of")
+    with pytest.raises(QueryError, match="words of 40 characters or more"):
+        r.search_text("x" * 1_000)
     with pytest.raises(QueryError, match="needs 3 values"):
         r.lookup([("t", 0)])
     with pytest.raises(QueryError, match="is not a int32 value"):
         r.lookup([("t", "x", 1)])
+
+
+def test_text_queries_are_bounded_in_terms_and_characters(make_harness: MakeHarness) -> None:
+    """Every distinct term is counted and searched: 20,000 of them in one query took
+    gigabytes and every query slot. Past the bounds: a QueryError (400) naming them."""
+    h = make_harness()
+    w = h.open(0)
+    h.put(w, range(20))
+    words = [f"w{i}" for i in range(text_module.MAX_TEXT_TERMS)]
+    # At the bound: answered (the rows' own words among the terms).
+    got = h.reader.search_text(" ".join([*words[:-1], "alpha"]), k=5)
+    assert got.num_rows == 5
+    with pytest.raises(QueryError, match=r"129 distinct terms; at most 128"):
+        h.reader.search_text(" ".join([*words, "alpha"]), k=5)
+    with pytest.raises(QueryError, match=r"129 distinct terms; at most 128"):
+        h.reader.search_hybrid([0.0] * 16, " ".join([*words, "alpha"]), k=5)
+    # Repeated words are one term each.
+    assert h.reader.search_text(" ".join(["alpha"] * 1000), k=5).num_rows == 5
+    with pytest.raises(QueryError, match="characters long; at most 16384"):
+        h.reader.search_text("alpha " * 3000, k=5)
 
 
 def test_poisoned_shard_is_skipped(make_harness: MakeHarness) -> None:
