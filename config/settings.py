@@ -982,7 +982,11 @@ class QuerySettings(_Section):
         "CPUs, at least 1). With every CPU in it, an index optimisation took them all and "
         "queries waited behind it.",
     )
-    nprobes: PositiveInt = Field(default=20, description="IVF partitions probed on the base.")
+    nprobes: PositiveInt = Field(
+        default=20,
+        description="IVF partitions probed on the base, at least: more while a filter leaves "
+        "fewer than k matching rows in them.",
+    )
     refine_factor: PositiveInt | None = Field(
         default=None, description="Re-rank k*refine_factor candidates with exact distances."
     )

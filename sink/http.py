@@ -166,7 +166,12 @@ class SearchRequest(BaseModel):
         default=None, min_length=1, description="Columns (default: all)."
     )
     nprobes: int | None = Field(
-        default=None, ge=1, le=MAX_NPROBES, strict=True, description="IVF partitions to probe."
+        default=None,
+        ge=1,
+        le=MAX_NPROBES,
+        strict=True,
+        description="IVF partitions to probe at least (more while a filter leaves fewer than "
+        "k rows in them).",
     )
     refine_factor: int | None = Field(
         default=None,

@@ -326,7 +326,11 @@ class VectorSearch:
             "column": self.spec.vector.name,
             "q": query,
             "metric": self.spec.vector.metric,
-            "nprobes": nprobes or settings.nprobes,
+            # At least this many IVF partitions, more while a filter leaves fewer than k
+            # matching rows in them (`nprobes` alone is also the most: a selective filter
+            # then answered with fewer than k rows, or none, though k rows matched).
+            "minimum_nprobes": nprobes or settings.nprobes,
+            "search_effort": 0.0,  # start at the minimum (Lance's default starts higher)
         }
         if refine is not None:
             nearest["refine_factor"] = refine
