@@ -153,6 +153,7 @@ class VectorSearch:
             )
         if not np.isfinite(query).all():
             raise QueryError("vector contains NaN or infinite values")
+        query = _well_scaled(query, spec_vec.metric)
         ctx.check_k(k)
         predicate = ctx.predicate(filter)
         out_cols = ctx.columns(columns)
@@ -354,6 +355,28 @@ class VectorSearch:
             return self._knn_fragments(cached, query, limit, predicate, fetch) if cached else []
 
         return BaseKnn(lance_rows, fresh_rows)
+
+
+def _well_scaled(query: np.ndarray, metric: str) -> np.ndarray:
+    """The query vector as it is searched: for cosine, scaled to length 1 (cosine ignores
+    length, and float32 products of a vector scaled by 1e-25 or 1e30 underflow or
+    overflow: rows came back in arbitrary order, with distances such as -77,200).
+
+    Raises:
+        QueryError: a zero vector for cosine (no direction), or one whose squared length
+            does not fit float32 for the other metrics (every distance would overflow).
+    """
+    norm = float(np.linalg.norm(query.astype(np.float64)))
+    if metric == "cosine":
+        if norm == 0.0:
+            raise QueryError("vector is all zeros: it has no direction for cosine distance")
+        return (query.astype(np.float64) / norm).astype(np.float32)
+    if norm * norm > float(np.finfo(np.float32).max):
+        raise QueryError(
+            f"vector is too long for {metric} distance: its squared length ({norm * norm:.3g}) "
+            "overflows float32"
+        )
+    return query
 
 
 def exact_knn(

@@ -17,6 +17,7 @@ import pytest
 from lance.query import MatchQuery
 
 from engine import fts
+from engine.filters import QueryError
 from engine.reader import recall
 from engine.reads import text as text_module
 from engine.reads import vector as vector_module
@@ -444,3 +445,36 @@ def test_a_selective_filter_on_an_indexed_base_still_finds_k_rows(
     assert set(offsets) <= set(matching)
     few = h.reader.search_vector(q, k=10, filter="_offset IN (3, 2100, 3900)", nprobes=1)
     assert sorted(few.column("_offset").to_pylist()) == [3, 2100, 3900]
+
+
+@pytest.mark.parametrize("indexed", [False, True], ids=["exact-base", "ivf-pq-base"])
+def test_cosine_ignores_the_query_vectors_length(make_harness: MakeHarness, indexed: bool) -> None:
+    """A row's own vector, scaled by anything, finds that row first at distance ~0, in
+    every tier. Scaled by 1e-25 or 1e30 it used to come back with distances such as
+    -77,200 or all 1.0, in arbitrary order."""
+    h = make_harness(metric="cosine", dim=DIM)
+    spread(h)
+    if indexed:
+        h.table.dataset().create_index(
+            "vec", "IVF_PQ", metric="cosine", num_partitions=4, num_sub_vectors=4
+        )
+    for offset in (10, 2100, 2700):  # base, frozen, active
+        own = vectors(np.array([offset]), DIM)[0]
+        for scale in (1e-30, 1e-25, 1.0, 1e30):
+            got = h.reader.search_vector(
+                own * np.float32(scale), k=3, columns=["_offset"], refine_factor=10
+            )
+            assert got.column("_offset")[0].as_py() == offset, (offset, scale)
+            dist = got.column("_distance").to_numpy()
+            assert abs(dist[0]) < 1e-5, (offset, scale, dist)
+            assert np.all(np.diff(dist) >= -1e-5)
+    with pytest.raises(QueryError, match="all zeros"):
+        h.reader.search_vector(np.zeros(DIM, np.float32), k=3)
+
+
+def test_a_query_vector_whose_distances_overflow_is_refused(make_harness: MakeHarness) -> None:
+    h = make_harness(metric="l2", dim=DIM)
+    h.put(h.open(), range(10))
+    with pytest.raises(QueryError, match="overflows float32"):
+        h.reader.search_vector(np.full(DIM, 1e30, np.float32), k=3)
+    assert h.reader.search_vector(np.full(DIM, 1e15, np.float32), k=3).num_rows == 3
