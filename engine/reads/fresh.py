@@ -28,6 +28,7 @@ Errors: a bad request raises `QueryError` (the HTTP layer answers 400).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -93,7 +94,13 @@ class FreshServer:
             served.pop(shard, None)
             refused[shard] = f"the shard cannot be read: {error}"
 
-        snap = snapshots.take(self.spec, writers, lambda: self.ctx.open_base(version), skipped)
+        def open_base() -> Any:
+            try:
+                return self.ctx.open_base(version)
+            except ValueError as exc:  # Lance: no such version
+                raise QueryError(f"base version {version} cannot be opened: {exc}") from exc
+
+        snap = snapshots.take(self.spec, writers, open_base, skipped)
         if snap.dropped_through > version:
             return pack(pa.table({}), {"stale_base": snap.dropped_through})
         if kind == PARTS:  # every part from this one snapshot
@@ -110,23 +117,37 @@ class FreshServer:
         if kind == "decides":
             hidden = snap.local_hidden(key_values(keys, self.spec.primary_key))
             return pa.table({"decided": pa.array(hidden, pa.bool_())}), {}
-        fetch = ctx.columns(meta["fetch"])
+        fetch = ctx.columns(_strings(meta, "fetch"))
         if kind == "lookup":
             wanted = key_values(keys, self.spec.primary_key)
             return self._one(self.lookups.memtable_part(snap, wanted, fetch), fetch, None), {}
-        predicate = ctx.parse_filter(meta.get("filter"))
+        where = meta.get("filter")
+        if where is not None and not isinstance(where, str):
+            raise QueryError(f"malformed fan-out request: 'filter' is not a string: {where!r:.80}")
+        predicate = ctx.parse_filter(where)
         if kind == "scan":
-            return self._one(tier_rows(snap, predicate, int(meta["limit"]), fetch), fetch, None), {}
-        k = int(meta["k"])
+            limit = _field(meta, "limit", int)
+            ctx.check_k(limit)
+            return self._one(tier_rows(snap, predicate, limit, fetch), fetch, None), {}
+        k = _field(meta, "k", int)
+        ctx.check_k(k)
         if kind == "vector":
-            query = np.asarray(meta["vector"], dtype=np.float32)
+            query = self._vector(meta)
             parts = self.vector.memtable_part(snap, query, k, predicate, fetch)
             return self._one([top(parts, DISTANCE, k, ascending=True)], fetch, DISTANCE), {}
         if kind == "text":
-            column = str(meta["column"])
-            terms = [str(t) for t in meta["terms"]]
-            words = [(str(t), int(p)) for t, p in meta["words"]]
-            idf = {str(t): float(v) for t, v in meta["idf"].items()}
+            column = _field(meta, "column", str)
+            if column not in self.spec.fts_columns:
+                raise QueryError(f"malformed fan-out request: {column!r} is not a text column")
+            terms = _strings(meta, "terms")
+            words = [_pair(w) for w in _field(meta, "words", list)]
+            idf_in = _field(meta, "idf", dict)
+            if not all(
+                isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+                for v in idf_in.values()
+            ):
+                raise QueryError("malformed fan-out request: 'idf' holds a value not a number")
+            idf = {str(t): float(v) for t, v in idf_in.items()}
             if set(terms) != set(idf) or {t for t, _ in words} - set(terms):
                 raise QueryError("malformed fan-out request: terms, words and idf disagree")
             # This pod's background tokenizer keeps its memtables tokenised for the next
@@ -138,9 +159,9 @@ class FreshServer:
                 mem,
                 terms,
                 words,
-                bool(meta["phrase"]),
+                _field(meta, "phrase", bool),
                 idf,
-                float(meta["avgdl"]),
+                _field(meta, "avgdl", float),
                 predicate,
                 k,
                 fetch,
@@ -148,6 +169,23 @@ class FreshServer:
             stats = {"documents": mem.documents, "length": mem.length, "df": mem.df}
             return table, {**stats, "frontier": best}
         raise QueryError(f"unknown fan-out request kind {kind!r}")
+
+    def _vector(self, meta: dict[str, Any]) -> np.ndarray:
+        """The request's query vector, as the coordinator validated it.
+
+        Raises:
+            QueryError: not a list of finite numbers of the table's dimension.
+        """
+        assert self.spec.vector is not None
+        values = _field(meta, "vector", list)
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            raise QueryError("malformed fan-out request: 'vector' holds a value not a number")
+        query = np.asarray(values, dtype=np.float32)
+        if query.shape != (self.spec.vector.dim,) or not np.isfinite(query).all():
+            raise QueryError(
+                f"malformed fan-out request: 'vector' is not {self.spec.vector.dim} finite numbers"
+            )
+        return query
 
     def _one(self, parts: list[pa.Table], fetch: list[str], extra: str | None) -> pa.Table:
         """One table of `fetch` (and `extra`, float32) columns from `parts`."""
@@ -157,3 +195,45 @@ class FreshServer:
         schema = pa.schema(fields)
         tables = [p.select(schema.names).cast(schema) for p in parts if p.num_rows]
         return pa.concat_tables(tables) if tables else schema.empty_table()
+
+
+def _field(meta: dict[str, Any], name: str, kind: type) -> Any:
+    """`meta[name]`, of JSON type `kind` (an int is a float; a bool is neither).
+
+    Raises:
+        QueryError: absent, or of another type.
+    """
+    if name not in meta:
+        raise QueryError(f"malformed fan-out request: no {name!r}")
+    value = meta[name]
+    if kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise QueryError(
+            f"malformed fan-out request: {name!r} is not a {kind.__name__}: {value!r:.80}"
+        )
+    return float(value) if kind is float else value
+
+
+def _strings(meta: dict[str, Any], name: str) -> list[str]:
+    values: list[Any] = _field(meta, name, list)
+    if not all(isinstance(v, str) for v in values):
+        raise QueryError(f"malformed fan-out request: {name!r} holds a value not a string")
+    return [str(v) for v in values]
+
+
+def _pair(word: Any) -> tuple[str, int]:
+    """A (term, position) pair of a text request's `words`."""
+    if (
+        isinstance(word, list | tuple)
+        and len(word) == 2
+        and isinstance(word[0], str)
+        and isinstance(word[1], int)
+        and not isinstance(word[1], bool)
+    ):
+        return word[0], word[1]
+    raise QueryError(f"malformed fan-out request: a word is not [term, position]: {word!r:.80}")

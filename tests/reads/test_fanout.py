@@ -30,7 +30,7 @@ from engine.manifest import ManifestStore
 from engine.reader import Fanout, FanoutReport, NoReaderEvents, Reader
 from engine.reads import text as text_module
 from engine.reads.owners import ShardOwners
-from engine.reads.remote import unpack
+from engine.reads.remote import pack, unpack
 from engine.schema import TableSpec
 from engine.shard import Flusher, ShardWriter
 from engine.storage import Storage, open_storage
@@ -610,6 +610,54 @@ def test_a_scan_this_pods_memtables_fill_does_not_wait_for_the_owners(
         got = a.reader.scan(filter="_offset >= 3", columns=["_offset"], limit=50, report=report)
         assert offsets(got) == list(range(3, 10))
         assert [m.shard for m in report.missing] == [wb.shard]
+
+
+def test_a_malformed_fan_out_request_is_400_naming_what_is_wrong(
+    pods: Callable[..., tuple[Pod, Pod]],
+) -> None:
+    """Every field of an owner request is checked before it is used: a missing `fetch`, a
+    negative `limit`, a vector of another dimension, a base version that does not exist
+    were 500s (KeyError, numpy, Lance errors), and `limit: -5` or `k: 10**9` were run."""
+    a, _ = pods()
+    writer = a.open(0)
+    a.put(writer, list(range(10)), 0)
+    version = a.table.dataset().version
+    shards = {writer.shard: writer.epoch}
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+
+    def post(meta: dict[str, Any]) -> httpx.Response:
+        body = pack(pa.table({}), {"base_version": version, "shards": shards, **meta})
+        return httpx.post(f"{a.url}/internal/v1/fresh", content=body, headers=headers, timeout=10)
+
+    scan = {"kind": "scan", "filter": None, "limit": 5, "fetch": ["_offset"]}
+    vector = {"kind": "vector", "k": 3, "fetch": ["_offset"], "vector": [0.5] * DIM}
+    text = {
+        "kind": "text", "column": "text", "terms": ["alpha"], "words": [["alpha", 0]],
+        "idf": {"alpha": 1.0}, "avgdl": 4.0, "phrase": False, "k": 3, "fetch": ["_offset"],
+    }  # fmt: skip
+    for good in (scan, vector, text):
+        r = post(good)
+        assert r.status_code == 200, r.text
+    assert unpack(post(scan).content)[0].num_rows == 5
+    bad = [
+        ({**scan, "fetch": None}, "'fetch' is not a list"),
+        ({k: v for k, v in scan.items() if k != "limit"}, "no 'limit'"),
+        ({**scan, "limit": -5}, "k must be between"),
+        ({**scan, "limit": "5"}, "'limit' is not a int"),
+        ({**scan, "filter": 7}, "'filter' is not a string"),
+        ({**vector, "k": 10**9}, "k must be between"),
+        ({**vector, "vector": [0.5] * 3}, f"not {DIM} finite numbers"),
+        ({**vector, "vector": ["x"] * DIM}, "not a number"),
+        ({**text, "column": "id"}, "is not a text column"),
+        ({**text, "words": [["alpha"]]}, "not [term, position]"),
+        ({**text, "avgdl": "4"}, "'avgdl' is not a float"),
+        ({**text, "phrase": 1}, "'phrase' is not a bool"),
+        ({**scan, "base_version": version + 1000}, f"base version {version + 1000}"),
+    ]
+    for meta, says in bad:
+        r = post(meta)
+        assert r.status_code == 400, (meta, r.text)
+        assert says in r.text, (says, r.text)
 
 
 def test_the_internal_endpoint_needs_the_token(pods: Callable[..., tuple[Pod, Pod]]) -> None:
