@@ -34,7 +34,9 @@ Coercions, JSON values (anything else is ``wrong_type`` naming the column and JS
     string     JSON strings only
     int32/64   JSON integers only (no fractions, no exponents, no strings), in range
     float32/64 JSON numbers; the non-standard literals NaN, Infinity and -Infinity that
-               Python's json module writes, and numbers beyond the double range (as +-inf)
+               Python's json module writes, and numbers beyond the double range (as +-inf);
+               a finite number beyond the float32 range in a float32 column is
+               ``wrong_type`` (it would be stored as infinity)
     bool       true / false
     timestamp  an integer of epoch milliseconds, or an ISO-8601 string (date, optional time
                with up to microseconds, optional ``Z`` or ``+hh:mm`` offset; no offset means
@@ -671,7 +673,9 @@ class Decoder:
         """One column for `rows`, in its canonical type, faulting rows it cannot hold."""
         if col.kind == "json":
             arr = leaves[col.path]
-            if col.type_name == "binary" and self._json:
+            if col.type_name == "float32" and self._json:
+                _check_float32(arr, col, rows, meta)
+            elif col.type_name == "binary" and self._json:
                 arr = _from_base64(arr, col, rows)
             elif col.type_name == "vector":
                 if self._base64:
@@ -995,8 +999,16 @@ class Decoder:
             try:
                 # NaN, Infinity and numbers beyond the double range: Python's json takes them.
                 obj = json.loads(payload)
-            except (ValueError, RecursionError) as exc:
+            except ValueError as exc:
                 return ("invalid_json", f"value is not JSON: {exc}")
+            except RecursionError:
+                # Nested deeper than Python's parsers go (orjson: 1024 levels): Arrow's
+                # reader, which reads it in a clean batch, decides, so a message's fate
+                # does not depend on its neighbours.
+                alone = self._bulk([payload])
+                if alone is None:
+                    return ("invalid_json", "value is not JSON, or nests too deeply to read")
+                return alone if build else None
         if not isinstance(obj, dict):
             return ("not_an_object", f"value is a JSON {_json_kind(obj)}, not an object")
         leaves: dict[_Path, list[pa.Array]] = {}
@@ -1438,6 +1450,8 @@ def _coerce_one(item: Any, type_name: str) -> pa.Array | str:
         return pa.nulls(1, target)
     try:
         if type_name in {"float32", "float64"}:
+            if type_name == "float32" and (beyond := float32_beyond(item)) is not None:
+                return beyond
             return pa.array([_to_float(item)], pa.float64()).cast(target)
         if type_name == "timestamp":
             if isinstance(item, str):
@@ -1542,6 +1556,33 @@ def _to_ms_timestamp(arr: pa.Array) -> pa.Array:
     # Flooring drops sub-millisecond digits the way cutting them from the text would, also
     # before 1970 (a plain cast truncates toward zero, i.e. rounds those up).
     return pc.floor_temporal(arr, unit="millisecond").cast(_TS_TYPE)
+
+
+def float32_beyond(number: Any) -> str | None:
+    """Why a finite JSON number cannot be a float32 scalar (it would be stored as
+    infinity), or None. Infinite ones (NaN and Infinity literals, numbers beyond the double
+    range) are taken as infinity, as in a float64 column."""
+    value = _to_float(number)
+    if math.isfinite(value) and abs(value) > _FLOAT32_MAX:
+        return f"is {_show(number)}, beyond the float32 range (largest {_FLOAT32_MAX:.7g})"
+    return None
+
+
+def _check_float32(arr: pa.Array, col: _Column, rows: _Rows, meta: _Metadata) -> None:
+    """Fault the rows of a float32 JSON column whose number overflowed to infinity: their
+    payloads are read again to tell an overflow from an infinity in the JSON (only rows
+    holding an infinity pay for it)."""
+    infinite = np.isinf(arr.to_numpy(zero_copy_only=False))
+    for pos in np.flatnonzero(infinite).tolist():
+        try:
+            item: Any = json.loads(meta.value(int(rows.index[pos])) or b"")
+            for name in col.path:
+                item = item[name]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            continue  # not reached: the payload parsed before
+        beyond = float32_beyond(item)
+        if beyond is not None:
+            rows.fault((pos,), ("wrong_type", f"{col.name!r} ({col.where}) {beyond}"))
 
 
 def _to_float(number: float) -> float:

@@ -12,7 +12,8 @@ Conversions (anything else is ``wrong_type`` naming the column, its path and the
 
     string      str; a UUID (Avro uuid) as its canonical text; a Decimal as its text
     int32/64    int (not bool), in range
-    float32/64  int, float, Decimal
+    float32/64  int, float, Decimal (a finite number beyond the float32 range in a float32
+                column is ``wrong_type``: it would be stored as infinity)
     bool        bool
     binary      bytes (Avro bytes and fixed, protobuf bytes); a base64 string (JSON Schema)
     timestamp   datetime (naive = UTC; sub-millisecond digits are floored), date (midnight
@@ -88,6 +89,8 @@ _EXPECTED: Final = {
 _EPOCH: Final = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 #: Longest text of a value quoted in a dead-letter detail.
 _SHOW_CHARS: Final = 40
+#: Largest finite float32.
+_FLOAT32_MAX: Final = float(np.finfo(np.float32).max)
 
 
 def lookup(record: Any, path: Sequence[str]) -> tuple[Any, str | None]:
@@ -147,9 +150,13 @@ def to_column(
     kinds = set(map(type, values))
     if kinds <= _BULK[type_name]:
         try:
-            return _bulk(values, type_name), {}
+            arr = _bulk(values, type_name)
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):
             pass  # out of range, or a bad element inside a list: value by value
+        else:
+            if type_name == "float32":
+                return _float32_overflows(arr, values, describe)
+            return arr, {}
     if type_name == "vector" and kinds <= {bytes, _NONE}:
         return _vectors_from_bytes(values, describe)
     if type_name == "timestamp" and kinds <= {dt.date, _NONE}:
@@ -166,7 +173,30 @@ def to_column(
         out.append(converted)
     if type_name == "vector":
         return _vector_list(out), faults
-    return _bulk(out, type_name), faults
+    arr = _bulk(out, type_name)
+    if type_name == "float32":
+        arr, overflows = _float32_overflows(arr, out, describe)
+        faults.update(overflows)
+    return arr, faults
+
+
+def _float32_overflows(
+    arr: pa.Array, values: list[Any], describe: str
+) -> tuple[pa.Array, dict[int, Fault]]:
+    """A float32 column's rows whose finite number overflowed to infinity (a double beyond
+    the float32 range) as faults, null in the array. Only rows holding an infinity are
+    looked at again."""
+    infinite = np.isinf(arr.to_numpy(zero_copy_only=False))
+    faults: dict[int, Fault] = {}
+    for pos in np.flatnonzero(infinite).tolist():
+        if math.isfinite(_float(values[pos])):  # else infinite already, as in float64
+            what = f"is {_show(values[pos])}, beyond the float32 range (largest {_FLOAT32_MAX:.7g})"
+            faults[pos] = ("wrong_type", f"{describe} {what}")
+    if faults:
+        bad = np.zeros(len(arr), bool)
+        bad[list(faults)] = True
+        arr = pc.if_else(pa.array(bad), pa.scalar(None, arr.type), arr)
+    return arr, faults
 
 
 def _bulk(values: list[Any], type_name: str) -> pa.Array:

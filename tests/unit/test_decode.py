@@ -1030,3 +1030,55 @@ def test_good_messages_survive_any_mix_of_bad_ones(
     ]
     expect_good(rows, [x for kind, x in plan if kind == "good"])
     assert [r["_offset"] for r in rows] == [i for i, (kind, _) in enumerate(plan) if kind == "good"]
+
+
+def test_deep_json_decodes_the_same_alone_and_beside_a_bad_message() -> None:
+    """A valid message nesting an unused field 5,000 deep: Arrow's reader takes it, Python's
+    parsers do not (recursion). It was a row in a clean batch and an `invalid_json` dead
+    letter in a batch that also held a wrong-typed message (the per-message path)."""
+    spec = spec_for(dim=None)
+    deep = b'{"id": "deep", "n": 1, "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    clean, rows = decode(spec, msgs(deep, good(2)))
+    assert not clean.dead_letters
+    mixed, rows_mixed = decode(spec, msgs(deep, good(2), {"id": "bad", "n": "x"}))
+    assert [(d.offset, d.reason) for d in mixed.dead_letters] == [(102, "wrong_type")]
+    assert [r["id"] for r in rows_mixed] == [r["id"] for r in rows] == ["deep", "id-2"]
+    # Broken as well as deep: a dead letter either way.
+    broken = deep[:-1]
+    for batch in (msgs(broken), msgs(broken, {"id": "bad", "n": "x"})):
+        out, _ = decode(spec, batch)
+        assert [d.reason for d in out.dead_letters][:1] == ["invalid_json"]
+
+
+def test_a_float32_column_refuses_finite_numbers_beyond_its_range() -> None:
+    """1e300 or 4e38 in a float32 column was stored as infinity, silently (an int32
+    overflow is a dead letter). Infinite in the JSON (Infinity, 1e999) stays infinity, as in
+    float64; float64 columns keep every double."""
+    spec = spec_for(
+        columns=[
+            {"name": "id", "type": "string"},
+            {"name": "f32", "type": "float32"},
+            {"name": "f64", "type": "float64"},
+        ],
+        dim=None,
+    )
+    values = [
+        b'{"id": "a", "f32": 1e300, "f64": 1e300}',
+        b'{"id": "b", "f32": -4e38}',
+        b'{"id": "c", "f32": 3.4e38, "f64": 1e308}',
+        b'{"id": "d", "f32": Infinity}',
+        b'{"id": "e", "f32": 1e999}',
+        b'{"id": "f", "f32": 1.5}',
+    ]
+    for batch in (values, [*values, b'{"id": "z", "f32": "x"}']):  # bulk, then per message
+        out, rows = decode(spec, msgs(*batch))
+        faults = [(d.offset, d.reason, d.detail) for d in out.dead_letters][:2]
+        beyond = "beyond the float32 range (largest 3.402823e+38)"
+        assert faults == [
+            (100, "wrong_type", f"'f32' ($.f32) is 1e+300, {beyond}"),
+            (101, "wrong_type", f"'f32' ($.f32) is -4e+38, {beyond}"),
+        ]
+        assert [r["id"] for r in rows] == ["c", "d", "e", "f"]
+        assert rows[0]["f32"] == pytest.approx(3.4e38, rel=1e-6)
+        assert rows[0]["f64"] == 1e308
+        assert rows[1]["f32"] == rows[2]["f32"] == math.inf

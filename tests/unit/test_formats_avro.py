@@ -298,3 +298,21 @@ def test_fields_of_a_record_key() -> None:
 def test_key_fields_need_a_key_format() -> None:
     with pytest.raises(ValueError, match=r"set source\.key_format"):
         SourceSettings(columns={"id": "@key.id"})
+
+
+def test_a_double_beyond_float32_range_is_refused_by_a_float32_column() -> None:
+    """An Avro double of 1e300 into a float32 column was stored as infinity, silently."""
+    reg = registry()
+    ser = serializer(reg, record_schema(
+        {"name": "id", "type": "string"}, {"name": "f", "type": ["null", "double"]},
+    ))  # fmt: skip
+    values = [ser({"id": "a", "f": 1e300}), ser({"id": "b", "f": 2.5}), ser({"id": "c", "f": None})]
+    spec = spec_for(
+        columns=[{"name": "id", "type": "string"}, {"name": "f", "type": "float32"}], dim=None
+    )
+    for batch in (values, [*values, b"not framed"]):
+        out, rows = decode(spec, msgs(*batch), **source(reg))
+        got = [(d.offset, d.reason, d.detail) for d in out.dead_letters][:1]
+        beyond = "beyond the float32 range (largest 3.402823e+38)"
+        assert got == [(100, "wrong_type", f"'f' ($.f) is 1e+300, {beyond}")]
+        assert [(r["id"], r["f"]) for r in rows] == [("b", 2.5), ("c", None)]
