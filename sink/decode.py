@@ -1450,7 +1450,7 @@ def _coerce_one(item: Any, type_name: str) -> pa.Array | str:
         return pa.nulls(1, target)
     try:
         if type_name in {"float32", "float64"}:
-            if type_name == "float32" and (beyond := float32_beyond(item)) is not None:
+            if type_name == "float32" and (beyond := _float32_beyond(item)) is not None:
                 return beyond
             return pa.array([_to_float(item)], pa.float64()).cast(target)
         if type_name == "timestamp":
@@ -1558,7 +1558,7 @@ def _to_ms_timestamp(arr: pa.Array) -> pa.Array:
     return pc.floor_temporal(arr, unit="millisecond").cast(_TS_TYPE)
 
 
-def float32_beyond(number: Any) -> str | None:
+def _float32_beyond(number: Any) -> str | None:
     """Why a finite JSON number cannot be a float32 scalar (it would be stored as
     infinity), or None. Infinite ones (NaN and Infinity literals, numbers beyond the double
     range) are taken as infinity, as in a float64 column."""
@@ -1580,7 +1580,7 @@ def _check_float32(arr: pa.Array, col: _Column, rows: _Rows, meta: _Metadata) ->
                 item = item[name]
         except (ValueError, KeyError, TypeError, RecursionError):
             continue  # not reached: the payload parsed before
-        beyond = float32_beyond(item)
+        beyond = _float32_beyond(item)
         if beyond is not None:
             rows.fault((pos,), ("wrong_type", f"{col.name!r} ({col.where}) {beyond}"))
 
