@@ -1,7 +1,8 @@
 """Admission control between callers of `ShardWriter.put` and memory.
 
 `BackpressureController` is the seam: the writer calls `maybe_apply_backpressure` before
-accepting a put and `may_seal` before a put that needs the active memtable sealed. A
+accepting a put and `may_seal` before a put that needs the active memtable sealed (and
+before sealing one that an insert filled or that reached `max_age_s`). A
 controller is injected (settings or constructor) and replaces the built-in one; it does not
 layer on top of it. Built-ins:
 
@@ -124,7 +125,9 @@ class BackpressureController(Protocol):
         """Return to admit; block to delay; raise `Backpressure` to refuse."""
 
     def may_seal(self, shard: ShardMemory) -> bool:
-        """May the active memtable of `shard` be sealed now? (Refusal refuses the put.)"""
+        """May the active memtable of `shard` be sealed now? Asked before a put that needs
+        a seal (refusal refuses the put) and before sealing a memtable that is full or old
+        (refusal keeps it active; the writer asks again at its next wake and next put)."""
 
     def register(self, shard: ShardMemory) -> None:
         """A writer opened for `shard`."""

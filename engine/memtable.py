@@ -10,8 +10,8 @@ A memtable is one generation. It holds:
 
 Only the shard writer's WAL thread (live path) or `ShardWriter.open` (replay) inserts, under
 the writer lock. Readers take an immutable `MemtableView` under the same lock and then read
-without it. `should_seal` is the one seal predicate, used by both the live path and replay
-(invariant I4).
+without it. `should_seal` (before an insert) and `is_full` (after it) are the one seal rule,
+used by both the live path and replay (invariant I4).
 """
 
 from __future__ import annotations
@@ -67,6 +67,19 @@ def should_seal(
         rows + incoming_rows > limits.max_rows
         or nbytes + incoming_bytes > limits.max_bytes
         or batches + 1 > limits.max_batches
+    )
+
+
+def is_full(rows: int, nbytes: int, batches: int, limits: SealLimits) -> bool:
+    """The seal rule after an insert: has the active memtable reached a limit?
+
+    A memtable that has is sealed then, not at the next insert: a quiet partition's rows
+    would otherwise wait in the active memtable for the next put (or `max_age_s`). Together
+    with `should_seal` a memtable holds at most each limit, unless one insert alone exceeds
+    it. An empty memtable is never full.
+    """
+    return rows > 0 and (
+        rows >= limits.max_rows or nbytes >= limits.max_bytes or batches >= limits.max_batches
     )
 
 

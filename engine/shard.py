@@ -16,8 +16,10 @@ Lifecycle (who calls what, and when):
   batch; nothing accepted), `Backpressure` (refused; nothing accepted) or the poison error.
 - The WAL thread (internal) group-commits buffered puts every `max_wal_flush_interval`
   (or when `max_wal_buffer_size` is reached), appends the entry create-only, inserts the
-  rows into the active memtable (sealing it first when `should_seal` says so), and
-  resolves the futures in put order.
+  rows into the active memtable (sealing it first when `should_seal` says so, and after
+  when `is_full` says it reached a limit, if the controller's `may_seal` allows; a refused
+  seal is asked again at every wake of the WAL thread and by the next put), and resolves
+  the futures in put order.
 - Flushes run on the shared `Flusher` pool, oldest frozen memtable first, one at a time per
   shard. A failed flush keeps its memtable frozen and counted (I8) and is retried with
   backoff; after `max_attempts` the writer is poisoned (I6).
@@ -59,7 +61,14 @@ from engine.errors import (
     Poisoned,
 )
 from engine.manifest import ManifestStore, ShardManifest
-from engine.memtable import Memtable, MemtableView, SealLimits, entry_batches, should_seal
+from engine.memtable import (
+    Memtable,
+    MemtableView,
+    SealLimits,
+    entry_batches,
+    is_full,
+    should_seal,
+)
 from engine.schema import TableSpec
 from engine.storage import AlreadyExists, Storage, canonical_uri, uri_spellings
 from engine.table import BaseTable, flush_properties, holds_generation
@@ -451,7 +460,7 @@ class ShardWriter:
         # An entry written before the table evolved lacks its new columns: they read null.
         batches = [self.spec.conform(b) for b in entry.batches]
         with self._lock:
-            sealed = self._insert_locked(batches, entry.position, entry.sources)
+            sealed = self._insert_locked(batches, entry.position, entry.sources, replay=True)
         if sealed:
             # Bounded replay (I4): flush each sealed memtable before reading further.
             self._drain_flushes_inline()
@@ -518,7 +527,7 @@ class ShardWriter:
         interval = self.config.max_wal_flush_interval_s
         while True:
             with self._lock:
-                self._seal_if_old_locked()
+                self._seal_if_due_locked()
                 if self._idle():
                     self._wake.wait(timeout=IDLE_WAKE_S)
                     idle = self._idle()
@@ -557,17 +566,28 @@ class ShardWriter:
         taken, self._pending = self._pending[:count], self._pending[count:]
         return taken
 
-    def _seal_if_old_locked(self) -> None:
-        """Seal the active memtable once its first row is `max_age_s` old, so a slow
-        partition's rows reach the Lance table (and other pods' queries) within about that
-        long plus one flush. Checked on every WAL-thread wake (at least every
-        `IDLE_WAKE_S`); a seal the controller refuses now is tried again at the next."""
-        age = self.config.max_age_s
-        first = self._active.first_insert_at
-        if age <= 0 or first is None or not self._active.rows or self._poison is not None:
-            return
-        if time.monotonic() - first >= age and self.controller.may_seal(self.memory):
-            self._seal_locked(reason="age")
+    def _seal_if_due_locked(self) -> bool:
+        """Seal the active memtable if it is full (`is_full`: it reached a seal limit) or
+        its first row is `max_age_s` old, so a quiet partition's rows reach the Lance table
+        (and other pods' queries) without waiting for another put: a full one at once, a
+        slow one within about `max_age_s` plus one flush. Checked after every live insert
+        and on every WAL-thread wake (at least every `IDLE_WAKE_S`); a seal the controller
+        refuses now is asked again at the next. Returns True if it sealed."""
+        active = self._active
+        if not active.rows or self._poison is not None:
+            return False
+        if is_full(active.rows, active.memory_size, len(active.batches), self.config.limits):
+            reason = "threshold"
+        else:
+            age = self.config.max_age_s
+            first = active.first_insert_at
+            if age <= 0 or first is None or time.monotonic() - first < age:
+                return False
+            reason = "age"
+        if not self.controller.may_seal(self.memory):
+            return False
+        self._seal_locked(reason=reason)
+        return True
 
     def _honour_seal_request_locked(self) -> None:
         """Seal the active memtable if a controller asked (ShardMemory.request_seal)."""
@@ -611,7 +631,7 @@ class ShardWriter:
             self._pending_bytes -= sum(p.nbytes for p in puts)
             self._pending_rows -= sum(p.rows for p in puts)
             self._next_position = position + 1
-            self._insert_locked(batches, position, sources)
+            self._insert_locked(batches, position, sources, replay=False)
             self._honour_seal_request_locked()
         self._counters["wal_entries"] += 1
         self._counters["wal_bytes"] += payload.size
@@ -625,9 +645,15 @@ class ShardWriter:
         batches: list[pa.RecordBatch] | tuple[pa.RecordBatch, ...],
         position: int,
         sources: list[SourceRange] | tuple[SourceRange, ...],
+        *,
+        replay: bool,
     ) -> bool:
-        """Insert a durable entry into the active memtable (sealing first if the predicate
-        says so). Shared by the live path and replay. Returns True if a seal happened."""
+        """Insert a durable entry into the active memtable: sealing first if `should_seal`
+        says so, and after if the memtable is then full (`is_full`), so a quiet partition's
+        full memtable flushes without waiting for the next put. Shared by the live path and
+        replay (I4). Before an insert the seal is unconditional (the live put that needed it
+        asked `may_seal`); after it, replay seals outright as before an insert, the live path
+        asks the controller (`_seal_if_due_locked`). Returns True if a seal happened."""
         active = self._active
         sealed = False
         if should_seal(
@@ -646,6 +672,12 @@ class ShardWriter:
             key = (s.topic, s.partition)
             self._durable_offsets[key] = max(self._durable_offsets.get(key, -1), s.last)
         self._set_memory()
+        if not replay:
+            return self._seal_if_due_locked() or sealed
+        active = self._active
+        if is_full(active.rows, active.memory_size, len(active.batches), self.config.limits):
+            self._seal_locked(reason="threshold")
+            sealed = True
         return sealed
 
     def _seal_locked(self, reason: str) -> None:

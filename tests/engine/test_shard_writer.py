@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 from engine.backpressure import BlockingValve, ShardMemory
-from engine.errors import InvalidRecord, SchemaMismatch
+from engine.errors import Backpressure, InvalidRecord, SchemaMismatch
 from engine.schema import OP_DELETE
 from engine.shard import NoEvents
 from engine.table import PROP_SHARD, PROP_WAL_END, flush_properties
@@ -182,6 +182,68 @@ def test_without_a_max_age_a_memtable_seals_on_size_only(local_harness: MakeHarn
     assert h.base_rows().num_rows == 0
     assert writer.stats().generation == 1
     writer.close(flush=False)
+
+
+@pytest.mark.parametrize(
+    ("limits", "rows"),
+    [
+        ({"max_rows": 1000}, 2500),  # one put past max_rows
+        ({"max_rows": 1000}, 1000),  # one put that reaches it exactly
+        ({"max_bytes": 20_000}, 600),  # past max_bytes
+        ({"max_batches": 1}, 10),  # at max_batches (one batch per WAL entry)
+    ],
+)
+def test_a_memtable_that_reaches_a_limit_is_sealed_without_another_put(
+    local_harness: MakeHarness, limits: dict[str, int], rows: int
+) -> None:
+    """A quiet partition: one put takes the active memtable to (or past) a seal limit and
+    nothing follows. It is sealed after that insert and flushed, not left to wait for the
+    next put or `max_age_s` (0 here: size only)."""
+    h = local_harness(config=writer_config(**limits))
+    writer = h.open()
+    writer.put(make_batch(h.spec, 0, rows), source(0, rows)).result(10)
+    wait_until(lambda: h.base_rows().num_rows == rows and visible_rows(writer) == [], 10)
+    assert writer.stats().generation == 2
+    assert offsets(h.base_rows().to_pylist()) == list(range(rows))
+    writer.close(flush=False)
+
+
+def test_a_full_memtable_whose_seal_was_refused_is_sealed_at_the_next_chance(
+    local_harness: MakeHarness,
+) -> None:
+    """The seal after an insert asks the controller like every live seal; refused, the full
+    memtable stays active (the next put needs a seal, so it is refused too) and the WAL
+    thread asks again on its wakes; once allowed it is sealed and flushed with no put."""
+    gate = SealGate()
+    gate.allowed = False
+    h = local_harness(config=writer_config(max_rows=1000), controller=gate)
+    writer = h.open()
+    writer.put(make_batch(h.spec, 0, 2500), source(0, 2500)).result(10)
+    asked = gate.asked
+    assert asked >= 1  # the seal after the insert asked
+    wait_until(lambda: gate.asked >= asked + 2, timeout=10)  # and later wakes ask again
+    assert writer.stats().generation == 1
+    assert len(visible_rows(writer)) == 2500
+    with pytest.raises(Backpressure, match="seal refused"):
+        writer.put(make_batch(h.spec, 2500, 1), source(2500, 1))
+    gate.allowed = True
+    wait_until(lambda: h.base_rows().num_rows == 2500 and visible_rows(writer) == [], 10)
+    assert writer.stats().generation == 2
+    writer.close(flush=False)
+
+
+def test_replay_seals_a_memtable_that_an_entry_fills(local_harness: MakeHarness) -> None:
+    """Replay uses the same rule (I4): an entry that fills the memtable seals it, and the
+    replay flushes it before going on."""
+    big = writer_config(max_rows=10**6)
+    h = local_harness(config=big)
+    writer = h.open()
+    writer.put(make_batch(h.spec, 0, 2500), source(0, 2500)).result(10)
+    writer.close(flush=False)
+    replayer = h.open(config=writer_config(max_rows=1000))
+    assert h.base_rows().num_rows == 2500
+    assert visible_rows(replayer) == []
+    replayer.close(flush=False)
 
 
 def test_close_with_flush_empties_the_wal(local_harness: MakeHarness) -> None:
