@@ -206,6 +206,11 @@ class PartitionState:
     registry_retry_at: float | None = None
     registry_failures: int = 0
     registry_error: str | None = None
+    # The first message of batches dropped before they were put, as (offset, timestamp
+    # ms): a registry outage or a schema evolution rewound `position` to it. Consumed, not
+    # durable, fetched again: the lag in seconds counts from it (nothing in flight or held
+    # says so meanwhile) until `done` passes it.
+    rewound: tuple[int, int | None] | None = None
     assigned: bool = True  # handed to the consumer (incremental_assign) already
 
     @property
@@ -559,6 +564,7 @@ class SinkService:
         state.registry_error = str(exc)
         state.registry_retry_at = time.monotonic() + delay
         state.position = messages[0].offset()
+        _rewind(state, messages[0])
         self._drop_decoding(state)
         self._pause(state)
         self.metrics.registry_paused(state.topic, state.partition, True)
@@ -579,6 +585,7 @@ class SinkService:
         of it is put; the loop drains (what is durable is committed) and the process
         restarts to evolve the table, then reads the batch again from its first offset."""
         state.position = messages[0].offset()
+        _rewind(state, messages[0])
         self._drop_decoding(state)
         self._pause(state)
         if self.evolution is None:
@@ -745,6 +752,9 @@ class SinkService:
                 state.done = head.last + 1
                 state.durable_at.append((state.done, durable_at))
                 state.inflight.popleft()
+            rewound = state.rewound
+            if rewound is not None and state.done is not None and state.done > rewound[0]:
+                state.rewound = None  # durable now (or passed as row-less)
 
     # ------------------------------------------------------------------ failures
 
@@ -1299,12 +1309,7 @@ class SinkService:
             return None
         key = (state.topic, state.partition)
         committed = max(state.committed, 0)
-        pending_ts = None
-        with contextlib.suppress(IndexError):  # popped by the loop meanwhile
-            if state.inflight:
-                pending_ts = state.inflight[0].first_timestamp_ms
-            elif (held := state.held) is not None and held.messages:
-                pending_ts = _timestamp_ms(held.messages[0])
+        pending_ts = _oldest_pending_timestamp_ms(state)
         stats = writer.stats()
         durable, flushed = _durable_and_flushed(
             state.done,
@@ -1565,6 +1570,32 @@ class SinkService:
                 poisoned=st.poisoned,
             )
         return entry
+
+
+def _rewind(state: PartitionState, first: Any) -> None:
+    """Batches from message `first` on are dropped before they were put and fetched again:
+    remember when it was produced for the lag in seconds (`PartitionState.rewound`), unless
+    an older message not yet durable is remembered already."""
+    rewound = state.rewound
+    stale = rewound is not None and state.done is not None and state.done > rewound[0]
+    if rewound is None or stale or first.offset() < rewound[0]:
+        state.rewound = (first.offset(), _timestamp_ms(first))
+
+
+def _oldest_pending_timestamp_ms(state: PartitionState) -> int | None:
+    """The timestamp of the partition's oldest consumed message not yet durable (None when
+    nothing consumed waits, or that message has no timestamp). In offset order: the oldest
+    put in flight, the held batch, then a batch dropped to be fetched again (`rewound`)
+    until `done` passes it. Any thread: the loop may pop meanwhile."""
+    with contextlib.suppress(IndexError):  # popped by the loop meanwhile
+        if state.inflight:
+            return state.inflight[0].first_timestamp_ms
+        if (held := state.held) is not None and held.messages:
+            return _timestamp_ms(held.messages[0])
+    rewound, done = state.rewound, state.done
+    if rewound is not None and (done is None or done <= rewound[0]):
+        return rewound[1]
+    return None
 
 
 def _unacked_dead_letters(state: PartitionState) -> DeadLetterBatch | None:

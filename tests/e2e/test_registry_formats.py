@@ -8,6 +8,7 @@ is back every message lands, the writer schema having gained a field meanwhile."
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 from pathlib import Path
@@ -48,6 +49,14 @@ def values(registry: FakeRegistry, topic: str, schema_str: str, ns: range) -> li
         record = {"id": f"m-{i}", "n": i, "text": f"message {i}", "vec": vec, "extra": i}
         out.append(ser(record, ctx))
     return out
+
+
+def lag_seconds(metrics: str, topic: str) -> float:
+    """The `lance_sink_lag_seconds` sample of partition 0 of `topic` in an exposition."""
+    labels = f'{{partition="0",topic="{topic}"}}'
+    found = re.search(rf"^lance_sink_lag_seconds{re.escape(labels)} (\S+)$", metrics, re.MULTILINE)
+    assert found is not None, metrics
+    return float(found.group(1))
 
 
 def get(url: str) -> bytes:
@@ -114,6 +123,10 @@ def test_avro_topic_with_dead_letters_and_a_registry_outage(
             metrics = get(f"http://127.0.0.1:{port}/metrics").decode()
             assert f'lance_sink_registry_paused{{partition="0",topic="{topic}"}} 1.0' in metrics
             assert status["partitions"][0]["paused"] is True
+            # The 100 messages it could not decode are consumed and not durable: the lag in
+            # seconds is their age (it read 0 while the registry was away), not "caught up".
+            assert status["partitions"][0]["lag"]["seconds"] > 0.5, status["partitions"][0]
+            assert lag_seconds(metrics, topic) > 0.5, metrics
             # Messages produced while the partition is paused move its end offset and lag
             # (the sink's consumer does not fetch it: a probe of its own does). The next
             # retry is 4 s away: the end moves before it, the partition still paused.
@@ -135,6 +148,9 @@ def test_avro_topic_with_dead_letters_and_a_registry_outage(
             wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[sink])
             metrics = get(f"http://127.0.0.1:{port}/metrics").decode()
             assert f'lance_sink_registry_paused{{partition="0",topic="{topic}"}} 0.0' in metrics
+            assert lag_seconds(metrics, topic) == 0.0, metrics  # every message durable
+            status = json.loads(get(f"http://127.0.0.1:{port}/v1/status"))
+            assert status["partitions"][0]["lag"]["seconds"] == 0.0, status
         finally:
             assert sink.stop() == 0, sink.log_path.read_text()[-3000:]
     finally:
