@@ -113,6 +113,7 @@ creates, so any freeze/pause belongs around the consumer loop's ``consume()``.
 from __future__ import annotations
 
 import binascii
+import contextlib
 import gc
 import itertools
 import json
@@ -1011,6 +1012,13 @@ class Decoder:
                 return alone if build else None
         if not isinstance(obj, dict):
             return ("not_an_object", f"value is a JSON {_json_kind(obj)}, not an object")
+        return self._fill_one(payload, obj, build, exact=False)
+
+    def _fill_one(
+        self, payload: bytes, obj: dict[str, Any], build: bool, *, exact: bool
+    ) -> _Parsed | _Fault | None:
+        """`_decode_one` of a payload parsed into `obj` (`exact`: by Python's json, whose
+        integers are exact; orjson reads one beyond 64 bits as a float)."""
         leaves: dict[_Path, list[pa.Array]] = {}
         for path in self._json_paths:
             col = self._path_columns[path]
@@ -1028,6 +1036,10 @@ class Decoder:
                 item = item.get(name)
                 where += "." + name
             problem = _kind_problem(item, self._path_types[path])
+            if problem is not None and type(item) is float and not exact:
+                # Perhaps an integer beyond 64 bits, which the detail should show as sent.
+                with contextlib.suppress(ValueError, RecursionError):
+                    return self._fill_one(payload, json.loads(payload), build, exact=True)
             if problem is None and build:
                 arr = _coerce_one(item, self._path_types[path])
                 if isinstance(arr, str):

@@ -1082,3 +1082,14 @@ def test_a_float32_column_refuses_finite_numbers_beyond_its_range() -> None:
         assert rows[0]["f32"] == pytest.approx(3.4e38, rel=1e-6)
         assert rows[0]["f64"] == 1e308
         assert rows[1]["f32"] == rows[2]["f32"] == math.inf
+
+
+def test_an_integer_beyond_64_bits_is_named_as_sent() -> None:
+    """orjson reads 2**70 as a float: the detail said 1.18e+21, "expected an integer"."""
+    spec = spec_for(dim=None)
+    big = b'{"id": "a", "n": 1180591620717411303424}'
+    for batch in (msgs(big), msgs(big, {"id": "b", "n": "x"})):
+        out, _ = decode(spec, batch)
+        assert out.dead_letters[0].detail == (
+            "'n' ($.n) is 1180591620717411303424, outside the int64 range"
+        )
