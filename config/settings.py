@@ -142,6 +142,26 @@ DLQ_OWNED_LIBRDKAFKA_KEYS: dict[str, str] = {
 }
 
 
+#: A Kafka topic name: at most 249 of these characters, and neither "." nor ".." (Kafka's
+#: `org.apache.kafka.common.internals.Topic.validate`; librdkafka leaves it to the broker).
+_TOPIC_ILLEGAL_RE = re.compile(r"[^a-zA-Z0-9._-]")
+TOPIC_MAX_CHARS = 249
+
+
+def check_topic_name(name: str) -> str | None:
+    """Why `name` is not a legal Kafka topic name, or None when it is."""
+    if name in {"", ".", ".."}:
+        return f"{name!r} is not a legal Kafka topic name"
+    if len(name) > TOPIC_MAX_CHARS:
+        return f"is {len(name)} characters long, more than Kafka's {TOPIC_MAX_CHARS}"
+    illegal = sorted(set(_TOPIC_ILLEGAL_RE.findall(name)))
+    if illegal:
+        return "holds characters Kafka refuses in a topic name: " + " ".join(
+            repr(c) for c in illegal
+        )
+    return None
+
+
 class _Section(BaseModel):
     """Base for every sub-model: frozen, unknown keys rejected."""
 
@@ -882,7 +902,10 @@ class DlqSettings(_Section):
         description="Off = a bad message stops its partition (nothing is ever dropped).",
     )
     topic_template: str = Field(
-        default="{topic}.dlq", description="Dead-letter topic; {topic} = the source topic."
+        default="{topic}.dlq",
+        description="Dead-letter topic; {topic} = the source topic. Beside it only a-z, A-Z, "
+        "0-9, '.', '_' and '-' (Kafka's topic characters); every resulting name must be a "
+        "legal topic: at most 249 characters, not '.' or '..'.",
     )
     produce_timeout_ms: PositiveInt = Field(
         default=30_000,
@@ -922,6 +945,13 @@ class DlqSettings(_Section):
             value.format(topic="t")
         except (KeyError, IndexError, ValueError) as exc:
             raise ValueError("topic_template may only use the {topic} placeholder") from exc
+        illegal = sorted(set(_TOPIC_ILLEGAL_RE.findall(value.replace("{topic}", ""))))
+        if illegal:
+            raise ValueError(
+                "a Kafka topic name may only hold the letters a-z and A-Z, the digits 0-9, "
+                "'.', '_' and '-' beside the {topic} placeholder; found "
+                + " ".join(repr(c) for c in illegal)
+            )
         return value
 
 
@@ -1090,6 +1120,16 @@ class Settings(BaseSettings):
             mapped = set(self.source.columns.values())
             if "@value" not in mapped:
                 raise KeyedError("source.columns", "format 'raw' needs a column mapped to '@value'")
+        if self.dlq.enabled:
+            # A name starting with "^" is a librdkafka subscription pattern, not a topic.
+            for topic in (t for t in self.kafka.topics if not t.startswith("^")):
+                destination = self.dlq.topic_template.format(topic=topic)
+                why = check_topic_name(destination)
+                if why is not None:
+                    raise KeyedError(
+                        "dlq.topic_template",
+                        f"the dead-letter topic of {topic!r}, {destination!r}: {why}",
+                    )
         if self.backpressure.process_budget_bytes < 2 * self.memtable.max_bytes:
             raise KeyedError(
                 "backpressure.process_budget_bytes",

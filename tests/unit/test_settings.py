@@ -603,3 +603,57 @@ def test_advertised_url_must_be_an_http_url(tmp_path: Path) -> None:
     [(key, origin, reason)] = problems(path)
     assert (key, origin) == ("query.advertised_url", f"file {path}")
     assert "pattern" in reason
+
+
+@pytest.mark.parametrize(
+    ("template", "found"),
+    [
+        ("{topic} dead!", "' ' '!'"),
+        ("dlq/{topic}", "'/'"),
+        ("{topic}.dlq\u00e9", "'\u00e9'"),
+        ("{{topic}}", "'{' '}'"),
+    ],
+)
+def test_dlq_topic_template_with_characters_kafka_refuses(
+    tmp_path: Path, template: str, found: str
+) -> None:
+    """A template that cannot make a legal Kafka topic name is a configuration error naming
+    the key and the file, not a partition held forever by a librdkafka error at run time."""
+    path = write(tmp_path, MINIMAL + f"\n[dlq]\ntopic_template = {json.dumps(template)}\n")
+    [(key, origin, reason)] = problems(path)
+    assert (key, origin) == ("dlq.topic_template", f"file {path}")
+    assert reason.endswith("beside the {topic} placeholder; found " + found), reason
+
+
+@pytest.mark.parametrize(
+    ("topics", "template", "why"),
+    [
+        (["events", "e" * 246], "{topic}.dlq", f"'{'e' * 246}.dlq': is 250 characters long"),
+        (["events"], "{topic}" + "x" * 244, "is 250 characters long, more than Kafka's 249"),
+        (["events"], ".", "'.': '.' is not a legal Kafka topic name"),
+        (["events"], "..", "'..': '..' is not a legal Kafka topic name"),
+    ],
+)
+def test_dlq_topic_template_must_make_a_legal_topic_of_every_topic(
+    tmp_path: Path, topics: list[str], template: str, why: str
+) -> None:
+    text = MINIMAL.replace('topics = ["events"]', f"topics = {json.dumps(topics)}")
+    path = write(tmp_path, text + f"\n[dlq]\ntopic_template = {json.dumps(template)}\n")
+    [(key, origin, reason)] = problems(path)
+    assert (key, origin) == ("dlq.topic_template", f"file {path}")
+    assert why in reason, reason
+    # Without a dead-letter topic the template names nothing: no error.
+    settings = load_settings(path, ["dlq.enabled=false"])
+    assert settings.dlq.topic_template == template
+    # The longest legal name passes.
+    ok = load_settings(path, ["dlq.topic_template={topic}", "kafka.topics=['e" + "e" * 248 + "']"])
+    assert ok.dlq.topic_template == "{topic}"
+
+
+def test_check_config_refuses_an_illegal_dlq_topic_template(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + '\n[dlq]\ntopic_template = "{topic} dead!"\n')
+    result = cli("check-config", str(path))
+    assert result.returncode == 2, result.stdout
+    assert "dlq.topic_template" in result.stderr
+    assert str(path) in result.stderr
+    assert "Traceback" not in result.stderr
