@@ -284,7 +284,9 @@ class KafkaSettings(_Section):
     librdkafka: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
         description="Extra librdkafka consumer properties, checked against librdkafka; keys "
-        "the sink owns are rejected.",
+        "the sink owns are rejected. topic.metadata.refresh.interval.ms defaults to 10000 "
+        "(librdkafka: 300000): how long a topic created after the start, or a partition "
+        "added, waits to be consumed.",
     )
 
     @field_validator("sasl_mechanism")

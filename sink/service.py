@@ -96,6 +96,10 @@ CONSUME_TARGET_BYTES = 8 << 20
 # `run()`'s exit code when a writer schema needs the derived table evolved first: the CLI
 # then restarts the process (EX_TEMPFAIL), which evolves the table as it opens it.
 EXIT_RESTART_TO_EVOLVE = 75
+# The consumer's topic.metadata.refresh.interval.ms (see `consumer_conf`): the longest a
+# topic created after the start, or a partition added, waits to be assigned. The same as
+# `sink.topic_shards.REFRESH_S`, so fan-out reads and consumption learn of it alike.
+METADATA_REFRESH_MS = 10_000
 
 
 class FatalSinkError(LanceSinkError):
@@ -130,6 +134,13 @@ def consumer_conf(settings: Settings) -> dict[str, Any]:
             # queued, and the loop then waits on the broker; 256 MiB keeps fetches in flight
             # while the decoders work. Part of the sink's fixed memory overhead.
             "queued.max.messages.kbytes": 256 << 10,
+            # How often the subscribed topics' metadata is read again (librdkafka: 300 s).
+            # Only a refresh shows a subscribed topic created after the start, or partitions
+            # added to a topic, and so triggers the rebalance that assigns them: with the
+            # default they went unconsumed for up to five minutes. 10 s, as often as
+            # `sink.topic_shards` lists the topics' partitions for fan-out reads; one small
+            # metadata request per consumer every 10 s. `kafka.librdkafka` may override it.
+            "topic.metadata.refresh.interval.ms": METADATA_REFRESH_MS,
         }
     )
     if k.group_instance_id:

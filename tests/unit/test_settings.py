@@ -657,3 +657,17 @@ def test_check_config_refuses_an_illegal_dlq_topic_template(tmp_path: Path) -> N
     assert "dlq.topic_template" in result.stderr
     assert str(path) in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_consumer_reads_its_topics_metadata_every_10_s(tmp_path: Path) -> None:
+    """A topic created after the start (or a partition added) is seen at the next metadata
+    refresh: 10 s, not librdkafka's 300 s; `kafka.librdkafka` may still set it (not owned).
+    tests/e2e/test_new_topics.py shows the effect on a broker."""
+    from sink.service import consumer_conf  # noqa: PLC0415 - the service is heavy to import
+
+    settings = load_settings(write(tmp_path, MINIMAL))
+    assert consumer_conf(settings)["topic.metadata.refresh.interval.ms"] == 10_000
+    path = write(
+        tmp_path, MINIMAL + '\n[kafka.librdkafka]\n"topic.metadata.refresh.interval.ms" = 60000\n'
+    )
+    assert consumer_conf(load_settings(path))["topic.metadata.refresh.interval.ms"] == 60_000
