@@ -915,8 +915,9 @@ class DlqSettings(_Section):
     )
     lance_table_uri: str | None = Field(
         default=None,
-        description="Also append dead letters to this Lance table, full payload included "
-        "(also of dead letters the topic only gets an envelope of).",
+        description="Also write dead letters to this Lance table, full payload included "
+        "(also of dead letters the topic only gets an envelope of), once per source offset: "
+        "a merge-insert on its topic, partition and offset columns.",
     )
     stalled_after_s: PositiveInt = Field(
         default=60,

@@ -30,7 +30,7 @@ partition stays held, reported (see `DeadLetterBatch.waiting_s`): never dropped 
 
 Lifecycle: the sink builds one `DeadLetterProducer`, calls `send` for every rejected
 message, `poll` on every loop iteration (delivery reports arrive there), and `close` at
-shutdown. With `dlq.lance_table_uri` the dead letters are also appended to that Lance table
+shutdown. With `dlq.lance_table_uri` the dead letters are also written to that Lance table
 (full payloads, envelopes or not). A source offset may be committed only once `acked` says
 its dead letter (or envelope) was delivered; a delivery failing for a transient reason is
 re-sent after a backoff (doubling up to `RETRY_MAX_BACKOFF_S`), so a dead-letter topic that
@@ -38,8 +38,14 @@ is down makes the partition wait, never lose the message. Every failed attempt i
 (`DeadLetterEvents.dlq_delivery_failed`) and logged (`dlq_delivery_failed`, at most once per
 `LOG_INTERVAL_S` per topic-partition, with the number of attempts not logged). A producer
 that the broker fences or that hits a fatal idempotence error is replaced by a new one and
-its letters re-sent. Delivery is at-least-once: a crash between delivery and the offset
-commit re-sends the message after restart.
+its letters re-sent.
+
+Delivery to the topic is at-least-once: a batch's dead letters are acknowledged before the
+batch is put (so nothing is lost), and its offsets are committed only once that put is
+durable. A crash in between reads the batch again after the restart and sends its dead
+letters again (the idempotent producer drops repeats within one producer session only).
+Readers of the topic drop repeats by the `lance_sink.topic`/`.partition`/`.offset`
+headers; the dead-letter Lance table holds each once (`DeadLetterTable`).
 """
 
 from __future__ import annotations
@@ -509,10 +515,21 @@ DEAD_LETTER_SCHEMA = pa.schema(
 )
 
 
+#: The columns that identify a dead letter in the dead-letter Lance table: its source
+#: coordinates, the same as the topic's lance_sink.topic/.partition/.offset headers.
+DEAD_LETTER_KEY = ["topic", "partition", "offset"]
+
+
 class DeadLetterTable:
-    """`dlq.lance_table_uri`: dead letters also appended to a Lance table, full payloads
+    """`dlq.lance_table_uri`: dead letters also written to a Lance table, full payloads
     included, off the loop thread. Best effort next to the topic (which is what gates
-    offset commits): a failed append is logged, not retried; its future says which."""
+    offset commits): a failed write is logged, not retried; its future says which.
+
+    Idempotent: a write is a merge-insert on `DEAD_LETTER_KEY` that inserts only the
+    letters the table does not hold yet, so dead letters sent again after a crash (their
+    batch's offsets were not committed) are in the table once. It costs a scan of the key
+    columns per write (dead letters are few; the first write creates the table).
+    """
 
     def __init__(self, uri: str, storage_options: dict[str, str] | None) -> None:
         self.uri = uri
@@ -520,7 +537,8 @@ class DeadLetterTable:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlq-table")
 
     def append(self, letters: list[DeadLetter]) -> Future[bool]:
-        """Append the letters (one Lance commit); the future says whether it succeeded."""
+        """Add the letters the table does not hold yet (one Lance commit); the future says
+        whether it succeeded."""
         rows = [
             {
                 "topic": d.topic,
@@ -538,7 +556,18 @@ class DeadLetterTable:
 
     def _write(self, table: pa.Table) -> bool:
         try:
-            lance.write_dataset(table, self.uri, mode="append", storage_options=self.options)
+            try:
+                ds = lance.dataset(self.uri, storage_options=self.options)
+            except ValueError:  # no table yet (Lance says "not found" as a ValueError)
+                try:
+                    lance.write_dataset(
+                        table, self.uri, mode="create", storage_options=self.options
+                    )
+                except (OSError, ValueError):  # another writer created it meanwhile
+                    ds = lance.dataset(self.uri, storage_options=self.options)
+                else:
+                    return True
+            ds.merge_insert(DEAD_LETTER_KEY).when_not_matched_insert_all().execute(table)
         except (OSError, ValueError, RuntimeError) as exc:
             log.warning("dlq_table_append_failed", uri=self.uri, error=str(exc))
             return False
