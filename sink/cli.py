@@ -214,6 +214,11 @@ def available_cpus() -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # Until the service exists a signal is remembered and asked of it once it does, so a
+    # SIGTERM during start-up drains (nothing consumed yet) and exits 0, not -15.
+    early: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: early.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, _frame: early.append(signum))
     settings = _load(args.config, args.overrides)
     obs = settings.observability
     configure_logging(obs.log_level, obs.log_format)
@@ -256,6 +261,8 @@ def _run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    for signum in early[:1]:  # a second one during start-up is as the first
+        on_signal(signum, None)
     code = service.run()
     # The drain is over (bounded by shutdown.drain_deadline_s): what is acknowledged is
     # durable and committed. Threads still running (a slow query inside Lance, an open the

@@ -171,3 +171,20 @@ def test_an_assignment_while_draining_opens_no_shard(
         assert ManifestStore(service.engine.storage, shard).latest().epoch == 0  # not claimed
     finally:
         service._drain()
+
+
+def test_stop_during_start_up(kafka_broker: Broker, topic: str, group: str, tmp_path: Path) -> None:
+    """SIGTERM right after the config is loaded, while the engine is still being built:
+    the signal is acted on once the service exists (a drain of nothing) and the exit is 0.
+    It used to kill the process (-15) because the handlers came after the start-up."""
+    produce(kafka_broker.bootstrap, topic, messages(0, 10))
+    config = sink_config(tmp_path, kafka_broker, topic, group, free_port())
+    sink = SinkProcess(config, tmp_path / "early.log")
+
+    def loaded() -> bool:
+        return any(e.get("event") == "config_loaded" for e in sink.events())
+
+    wait_for(loaded, "the sink never loaded its config", timeout=30)
+    assert not any(e.get("event") == "sink_started" for e in sink.events())
+    stop_timed(sink)
+    assert any(e.get("event") == "shutdown_requested" for e in sink.events())
