@@ -215,10 +215,17 @@ def available_cpus() -> int:
 
 def _run(args: argparse.Namespace) -> int:
     # Until the service exists a signal is remembered and asked of it once it does, so a
-    # SIGTERM during start-up drains (nothing consumed yet) and exits 0, not -15.
+    # SIGTERM during start-up drains (nothing consumed yet) and exits 0, not -15; a second
+    # one exits at once, as during a drain (a start-up stuck on storage, say).
     early: list[int] = []
-    signal.signal(signal.SIGTERM, lambda signum, _frame: early.append(signum))
-    signal.signal(signal.SIGINT, lambda signum, _frame: early.append(signum))
+
+    def on_early_signal(signum: int, _frame: object) -> None:
+        if early:
+            os._exit(EXIT_INTERRUPTED)
+        early.append(signum)
+
+    signal.signal(signal.SIGTERM, on_early_signal)
+    signal.signal(signal.SIGINT, on_early_signal)
     settings = _load(args.config, args.overrides)
     obs = settings.observability
     configure_logging(obs.log_level, obs.log_format)
@@ -261,7 +268,7 @@ def _run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    for signum in early[:1]:  # a second one during start-up is as the first
+    for signum in early:
         on_signal(signum, None)
     code = service.run()
     # The drain is over (bounded by shutdown.drain_deadline_s): what is acknowledged is
