@@ -244,6 +244,8 @@ def _refusal(exc: StarletteHTTPException) -> str:
     """The message of one of FastAPI's refusals; for a body its JSON parser could not read,
     why (FastAPI's own says only that there was an error)."""
     cause = exc.__cause__
+    if exc.status_code != 400 or cause is None:
+        return str(exc.detail)
     if isinstance(cause, UnicodeDecodeError):
         return (
             f"the body is not UTF-8 text (byte {cause.start}); it is read as JSON whatever "
@@ -251,9 +253,7 @@ def _refusal(exc: StarletteHTTPException) -> str:
         )
     if isinstance(cause, RecursionError):
         return "the body's JSON nests too deeply to be read"
-    if cause is not None:
-        return f"the body could not be read as JSON: {type(cause).__name__}: {cause}"
-    return str(exc.detail)
+    return f"{exc.detail}: {type(cause).__name__}: {cause}"
 
 
 def request_id_of(scope: Scope) -> str | None:
