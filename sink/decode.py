@@ -141,6 +141,7 @@ from engine.schema import (
 )
 from sink.formats import Evolving, parse_records, record_format
 from sink.formats.keys import KeyDecoder
+from sink.formats.records import FLOAT32_MAX, float32_beyond, to_float
 from sink.vector_json import VectorJson
 
 __all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason"]
@@ -1462,9 +1463,9 @@ def _coerce_one(item: Any, type_name: str) -> pa.Array | str:
         return pa.nulls(1, target)
     try:
         if type_name in {"float32", "float64"}:
-            if type_name == "float32" and (beyond := _float32_beyond(item)) is not None:
+            if type_name == "float32" and (beyond := float32_beyond(item, _show)) is not None:
                 return beyond
-            return pa.array([_to_float(item)], pa.float64()).cast(target)
+            return pa.array([to_float(item)], pa.float64()).cast(target)
         if type_name == "timestamp":
             if isinstance(item, str):
                 return _to_ms_timestamp(pa.array([item]).cast(_TS_PARSE_TYPE))
@@ -1472,7 +1473,7 @@ def _coerce_one(item: Any, type_name: str) -> pa.Array | str:
         if type_name == "base64_f32":
             return pa.array([item], pa.string())
         if type_name == "vector":
-            floats = [None if x is None else _to_float(x) for x in item]
+            floats = [None if x is None else to_float(x) for x in item]
             return pa.array([pa.array(floats, pa.float64()).cast(pa.float32())], target)
         return pa.array([item], target)
     except (pa.ArrowInvalid, UnicodeEncodeError) as exc:
@@ -1485,8 +1486,6 @@ def _coerce_one(item: Any, type_name: str) -> pa.Array | str:
 _RANGE_NAMES: Final = {"int32": "int32", "int64": "int64", "timestamp": "int64 milliseconds"}
 #: Longest text of a value quoted in a dead-letter detail.
 _SHOW_CHARS: Final = 40
-#: Largest finite float32; JSON numbers beyond it become infinity in a float32 vector.
-_FLOAT32_MAX: Final = float(np.finfo(np.float32).max)
 
 
 def _a(kind: str) -> str:
@@ -1550,14 +1549,14 @@ def _non_finite(col: _Column, component: int, payload: bytes | None) -> str:
         number = item[component]
     except (ValueError, KeyError, IndexError, TypeError, RecursionError):
         return f"{head} is NaN or infinite"  # not reached: the payload parsed before
-    value = _to_float(number)
+    value = to_float(number)
     if math.isnan(value):
         return f"{head} is NaN"
     if math.isinf(value) and isinstance(number, float):
         return f"{head} is {_show(number)} (infinite in the JSON or beyond the double range)"
     return (
         f"{head} is {_show(number)}, beyond the float32 range (largest "
-        f"{_FLOAT32_MAX:.7g}); it would be stored as infinity"
+        f"{FLOAT32_MAX:.7g}); it would be stored as infinity"
     )
 
 
@@ -1568,16 +1567,6 @@ def _to_ms_timestamp(arr: pa.Array) -> pa.Array:
     # Flooring drops sub-millisecond digits the way cutting them from the text would, also
     # before 1970 (a plain cast truncates toward zero, i.e. rounds those up).
     return pc.floor_temporal(arr, unit="millisecond").cast(_TS_TYPE)
-
-
-def _float32_beyond(number: Any) -> str | None:
-    """Why a finite JSON number cannot be a float32 scalar (it would be stored as
-    infinity), or None. Infinite ones (NaN and Infinity literals, numbers beyond the double
-    range) are taken as infinity, as in a float64 column."""
-    value = _to_float(number)
-    if math.isfinite(value) and abs(value) > _FLOAT32_MAX:
-        return f"is {_show(number)}, beyond the float32 range (largest {_FLOAT32_MAX:.7g})"
-    return None
 
 
 def _check_float32(arr: pa.Array, col: _Column, rows: _Rows, meta: _Metadata) -> None:
@@ -1592,16 +1581,9 @@ def _check_float32(arr: pa.Array, col: _Column, rows: _Rows, meta: _Metadata) ->
                 item = item[name]
         except (ValueError, KeyError, TypeError, RecursionError):
             continue  # not reached: the payload parsed before
-        beyond = _float32_beyond(item)
+        beyond = float32_beyond(item, _show)
         if beyond is not None:
             rows.fault((pos,), ("wrong_type", f"{col.name!r} ({col.where}) {beyond}"))
-
-
-def _to_float(number: float) -> float:
-    try:
-        return float(number)
-    except OverflowError:  # an integer beyond the double range
-        return math.copysign(math.inf, number)
 
 
 def _dead_letter(

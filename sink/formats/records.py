@@ -36,14 +36,22 @@ import decimal
 import itertools
 import math
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, cast
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-__all__ = ["Fault", "column_values", "lookup", "to_column"]
+__all__ = [
+    "FLOAT32_MAX",
+    "Fault",
+    "column_values",
+    "float32_beyond",
+    "lookup",
+    "to_column",
+    "to_float",
+]
 
 #: (reason, detail) as in `sink.decode`; the reason is one of its `Reason` codes.
 Fault = tuple[str, str]
@@ -90,7 +98,11 @@ _EPOCH: Final = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 #: Longest text of a value quoted in a dead-letter detail.
 _SHOW_CHARS: Final = 40
 #: Largest finite float32.
-_FLOAT32_MAX: Final = float(np.finfo(np.float32).max)
+FLOAT32_MAX: Final = float(np.finfo(np.float32).max)
+#: The smallest magnitude that rounds to infinity as a float32 (the largest float32 plus
+#: half its last place: a tie, which rounds to the even infinity). A double just above the
+#: largest float32, such as 3.4028235e38 as it is printed, still rounds to it.
+_FLOAT32_OVERFLOW: Final = 2.0**128 - 2.0**103
 
 
 def lookup(record: Any, path: Sequence[str]) -> tuple[Any, str | None]:
@@ -189,9 +201,9 @@ def _float32_overflows(
     infinite = np.isinf(arr.to_numpy(zero_copy_only=False))
     faults: dict[int, Fault] = {}
     for pos in np.flatnonzero(infinite).tolist():
-        if math.isfinite(_float(values[pos])):  # else infinite already, as in float64
-            what = f"is {_show(values[pos])}, beyond the float32 range (largest {_FLOAT32_MAX:.7g})"
-            faults[pos] = ("wrong_type", f"{describe} {what}")
+        beyond = float32_beyond(values[pos], _show)
+        if beyond is not None:  # else infinite already, as in float64
+            faults[pos] = ("wrong_type", f"{describe} {beyond}")
     if faults:
         bad = np.zeros(len(arr), bool)
         bad[list(faults)] = True
@@ -263,7 +275,7 @@ def _convert(value: Any, type_name: str) -> tuple[Any, str | None]:
             return None, f"is {_show(value)}, outside the {type_name} range"
     elif type_name in {"float32", "float64"}:
         if kind in {int, float} or isinstance(value, decimal.Decimal):
-            return _float(value), None
+            return to_float(value), None
     elif type_name == "bool":
         if kind is bool:
             return value, None
@@ -300,11 +312,27 @@ def _convert(value: Any, type_name: str) -> tuple[Any, str | None]:
             for index, item in enumerate(value):
                 if type(item) not in {int, float}:
                     return None, f"component {index} is {_kind(item)}, expected a number"
-            return [_float(x) for x in value], None
+            return [to_float(x) for x in value], None
     return None, f"is {_described(value)}, expected {_EXPECTED[type_name]}"
 
 
-def _float(value: float | decimal.Decimal) -> float:
+def float32_beyond(number: Any, show: Callable[[Any], str]) -> str | None:
+    """Why a finite number cannot be a float32 value (it would round to infinity), or None.
+    Infinite ones (NaN, infinity, integers beyond the double range) are taken as infinity,
+    as in a float64 column.
+
+    Args:
+        number: an int, float or Decimal.
+        show: how the number is quoted in the detail.
+    """
+    value = to_float(number)
+    if math.isfinite(value) and abs(value) >= _FLOAT32_OVERFLOW:
+        return f"is {show(number)}, beyond the float32 range (largest {FLOAT32_MAX:.7g})"
+    return None
+
+
+def to_float(value: float | decimal.Decimal) -> float:
+    """A number as a double; an integer beyond the double range as a signed infinity."""
     try:
         return float(value)
     except OverflowError:  # an integer beyond the double range

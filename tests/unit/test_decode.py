@@ -1069,6 +1069,8 @@ def test_a_float32_column_refuses_finite_numbers_beyond_its_range() -> None:
         b'{"id": "d", "f32": Infinity}',
         b'{"id": "e", "f32": 1e999}',
         b'{"id": "f", "f32": 1.5}',
+        b'{"id": "g", "f32": -3.4028235e38}',
+        b'{"id": "h", "f32": 3.4028235e38, "id": "h"}',
     ]
     for batch in (values, [*values, b'{"id": "z", "f32": "x"}']):  # bulk, then per message
         out, rows = decode(spec, msgs(*batch))
@@ -1078,10 +1080,11 @@ def test_a_float32_column_refuses_finite_numbers_beyond_its_range() -> None:
             (100, "wrong_type", f"'f32' ($.f32) is 1e+300, {beyond}"),
             (101, "wrong_type", f"'f32' ($.f32) is -4e+38, {beyond}"),
         ]
-        assert [r["id"] for r in rows] == ["c", "d", "e", "f"]
+        assert [r["id"] for r in rows] == ["c", "d", "e", "f", "g", "h"]
         assert rows[0]["f32"] == pytest.approx(3.4e38, rel=1e-6)
         assert rows[0]["f64"] == 1e308
         assert rows[1]["f32"] == rows[2]["f32"] == math.inf
+        assert rows[4]["f32"] == -rows[5]["f32"] == -3.4028234663852886e38  # the largest float32
 
 
 def test_an_integer_beyond_64_bits_is_named_as_sent() -> None:
