@@ -917,7 +917,8 @@ class DlqSettings(_Section):
         default=None,
         description="Also write dead letters to this Lance table, full payload included "
         "(also of dead letters the topic only gets an envelope of), once per source offset: "
-        "a merge-insert on its topic, partition and offset columns.",
+        "a merge-insert on its topic, partition and offset columns. Compacted once it has 16 "
+        "fragments; versions older than maintenance.cleanup_retention_s are removed then.",
     )
     stalled_after_s: PositiveInt = Field(
         default=60,

@@ -50,6 +50,7 @@ headers; the dead-letter Lance table holds each once (`DeadLetterTable`).
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import time
@@ -89,6 +90,9 @@ LIBRDKAFKA_MAX_MESSAGE_MAX_BYTES = 1_000_000_000
 ENVELOPE_MAX_KEY_BYTES = 4 << 10
 ENVELOPE_MAX_HEADER_BYTES = 16 << 10
 ENVELOPE_MAX_DETAIL_CHARS = 1_000
+#: The dead-letter Lance table is compacted once a write leaves it this many fragments
+#: (each write adds one), and its versions older than the retention are removed then.
+DLQ_TABLE_COMPACT_FRAGMENTS = 16
 
 Failure = Literal["size", "refused", "producer", "retry"]
 
@@ -322,6 +326,7 @@ class DeadLetterProducer:
         *,
         table_uri: str | None = None,
         storage_options: dict[str, str] | None = None,
+        retention_s: float = 3_600,
     ) -> None:
         self._conf = dict(conf)
         self._producer = confluent_kafka.Producer(self._conf)
@@ -332,7 +337,11 @@ class DeadLetterProducer:
         self._metrics = metrics
         self._waiting: list[_Pending] = []
         self._throttle = _Throttle(LOG_INTERVAL_S)
-        self._table = DeadLetterTable(table_uri, storage_options) if table_uri else None
+        self._table = (
+            DeadLetterTable(table_uri, storage_options, retention_s=retention_s)
+            if table_uri
+            else None
+        )
 
     def destination(self, topic: str) -> str:
         return self._template.format(topic=topic)
@@ -529,11 +538,18 @@ class DeadLetterTable:
     letters the table does not hold yet, so dead letters sent again after a crash (their
     batch's offsets were not committed) are in the table once. It costs a scan of the key
     columns per write (dead letters are few; the first write creates the table).
+
+    Kept small: each write adds a fragment and a version, so once a write leaves
+    `DLQ_TABLE_COMPACT_FRAGMENTS` fragments the table is compacted, and its versions older
+    than `retention_s` (``maintenance.cleanup_retention_s``) are removed.
     """
 
-    def __init__(self, uri: str, storage_options: dict[str, str] | None) -> None:
+    def __init__(
+        self, uri: str, storage_options: dict[str, str] | None, *, retention_s: float = 3_600
+    ) -> None:
         self.uri = uri
         self.options = storage_options or None
+        self.retention = dt.timedelta(seconds=retention_s)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlq-table")
 
     def append(self, letters: list[DeadLetter]) -> Future[bool]:
@@ -571,7 +587,21 @@ class DeadLetterTable:
         except (OSError, ValueError, RuntimeError) as exc:
             log.warning("dlq_table_append_failed", uri=self.uri, error=str(exc))
             return False
+        self._upkeep()
         return True
+
+    def _upkeep(self) -> None:
+        """Compact the table and remove its old versions once it has many fragments. A
+        failure (another pod compacting at once, storage trouble) is logged; the next write
+        tries again."""
+        try:
+            ds = lance.dataset(self.uri, storage_options=self.options)
+            if len(ds.get_fragments()) < DLQ_TABLE_COMPACT_FRAGMENTS:
+                return
+            ds.optimize.compact_files()
+            ds.cleanup_old_versions(older_than=self.retention)
+        except (OSError, ValueError, RuntimeError) as exc:
+            log.warning("dlq_table_upkeep_failed", uri=self.uri, error=str(exc))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

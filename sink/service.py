@@ -264,6 +264,7 @@ class SinkService:
                 self.metrics,
                 table_uri=settings.dlq.lance_table_uri,
                 storage_options=self.engine.spec.storage_options,
+                retention_s=settings.maintenance.cleanup_retention_s,
             )
             if settings.dlq.enabled
             else None

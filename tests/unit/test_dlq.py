@@ -14,6 +14,7 @@ from confluent_kafka import KafkaError
 from config import ConfigError, load_settings, redacted
 from sink.decode import DeadLetter
 from sink.dlq import (
+    DLQ_TABLE_COMPACT_FRAGMENTS,
     ENVELOPE_MAX_HEADER_BYTES,
     ENVELOPE_MAX_KEY_BYTES,
     DeadLetterBatch,
@@ -252,3 +253,20 @@ def test_two_writers_of_a_new_dead_letter_table_lose_nothing(tmp_path: Path) -> 
         for t in tables:
             t.close()
     assert coordinates(uri) == [("events", p, o) for p in range(2) for o in range(5)]
+
+
+def test_the_dead_letter_table_is_compacted_and_its_old_versions_removed(tmp_path: Path) -> None:
+    """Each write is a Lance commit of a fragment: a trickle of dead letters left the table
+    one fragment and one version per batch, for ever, each merge-insert scanning them all."""
+    uri = str(tmp_path / "dead.lance")
+    table = DeadLetterTable(uri, None, retention_s=0)
+    try:
+        for o in range(3 * DLQ_TABLE_COMPACT_FRAGMENTS):
+            assert table.append([letter(offset=o)]).result(30)
+    finally:
+        table.close()
+    ds = lance.dataset(uri)
+    assert len(ds.get_fragments()) < DLQ_TABLE_COMPACT_FRAGMENTS
+    assert len(ds.versions()) < DLQ_TABLE_COMPACT_FRAGMENTS
+    expected = [("events", 3, o) for o in range(3 * DLQ_TABLE_COMPACT_FRAGMENTS)]
+    assert coordinates(uri) == expected
