@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -213,6 +214,36 @@ def available_cpus() -> int:
     return cpus
 
 
+def _derive_waiting(
+    settings: Settings, schema_ids: tuple[int, ...], signals: list[int], log: Any
+) -> Settings | None:
+    """`derive_settings`, tried again while the Schema Registry cannot answer (a new table's
+    columns come from it): the registry's outage is not the configuration's fault, so the
+    sink waits for it (1 s, doubling up to ``unreachable_backoff_max_s``), as a paused
+    partition does, rather than exit. None if a signal in `signals` ends the wait.
+
+    Raises:
+        LanceSinkError, LookupError, ValueError: as `derive_settings`, but for an
+            unreachable registry.
+    """
+    from sink.formats import RegistryUnavailable  # noqa: PLC0415
+    from sink.formats.derive import derive_settings  # noqa: PLC0415
+
+    registry = settings.source.schema_registry
+    longest = registry.unreachable_backoff_max_s if registry is not None else 30.0
+    wait = 1.0
+    while not signals:
+        try:
+            return derive_settings(settings, schema_ids)
+        except RegistryUnavailable as exc:
+            log.warning("registry_unavailable_at_start", error=str(exc), retry_in_s=wait)
+        deadline = time.monotonic() + wait
+        while not signals and time.monotonic() < deadline:
+            time.sleep(0.1)
+        wait = min(2 * wait, longest)
+    return None
+
+
 def _run(args: argparse.Namespace) -> int:
     # Until the service exists a signal is remembered and asked of it once it does, so a
     # SIGTERM during start-up drains (nothing consumed yet) and exits 0, not -15; a second
@@ -241,15 +272,19 @@ def _run(args: argparse.Namespace) -> int:
 
     derived = not settings.table.columns
     if derived:
-        from sink.formats.derive import EVOLVE_SCHEMA_IDS_ENV, derive_settings  # noqa: PLC0415
+        from sink.formats.derive import EVOLVE_SCHEMA_IDS_ENV  # noqa: PLC0415
 
         ids = tuple(int(i) for i in os.environ.pop(EVOLVE_SCHEMA_IDS_ENV, "").split(",") if i)
         try:
-            settings = derive_settings(settings, ids)
+            derived_settings = _derive_waiting(settings, ids, early, log)
         except (LanceSinkError, LookupError, ValueError) as exc:
             log.error("startup_failed", error=str(exc), error_type=type(exc).__name__)
             print(f"lance-sink: cannot derive table.columns: {exc}", file=sys.stderr)
             return EXIT_FAILURE
+        if derived_settings is None:  # a signal came while the registry was away
+            log.info("shutdown_requested", signal=signal.Signals(early[0]).name)
+            return EXIT_OK
+        settings = derived_settings
     try:
         metrics = Metrics()
         engine = Engine.from_settings(settings, controller=controller, events=metrics)

@@ -29,6 +29,7 @@ import structlog
 
 from config.settings import Settings
 from engine.schema import SOURCE_COLUMNS, arrow_type
+from sink.formats import RegistryUnavailable
 
 __all__ = ["EVOLVE_SCHEMA_IDS_ENV", "derive_settings", "evolution_needed", "schema_columns"]
 
@@ -109,13 +110,16 @@ def derive_settings(settings: Settings, schema_ids: tuple[int, ...] = ()) -> Set
 
     With ``table.evolve`` and an existing table, the fields of the subject's latest schema
     (and of `schema_ids`) that the table lacks are added and widened types applied; the
-    engine then evolves the table when it opens it.
+    engine then evolves the table when it opens it. A registry that cannot answer then
+    leaves the table's columns as they are (logged): the sink starts, and evolves when a
+    message needs it.
 
     Raises:
         ValueError: no usable column could be derived, or the result is not valid
             settings (e.g. the primary key names a field the schema lacks).
         LookupError: the subject is not in the registry.
-        sink.formats.RegistryUnavailable: the registry could not answer.
+        sink.formats.RegistryUnavailable: the registry could not answer for a table that
+            does not exist yet.
     """
     if settings.table.columns:
         return settings
@@ -124,8 +128,14 @@ def derive_settings(settings: Settings, schema_ids: tuple[int, ...] = ()) -> Set
         columns, sources = _from_table(existing, settings)
         origin = "table"
         if settings.table.evolve:
-            leaves = schema_columns(settings, schema_ids)
-            columns, sources = _merge(columns, sources, *_from_leaves(leaves, settings))
+            try:
+                leaves = schema_columns(settings, schema_ids)
+            except RegistryUnavailable as exc:
+                # The table's columns suffice to start: a message whose writer schema has
+                # fields they lack restarts the sink to evolve once the registry answers.
+                log.warning("registry_unavailable_at_start", error=str(exc), columns="table")
+            else:
+                columns, sources = _merge(columns, sources, *_from_leaves(leaves, settings))
     else:
         leaves = schema_columns(settings)
         columns, sources = _from_leaves(leaves, settings)
