@@ -183,8 +183,8 @@ def _problems(
     for err in exc.errors(include_url=False):
         loc = [str(p) for p in err["loc"]]
         cause = (err.get("ctx") or {}).get("error")
-        if not loc and isinstance(cause, KeyedError):  # a check across sections
-            loc = cause.key.split(".")
+        if isinstance(cause, KeyedError):  # a check across keys: its key, under its model
+            loc = [*loc, *cause.key.split(".")]
         key = ".".join(loc)
         reason = err["msg"].removeprefix("Value error, ")
         if err["type"] == "missing":

@@ -671,3 +671,61 @@ def test_the_consumer_reads_its_topics_metadata_every_10_s(tmp_path: Path) -> No
         tmp_path, MINIMAL + '\n[kafka.librdkafka]\n"topic.metadata.refresh.interval.ms" = 60000\n'
     )
     assert consumer_conf(load_settings(path))["topic.metadata.refresh.interval.ms"] == 60_000
+
+
+def descriptor_set(tmp_path: Path) -> Path:
+    """shop.desc: a FileDescriptorSet of shop.proto with shop.v1.Order {string id}."""
+    from google.protobuf import descriptor_pb2  # noqa: PLC0415 - only these tests use it
+
+    files = descriptor_pb2.FileDescriptorSet()
+    fd = files.file.add(name="shop.proto", package="shop.v1", syntax="proto3")
+    order = fd.message_type.add(name="Order")
+    order.field.add(name="id", number=1, type=9, label=1)  # TYPE_STRING, LABEL_OPTIONAL
+    path = tmp_path / "shop.desc"
+    path.write_bytes(files.SerializeToString())
+    return path
+
+
+def protobuf_config(tmp_path: Path, descriptor: Path | str, message: str) -> Path:
+    return write(
+        tmp_path,
+        MINIMAL
+        + f'\n[source]\nformat = "protobuf"\n[source.protobuf]\ndescriptor_set = "{descriptor}"\n'
+        f'message = "{message}"\n',
+    )
+
+
+def test_protobuf_descriptor_set_is_read_when_the_settings_load(tmp_path: Path) -> None:
+    """The descriptor set and its message are checked as the start would use them, so
+    `check-config` reports a missing file, a file that is no descriptor set and a message the
+    set lacks, each at its key and origin (the start died on a FileNotFoundError)."""
+    good = descriptor_set(tmp_path)
+    settings = load_settings(protobuf_config(tmp_path, good, "shop.v1.Order"))
+    assert settings.source.protobuf is not None
+    missing = tmp_path / "nope.desc"
+    path = protobuf_config(tmp_path, missing, "shop.v1.Order")
+    assert problems(path) == [
+        (
+            "source.protobuf.descriptor_set",
+            f"file {path}",
+            f"cannot read {missing}: No such file or directory",
+        )
+    ]
+    [(key, origin, reason)] = problems(protobuf_config(tmp_path, path, "shop.v1.Order"))
+    assert (key, origin) == ("source.protobuf.descriptor_set", f"file {path}")
+    assert reason.startswith(f"{path} is not a FileDescriptorSet"), reason
+    [(key, origin, reason)] = problems(protobuf_config(tmp_path, good, "shop.v1.Nope"))
+    assert (key, origin) == ("source.protobuf.message", f"file {path}")
+    assert reason == f"{good} has no message 'shop.v1.Nope' (its messages: shop.v1.Order)"
+
+
+@pytest.mark.parametrize("command", ["check-config", "run"])
+def test_missing_descriptor_set_exits_2(tmp_path: Path, command: str) -> None:
+    path = protobuf_config(tmp_path, "/nonexistent/nope.desc", "shop.v1.Order")
+    result = cli(command, *(["--config"] if command == "run" else []), str(path))
+    assert result.returncode == 2, result.stderr
+    assert (
+        f"source.protobuf.descriptor_set (file {path}): cannot read /nonexistent/nope.desc: "
+        "No such file or directory" in result.stderr
+    )
+    assert "Traceback" not in result.stderr
