@@ -354,7 +354,7 @@ class VectorSpec(_Section):
         default="json",
         description="How the vector is written in a JSON value: json = an array of numbers; "
         "base64_f32 = a string of base64 (RFC 4648, padded) over dim little-endian float32, "
-        "i.e. 4 * dim bytes. JSON format only.",
+        "i.e. 4 * dim bytes. source.format json only (refused with any other format).",
     )
 
 
@@ -1198,6 +1198,20 @@ class Settings(BaseSettings):
                     "maintenance.scalar_indexes",
                     "not scalar table columns: " + ", ".join(not_scalar),
                 )
+        vector = self.table.vector
+        if vector is not None and vector.encoding != "json" and self.source.format != "json":
+            registry = self.source.format in REGISTRY_FORMATS
+            raise KeyedError(
+                "table.vector.encoding",
+                f"{vector.encoding!r} is for source.format 'json' only (it is "
+                f"{self.source.format!r}"
+                + (
+                    ": the vector is then an array of floats or bytes of little-endian "
+                    "float32, read as such without an encoding)"
+                    if registry
+                    else ")"
+                ),
+            )
         if self.source.format == "raw":
             mapped = set(self.source.columns.values())
             if "@value" not in mapped:

@@ -729,3 +729,31 @@ def test_missing_descriptor_set_exits_2(tmp_path: Path, command: str) -> None:
         "No such file or directory" in result.stderr
     )
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("fmt", ["avro", "protobuf", "json_schema", "raw"])
+def test_base64_f32_vectors_are_for_the_json_format_only(tmp_path: Path, fmt: str) -> None:
+    """`table.vector.encoding = "base64_f32"` describes a JSON value; check-config passed it
+    with every other format (the decoder refused it only at start)."""
+    text = MINIMAL + '\n[table.vector]\ncolumn = "vec"\ndim = 4\nencoding = "base64_f32"\n'
+    text += f'[source]\nformat = "{fmt}"\n'
+    if fmt == "raw":
+        text += 'columns = { body = "@value" }\n'
+    else:
+        text += '[source.schema_registry]\nurl = "mock://r"\n'
+    path = write(tmp_path, text)
+    [(key, origin, reason)] = problems(path)
+    assert (key, origin) == ("table.vector.encoding", f"file {path}")
+    assert reason.startswith(f"'base64_f32' is for source.format 'json' only (it is '{fmt}'")
+    assert load_settings(path, ["source.format=json", "source.columns={}"]).table.vector
+
+
+def test_check_config_refuses_base64_f32_vectors_with_avro(tmp_path: Path) -> None:
+    text = MINIMAL + '\n[table.vector]\ncolumn = "vec"\ndim = 4\nencoding = "base64_f32"\n'
+    text += '[source]\nformat = "avro"\n[source.schema_registry]\nurl = "http://r:8081"\n'
+    path = write(tmp_path, text)
+    result = cli("check-config", str(path))
+    assert result.returncode == 2, result.stdout
+    assert f"table.vector.encoding (file {path}): 'base64_f32' is for source.format" in (
+        result.stderr
+    )
