@@ -48,11 +48,14 @@ Port = Annotated[int, Field(ge=0, le=65535)]
 class KeyedError(ValueError):
     """A check across keys or sections: names the key it is about, relative to the model
     that raises it (a dotted key from the root for `Settings`, a key of its own section for a
-    section's model validator); `config.loader` reports it there instead of at the model."""
+    section's model validator), and the other keys involved (`also`, relative alike);
+    `config.loader` reports it at `key` instead of at the model, with where each key's value
+    came from."""
 
-    def __init__(self, key: str, reason: str) -> None:
+    def __init__(self, key: str, reason: str, also: tuple[str, ...] = ()) -> None:
         super().__init__(reason)
         self.key = key
+        self.also = also
 
 
 #: Table URI schemes the storage layer can open.
@@ -549,9 +552,18 @@ class SchemaRegistrySettings(_Section):
     @model_validator(mode="after")
     def _auth(self) -> SchemaRegistrySettings:
         if (self.basic_auth_username is None) != (self.basic_auth_password is None):
-            raise ValueError("basic_auth_username and basic_auth_password go together")
+            given, missing = ("basic_auth_username", "basic_auth_password")[
+                :: 1 if self.basic_auth_password is None else -1
+            ]
+            raise KeyedError(
+                missing, "basic_auth_username and basic_auth_password go together", (given,)
+            )
         if self.basic_auth_username is not None and self.bearer_token is not None:
-            raise ValueError("use basic auth or a bearer token, not both")
+            raise KeyedError(
+                "bearer_token",
+                "use basic auth or a bearer token, not both",
+                ("basic_auth_username", "basic_auth_password"),
+            )
         return self
 
     def client_conf(self) -> dict[str, Any]:
@@ -666,7 +678,9 @@ class ProtobufSettings(_Section):
         if self.descriptor_set is None:
             return self
         if self.message is None:
-            raise ValueError("a descriptor_set needs the message type (message)")
+            raise KeyedError(
+                "message", "a descriptor_set needs the message type (message)", ("descriptor_set",)
+            )
         # Read now, as the start would: check-config fails on what run would fail on.
         try:
             pool, names = descriptor_pool(self.descriptor_set)
@@ -746,15 +760,19 @@ class SourceSettings(_Section):
     @model_validator(mode="after")
     def _registry(self) -> SourceSettings:
         if self.key_format != "raw" and self.schema_registry is None:
-            raise ValueError(
-                f"key_format {self.key_format!r} needs a [source.schema_registry] section"
+            raise KeyedError(
+                "schema_registry",
+                f"key_format {self.key_format!r} needs a [source.schema_registry] section",
+                ("key_format",),
             )
         if self.key_format == "raw":
             dotted = sorted(c for c, s in self.columns.items() if s.startswith("@key."))
             if dotted:
-                raise ValueError(
+                raise KeyedError(
+                    f"columns.{dotted[0]}",
                     f"column {dotted[0]!r}: '@key.<field>' reads a field of a decoded key; "
-                    "set source.key_format to the key's registry format"
+                    "set source.key_format to the key's registry format",
+                    ("key_format",),
                 )
         if self.format in REGISTRY_FORMATS and self.schema_registry is None:
             if (
@@ -764,9 +782,11 @@ class SourceSettings(_Section):
             ):
                 return self
             hint = " (or, for protobuf, source.protobuf.descriptor_set)"
-            raise ValueError(
+            raise KeyedError(
+                "schema_registry",
                 f"format {self.format!r} needs a [source.schema_registry] section"
-                + (hint if self.format == "protobuf" else "")
+                + (hint if self.format == "protobuf" else ""),
+                ("format",),
             )
         return self
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from config import ConfigError, load_settings, redacted
+from config import ConfigError, load_settings, problem_at, redacted
 from config.settings import LIBRDKAFKA_SECRET_KEYS, MASK, is_secret_librdkafka_key
 from engine.engine import writer_config
 
@@ -757,3 +757,68 @@ def test_check_config_refuses_base64_f32_vectors_with_avro(tmp_path: Path) -> No
     assert f"table.vector.encoding (file {path}): 'base64_f32' is for source.format" in (
         result.stderr
     )
+
+
+REGISTRY = (
+    MINIMAL + '\n[source]\nformat = "avro"\n[source.schema_registry]\nurl = "http://r:8081"\n'
+)
+PASSWORD_VAR = "LANCE_SINK__SOURCE__SCHEMA_REGISTRY__BASIC_AUTH_PASSWORD"
+
+
+def test_registry_auth_conflict_names_where_each_key_comes_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Basic auth (the password from the environment) and a bearer token in the file: the
+    problem is the file's bearer_token, with where each basic-auth key comes from (it was
+    blamed on 'environment LANCE_SINK__SOURCE__SCHEMA_REGISTRY', a variable nobody set)."""
+    monkeypatch.setenv(PASSWORD_VAR, "pw")
+    path = write(tmp_path, REGISTRY + 'basic_auth_username = "u"\nbearer_token = "s3cr3t-t0ken"\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings(path)
+    [problem] = info.value.problems
+    assert (problem.key, problem.origin) == ("source.schema_registry.bearer_token", f"file {path}")
+    assert problem.reason == "use basic auth or a bearer token, not both"
+    assert problem.related == (
+        ("source.schema_registry.basic_auth_username", f"file {path}"),
+        ("source.schema_registry.basic_auth_password", f"environment {PASSWORD_VAR}"),
+    )
+    assert str(problem) == (
+        f"source.schema_registry.bearer_token (file {path}): use basic auth or a bearer "
+        f"token, not both; with source.schema_registry.basic_auth_username (file {path}), "
+        f"source.schema_registry.basic_auth_password (environment {PASSWORD_VAR})"
+    )
+    assert "s3cr3t-t0ken" not in str(info.value)
+
+
+def test_registry_basic_auth_halves_name_the_missing_one(tmp_path: Path) -> None:
+    path = write(tmp_path, REGISTRY + 'basic_auth_username = "u"\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings(path)
+    [problem] = info.value.problems
+    assert (problem.key, problem.origin) == (
+        "source.schema_registry.basic_auth_password",
+        f"not set in file {path}",
+    )
+    assert problem.related == (("source.schema_registry.basic_auth_username", f"file {path}"),)
+
+
+def test_a_section_filled_from_file_and_environment_names_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(PASSWORD_VAR, "pw")
+    path = write(tmp_path, REGISTRY + 'basic_auth_username = "u"\n')
+    problem = problem_at("source.schema_registry", "why", path)
+    assert problem.origin == f"file {path} and environment {PASSWORD_VAR}"
+    problem = problem_at("source.schema_registry", "why", write(tmp_path, MINIMAL, "other.toml"))
+    assert problem.origin == f"environment {PASSWORD_VAR}"
+
+
+def test_registry_format_without_a_registry_names_the_missing_section(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + '\n[source]\nformat = "avro"\n')
+    assert problems(path) == [
+        (
+            "source.schema_registry",
+            f"not set in file {path}",
+            "format 'avro' needs a [source.schema_registry] section",
+        )
+    ]
