@@ -31,14 +31,19 @@ from config.settings import (
 
 @dataclass(frozen=True, slots=True)
 class ConfigProblem:
-    """One invalid or missing setting."""
+    """One invalid or missing setting; `related`: the other keys a check across keys
+    involves, each with its origin."""
 
     key: str
     origin: str
     reason: str
+    related: tuple[tuple[str, str], ...] = ()
 
     def __str__(self) -> str:
-        return f"{self.key or '<root>'} ({self.origin}): {self.reason}"
+        text = f"{self.key or '<root>'} ({self.origin}): {self.reason}"
+        if self.related:
+            text += "; with " + ", ".join(f"{key} ({origin})" for key, origin in self.related)
+        return text
 
 
 class ConfigError(Exception):
@@ -183,15 +188,19 @@ def _problems(
     for err in exc.errors(include_url=False):
         loc = [str(p) for p in err["loc"]]
         cause = (err.get("ctx") or {}).get("error")
-        if not loc and isinstance(cause, KeyedError):  # a check across sections
-            loc = cause.key.split(".")
+        related: list[tuple[str, str]] = []
+        if isinstance(cause, KeyedError):  # a check across keys: its keys, under its model
+            for other in cause.also:
+                other_loc = [*loc, *other.split(".")]
+                origin = _origin(other_loc, path, file_data, cli_data, env_upper)
+                related.append((".".join(other_loc), origin))
+            loc = [*loc, *cause.key.split(".")]
         key = ".".join(loc)
         reason = err["msg"].removeprefix("Value error, ")
         if err["type"] == "missing":
             reason = "required key is missing"
-        problems.append(
-            ConfigProblem(key, _origin(loc, path, file_data, cli_data, env_upper), reason)
-        )
+        origin = _origin(loc, path, file_data, cli_data, env_upper)
+        problems.append(ConfigProblem(key, origin, reason, tuple(related)))
     return problems
 
 
@@ -208,11 +217,19 @@ def _origin(
     if _has(cli_data, loc):
         return "flag --set " + ".".join(loc)
     var = ENV_PREFIX + ENV_NESTED_DELIMITER.join(p.upper() for p in loc)
-    if var in env_upper or (
-        len(loc) > 1 and any(v.startswith(var + ENV_NESTED_DELIMITER) for v in env_upper)
-    ):
+    if var in env_upper:
         return f"environment {var}"
-    if path is not None and _has(file_data, loc):
+    in_file = path is not None and _has(file_data, loc)
+    # A section may be filled from both: name the variables that set keys inside it.
+    inner = (
+        sorted(v for v in env_upper if v.startswith(var + ENV_NESTED_DELIMITER))
+        if len(loc) > 1
+        else []
+    )
+    if inner:
+        env = "environment " + ", ".join(inner)
+        return f"file {path} and {env}" if in_file else env
+    if in_file:
         return f"file {path}"
     if path is not None:
         return f"not set in file {path}"

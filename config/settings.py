@@ -16,7 +16,8 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 from urllib.parse import urlparse
 
 from pydantic import (
@@ -31,6 +32,10 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+if TYPE_CHECKING:
+    from google.protobuf.descriptor import Descriptor
+    from google.protobuf.descriptor_pool import DescriptorPool
+
 ENV_PREFIX = "LANCE_SINK__"
 ENV_NESTED_DELIMITER = "__"
 
@@ -41,12 +46,16 @@ Port = Annotated[int, Field(ge=0, le=65535)]
 
 
 class KeyedError(ValueError):
-    """A check across sections: names the key it is about (`config.loader` reports it there
-    instead of at the root)."""
+    """A check across keys or sections: names the key it is about, relative to the model
+    that raises it (a dotted key from the root for `Settings`, a key of its own section for a
+    section's model validator), and the other keys involved (`also`, relative alike);
+    `config.loader` reports it at `key` instead of at the model, with where each key's value
+    came from."""
 
-    def __init__(self, key: str, reason: str) -> None:
+    def __init__(self, key: str, reason: str, also: tuple[str, ...] = ()) -> None:
         super().__init__(reason)
         self.key = key
+        self.also = also
 
 
 #: Table URI schemes the storage layer can open.
@@ -348,7 +357,7 @@ class VectorSpec(_Section):
         default="json",
         description="How the vector is written in a JSON value: json = an array of numbers; "
         "base64_f32 = a string of base64 (RFC 4648, padded) over dim little-endian float32, "
-        "i.e. 4 * dim bytes. JSON format only.",
+        "i.e. 4 * dim bytes. source.format json only (refused with any other format).",
     )
 
 
@@ -543,9 +552,18 @@ class SchemaRegistrySettings(_Section):
     @model_validator(mode="after")
     def _auth(self) -> SchemaRegistrySettings:
         if (self.basic_auth_username is None) != (self.basic_auth_password is None):
-            raise ValueError("basic_auth_username and basic_auth_password go together")
+            given, missing = ("basic_auth_username", "basic_auth_password")[
+                :: 1 if self.basic_auth_password is None else -1
+            ]
+            raise KeyedError(
+                missing, "basic_auth_username and basic_auth_password go together", (given,)
+            )
         if self.basic_auth_username is not None and self.bearer_token is not None:
-            raise ValueError("use basic auth or a bearer token, not both")
+            raise KeyedError(
+                "bearer_token",
+                "use basic auth or a bearer token, not both",
+                ("basic_auth_username", "basic_auth_password"),
+            )
         return self
 
     def client_conf(self) -> dict[str, Any]:
@@ -578,6 +596,66 @@ class SchemaRegistrySettings(_Section):
         return conf
 
 
+def descriptor_pool(path: str) -> tuple[DescriptorPool, list[str]]:
+    """The message types of the ``FileDescriptorSet`` file at `path`
+    (``source.protobuf.descriptor_set``): a new pool holding every file of the set, and
+    the full names of the files' top-level messages (google.protobuf's last).
+
+    Raises:
+        ValueError: the file cannot be read, is not a ``FileDescriptorSet``, or a file of it
+            does not load (it imports one the set lacks); the reason names the path.
+    """
+    from google.protobuf import descriptor_pb2  # noqa: PLC0415 - protobuf only when used
+    from google.protobuf.descriptor_pool import DescriptorPool  # noqa: PLC0415
+    from google.protobuf.message import DecodeError  # noqa: PLC0415
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    files = descriptor_pb2.FileDescriptorSet()
+    try:
+        files.ParseFromString(data)
+    except DecodeError as exc:
+        raise ValueError(f"{path} is not a FileDescriptorSet: {exc}") from exc
+    pool = DescriptorPool()
+    names: list[str] = []
+    for file in files.file:
+        try:
+            pool.Add(file)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"{path}: cannot load {file.name} ({exc}); build the set with "
+                "protoc --include_imports"
+            ) from exc
+        package = f"{file.package}." if file.package else ""
+        names.extend(package + m.name for m in file.message_type)
+    names.sort(key=lambda name: name.startswith("google.protobuf."))
+    return pool, names
+
+
+#: Most message names an error about a missing message lists.
+_LISTED_MESSAGES = 10
+
+
+def find_message(pool: DescriptorPool, names: list[str], path: str, message: str) -> Descriptor:
+    """The descriptor of `message` (a full name) in `pool`, from the descriptor set at `path`
+    whose top-level messages are `names` (`descriptor_pool`).
+
+    Raises:
+        ValueError: the set has no such message; the reason lists the messages it has.
+    """
+    try:
+        found: Descriptor = pool.FindMessageTypeByName(message)
+    except KeyError as exc:
+        listed = ", ".join(names[:_LISTED_MESSAGES])
+        more = ", ..." if len(names) > _LISTED_MESSAGES else ""
+        raise ValueError(
+            f"{path} has no message {message!r} (its messages: {listed or 'none'}{more})"
+        ) from exc
+    return found
+
+
 class ProtobufSettings(_Section):
     """Protobuf without a schema registry: one message type from a descriptor set."""
 
@@ -585,7 +663,8 @@ class ProtobufSettings(_Section):
         default=None,
         description="A FileDescriptorSet file (protoc --include_imports --descriptor_set_out) "
         "holding the message type; used when there is no schema_registry (values are then "
-        "the message's plain bytes, not the Confluent wire format).",
+        "the message's plain bytes, not the Confluent wire format). Read when the settings "
+        "load (check-config too), as is the message in it.",
     )
     message: str | None = Field(
         default=None,
@@ -596,8 +675,21 @@ class ProtobufSettings(_Section):
 
     @model_validator(mode="after")
     def _both(self) -> ProtobufSettings:
-        if self.descriptor_set is not None and self.message is None:
-            raise ValueError("a descriptor_set needs the message type (message)")
+        if self.descriptor_set is None:
+            return self
+        if self.message is None:
+            raise KeyedError(
+                "message", "a descriptor_set needs the message type (message)", ("descriptor_set",)
+            )
+        # Read now, as the start would: check-config fails on what run would fail on.
+        try:
+            pool, names = descriptor_pool(self.descriptor_set)
+        except ValueError as exc:
+            raise KeyedError("descriptor_set", str(exc)) from exc
+        try:
+            find_message(pool, names, self.descriptor_set, self.message)
+        except ValueError as exc:
+            raise KeyedError("message", str(exc)) from exc
         return self
 
 
@@ -668,15 +760,19 @@ class SourceSettings(_Section):
     @model_validator(mode="after")
     def _registry(self) -> SourceSettings:
         if self.key_format != "raw" and self.schema_registry is None:
-            raise ValueError(
-                f"key_format {self.key_format!r} needs a [source.schema_registry] section"
+            raise KeyedError(
+                "schema_registry",
+                f"key_format {self.key_format!r} needs a [source.schema_registry] section",
+                ("key_format",),
             )
         if self.key_format == "raw":
             dotted = sorted(c for c, s in self.columns.items() if s.startswith("@key."))
             if dotted:
-                raise ValueError(
+                raise KeyedError(
+                    f"columns.{dotted[0]}",
                     f"column {dotted[0]!r}: '@key.<field>' reads a field of a decoded key; "
-                    "set source.key_format to the key's registry format"
+                    "set source.key_format to the key's registry format",
+                    ("key_format",),
                 )
         if self.format in REGISTRY_FORMATS and self.schema_registry is None:
             if (
@@ -686,9 +782,11 @@ class SourceSettings(_Section):
             ):
                 return self
             hint = " (or, for protobuf, source.protobuf.descriptor_set)"
-            raise ValueError(
+            raise KeyedError(
+                "schema_registry",
                 f"format {self.format!r} needs a [source.schema_registry] section"
-                + (hint if self.format == "protobuf" else "")
+                + (hint if self.format == "protobuf" else ""),
+                ("format",),
             )
         return self
 
@@ -1120,6 +1218,20 @@ class Settings(BaseSettings):
                     "maintenance.scalar_indexes",
                     "not scalar table columns: " + ", ".join(not_scalar),
                 )
+        vector = self.table.vector
+        if vector is not None and vector.encoding != "json" and self.source.format != "json":
+            registry = self.source.format in REGISTRY_FORMATS
+            raise KeyedError(
+                "table.vector.encoding",
+                f"{vector.encoding!r} is for source.format 'json' only (it is "
+                f"{self.source.format!r}"
+                + (
+                    ": the vector is then an array of floats or bytes of little-endian "
+                    "float32, read as such without an encoding)"
+                    if registry
+                    else ")"
+                ),
+            )
         if self.source.format == "raw":
             mapped = set(self.source.columns.values())
             if "@value" not in mapped:

@@ -459,8 +459,9 @@ def _status(args: argparse.Namespace) -> int:
 def render_status(status: dict[str, Any]) -> str:
     """The one-screen summary `lance-sink status` prints. Lags are in messages after the
     end offset (CONS: consumed, COMMIT, FLUSH), LAG S the age of the oldest message not yet
-    durable; the base table's unindexed rows are counted now, from its fragments and index
-    segments (`sink.lag.unindexed_rows`)."""
+    durable; under a partition that waits, a line says on what (`partition_notes`); the
+    base table's unindexed rows are counted now, from its fragments and index segments
+    (`sink.lag.unindexed_rows`)."""
     reasons = "; ".join(status["not_ready_reasons"])
     lines = [
         f"group {status['group']}  topics {', '.join(status['topics'])}  table {status['table']}",
@@ -493,6 +494,7 @@ def render_status(status: dict[str, Any]) -> str:
             f"{'-' if seconds is None else f'{seconds:.1f}':>7} {_size(mem.get('bytes', 0)):>12} "
             f"{mem.get('frozen_count', 0):>6} {flush.get('flushes', 0):>8} {state:>8}"
         )
+        lines += [f"  {note}" for note in partition_notes(p)]
     bp = status["backpressure"]
     lines += [
         "",
@@ -531,6 +533,37 @@ def render_status(status: dict[str, Any]) -> str:
             "(least complete index, now)"
         )
     return "\n".join(lines)
+
+
+def partition_notes(p: dict[str, Any]) -> list[str]:
+    """Why a partition of `/v1/status` waits, as `lance-sink status` prints it under the
+    partition's row: the schema registry it cannot reach, or its dead letters not yet
+    acknowledged (a stopped partition or a shard that does not open is a readiness reason,
+    printed on the `ready:` line)."""
+    notes = []
+    registry = p.get("schema_registry")
+    if registry is not None:
+        retry = registry.get("retry_in_s")
+        error = str(registry.get("error"))
+        if not error.startswith("schema registry"):  # 'unreachable: ...', 'answered 503: ...'
+            error = f"schema registry: {error}"
+        notes.append(
+            f"{'paused' if p.get('paused') else 'waiting'}: {error} "
+            f"({registry.get('failures')} failed tries); "
+            + ("retry pending" if retry is None else f"retry in {retry:.1f} s")
+        )
+    letters = p.get("dead_letters")
+    if letters is not None:
+        note = (
+            f"waiting for {letters.get('pending')} dead letters to be acknowledged for "
+            f"{letters.get('waiting_s', 0):.1f} s"
+        )
+        if letters.get("stalled"):
+            note += " (stalled)"
+        if letters.get("last_error"):
+            note += f"; last error: {letters['last_error']}"
+        notes.append(note)
+    return notes
 
 
 def _size(n: float) -> str:

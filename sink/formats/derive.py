@@ -286,12 +286,37 @@ def _from_leaves(
             continue  # the vector, or a path a configured mapping reads into its own column
         name = _column_name(path, type_name)
         if name is None:
-            log.warning("schema_field_skipped", field=".".join(path), type=type_name)
+            log.warning(
+                "schema_field_skipped",
+                field=".".join(path),
+                type=type_name,
+                reason=_skipped_because(path, type_name),
+            )
             continue
         columns.append({"name": name, "type": type_name, "nullable": True})
         if len(path) > 1:
             sources[name] = "$." + ".".join(path)
     return columns, sources
+
+
+def _skipped_because(path: tuple[str, ...], type_name: str | None) -> str:
+    """Why the schema leaf `path` gets no derived column (`_column_name` gave None)."""
+    if type_name is None:
+        return (
+            "its type has no column type (arrays, maps, unions of several types, times of "
+            "day); to keep a value inside it, declare table.columns and map the path with "
+            "source.columns"
+        )
+    name = NESTED.join(path)
+    if name.startswith("_"):
+        return (
+            f"{name!r}: names starting with '_' are reserved for the sink's own columns "
+            f"({', '.join(SOURCE_COLUMNS)}); map the field to another column with source.columns"
+        )
+    return (
+        f"{name!r} is not a column name (a letter, then letters, digits and '_'); map the "
+        "field to one with source.columns"
+    )
 
 
 def schema_columns(settings: Settings, schema_ids: tuple[int, ...] = ()) -> list[Leaf]:

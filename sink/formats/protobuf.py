@@ -21,18 +21,17 @@ from __future__ import annotations
 import datetime as dt
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, Final
 
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.common.serde import SchemaId
 from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer
-from google.protobuf import descriptor_pb2, empty_pb2, json_format
+from google.protobuf import empty_pb2, json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
-from google.protobuf.descriptor_pool import DescriptorPool
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
+from config.settings import descriptor_pool, find_message
 from sink.formats.records import Fault
 from sink.formats.registry import decode_framed
 
@@ -211,27 +210,11 @@ def registry_descriptor(
 
 
 def load_descriptor(path: str, message: str) -> Descriptor:
-    """The descriptor of `message` from a ``FileDescriptorSet`` file.
+    """The descriptor of `message` from a ``FileDescriptorSet`` file (read as the settings
+    check it: `config.settings.descriptor_pool`).
 
     Raises:
         ValueError: the file cannot be read or parsed, or lacks the message (or an import).
     """
-    data = Path(path).read_bytes()
-    files = descriptor_pb2.FileDescriptorSet()
-    try:
-        files.ParseFromString(data)
-    except DecodeError as exc:
-        raise ValueError(f"{path} is not a FileDescriptorSet: {exc}") from exc
-    pool = DescriptorPool()
-    for file in files.file:
-        try:
-            pool.Add(file)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(
-                f"{path}: cannot load {file.name} ({exc}); build the set with "
-                "protoc --include_imports"
-            ) from exc
-    try:
-        return pool.FindMessageTypeByName(message)
-    except KeyError as exc:
-        raise ValueError(f"{path} has no message {message!r}") from exc
+    pool, names = descriptor_pool(path)
+    return find_message(pool, names, path, message)

@@ -16,6 +16,7 @@ in-process registry, for tests). `classify` sorts the failures of a deserializer
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -158,17 +159,28 @@ def classify(exc: Exception, payload: bytes, what: str) -> Fault:
         ) from exc
     if isinstance(exc, SerializationError) and "magic byte" in str(exc).lower():
         return ("missing_magic_byte", f"value has no Confluent wire-format header: {exc}")
-    return (
-        "not_matching_schema",
-        (
-            f"value does not decode as {what} with schema id {schema_id(payload)}: "
-            f"{type(exc).__name__}: {_short(exc)}"
-        ),
-    )
+    head = f"value does not decode as {what} with schema id {schema_id(payload)}"
+    if isinstance(exc, EOFError):  # the reader wanted more bytes than the payload has
+        said = _short(exc, empty="")
+        return (
+            "not_matching_schema",
+            f"{head}: the data ends early" + (f" ({said})" if said else ""),
+        )
+    return ("not_matching_schema", f"{head}: {type(exc).__name__}: {_short(exc)}")
 
 
-def _short(exc: Exception) -> str:
-    text = str(exc) or repr(exc)
+#: An object's default repr (``<_io.BytesIO object at 0x7fd2aec82ac0>``) and the word
+#: before it: fastavro names the stream it reads from. Differs per message and run, and
+#: says nothing about the data.
+_OBJECT_REPR_RE: Final = re.compile(r"(?: (?:from|in|of))? <[^<>]* at 0x[0-9a-fA-F]+>")
+
+
+def _short(exc: Exception, empty: str | None = None) -> str:
+    """`exc`'s text for a detail: without object addresses, at most 200 characters; when it
+    says nothing, `empty` (default: its repr)."""
+    text = _OBJECT_REPR_RE.sub("", str(exc)).strip()
+    if not text:
+        text = repr(exc) if empty is None else empty
     return text if len(text) <= 200 else text[:197] + "..."
 
 

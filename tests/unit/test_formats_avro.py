@@ -193,6 +193,27 @@ def test_bad_messages_get_specific_reasons() -> None:
     assert got[107][0] == "unknown_schema_id"
 
 
+def test_truncated_data_is_named_without_addresses() -> None:
+    """A payload cut short says the data ends early, the same on every run: fastavro's own
+    text named the stream object by its address ('cannot read double from <_io.BytesIO
+    object at 0x7fd2aec82ac0>'), a different detail for every message."""
+    reg = registry()
+    schema = record_schema(
+        *BASE, {"name": "score", "type": ["null", "double"], "default": None}, name="Scored"
+    )
+    ser = serializer(reg, schema)
+    good = ser({"id": "a", "vec": [0.0] * 4, "score": 0.5})
+    truncated = [good[:-3], good[:-2]]  # inside the double
+    details = set()
+    for _ in range(2):
+        out, rows = decode(spec_for(), msgs(*truncated), **source(reg))
+        assert not rows
+        details |= {(d.reason, d.detail) for d in out.dead_letters}
+    schema_id = int.from_bytes(good[1:5], "big")
+    detail = f"value does not decode as Avro with schema id {schema_id}: the data ends early"
+    assert details == {("not_matching_schema", detail + " (cannot read double)")}
+
+
 def test_missing_required_and_primary_key() -> None:
     reg = registry()
     schema = record_schema(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from config import ConfigError, load_settings, redacted
+from config import ConfigError, load_settings, problem_at, redacted
 from config.settings import LIBRDKAFKA_SECRET_KEYS, MASK, is_secret_librdkafka_key
 from engine.engine import writer_config
 
@@ -671,3 +671,154 @@ def test_the_consumer_reads_its_topics_metadata_every_10_s(tmp_path: Path) -> No
         tmp_path, MINIMAL + '\n[kafka.librdkafka]\n"topic.metadata.refresh.interval.ms" = 60000\n'
     )
     assert consumer_conf(load_settings(path))["topic.metadata.refresh.interval.ms"] == 60_000
+
+
+def descriptor_set(tmp_path: Path) -> Path:
+    """shop.desc: a FileDescriptorSet of shop.proto with shop.v1.Order {string id}."""
+    from google.protobuf import descriptor_pb2  # noqa: PLC0415 - only these tests use it
+
+    files = descriptor_pb2.FileDescriptorSet()
+    fd = files.file.add(name="shop.proto", package="shop.v1", syntax="proto3")
+    order = fd.message_type.add(name="Order")
+    order.field.add(name="id", number=1, type=9, label=1)  # TYPE_STRING, LABEL_OPTIONAL
+    path = tmp_path / "shop.desc"
+    path.write_bytes(files.SerializeToString())
+    return path
+
+
+def protobuf_config(tmp_path: Path, descriptor: Path | str, message: str) -> Path:
+    return write(
+        tmp_path,
+        MINIMAL
+        + f'\n[source]\nformat = "protobuf"\n[source.protobuf]\ndescriptor_set = "{descriptor}"\n'
+        f'message = "{message}"\n',
+    )
+
+
+def test_protobuf_descriptor_set_is_read_when_the_settings_load(tmp_path: Path) -> None:
+    """The descriptor set and its message are checked as the start would use them, so
+    `check-config` reports a missing file, a file that is no descriptor set and a message the
+    set lacks, each at its key and origin (the start died on a FileNotFoundError)."""
+    good = descriptor_set(tmp_path)
+    settings = load_settings(protobuf_config(tmp_path, good, "shop.v1.Order"))
+    assert settings.source.protobuf is not None
+    missing = tmp_path / "nope.desc"
+    path = protobuf_config(tmp_path, missing, "shop.v1.Order")
+    assert problems(path) == [
+        (
+            "source.protobuf.descriptor_set",
+            f"file {path}",
+            f"cannot read {missing}: No such file or directory",
+        )
+    ]
+    [(key, origin, reason)] = problems(protobuf_config(tmp_path, path, "shop.v1.Order"))
+    assert (key, origin) == ("source.protobuf.descriptor_set", f"file {path}")
+    assert reason.startswith(f"{path} is not a FileDescriptorSet"), reason
+    [(key, origin, reason)] = problems(protobuf_config(tmp_path, good, "shop.v1.Nope"))
+    assert (key, origin) == ("source.protobuf.message", f"file {path}")
+    assert reason == f"{good} has no message 'shop.v1.Nope' (its messages: shop.v1.Order)"
+
+
+@pytest.mark.parametrize("command", ["check-config", "run"])
+def test_missing_descriptor_set_exits_2(tmp_path: Path, command: str) -> None:
+    path = protobuf_config(tmp_path, "/nonexistent/nope.desc", "shop.v1.Order")
+    result = cli(command, *(["--config"] if command == "run" else []), str(path))
+    assert result.returncode == 2, result.stderr
+    assert (
+        f"source.protobuf.descriptor_set (file {path}): cannot read /nonexistent/nope.desc: "
+        "No such file or directory" in result.stderr
+    )
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("fmt", ["avro", "protobuf", "json_schema", "raw"])
+def test_base64_f32_vectors_are_for_the_json_format_only(tmp_path: Path, fmt: str) -> None:
+    """`table.vector.encoding = "base64_f32"` describes a JSON value; check-config passed it
+    with every other format (the decoder refused it only at start)."""
+    text = MINIMAL + '\n[table.vector]\ncolumn = "vec"\ndim = 4\nencoding = "base64_f32"\n'
+    text += f'[source]\nformat = "{fmt}"\n'
+    if fmt == "raw":
+        text += 'columns = { body = "@value" }\n'
+    else:
+        text += '[source.schema_registry]\nurl = "mock://r"\n'
+    path = write(tmp_path, text)
+    [(key, origin, reason)] = problems(path)
+    assert (key, origin) == ("table.vector.encoding", f"file {path}")
+    assert reason.startswith(f"'base64_f32' is for source.format 'json' only (it is '{fmt}'")
+    assert load_settings(path, ["source.format=json", "source.columns={}"]).table.vector
+
+
+def test_check_config_refuses_base64_f32_vectors_with_avro(tmp_path: Path) -> None:
+    text = MINIMAL + '\n[table.vector]\ncolumn = "vec"\ndim = 4\nencoding = "base64_f32"\n'
+    text += '[source]\nformat = "avro"\n[source.schema_registry]\nurl = "http://r:8081"\n'
+    path = write(tmp_path, text)
+    result = cli("check-config", str(path))
+    assert result.returncode == 2, result.stdout
+    assert f"table.vector.encoding (file {path}): 'base64_f32' is for source.format" in (
+        result.stderr
+    )
+
+
+REGISTRY = (
+    MINIMAL + '\n[source]\nformat = "avro"\n[source.schema_registry]\nurl = "http://r:8081"\n'
+)
+PASSWORD_VAR = "LANCE_SINK__SOURCE__SCHEMA_REGISTRY__BASIC_AUTH_PASSWORD"
+
+
+def test_registry_auth_conflict_names_where_each_key_comes_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Basic auth (the password from the environment) and a bearer token in the file: the
+    problem is the file's bearer_token, with where each basic-auth key comes from (it was
+    blamed on 'environment LANCE_SINK__SOURCE__SCHEMA_REGISTRY', a variable nobody set)."""
+    monkeypatch.setenv(PASSWORD_VAR, "pw")
+    path = write(tmp_path, REGISTRY + 'basic_auth_username = "u"\nbearer_token = "s3cr3t-t0ken"\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings(path)
+    [problem] = info.value.problems
+    assert (problem.key, problem.origin) == ("source.schema_registry.bearer_token", f"file {path}")
+    assert problem.reason == "use basic auth or a bearer token, not both"
+    assert problem.related == (
+        ("source.schema_registry.basic_auth_username", f"file {path}"),
+        ("source.schema_registry.basic_auth_password", f"environment {PASSWORD_VAR}"),
+    )
+    assert str(problem) == (
+        f"source.schema_registry.bearer_token (file {path}): use basic auth or a bearer "
+        f"token, not both; with source.schema_registry.basic_auth_username (file {path}), "
+        f"source.schema_registry.basic_auth_password (environment {PASSWORD_VAR})"
+    )
+    assert "s3cr3t-t0ken" not in str(info.value)
+
+
+def test_registry_basic_auth_halves_name_the_missing_one(tmp_path: Path) -> None:
+    path = write(tmp_path, REGISTRY + 'basic_auth_username = "u"\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings(path)
+    [problem] = info.value.problems
+    assert (problem.key, problem.origin) == (
+        "source.schema_registry.basic_auth_password",
+        f"not set in file {path}",
+    )
+    assert problem.related == (("source.schema_registry.basic_auth_username", f"file {path}"),)
+
+
+def test_a_section_filled_from_file_and_environment_names_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(PASSWORD_VAR, "pw")
+    path = write(tmp_path, REGISTRY + 'basic_auth_username = "u"\n')
+    problem = problem_at("source.schema_registry", "why", path)
+    assert problem.origin == f"file {path} and environment {PASSWORD_VAR}"
+    problem = problem_at("source.schema_registry", "why", write(tmp_path, MINIMAL, "other.toml"))
+    assert problem.origin == f"environment {PASSWORD_VAR}"
+
+
+def test_registry_format_without_a_registry_names_the_missing_section(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + '\n[source]\nformat = "avro"\n')
+    assert problems(path) == [
+        (
+            "source.schema_registry",
+            f"not set in file {path}",
+            "format 'avro' needs a [source.schema_registry] section",
+        )
+    ]

@@ -1,0 +1,83 @@
+"""`lance-sink status`'s one-screen summary (`sink.cli.render_status`) of a `/v1/status`
+document."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sink.cli import render_status
+
+
+def status(**partition: Any) -> dict[str, Any]:
+    """A `/v1/status` document with one partition, `partition` merged into it."""
+    return {
+        "group": "lance-sink",
+        "topics": ["orders"],
+        "table": "./data/orders.lance",
+        "ready": True,
+        "not_ready_reasons": [],
+        "partitions": [
+            {
+                "topic": "orders",
+                "partition": 0,
+                "paused": False,
+                "fenced": False,
+                "stopped": None,
+                "end": 120,
+                "lag": {"consumer": 20, "commit": 20, "flush": 120, "seconds": 4.5},
+                "memtable": {"bytes": 2048, "frozen_count": 0},
+                "flush": {"flushes": 0},
+                **partition,
+            }
+        ],
+        "backpressure": {
+            "controller": "budget",
+            "used_bytes": 0,
+            "budget_bytes": 1 << 30,
+            "rejections_total": 0,
+            "waits_total": 0,
+            "wait_seconds_total": 0,
+            "active_waits": 0,
+        },
+        "base": {"unindexed_rows": 0, "rows": 0, "unindexed_by_index": {}},
+    }
+
+
+def partition_lines(text: str) -> list[str]:
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("orders[0]"))
+    end = lines.index("", start)
+    return lines[start:end]
+
+
+def test_a_partition_paused_by_the_registry_says_why() -> None:
+    """During a registry outage the row said only 'paused'; /v1/status has the error and
+    when the partition tries again, and so does the summary now."""
+    registry = {
+        "error": "schema registry unreachable: ConnectError: [Errno 111] Connection refused",
+        "failures": 3,
+        "retry_in_s": 4.04,
+    }
+    row, note = partition_lines(render_status(status(paused=True, schema_registry=registry)))
+    assert row.endswith("paused")
+    assert note == (
+        "  paused: schema registry unreachable: ConnectError: [Errno 111] Connection refused "
+        "(3 failed tries); retry in 4.0 s"
+    )
+    registry["retry_in_s"] = None  # the retry is due: the loop decodes again at its next turn
+    _row, note = partition_lines(render_status(status(paused=True, schema_registry=registry)))
+    assert note.endswith("; retry pending")
+
+
+def test_a_partition_waiting_for_its_dead_letters_says_so() -> None:
+    letters = {"pending": 2, "waiting_s": 75.25, "stalled": True, "last_error": "MSG_TIMED_OUT"}
+    _row, note = partition_lines(render_status(status(paused=True, dead_letters=letters)))
+    assert note == (
+        "  waiting for 2 dead letters to be acknowledged for 75.2 s (stalled); "
+        "last error: MSG_TIMED_OUT"
+    )
+
+
+def test_a_running_partition_has_one_line() -> None:
+    [row] = partition_lines(render_status(status()))
+    assert row.endswith("running")
