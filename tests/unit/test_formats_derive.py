@@ -24,6 +24,7 @@ from sink.formats.derive import derive_settings
 from sink.formats.registry import build_client
 from tests.unit.test_formats_avro import msgs, record_schema, serializer
 from tests.unit.test_formats_protobuf_json import make_order, order_class, order_file
+from tests.unit.test_settings import cli
 
 TOPIC = "orders"
 
@@ -383,3 +384,34 @@ def test_without_evolve_fields_the_table_lacks_are_logged_once_per_schema(
     assert warned[0]["schema_id"] == 2
     assert warned[0]["fields"] == ["qty (int32 -> int64)", "coupon (new, string)"]
     assert "table.evolve = true would add or widen" in warned[0]["hint"]
+
+
+def test_derived_columns_that_do_not_fit_the_settings_name_the_key(tmp_path: Path) -> None:
+    """`run` with derived columns the other settings refuse reports the key and its file,
+    as other configuration errors (it printed pydantic's raw validation error)."""
+    files = descriptor_pb2.FileDescriptorSet()
+    files.file.add().ParseFromString(timestamp_pb2.DESCRIPTOR.serialized_pb)
+    files.file.append(order_file())
+    (tmp_path / "shop.desc").write_bytes(files.SerializeToString())
+    config = tmp_path / "sink.toml"
+    config.write_text(
+        f"""
+[kafka]
+bootstrap_servers = "localhost:9092"
+topics = ["{TOPIC}"]
+
+[source]
+format = "protobuf"
+protobuf = {{ descriptor_set = "{tmp_path / "shop.desc"}", message = "shop.Order" }}
+
+[table]
+uri = "{tmp_path / "t.lance"}"
+primary_key = ["order_id"]
+"""
+    )
+    run = cli("run", "--config", str(config))
+    assert run.returncode == 2, run.stderr
+    assert (
+        f"table.primary_key (file {config}): 'order_id' is not a column of the table" in run.stderr
+    )
+    assert "pydantic" not in run.stderr
