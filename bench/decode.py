@@ -180,7 +180,7 @@ def run_decoder(
     do (several batches at once); with `processes` each of those threads hands its batches
     to a worker process of its own (``source.decode_processes``; closed at exit)."""
     decoder: Decoder | ProcessDecoder = (
-        ProcessDecoder(data.spec, SourceSettings(), evolve_derived=False, workers=workers)
+        ProcessDecoder(data.spec, SourceSettings(), schema_check="off", workers=workers)
         if processes
         else Decoder(data.spec, SourceSettings(), vector_fast_path=fast)
     )

@@ -176,6 +176,15 @@ def problem_at(
     return ConfigProblem(key, origin, reason)
 
 
+def validation_problems(
+    exc: ValidationError, path: Path | None = None, overrides: list[str] | None = None
+) -> list[ConfigProblem]:
+    """The problems of settings validated after loading (e.g. with columns derived from a
+    schema), with their origins worked out as `load_settings` does."""
+    file_data = read_config_file(path) if path is not None else {}
+    return _problems(exc, path, file_data, _overrides_data(overrides), os.environ)
+
+
 def _problems(
     exc: ValidationError,
     path: Path | None,

@@ -402,8 +402,10 @@ class TableSettings(_Section):
         "columns, a newer registry schema) have and the table lacks, as nullable columns "
         "(Lance schema evolution, no rewrite), and widen int32 to int64 and float32 to "
         "float64. With derived columns, a running sink that meets a writer schema with new "
-        "or widened fields restarts itself to evolve (docs/formats.md). Off: such a "
-        "difference stops the start with an error that says so.",
+        "or widened fields restarts itself to evolve (docs/formats.md). Off: a difference "
+        "between the settings and the table stops the start with an error that says so; "
+        "fields of a newer writer schema the derived columns lack are left out, logged once "
+        "per schema id (schema_fields_not_in_table).",
     )
 
     @field_validator("uri")

@@ -29,8 +29,16 @@ from typing import TYPE_CHECKING, Any, cast
 
 import confluent_kafka
 import structlog
+from pydantic import ValidationError
 
-from config import ConfigError, Settings, load_settings, problem_at, redacted
+from config import (
+    ConfigError,
+    Settings,
+    load_settings,
+    problem_at,
+    redacted,
+    validation_problems,
+)
 from engine.malloc import tune_malloc
 from sink import __version__
 from sink.log import configure_logging
@@ -277,6 +285,9 @@ def _run(args: argparse.Namespace) -> int:
         ids = tuple(int(i) for i in os.environ.pop(EVOLVE_SCHEMA_IDS_ENV, "").split(",") if i)
         try:
             derived_settings = _derive_waiting(settings, ids, early, log)
+        except ValidationError as exc:  # the derived columns do not fit the other settings
+            problems = validation_problems(exc, args.config, args.overrides)
+            raise ConfigError(problems) from exc
         except (LanceSinkError, LookupError, ValueError) as exc:
             log.error("startup_failed", error=str(exc), error_type=type(exc).__name__)
             print(f"lance-sink: cannot derive table.columns: {exc}", file=sys.stderr)

@@ -79,8 +79,9 @@ values are deserialized with the schema each names and columns read record paths
 like JSON paths; the reasons ``missing_magic_byte``, ``unknown_schema_id`` and
 ``not_matching_schema`` are theirs. A registry that cannot answer raises
 `sink.formats.RegistryUnavailable` out of `decode` (not the messages' fault); with derived
-columns and ``table.evolve`` a writer schema with new fields raises
-`sink.formats.SchemaEvolution`. Everything else below is the JSON format's.
+columns each new writer schema is fitted to the table's columns: with ``table.evolve`` one
+with new fields raises `sink.formats.SchemaEvolution`, without they are logged once.
+Everything else below is the JSON format's.
 
 How it is fast: the per-message Python work is reading the Message accessors. On a table
 with a vector column, values are parsed by `sink.vector_json` first (simdjson, each vector
@@ -139,7 +140,8 @@ from engine.schema import (
     TableSpec,
     arrow_type,
 )
-from sink.formats import Evolving, parse_records, record_format
+from sink.formats import SchemaCheck, SchemaCheckMode, parse_records, record_format
+from sink.formats.derive import Column
 from sink.formats.keys import KeyDecoder
 from sink.formats.records import FLOAT32_MAX, float32_beyond, to_float
 from sink.vector_json import VectorJson
@@ -398,8 +400,10 @@ class Decoder:
     Args:
         spec: the table's shape (`TableSpec.from_settings`).
         source: how messages become rows (`Settings.source`).
-        evolve_derived: registry formats with derived columns and ``table.evolve``: check
-            new writer schemas for new fields (`sink.formats.SchemaEvolution`).
+        schema_check: registry formats with derived columns: each new writer schema is
+            fitted to the table's columns; "evolve" (``table.evolve``) raises
+            `sink.formats.SchemaEvolution` for fields that would add or widen one, "warn"
+            logs them once per schema (`sink.formats.SchemaCheck`).
         vector_fast_path: parse vector tables' JSON with `sink.vector_json` first; False
             keeps every value on Arrow's reader (the reference the fast path is tested
             against).
@@ -414,7 +418,7 @@ class Decoder:
         spec: TableSpec,
         source: SourceSettings,
         *,
-        evolve_derived: bool = False,
+        schema_check: SchemaCheckMode = "off",
         vector_fast_path: bool = True,
     ) -> None:
         self._spec = spec
@@ -462,10 +466,13 @@ class Decoder:
         # Whether large batches of base64 vectors go to Arrow's reader (see `_parse`).
         self._base64_in_arrow = True
         self._read_schemas = {iso: self._read_schema(iso) for iso in (False, True)}
-        # Derived columns with table.evolve: new writer schemas are checked (sink.formats).
-        self._evolving = (
-            Evolving({c.path: c.type_name for c in self._json_columns})
-            if evolve_derived and self._records is not None
+        # Derived columns: new writer schemas are checked against all columns (sink.formats).
+        self._schema_check = (
+            SchemaCheck(
+                {c.name: Column(c.where, c.type_name) for c in self._columns},
+                evolve=schema_check == "evolve",
+            )
+            if schema_check != "off" and self._records is not None
             else None
         )
         # Vector tables in the JSON format: simdjson first, Arrow's reader for what it
@@ -649,7 +656,7 @@ class Decoder:
                 (path, c.type_name, f"{c.name!r} ({c.where})")
                 for path, c in self._path_columns.items()
             ]
-            parsed = parse_records(self._records, payloads, paths, self._evolving)
+            parsed = parse_records(self._records, payloads, paths, self._schema_check)
             early = {int(candidates[pos]): cast("_Fault", f) for pos, f in parsed.faults.items()}
             index = index[parsed.positions]
             leaves = parsed.leaves

@@ -48,6 +48,7 @@ from config.settings import SourceSettings
 from engine.malloc import set_mmap_threshold
 from engine.schema import TableSpec
 from sink.decode import Decoded, Decoder, MessageLike, freeze_gc, value_sizes
+from sink.formats import SchemaCheckMode
 
 log = structlog.get_logger("lance_sink.sink")
 
@@ -150,7 +151,9 @@ class _Message:
         return self._headers
 
 
-def _serve(conn: Connection, spec: TableSpec, source: SourceSettings, evolve: bool) -> None:
+def _serve(
+    conn: Connection, spec: TableSpec, source: SourceSettings, schema_check: SchemaCheckMode
+) -> None:
     """A worker: decode every batch that arrives until the pipe closes.
 
     A request is the pickled `_Batch` with the names of the request segment (holding its
@@ -163,7 +166,7 @@ def _serve(conn: Connection, spec: TableSpec, source: SourceSettings, evolve: bo
     # carries the 1 MiB mmap threshold here; a worker reuses a few large buffers per batch,
     # which a fresh mapping each time turns into page faults (measured: 12% slower).
     set_mmap_threshold(WORKER_MMAP_THRESHOLD)
-    decoder = Decoder(spec, source, evolve_derived=evolve)
+    decoder = Decoder(spec, source, schema_check=schema_check)
     freeze_gc()  # as the sink's loop does
     segments = _Attached()
     try:
@@ -317,12 +320,17 @@ class ProcessDecoder:
     """
 
     def __init__(
-        self, spec: TableSpec, source: SourceSettings, *, evolve_derived: bool, workers: int
+        self,
+        spec: TableSpec,
+        source: SourceSettings,
+        *,
+        schema_check: SchemaCheckMode,
+        workers: int,
     ) -> None:
         # Fail here, in the sink's process, on a mapping that can never work.
-        Decoder(spec, source, evolve_derived=evolve_derived)
+        Decoder(spec, source, schema_check=schema_check)
         self._ctx = multiprocessing.get_context("spawn")
-        self._args = (spec, source, evolve_derived)
+        self._args = (spec, source, schema_check)
         self._lock = threading.Lock()
         self._idle = [self._start(i) for i in range(workers)]
         self._all = list(self._idle)

@@ -56,7 +56,7 @@ from sink.decode import DeadLetter, Decoded, Decoder, freeze_gc
 from sink.decode_process import ProcessDecoder
 from sink.dlq import DeadLetterBatch, DeadLetterProducer
 from sink.dlq import producer_conf as dlq_producer_conf
-from sink.formats import RegistryUnavailable, SchemaEvolution
+from sink.formats import RegistryUnavailable, SchemaCheckMode, SchemaEvolution
 from sink.http import ServerHandle, create_query_app, run_server
 from sink.kafka_conf import kafka_security_conf, lag_confs
 from sink.lag import PartitionOffsets, PausedEnds, unindexed_rows
@@ -243,16 +243,18 @@ class SinkService:
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.engine = engine or Engine.from_settings(settings, events=self.metrics)
-        evolve = derived_columns and settings.table.evolve
+        schema_check: SchemaCheckMode = (
+            "off" if not derived_columns else "evolve" if settings.table.evolve else "warn"
+        )
         self.decoder: Decoder | ProcessDecoder = (
             ProcessDecoder(
                 self.engine.spec,
                 settings.source,
-                evolve_derived=evolve,
+                schema_check=schema_check,
                 workers=settings.source.decode_workers,
             )
             if settings.source.decode_processes
-            else Decoder(self.engine.spec, settings.source, evolve_derived=evolve)
+            else Decoder(self.engine.spec, settings.source, schema_check=schema_check)
         )
         # Set when a writer schema needs the table evolved: `run` drains and returns
         # EXIT_RESTART_TO_EVOLVE (see `_evolution_needed`).

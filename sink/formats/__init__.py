@@ -13,26 +13,37 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 import pyarrow as pa
+import structlog
 
 from config.settings import REGISTRY_FORMATS, SourceSettings
 from engine.errors import ControlFlow, RetriableError
 from sink.formats.records import Fault, column_values, to_column
 
+if TYPE_CHECKING:
+    from sink.formats.derive import Column
+
 __all__ = [
-    "Evolving",
     "RecordColumns",
     "RecordFormat",
     "RegistryUnavailable",
+    "SchemaCheck",
+    "SchemaCheckMode",
     "SchemaEvolution",
     "parse_records",
     "record_format",
 ]
 
 Path = tuple[str, ...]
+
+log = structlog.get_logger("lance_sink.formats")
+
+#: How new writer schemas are checked (`SchemaCheck`): not at all (configured columns,
+#: JSON), logged (derived columns), or evolving the table (derived, ``table.evolve``).
+SchemaCheckMode = Literal["off", "warn", "evolve"]
 
 
 class RegistryUnavailable(RetriableError):
@@ -56,12 +67,19 @@ class SchemaEvolution(ControlFlow):
 
 
 @dataclass
-class Evolving:
-    """What `parse_records` checks each new writer schema against (derived columns with
-    ``table.evolve``): the record paths the table's columns read, with their types.
-    Writer schemas found to need nothing are remembered (shared by the decode threads)."""
+class SchemaCheck:
+    """What `parse_records` checks each new writer schema against (derived columns): the
+    table's columns (`sink.formats.derive.fit_leaves` fits the schema's fields to them).
 
-    column_types: dict[tuple[str, ...], str]
+    With `evolve` (``table.evolve``) a schema with fields that would add or widen a column
+    raises `SchemaEvolution`; without, those fields are logged once per schema id
+    (``schema_fields_not_in_table``) and not read. Fields that get no column are logged once
+    per schema id (``schema_field_skipped``). Schemas checked (all but those that raised)
+    are remembered, shared by the decode threads.
+    """
+
+    columns: dict[str, Column]
+    evolve: bool
     checked: set[bytes] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -143,19 +161,19 @@ def parse_records(
     fmt: RecordFormat,
     payloads: Sequence[bytes],
     paths: Sequence[tuple[Path, str, str]],
-    evolving: Evolving | None = None,
+    check: SchemaCheck | None = None,
 ) -> RecordColumns:
     """Decode payloads with `fmt` and build a column for each ``(path, type, describe)``.
 
     Raises:
         RegistryUnavailable: from `fmt`.
-        SchemaEvolution: (with `evolving`) a decoded payload's writer schema has fields the
-            table lacks or widens one.
+        SchemaEvolution: (with a `check` that evolves) a decoded payload's writer schema
+            has fields the table lacks or widens one.
     """
     if len(payloads) <= _CHUNK:
-        return _parse_chunk(fmt, payloads, paths, evolving)
+        return _parse_chunk(fmt, payloads, paths, check)
     parts = [
-        _parse_chunk(fmt, payloads[start : start + _CHUNK], paths, evolving)
+        _parse_chunk(fmt, payloads[start : start + _CHUNK], paths, check)
         for start in range(0, len(payloads), _CHUNK)
     ]
     faults: dict[int, Fault] = {}
@@ -178,12 +196,12 @@ def _parse_chunk(
     fmt: RecordFormat,
     payloads: Sequence[bytes],
     paths: Sequence[tuple[Path, str, str]],
-    evolving: Evolving | None,
+    check: SchemaCheck | None,
 ) -> RecordColumns:
     """`parse_records` of up to `_CHUNK` payloads."""
     positions, records, faults = fmt.records(payloads)
-    if evolving is not None:
-        _check_writer_schemas(fmt, [payloads[p] for p in positions], evolving)
+    if check is not None:
+        _check_writer_schemas(fmt, [payloads[p] for p in positions], check)
     if set(map(type, records)) - {dict}:
         not_records = [i for i, r in enumerate(records) if not isinstance(r, dict)]
         for i in not_records:
@@ -211,22 +229,44 @@ def _parse_chunk(
 _HEADER_BYTES = 5
 
 
-def _check_writer_schemas(fmt: RecordFormat, payloads: list[bytes], evolving: Evolving) -> None:
-    """Raise `SchemaEvolution` if a writer schema among `payloads` needs the table evolved."""
-    from sink.formats.derive import evolution_needed  # noqa: PLC0415
+def _check_writer_schemas(fmt: RecordFormat, payloads: list[bytes], check: SchemaCheck) -> None:
+    """Fit each writer schema among `payloads` not checked yet to the table's columns:
+    raise `SchemaEvolution` if one needs the table evolved and `check.evolve`, else log what
+    the table will not hold, once per schema."""
+    from sink.formats.derive import fit_leaves  # noqa: PLC0415
 
     new = {p[:_HEADER_BYTES]: p for p in payloads} if payloads else {}
     needs: dict[int, list[str]] = {}
     for header, payload in new.items():
-        if header in evolving.checked:
+        if header in check.checked:
             continue
         leaves = fmt.writer_leaves(payload)
-        fields = [] if leaves is None else evolution_needed(leaves, evolving.column_types)
-        if fields:
-            needs[int.from_bytes(header[1:], "big")] = fields
-        else:
-            with evolving.lock:
-                evolving.checked.add(header)
+        fit = None if leaves is None else fit_leaves(leaves, check.columns)
+        schema_id = int.from_bytes(header[1:], "big")
+        if fit is not None and fit.changes and check.evolve:
+            needs[schema_id] = fit.changes
+            continue
+        with check.lock:
+            if header in check.checked:
+                continue
+            check.checked.add(header)
+        if fit is None:
+            continue
+        for name, type_name, reason in fit.skipped:
+            log.warning(
+                "schema_field_skipped",
+                schema_id=schema_id,
+                field=name,
+                type=type_name,
+                reason=reason,
+            )
+        if fit.changes:
+            log.warning(
+                "schema_fields_not_in_table",
+                schema_id=schema_id,
+                fields=fit.changes,
+                hint="not read; table.evolve = true would add or widen their columns",
+            )
     if needs:
         what = "; ".join(f"schema id {i}: {', '.join(f)}" for i, f in sorted(needs.items()))
         raise SchemaEvolution(f"writer schemas need the table evolved: {what}", tuple(needs))

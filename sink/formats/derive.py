@@ -7,23 +7,29 @@ the engine opens the table:
   (TopicNameStrategy: ``<topic>-value``), or, for protobuf without a registry, from the
   descriptor set's message;
 - the table exists: from the table's own columns, so a later start never depends on
-  what producers registered since (``table.evolve`` adds new fields then: see
-  `sink.formats.derive.new_fields`).
+  what producers registered since (``table.evolve`` adds new fields then).
+
+`fit_leaves` is the one rule of which schema fields the table's columns read, which
+fields would add or widen a column, and which are skipped; the check of each new writer
+schema while running (`sink.formats`) uses it too, so what the check finds missing is
+exactly what a restart's derivation adds.
 
 Every derived column is nullable (a field of today's schema may be gone from tomorrow's).
 A nested record's fields become columns named ``<parent>__<field>`` read from
 ``$.parent.field``. Fields that map to no column type (arrays other than the vector
-column, maps, unions of several types, names Lance columns cannot have) are skipped and
-logged. The full mapping is in docs/formats.md.
+column, maps, unions of several types), whose derived name a Lance column cannot have or
+would read another field (a field ``a__b`` would be read from ``$.a.b``), or whose name is
+taken by a column that reads something else are skipped and logged. The full mapping is
+in docs/formats.md.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
-import lance
 import pyarrow as pa
 import structlog
 
@@ -31,7 +37,14 @@ from config.settings import Settings
 from engine.schema import SOURCE_COLUMNS, arrow_type
 from sink.formats import RegistryUnavailable
 
-__all__ = ["EVOLVE_SCHEMA_IDS_ENV", "derive_settings", "evolution_needed", "schema_columns"]
+__all__ = [
+    "EVOLVE_SCHEMA_IDS_ENV",
+    "Column",
+    "Fit",
+    "derive_settings",
+    "fit_leaves",
+    "schema_columns",
+]
 
 #: Schema ids a sink that restarted to evolve (`SchemaEvolution`) met in its messages: their
 #: fields are added too, so the restart cannot repeat (the writer schema need not be the
@@ -102,55 +115,224 @@ _PROTO_WELL_KNOWN: Final = {
     "google.protobuf.BytesValue": "binary",
 }
 
-Leaf = tuple[tuple[str, ...], str | None]  # (path, column type or None = skipped)
+Path = tuple[str, ...]
+Leaf = tuple[Path, str | None]  # (path, column type or None = skipped)
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """A column of a table with derived columns, as a schema's leaves are fitted to it.
+
+    Attributes:
+        source: what it reads, as ``source.columns`` writes it (``$.customer.id``,
+            ``@timestamp``).
+        type_name: its type name (``vector`` for ``table.vector``); None for a column
+            ``source.columns`` maps that the table does not have yet: the leaf its path
+            reads gives the type.
+        nullable: as in the table (a derived column is nullable).
+    """
+
+    source: str
+    type_name: str | None
+    nullable: bool = True
+
+    @property
+    def path(self) -> Path | None:
+        """The record path it reads; None for Kafka metadata and decoded keys."""
+        return tuple(self.source[2:].split(".")) if self.source.startswith("$.") else None
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """What a schema's leaves make of a table's columns (`fit_leaves`).
+
+    Attributes:
+        columns: the table's columns, typed or widened by the leaves, then the new ones.
+        changes: the leaves that add or widen a column, described for logs and errors
+            (``customer.id (int32 -> int64)``, ``coupon (new, string)``).
+        skipped: the leaves that get no column, as ``(field, type, reason)``.
+    """
+
+    columns: dict[str, Column]
+    changes: list[str]
+    skipped: list[tuple[str, str | None, str]]
+
+
+def fit_leaves(leaves: list[Leaf], columns: dict[str, Column]) -> Fit:
+    """Fit a schema's leaves to a table's columns (by name). The one rule of both
+    `derive_settings`, which creates and evolves the table, and the check of each new
+    writer schema while running (`sink.formats`): what the check finds missing is what a
+    derivation adds, so a restart to evolve cannot repeat for the same schema.
+
+    A leaf a column reads (by its derived or its mapped path) types that column when it
+    has no type yet, and widens it (int32 -> int64, float32 -> float64); another type
+    change is no change (such values are ``wrong_type`` dead letters). Any other leaf
+    gets a new column named ``<parent>__<field>``, unless it has no column type, the name
+    would not read the leaf back (``a__b`` reads ``$.a.b``, never a field ``a__b``), or a
+    column of that name reads something else: then the leaf is skipped, with the reason.
+    """
+    out = dict(columns)
+    reads = {c.path: name for name, c in out.items() if c.path is not None}
+    changes: list[str] = []
+    skipped: dict[tuple[str, str | None], str] = {}
+    for path, type_name in leaves:
+        field = ".".join(path)
+        name = reads.get(path)
+        if name is not None:
+            have = out[name].type_name
+            if have is None or (have, type_name) in _WIDEN_NAMES:
+                out[name] = replace(out[name], type_name=type_name)
+                if have is not None:
+                    changes.append(f"{field} ({have} -> {type_name})")
+            continue
+        name = NESTED.join(path)
+        reason = _no_column(path, type_name, name, out)
+        if reason is not None:
+            skipped[field, type_name] = reason
+            continue
+        out[name] = Column("$." + field, type_name)
+        reads[path] = name
+        changes.append(f"{field} (new, {type_name})")
+    return Fit(out, changes, [(f, t, reason) for (f, t), reason in skipped.items()])
+
+
+def _no_column(
+    path: Path, type_name: str | None, name: str, columns: dict[str, Column]
+) -> str | None:
+    """Why the leaf `path` gets no column `name` of its own (None: it gets one)."""
+    if type_name is None:
+        return (
+            "its type has no column type (arrays, maps, unions of several types, times of "
+            "day); to keep a value inside it, declare table.columns and map the path with "
+            "source.columns"
+        )
+    field = ".".join(path)
+    mapping = f'map it to a column of another name in source.columns (NAME = "$.{field}")'
+    if name.startswith("_"):
+        return (
+            f"{name!r}: names starting with '_' are reserved for the sink's own columns "
+            f"({', '.join(SOURCE_COLUMNS)}); {mapping}"
+        )
+    if not name[:1].isalpha() or not set(name) <= _NAME_OK:
+        return f"{name!r} is not a column name; {mapping}"
+    named = tuple(name.split(NESTED))
+    if named != path:
+        return f"a column named {name} reads $.{'.'.join(named)}; {mapping}"
+    if name in columns:
+        return f"column {name} reads {columns[name].source}; {mapping}"
+    return None
 
 
 def derive_settings(settings: Settings, schema_ids: tuple[int, ...] = ()) -> Settings:
     """`settings` with ``table.columns`` derived (unchanged when columns are configured).
 
-    With ``table.evolve`` and an existing table, the fields of the subject's latest schema
-    (and of `schema_ids`) that the table lacks are added and widened types applied; the
-    engine then evolves the table when it opens it. A registry that cannot answer then
-    leaves the table's columns as they are (logged): the sink starts, and evolves when a
-    message needs it.
+    With ``table.evolve`` and an existing table, the leaves of the subject's latest schema
+    (and of `schema_ids`) are fitted to the table's columns (`fit_leaves`): new fields are
+    added, widened types applied, columns ``source.columns`` maps and the table lacks
+    added; the engine then evolves the table when it opens it. A registry that cannot
+    answer then leaves the table's columns as they are (logged): the sink starts, and
+    evolves when a message needs it.
 
     Raises:
-        ValueError: no usable column could be derived, or the result is not valid
-            settings (e.g. the primary key names a field the schema lacks).
+        ValueError: no usable column could be derived, a mapped column's type is not given
+            by the schema, or the result is not valid settings (e.g. the primary key names
+            a field the schema lacks).
         LookupError: the subject is not in the registry.
         sink.formats.RegistryUnavailable: the registry could not answer for a table that
-            does not exist yet.
+            does not exist yet, or for the type of a column ``source.columns`` newly maps.
     """
     if settings.table.columns:
         return settings
+    configured = _configured_columns(settings)
     existing = _table_schema(settings)
-    if existing is not None:
-        columns, sources = _from_table(existing, settings)
+    if existing is None:
+        origin = "schema"
+        fit = _fit(schema_columns(settings), configured)
+        # The schema's columns in its order, then the mapped ones.
+        columns = {n: c for n, c in fit.columns.items() if n not in configured}
+        columns.update((n, fit.columns[n]) for n in configured)
+    else:
         origin = "table"
+        columns = _from_table(existing, settings)
         if settings.table.evolve:
+            mapped = {n: c for n, c in configured.items() if n not in columns}
             try:
                 leaves = schema_columns(settings, schema_ids)
             except RegistryUnavailable as exc:
-                # The table's columns suffice to start: a message whose writer schema has
-                # fields they lack restarts the sink to evolve once the registry answers.
+                # The table's columns suffice to start (a message whose writer schema has
+                # fields they lack restarts the sink to evolve once the registry answers),
+                # unless a newly mapped column needs the schema for its type.
+                if any(c.type_name is None for c in mapped.values()):
+                    raise
                 log.warning("registry_unavailable_at_start", error=str(exc), columns="table")
+                columns |= mapped
             else:
-                columns, sources = _merge(columns, sources, *_from_leaves(leaves, settings))
-    else:
-        leaves = schema_columns(settings)
-        columns, sources = _from_leaves(leaves, settings)
-        columns += _mapped_columns(settings, leaves, columns)
-        origin = "schema"
+                columns = _fit(leaves, columns | mapped).columns
+    if settings.table.vector is not None:
+        columns.pop(settings.table.vector.column, None)  # table.vector declares it
+    for name, column in columns.items():
+        if column.type_name is None:
+            raise ValueError(
+                f"source.columns maps {name!r} to {column.source!r}, whose type the schema "
+                "does not give; declare table.columns"
+            )
     if not columns:
         raise ValueError(f"no column could be derived from the {origin} for table.columns")
-    log.info("table_columns_derived", origin=origin, columns=[c["name"] for c in columns])
+    log.info("table_columns_derived", origin=origin, columns=list(columns))
     data = settings.model_dump()
-    data["table"]["columns"] = columns
+    data["table"]["columns"] = [
+        {"name": n, "type": c.type_name, "nullable": c.nullable} for n, c in columns.items()
+    ]
+    sources = {n: c.source for n, c in columns.items() if c.source != "$." + n}
     data["source"]["columns"] = {**sources, **settings.source.columns}
     return Settings.model_validate(data)
 
 
+def _fit(leaves: list[Leaf], columns: dict[str, Column]) -> Fit:
+    """`fit_leaves`, logging the leaves skipped."""
+    fit = fit_leaves(leaves, columns)
+    for field, type_name, reason in fit.skipped:
+        log.warning("schema_field_skipped", field=field, type=type_name, reason=reason)
+    return fit
+
+
+#: Column types of the Kafka metadata sources a mapped column may read.
+_METADATA_TYPES: Final = {
+    "@timestamp": "timestamp",
+    "@topic": "string",
+    "@partition": "int32",
+    "@offset": "int64",
+}
+
+
+def _configured_columns(settings: Settings) -> dict[str, Column]:
+    """The columns the settings name: those ``source.columns`` maps, typed by the Kafka
+    metadata they read (raw keys, values and headers are binary) or, for a record path,
+    left for the schema's leaf to type; and the vector column."""
+    raw_key = settings.source.key_format == "raw"
+    out: dict[str, Column] = {}
+    for name, src in settings.source.columns.items():
+        if src.startswith("$."):
+            type_name = None
+        elif src in _METADATA_TYPES:
+            type_name = _METADATA_TYPES[src]
+        elif src == "@value" or src.startswith("@headers.") or (src == "@key" and raw_key):
+            type_name = "binary"
+        else:
+            type_name = None  # a field of a decoded key: declare the column in the settings
+        out[name] = Column(src, type_name)
+    vector = settings.table.vector
+    if vector is not None:
+        out[vector.column] = Column(
+            settings.source.columns.get(vector.column, "$." + vector.column), "vector"
+        )
+    return out
+
+
 def _table_schema(settings: Settings) -> pa.Schema | None:
+    # Lance loads here only: the decoder imports this module for `fit_leaves`.
+    import lance  # noqa: PLC0415
+
     options = {k: v.get_secret_value() for k, v in settings.table.storage_options.items()}
     try:
         return lance.dataset(settings.table.uri, storage_options=options).schema
@@ -158,23 +340,22 @@ def _table_schema(settings: Settings) -> pa.Schema | None:
         return None
 
 
-def _from_table(
-    schema: pa.Schema, settings: Settings
-) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    vector = settings.table.vector.column if settings.table.vector is not None else None
+def _from_table(schema: pa.Schema, settings: Settings) -> dict[str, Column]:
+    """The table's columns (and its vector column), reading what ``source.columns`` maps
+    them to, else what their derived name reads (``a__b``: ``$.a.b``)."""
+    vector = settings.table.vector
     names = {arrow_type(n): n for n in _TYPE_NAMES}
-    columns: list[dict[str, Any]] = []
-    sources: dict[str, str] = {}
+    columns: dict[str, Column] = {}
     for field in schema:
-        if field.name in SOURCE_COLUMNS or field.name == vector:
+        if vector is not None and field.name == vector.column:
+            type_name: str | None = "vector"
+        else:
+            type_name = next((n for t, n in names.items() if t.equals(field.type)), None)
+        if field.name in SOURCE_COLUMNS or type_name is None:
             continue
-        type_name = next((n for t, n in names.items() if t.equals(field.type)), None)
-        if type_name is None:
-            continue
-        columns.append({"name": field.name, "type": type_name, "nullable": field.nullable})
-        if NESTED in field.name:
-            sources[field.name] = "$." + field.name.replace(NESTED, ".")
-    return columns, sources
+        src = settings.source.columns.get(field.name, "$." + field.name.replace(NESTED, "."))
+        columns[field.name] = Column(src, type_name, field.nullable)
+    return columns
 
 
 _TYPE_NAMES: Final = (
@@ -187,136 +368,6 @@ _TYPE_NAMES: Final = (
     "binary",
     "timestamp",
 )
-
-
-def _merge(
-    columns: list[dict[str, Any]],
-    sources: dict[str, str],
-    new_columns: list[dict[str, Any]],
-    new_sources: dict[str, str],
-) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """The table's columns plus the schema's new ones, widened where the schema widens."""
-    by_name = {c["name"]: c for c in columns}
-    for column in new_columns:
-        old = by_name.get(column["name"])
-        if old is None:
-            columns.append(column)
-            by_name[column["name"]] = column
-            if column["name"] in new_sources:
-                sources[column["name"]] = new_sources[column["name"]]
-        elif (old["type"], column["type"]) in _WIDEN_NAMES:
-            old["type"] = column["type"]
-    return columns, sources
-
-
-def evolution_needed(leaves: list[Leaf], column_types: dict[tuple[str, ...], str]) -> list[str]:
-    """The fields of a writer schema (`leaves`) that derived columns would add or widen,
-    given the record paths the table's columns read (`column_types`); empty if none."""
-    out: list[str] = []
-    for path, type_name in leaves:
-        name = _column_name(path, type_name)
-        if name is None:
-            continue
-        have = column_types.get(path)
-        if have is None:
-            out.append(f"{'.'.join(path)} (new, {type_name})")
-        elif (have, type_name) in _WIDEN_NAMES:
-            out.append(f"{'.'.join(path)} ({have} -> {type_name})")
-    return out
-
-
-def _column_name(path: tuple[str, ...], type_name: str | None) -> str | None:
-    """The derived column of a schema leaf, or None when it gets none."""
-    name = NESTED.join(path)
-    if type_name is None or not name[:1].isalpha() or not set(name) <= _NAME_OK:
-        return None
-    return name
-
-
-#: Column types of the Kafka metadata sources a mapped column may read.
-_METADATA_TYPES: Final = {
-    "@timestamp": "timestamp",
-    "@topic": "string",
-    "@partition": "int32",
-    "@offset": "int64",
-}
-
-
-def _mapped_columns(
-    settings: Settings, leaves: list[Leaf], columns: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """Columns ``source.columns`` names that the schema's leaves did not give: typed by the
-    leaf their record path reads, or by the Kafka metadata they read (raw keys, values and
-    headers are binary)."""
-    have = {c["name"] for c in columns}
-    if settings.table.vector is not None:
-        have.add(settings.table.vector.column)
-    types = dict(leaves)
-    raw_key = settings.source.key_format == "raw"
-    out: list[dict[str, Any]] = []
-    for name, src in settings.source.columns.items():
-        if name in have:
-            continue
-        if src.startswith("$."):
-            type_name = types.get(tuple(src[2:].split(".")))
-        elif src in _METADATA_TYPES:
-            type_name = _METADATA_TYPES[src]
-        elif src == "@value" or src.startswith("@headers.") or (src == "@key" and raw_key):
-            type_name = "binary"
-        else:
-            type_name = None  # a field of a decoded key: declare the column in the settings
-        if type_name is None:
-            raise ValueError(
-                f"source.columns maps {name!r} to {src!r}, whose type the schema does not "
-                "give; declare table.columns"
-            )
-        out.append({"name": name, "type": type_name, "nullable": True})
-    return out
-
-
-def _from_leaves(
-    leaves: list[Leaf], settings: Settings
-) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    vector = settings.table.vector.column if settings.table.vector is not None else None
-    mapped = {tuple(s[2:].split(".")) for s in settings.source.columns.values() if s[:2] == "$."}
-    columns: list[dict[str, Any]] = []
-    sources: dict[str, str] = {}
-    for path, type_name in leaves:
-        if path == (vector,) or path in mapped:
-            continue  # the vector, or a path a configured mapping reads into its own column
-        name = _column_name(path, type_name)
-        if name is None:
-            log.warning(
-                "schema_field_skipped",
-                field=".".join(path),
-                type=type_name,
-                reason=_skipped_because(path, type_name),
-            )
-            continue
-        columns.append({"name": name, "type": type_name, "nullable": True})
-        if len(path) > 1:
-            sources[name] = "$." + ".".join(path)
-    return columns, sources
-
-
-def _skipped_because(path: tuple[str, ...], type_name: str | None) -> str:
-    """Why the schema leaf `path` gets no derived column (`_column_name` gave None)."""
-    if type_name is None:
-        return (
-            "its type has no column type (arrays, maps, unions of several types, times of "
-            "day); to keep a value inside it, declare table.columns and map the path with "
-            "source.columns"
-        )
-    name = NESTED.join(path)
-    if name.startswith("_"):
-        return (
-            f"{name!r}: names starting with '_' are reserved for the sink's own columns "
-            f"({', '.join(SOURCE_COLUMNS)}); map the field to another column with source.columns"
-        )
-    return (
-        f"{name!r} is not a column name (a letter, then letters, digits and '_'); map the "
-        "field to one with source.columns"
-    )
 
 
 def schema_columns(settings: Settings, schema_ids: tuple[int, ...] = ()) -> list[Leaf]:

@@ -103,7 +103,7 @@ def same(a: Decoded, b: Decoded) -> None:
 @pytest.fixture
 def decoders(tmp_path: Path) -> Iterator[tuple[Decoder, ProcessDecoder]]:
     table = spec(tmp_path)
-    processes = ProcessDecoder(table, SourceSettings(), evolve_derived=False, workers=2)
+    processes = ProcessDecoder(table, SourceSettings(), schema_check="off", workers=2)
     try:
         yield Decoder(table, SourceSettings()), processes
     finally:
@@ -159,7 +159,7 @@ def test_an_unreachable_registry_is_raised_in_the_callers_thread(tmp_path: Path)
         }
     )
     table = spec(tmp_path)
-    processes = ProcessDecoder(table, source, evolve_derived=False, workers=1)
+    processes = ProcessDecoder(table, source, schema_check="off", workers=1)
     try:
         framed = b"\x00" + (42).to_bytes(4, "big") + b"\x02"
         with pytest.raises(RegistryUnavailable) as caught:
@@ -199,7 +199,7 @@ def test_a_killed_worker_is_replaced(
 
 
 def test_close_stops_the_workers_and_frees_the_shared_memory(tmp_path: Path) -> None:
-    processes = ProcessDecoder(spec(tmp_path), SourceSettings(), evolve_derived=False, workers=2)
+    processes = ProcessDecoder(spec(tmp_path), SourceSettings(), schema_check="off", workers=2)
     processes.decode(corpus(50))
     workers = list(processes._all)
     names = [s.name for w in workers for s in (w.request, w.response)]
@@ -225,7 +225,7 @@ def test_nothing_is_left_when_the_sinks_process_is_sigkilled(tmp_path: Path) -> 
 
         if __name__ == "__main__":
             table = spec(Path({str(tmp_path)!r}))
-            d = ProcessDecoder(table, SourceSettings(), evolve_derived=False, workers=2)
+            d = ProcessDecoder(table, SourceSettings(), schema_check="off", workers=2)
             d.decode(corpus(50))
             names = [s.name for w in d._all for s in (w.request, w.response)]
             pids = [w.process.pid for w in d._all]
@@ -255,7 +255,7 @@ def test_nothing_is_left_when_the_sinks_process_is_sigkilled(tmp_path: Path) -> 
 def test_a_mapping_that_cannot_work_fails_in_the_sinks_process(tmp_path: Path) -> None:
     source = SourceSettings.model_validate({"columns": {"nope": "$.x"}})
     with pytest.raises(ValueError, match="unknown table columns"):
-        ProcessDecoder(spec(tmp_path), source, evolve_derived=False, workers=1)
+        ProcessDecoder(spec(tmp_path), source, schema_check="off", workers=1)
 
 
 class _Unpicklable(Exception):

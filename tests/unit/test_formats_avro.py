@@ -242,7 +242,7 @@ def test_writer_schemas_needing_evolution_are_signalled() -> None:
     change is a dead letter per message naming the field."""
     reg = registry()
     spec = spec_for()
-    dec = Decoder(spec, SourceSettings(**source(reg)), evolve_derived=True)
+    dec = Decoder(spec, SourceSettings(**source(reg)), schema_check="evolve")
     same = serializer(reg, record_schema(*BASE))({"id": "a", "n": 1, "vec": [0.0] * 4})
     assert dec.decode(msgs(same)).batch is not None
     added = serializer(reg, record_schema(*BASE, {"name": "extra", "type": "int"}))

@@ -10,6 +10,7 @@ from typing import Any
 
 import lance
 import pytest
+import structlog
 from confluent_kafka.schema_registry import Schema
 from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
@@ -17,9 +18,13 @@ from google.protobuf import descriptor_pb2, timestamp_pb2
 
 from config.settings import SchemaRegistrySettings, Settings
 from engine.schema import TableSpec
+from sink.decode import Decoder
+from sink.formats import SchemaEvolution
 from sink.formats.derive import derive_settings
 from sink.formats.registry import build_client
+from tests.unit.test_formats_avro import msgs, record_schema, serializer
 from tests.unit.test_formats_protobuf_json import make_order, order_class, order_file
+from tests.unit.test_settings import cli
 
 TOPIC = "orders"
 
@@ -238,3 +243,175 @@ def test_mapped_columns_join_the_derived_ones(tmp_path: Path) -> None:
     source["columns"] = {"k": "$.nowhere"}
     with pytest.raises(ValueError, match=r"'k' to '\$\.nowhere', whose type the schema does not"):
         derive_settings(settings(tmp_path, source))
+
+
+def create_table(derived: Settings) -> None:
+    lance.write_dataset(
+        TableSpec.from_settings(derived.table).table_schema.empty_table(), derived.table.uri
+    )
+
+
+def running_check(derived: Settings) -> Decoder:
+    """The decoder a sink started with `derived` settings runs, checking writer schemas."""
+    return Decoder(TableSpec.from_settings(derived.table), derived.source, schema_check="evolve")
+
+
+VEC = {"name": "vec", "type": "bytes"}
+
+
+def test_evolve_widens_a_column_source_columns_maps(tmp_path: Path) -> None:
+    """A newer schema that widens a field ``source.columns`` maps: the check while running
+    asks for the widening, the restart's derivation widens the mapped column, and the check
+    then asks for nothing (it widened only columns named like the field: a restart loop)."""
+    customer = {"type": "record", "name": "Customer", "fields": [{"name": "id", "type": "int"}]}
+    v1 = record_schema(
+        {"name": "id", "type": "string"}, {"name": "customer", "type": customer}, VEC
+    )
+    reg = registered(v1, "AVRO")
+    source = {
+        "format": "avro",
+        "schema_registry": reg,
+        "columns": {"customer_id": "$.customer.id"},
+    }
+    first = derive_settings(settings(tmp_path, source, evolve=True))
+    assert columns(first) == {"id": ("string", True), "customer_id": ("int32", True)}
+    create_table(first)
+    wider = {**customer, "fields": [{"name": "id", "type": "long"}]}
+    v2 = record_schema({"name": "id", "type": "string"}, {"name": "customer", "type": wider}, VEC)
+    value = serializer(reg, v2)({"id": "b", "customer": {"id": 5_000_000_000}, "vec": bytes(16)})
+    with pytest.raises(SchemaEvolution, match=r"customer\.id \(int32 -> int64\)") as info:
+        running_check(first).decode(msgs(value))
+    evolved = derive_settings(settings(tmp_path, source, evolve=True), info.value.schema_ids)
+    assert columns(evolved) == {"id": ("string", True), "customer_id": ("int64", True)}
+    batch = running_check(evolved).decode(msgs(value)).batch
+    assert batch is not None
+    assert batch.column("customer_id").to_pylist() == [5_000_000_000]
+
+
+def skipped_fields(logs: list[dict[str, Any]]) -> dict[str, str]:
+    return {e["field"]: e["reason"] for e in logs if e["event"] == "schema_field_skipped"}
+
+
+def test_a_field_named_like_a_nested_column_is_skipped_not_a_restart_loop(
+    tmp_path: Path,
+) -> None:
+    """A newer field ``a__b`` beside the column ``a__b`` (which reads ``$.a.b``) gets no
+    column: the check while running does not ask for it (it did, and the restart's
+    derivation skipped it silently: a restart loop); both log why and how to map it."""
+    inner = {"type": "record", "name": "A", "fields": [{"name": "b", "type": "int"}]}
+    fields = [{"name": "id", "type": "string"}, {"name": "a", "type": inner}, VEC]
+    reg = registered(record_schema(*fields), "AVRO")
+    source = {"format": "avro", "schema_registry": reg}
+    first = derive_settings(settings(tmp_path, source, evolve=True))
+    assert first.source.columns == {"a__b": "$.a.b"}
+    create_table(first)
+    flat = {"name": "a__b", "type": ["null", "string"], "default": None}
+    v2 = serializer(reg, record_schema(*fields, flat))
+    value = v2({"id": "x", "a": {"b": 7}, "vec": bytes(16), "a__b": "flat"})
+    with structlog.testing.capture_logs() as logs:
+        batch = running_check(first).decode(msgs(value)).batch
+    assert batch is not None
+    assert batch.column("a__b").to_pylist() == [7]
+    why = skipped_fields(logs)["a__b"]
+    assert why.startswith("a column named a__b reads $.a.b; map it")
+    assert '(NAME = "$.a__b")' in why
+    with structlog.testing.capture_logs() as logs:
+        again = derive_settings(settings(tmp_path, source, evolve=True))
+    assert columns(again) == columns(first)
+    assert skipped_fields(logs)["a__b"] == why
+
+
+def test_a_field_named_like_a_nested_column_at_creation(tmp_path: Path) -> None:
+    """Both in the first schema: the nested field gets the column, the other is skipped and
+    logged (the settings had two columns a__b: a raw validation error at start-up)."""
+    inner = {"type": "record", "name": "A", "fields": [{"name": "b", "type": "int"}]}
+    flat = {"name": "a__b", "type": "string"}
+    reg = registered(record_schema(flat, {"name": "a", "type": inner}, VEC), "AVRO")
+    with structlog.testing.capture_logs() as logs:
+        derived = derive_settings(settings(tmp_path, {"format": "avro", "schema_registry": reg}))
+    assert columns(derived) == {"a__b": ("int32", True)}
+    assert derived.source.columns == {"a__b": "$.a.b"}
+    assert "a column named a__b reads $.a.b" in skipped_fields(logs)["a__b"]
+
+
+def test_a_top_level_field_named_with_the_separator_is_mapped_not_derived(
+    tmp_path: Path,
+) -> None:
+    """A field ``x__y`` cannot be a derived column (a later start reads ``x__y`` from
+    ``$.x.y``: it read the field at the first start, then nothing); mapped in
+    ``source.columns`` it is a column."""
+    reg = registered(record_schema({"name": "x__y", "type": "int"}, VEC), "AVRO")
+    src: dict[str, Any] = {"format": "avro", "schema_registry": reg}
+    with pytest.raises(ValueError, match="no column could be derived from the schema"):
+        derive_settings(settings(tmp_path, src))
+    src["columns"] = {"x_y": "$.x__y"}
+    derived = derive_settings(settings(tmp_path, src))
+    create_table(derived)
+    again = derive_settings(settings(tmp_path, src))
+    assert columns(again) == {"x_y": ("int32", True)}
+    assert again.source.columns == {"x_y": "$.x__y"}
+
+
+def test_without_evolve_fields_the_table_lacks_are_logged_once_per_schema(
+    tmp_path: Path,
+) -> None:
+    """Derived columns, ``table.evolve = false``: a writer schema with a new field and a
+    widened one is decoded as before (the new field not read, a value beyond the column
+    a dead letter), and one warning per schema id names both and the setting that would
+    take them (the field was dropped silently)."""
+    base = [{"name": "id", "type": "string"}, {"name": "qty", "type": "int"}, VEC]
+    reg = registered(record_schema(*base), "AVRO")
+    source = {"format": "avro", "schema_registry": reg}
+    first = derive_settings(settings(tmp_path, source))
+    create_table(first)
+    v1 = serializer(reg, record_schema(*base))({"id": "a", "qty": 1, "vec": bytes(16)})
+    newer = [
+        {"name": "id", "type": "string"},
+        {"name": "qty", "type": "long"},
+        VEC,
+        {"name": "coupon", "type": ["null", "string"], "default": None},
+    ]
+    v2 = serializer(reg, record_schema(*newer))
+    dec = Decoder(TableSpec.from_settings(first.table), first.source, schema_check="warn")
+    with structlog.testing.capture_logs() as logs:
+        out = dec.decode(msgs(v1, v2({"id": "b", "qty": 2**40, "vec": bytes(16), "coupon": "c"})))
+        again = dec.decode(msgs(v2({"id": "c", "qty": 3, "vec": bytes(16), "coupon": "d"})))
+    assert [(d.reason, d.offset) for d in out.dead_letters] == [("wrong_type", 101)]
+    assert again.batch is not None
+    assert again.batch.column("qty").to_pylist() == [3]
+    warned = [e for e in logs if e["event"] == "schema_fields_not_in_table"]
+    assert len(warned) == 1
+    assert warned[0]["schema_id"] == 2
+    assert warned[0]["fields"] == ["qty (int32 -> int64)", "coupon (new, string)"]
+    assert "table.evolve = true would add or widen" in warned[0]["hint"]
+
+
+def test_derived_columns_that_do_not_fit_the_settings_name_the_key(tmp_path: Path) -> None:
+    """`run` with derived columns the other settings refuse reports the key and its file,
+    as other configuration errors (it printed pydantic's raw validation error)."""
+    files = descriptor_pb2.FileDescriptorSet()
+    files.file.add().ParseFromString(timestamp_pb2.DESCRIPTOR.serialized_pb)
+    files.file.append(order_file())
+    (tmp_path / "shop.desc").write_bytes(files.SerializeToString())
+    config = tmp_path / "sink.toml"
+    config.write_text(
+        f"""
+[kafka]
+bootstrap_servers = "localhost:9092"
+topics = ["{TOPIC}"]
+
+[source]
+format = "protobuf"
+protobuf = {{ descriptor_set = "{tmp_path / "shop.desc"}", message = "shop.Order" }}
+
+[table]
+uri = "{tmp_path / "t.lance"}"
+primary_key = ["order_id"]
+"""
+    )
+    run = cli("run", "--config", str(config))
+    assert run.returncode == 2, run.stderr
+    assert (
+        f"table.primary_key (file {config}): 'order_id' is not a column of the table" in run.stderr
+    )
+    assert "pydantic" not in run.stderr

@@ -34,7 +34,8 @@ def test_a_skipped_field_says_why(tmp_path: Path) -> None:
     assert skipped["_offset"]["type"] == "string"
     assert skipped["_offset"]["reason"] == (
         "'_offset': names starting with '_' are reserved for the sink's own columns (_topic, "
-        "_partition, _offset); map the field to another column with source.columns"
+        "_partition, _offset); map it to a column of another name in source.columns "
+        '(NAME = "$._offset")'
     )
     for field in ("tags", "attrs"):
         assert skipped[field]["type"] is None

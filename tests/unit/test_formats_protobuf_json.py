@@ -229,7 +229,7 @@ def test_protobuf_writer_schemas_needing_evolution_are_signalled() -> None:
         protobuf={"message": "shop.Order"},
         columns={"meta_n": "$.meta.n"},
     )
-    dec = Decoder(spec_for(SPEC_COLUMNS), source, evolve_derived=True)
+    dec = Decoder(spec_for(SPEC_COLUMNS), source, schema_check="evolve")
     assert dec.decode([Msg(old, 0)]).batch is not None
     with pytest.raises(SchemaEvolution, match=r"extra \(new, int32\)"):
         dec.decode([Msg(old, 0), Msg(new, 1)])
