@@ -49,6 +49,7 @@ from engine.malloc import set_mmap_threshold
 from engine.schema import TableSpec
 from sink.decode import Decoded, Decoder, MessageLike, freeze_gc, value_sizes
 from sink.formats import SchemaCheckMode
+from sink.log import LogConfig, configure_logging
 
 log = structlog.get_logger("lance_sink.sink")
 
@@ -152,9 +153,14 @@ class _Message:
 
 
 def _serve(
-    conn: Connection, spec: TableSpec, source: SourceSettings, schema_check: SchemaCheckMode
+    conn: Connection,
+    spec: TableSpec,
+    source: SourceSettings,
+    schema_check: SchemaCheckMode,
+    log_config: LogConfig | None,
 ) -> None:
-    """A worker: decode every batch that arrives until the pipe closes.
+    """A worker: decode every batch that arrives until the pipe closes. It logs as the
+    sink's process does (`log_config`: level and format), to the same standard error.
 
     A request is the pickled `_Batch` with the names of the request segment (holding its
     values) and of the response segment, and the values' size. The answer is the pickled
@@ -166,6 +172,8 @@ def _serve(
     # carries the 1 MiB mmap threshold here; a worker reuses a few large buffers per batch,
     # which a fresh mapping each time turns into page faults (measured: 12% slower).
     set_mmap_threshold(WORKER_MMAP_THRESHOLD)
+    if log_config is not None:
+        configure_logging(*log_config)
     decoder = Decoder(spec, source, schema_check=schema_check)
     freeze_gc()  # as the sink's loop does
     segments = _Attached()
@@ -326,11 +334,12 @@ class ProcessDecoder:
         *,
         schema_check: SchemaCheckMode,
         workers: int,
+        log_config: LogConfig | None = None,
     ) -> None:
         # Fail here, in the sink's process, on a mapping that can never work.
         Decoder(spec, source, schema_check=schema_check)
         self._ctx = multiprocessing.get_context("spawn")
-        self._args = (spec, source, schema_check)
+        self._args = (spec, source, schema_check, log_config)
         self._lock = threading.Lock()
         self._idle = [self._start(i) for i in range(workers)]
         self._all = list(self._idle)

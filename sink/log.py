@@ -14,6 +14,12 @@ from typing import Literal
 
 import structlog
 
+LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["auto", "json", "console"]
+#: What `configure_logging` takes (``observability.log_level``, ``.log_format``), for a
+#: worker process to log as the sink's does.
+LogConfig = tuple[LogLevel, LogFormat]
+
 _LEVELS = {
     "debug": logging.DEBUG,
     "info": logging.INFO,
@@ -24,10 +30,7 @@ _LEVELS = {
 _configured = False
 
 
-def configure_logging(
-    level: Literal["debug", "info", "warning", "error"] = "info",
-    fmt: Literal["auto", "json", "console"] = "auto",
-) -> None:
+def configure_logging(level: LogLevel = "info", fmt: LogFormat = "auto") -> None:
     """Configure structlog (and stdlib logging, which librdkafka's logger feeds) once.
 
     Later calls only change the level, so libraries and tests may call it freely.

@@ -252,6 +252,7 @@ class SinkService:
                 settings.source,
                 schema_check=schema_check,
                 workers=settings.source.decode_workers,
+                log_config=(settings.observability.log_level, settings.observability.log_format),
             )
             if settings.source.decode_processes
             else Decoder(self.engine.spec, settings.source, schema_check=schema_check)

@@ -297,3 +297,47 @@ def test_an_error_that_cannot_be_pickled_arrives_by_its_text() -> None:
         for segment in (request, response):
             segment.close()
             segment.unlink()
+
+
+def test_a_worker_logs_as_the_sinks_process_does(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A warning logged while a worker decodes (here: a writer schema with a field the
+    derived table lacks) is a JSON line on the sink's standard error, as the sink's own
+    are: workers never set up logging, so it came as console text on standard output."""
+    from sink.formats.derive import derive_settings  # noqa: PLC0415
+    from tests.support.registry import FakeRegistry  # noqa: PLC0415
+    from tests.unit.test_formats_avro import msgs, record_schema, serializer  # noqa: PLC0415
+    from tests.unit.test_formats_derive import VEC, create_table, settings  # noqa: PLC0415
+
+    registry = FakeRegistry().start()
+    try:
+        reg = {"url": registry.url}
+        base = [{"name": "id", "type": "string"}, VEC]
+        serializer(reg, record_schema(*base))({"id": "a", "vec": bytes(16)})  # registers it
+        derived = derive_settings(settings(tmp_path, {"format": "avro", "schema_registry": reg}))
+        create_table(derived)
+        newer = serializer(
+            reg, record_schema(*base, {"name": "coupon", "type": ["null", "string"]})
+        )
+        processes = ProcessDecoder(
+            TableSpec.from_settings(derived.table),
+            derived.source,
+            schema_check="warn",
+            workers=1,
+            log_config=("info", "json"),
+        )
+        try:
+            out = processes.decode(msgs(newer({"id": "b", "vec": bytes(16), "coupon": "c"})))
+        finally:
+            processes.close()
+    finally:
+        registry.stop()
+    assert out.batch is not None
+    assert out.batch.column("id").to_pylist() == ["b"]
+    captured = capfd.readouterr()
+    lines = [json.loads(line) for line in captured.err.splitlines() if line.startswith("{")]
+    warned = [e for e in lines if e.get("event") == "schema_fields_not_in_table"]
+    assert len(warned) == 1, captured
+    assert warned[0]["level"] == "warning"
+    assert warned[0]["fields"] == ["coupon (new, string)"]
