@@ -322,7 +322,6 @@ class SinkService:
         self.brokers_up = 0
         self._last_stats = 0.0
         self._last_tick = time.monotonic()
-        self._opening = False
         self.ready = threading.Event()
         self._stop = threading.Event()
         self._stop_at: float | None = None  # when the drain was asked for (monotonic)
@@ -1063,69 +1062,44 @@ class SinkService:
             consumer.incremental_assign([])
             self.ready.set()
             return
-        self._opening = True
-        try:
-            self._assign(consumer, partitions)
-        finally:
-            self._opening = False
+        self._assign(consumer, partitions)
 
     def _assign(self, consumer: confluent_kafka.Consumer, partitions: list[TopicPartition]) -> None:
-        started = time.monotonic()
         if self._stop.is_set():
             # Draining: a shard opened now would be claimed and replayed only to be closed
             # again, holding the drain up. The group takes the partitions back on close.
             consumer.incremental_assign(partitions)
             log.info("assignment_ignored_while_draining", count=len(partitions))
             return
-        states = [
-            PartitionState(
+        committed, known = self._committed_offsets(consumer, partitions)
+        # Each shard is claimed and replayed on the open pool, and its partition handed to
+        # the consumer at its resume offset once it is (`_maybe_recover`, `_take_opened`):
+        # the loop keeps polling and serving its other partitions meanwhile (a replay from
+        # object storage can take minutes). A failed look-up of the committed offsets is
+        # made again by each open.
+        for tp in partitions:
+            key = (tp.topic, tp.partition)
+            state = PartitionState(
                 tp.topic,
                 tp.partition,
                 None,
                 None,
                 None,
-                -1,
-                opening=self._open_pool.submit(self._open_partition, tp.topic, tp.partition, False),
+                committed.get(key, -1),
+                opening=self._open_pool.submit(
+                    self._open_partition, tp.topic, tp.partition, not known
+                ),
+                committed_known=known,
                 assigned=False,
             )
-            for tp in partitions
-        ]
-        committed, known = self._committed_offsets(consumer, partitions)
-        self._wait_opening(states)
-        # One incremental_assign of the partitions whose writer opened, empty or not: a
-        # callback that assigns nothing would have the client assign every partition.
-        assign: list[TopicPartition] = []
-        for state in states:
-            state.committed = committed.get((state.topic, state.partition), -1)
-            state.committed_known = known
             with self._lock:
-                self.partitions[(state.topic, state.partition)] = state
-            if state.opening is None:  # abandoned: the drain started
-                continue
-            if not known and state.opening.exception() is None:
-                # The writer opened, but where to resume is unknown: close it and reopen
-                # with the look-up, on the open pool after the backoff.
-                writer, _ = state.opening.result()
-                state.opening = None
-                self.engine.close_shard(writer, flush=False, timeout=5)
-                self._open_failed(
-                    state,
-                    RuntimeError("the committed offset look-up failed"),
-                    event="partition_open_failed",
-                )
-                continue
-            self._take_opened(state, assign)
-        consumer.incremental_assign(assign)
-        if assign:  # one paused by this process before a revoke may keep its pause
-            consumer.resume([TopicPartition(tp.topic, tp.partition) for tp in assign])
+                self.partitions[key] = state
+        # Nothing is handed to the consumer yet; an incremental_assign of none all the same:
+        # a callback that assigns nothing would have the client assign every partition.
+        consumer.incremental_assign([])
         self.metrics.rebalance("assigned", len(partitions))
         self.ready.set()
-        log.info(
-            "partitions_opened",
-            count=sum(1 for s in states if s.writer is not None),
-            failed=sum(1 for s in states if s.writer is None),
-            seconds=round(time.monotonic() - started, 3),
-        )
+        log.info("partitions_opening", count=len(partitions))
 
     def _committed_offsets(
         self, consumer: confluent_kafka.Consumer, partitions: list[TopicPartition]
@@ -1141,28 +1115,9 @@ class SinkService:
             return {}, False
         return {(tp.topic, tp.partition): tp.offset for tp in found if tp.offset >= 0}, True
 
-    def _wait_opening(self, states: list[PartitionState]) -> None:
-        """Wait for the shard opens of an assignment. Replay takes as long as it takes,
-        unless a drain starts meanwhile: then only until its deadline; opens still running
-        are closed when they end, and their partitions stay unassigned."""
-        pending = {s.opening for s in states if s.opening is not None}
-        while pending:
-            _, pending = wait(pending, timeout=0.2)
-            left = self._drain_left()
-            if left is not None and left <= DRAIN_RESERVE_S and pending:
-                break
-        for state in states:
-            future = state.opening
-            if future is not None and not future.done():
-                state.opening = None
-                future.add_done_callback(self._close_abandoned)
-                log.warning(
-                    "partition_open_abandoned", topic=state.topic, partition=state.partition
-                )
-
     def _close_abandoned(self, future: Future[tuple[ShardWriter, int | None]]) -> None:
-        """A shard open the drain stopped waiting for: close its writer when it ends
-        (its rows stay in the WAL for the next owner)."""
+        """A shard open abandoned (its partition revoked or lost, or the sink draining):
+        close its writer when it ends (its rows stay in the WAL for the next owner)."""
         if future.cancelled() or future.exception() is not None:
             return
         writer, _ = future.result()
@@ -1211,6 +1166,10 @@ class SinkService:
             self.partitions.pop((state.topic, state.partition), None)
         self._drop_decoding(state)
         if state.opening is not None:  # an open (or reopen) still running: close it after
+            if not state.opening.done():
+                log.warning(
+                    "partition_open_abandoned", topic=state.topic, partition=state.partition
+                )
             state.opening.add_done_callback(self._close_abandoned)
             state.opening = None
         shard = None
@@ -1412,7 +1371,7 @@ class SinkService:
         max.poll.interval.ms would be evicted from the group anyway)."""
         stuck = time.monotonic() - self._last_tick
         limit = self.settings.kafka.max_poll_interval_ms / 1000
-        if stuck > limit and not self._opening:
+        if stuck > limit:
             return False, f"consumer loop has not polled for {stuck:.0f} s"
         return True, "consumer loop polling"
 
@@ -1420,8 +1379,6 @@ class SinkService:
         """Ready = joined the group with every assigned partition opened and replayed, a
         broker reachable, and no shard writer poisoned or fenced."""
         reasons = []
-        if self._opening:
-            reasons.append("opening and replaying assigned partitions")
         if not self.ready.is_set():
             reasons.append("waiting for the first partition assignment")
         stats_age = time.monotonic() - self._last_stats
@@ -1435,6 +1392,8 @@ class SinkService:
                 reasons.append(f"{topic}[{partition}]: fenced by a newer writer")
             elif state.stopped:
                 reasons.append(f"{topic}[{partition}]: stopped, {state.stopped}")
+            elif state.writer is None and state.open_error is None and state.opening is not None:
+                reasons.append(f"{topic}[{partition}]: opening and replaying its shard")
             elif state.writer is None:
                 why = state.open_error or "shard writer poisoned"
                 reasons.append(

@@ -8,7 +8,9 @@ still happen, only later.
     LANCE_SINK_TEST_FLUSH_DELAY_S   sleep before every flush commit
     LANCE_SINK_TEST_WAL_STALL_S     one stall of the WAL (after LANCE_SINK_TEST_WAL_STALL_AFTER
                                     appends, default 5)
-    LANCE_SINK_TEST_REPLAY_DELAY_S  sleep in every shard open (claim + replay)
+    LANCE_SINK_TEST_REPLAY_DELAY_S  sleep in every shard open (claim + replay), or only in
+                                    those of LANCE_SINK_TEST_REPLAY_DELAY_PARTITIONS
+                                    (comma-separated partition numbers) if set
     LANCE_SINK_TEST_DECODE_JITTER_S a random sleep of up to this long in every decode, so
                                     decode workers finish batches out of order
     LANCE_SINK_TEST_LOOKUP_DELAY_S  sleep in every key lookup (a query still running when
@@ -24,6 +26,7 @@ import time
 from typing import Any
 
 from engine.backpressure import BudgetController
+from engine.engine import Engine
 from engine.reader import Reader
 from engine.shard import ShardWriter
 from engine.storage import LocalStorage
@@ -56,7 +59,21 @@ def controller(*, process_budget_bytes: int, max_unflushed_memtable_bytes: int) 
             return decode(self, messages)
 
         Decoder.decode = jittery_decode  # type: ignore[method-assign]
-    if replay_delay:
+    slow_partitions = {
+        int(p)
+        for p in os.environ.get("LANCE_SINK_TEST_REPLAY_DELAY_PARTITIONS", "").split(",")
+        if p
+    }
+    if replay_delay and slow_partitions:
+        open_shard = Engine.open_shard
+
+        def slow_open(self: Engine, topic: str, partition: int) -> ShardWriter:
+            if partition in slow_partitions:
+                time.sleep(replay_delay)
+            return open_shard(self, topic, partition)
+
+        Engine.open_shard = slow_open  # type: ignore[method-assign]
+    elif replay_delay:
         replay = ShardWriter._claim_and_replay
 
         def slow_replay(self: ShardWriter) -> None:
