@@ -52,6 +52,7 @@ from engine.reads.owners import ShardOwners
 from engine.shard import PutResult, ShardWriter
 from engine.threads import name_os_thread
 from engine.wal import SourceRange
+from sink.base_status import BaseTableStatus
 from sink.decode import DeadLetter, Decoded, Decoder, freeze_gc
 from sink.decode_process import ProcessDecoder
 from sink.dlq import DeadLetterBatch, DeadLetterProducer
@@ -349,6 +350,8 @@ class SinkService:
         # One snapshot's gauges are set (and exposed) together; watermarks are read under it.
         self._offsets_lock = threading.RLock()
         self._consumer_closed = False
+        # The status's base table figures, read at most one at a time and waited for briefly.
+        self._base_figures = BaseTableStatus(self._read_base_figures)
         # (monotonic time, rows ingested) once a second: the ingest rate over the last 10 s
         self._ingest_window: deque[tuple[float, int]] = deque(maxlen=INGEST_WINDOW_SAMPLES)
         conf = consumer_conf(settings)
@@ -1495,24 +1498,26 @@ class SinkService:
 
     def _base_status(self) -> dict[str, Any]:
         """The base table's index lag as it is now (`sink.lag.unindexed_rows`), beside the
-        figure of the last maintenance run."""
-        base: dict[str, Any] = {
-            "unindexed_rows_at_last_maintenance": self.maintenance.unindexed_rows()
+        figure of the last maintenance run. Bounded in time whatever table storage does
+        (`sink.base_status`): a stalled store makes it unknown, with the reason and the
+        last figures read."""
+        return {
+            "unindexed_rows_at_last_maintenance": self.maintenance.unindexed_rows(),
+            **self._base_figures.get(),
         }
-        try:
-            ds = self.engine.table.dataset()
-            per_index = unindexed_rows(ds)
-            rows = int(ds.count_rows())
-        except (OSError, ValueError, RuntimeError) as exc:
-            base.update(unindexed_rows=None, error=str(exc))
-            return base
+
+    def _read_base_figures(self) -> dict[str, Any]:
+        """`BaseTableStatus`'s read (on its own thread): the base table's rows and index lag
+        from table storage (manifest metadata only)."""
+        ds = self.engine.table.dataset()
+        per_index = unindexed_rows(ds)
+        rows = int(ds.count_rows())
         # The least complete index: what queries wait on (0 without indexes).
-        base.update(
-            rows=rows,
-            unindexed_rows=max(per_index.values(), default=0),
-            unindexed_by_index=per_index,
-        )
-        return base
+        return {
+            "rows": rows,
+            "unindexed_rows": max(per_index.values(), default=0),
+            "unindexed_by_index": per_index,
+        }
 
     def _partition_status(self, state: PartitionState) -> dict[str, Any]:
         snap = self.partition_offsets(state)
