@@ -472,7 +472,8 @@ def render_status(status: dict[str, Any]) -> str:
     end offset (CONS: consumed, COMMIT, FLUSH), LAG S the age of the oldest message not yet
     durable; under a partition that waits, a line says on what (`partition_notes`); the
     base table's unindexed rows are counted now, from its fragments and index segments
-    (`sink.lag.unindexed_rows`)."""
+    (`sink.lag.unindexed_rows`), or, when table storage does not answer in time, said to be
+    unknown with the figures last read and their age (`sink.base_status`)."""
     reasons = "; ".join(status["not_ready_reasons"])
     lines = [
         f"group {status['group']}  topics {', '.join(status['topics'])}  table {status['table']}",
@@ -535,7 +536,14 @@ def render_status(status: dict[str, Any]) -> str:
         )
     base = status["base"]
     if base.get("unindexed_rows") is None:
-        lines.append(f"base table: unindexed rows unknown ({base.get('error', 'not read')})")
+        line = f"base table: unindexed rows unknown ({base.get('error', 'not read')})"
+        last = base.get("last_known")
+        if last is not None and last.get("unindexed_rows") is not None:
+            line += (
+                f"; {last['age_s']:.0f} s ago: {last['unindexed_rows']:,} unindexed rows of "
+                f"{last.get('rows', 0):,}"
+            )
+        lines.append(line)
     elif not base.get("unindexed_by_index", True):
         lines.append(f"base table: {base.get('rows', 0):,} rows, no index yet")
     else:

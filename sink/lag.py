@@ -31,11 +31,14 @@ by the production rate, so a difference is only true if both are read together. 
   flushes. A writer flushing right now is not seen until its commit lands.
 
 A paused partition (backpressure, dead letters in flight, a registry outage) is not
-fetched by the sink's consumer, so its end offset there is that of its last fetch. Once a
-partition has been paused for `PAUSED_PROBE_AFTER_S`, `PausedEnds` fetches it with a probe
-consumer of its own (outside the group, from the end, 1 KiB per fetch), so the end offset
-and every lag keep moving while it is paused. `lance-sink lag` fetches every partition
-itself.
+fetched by the sink's consumer, so its end offset there is that of its last fetch; nor is
+an assigned partition without a shard writer (its open under way or failing, its writer
+poisoned and being reopened: taken out of the consumer's assignment meanwhile, or fenced
+and paused). Once a partition has been unfetched for `PAUSED_PROBE_AFTER_S`, `PausedEnds`
+fetches it with a probe consumer of its own (outside the group, from the end, 1 KiB per
+fetch), so the end offset and every lag keep moving while it waits: a storage incident
+that drops or stalls writers shows as a growing commit lag, never as gauges frozen at
+their last values. `lance-sink lag` fetches every partition itself.
 """
 
 from __future__ import annotations
@@ -290,8 +293,8 @@ class WatermarkProbe:
         return self._cached()
 
 
-#: How long a partition stays paused before `PausedEnds` fetches its end offset itself
-#: (backpressure pauses are usually shorter, and cost no probe).
+#: How long a partition stays paused (or otherwise unfetched) before `PausedEnds` fetches
+#: its end offset itself (backpressure pauses are usually shorter, and cost no probe).
 PAUSED_PROBE_AFTER_S: Final = 1.0
 
 #: The paused-partition probe's fetch wait: as the sink's own consumer (it runs as long as
@@ -313,12 +316,13 @@ _SINK_ONLY_KEYS: Final = frozenset(
 
 
 class PausedEnds:
-    """End offsets of the partitions a running sink has paused, from fetch responses of a
-    probe consumer of its own (see the module docstring).
+    """End offsets of the partitions a running sink's consumer does not fetch (paused, or
+    without a shard writer), from fetch responses of a probe consumer of its own (see the
+    module docstring).
 
-    The sink's loop calls `track` with its paused partitions about once a second; any
-    thread reads `end`. The probe consumer and its thread start at the first partition
-    paused for `after_s`, and are closed by `close`.
+    The sink's loop calls `track` with those partitions about once a second; any thread
+    reads `end`. The probe consumer and its thread start at the first partition tracked
+    for `after_s`, and are closed by `close`.
     """
 
     def __init__(self, conf: dict[str, Any], after_s: float = PAUSED_PROBE_AFTER_S) -> None:
@@ -341,7 +345,7 @@ class PausedEnds:
         self._thread: threading.Thread | None = None
 
     def track(self, paused: Iterable[tuple[str, int]]) -> None:
-        """The partitions paused now (every other one is dropped)."""
+        """The partitions unfetched (paused, writerless) now (every other one is dropped)."""
         now = time.monotonic()
         keys = set(paused)
         with self._lock:

@@ -6,7 +6,9 @@
                      reachable and no shard writer is poisoned; else 503 with the reasons
     GET /v1/status   one JSON document: partitions, offsets and lags (one snapshot each),
                      memtables, flush state, backpressure, ingest rate, memory, and the
-                     base table's unindexed rows now (what `lance-sink status` prints)
+                     base table's unindexed rows now, or the last read when table
+                     storage does not answer within 1 s (`sink.base_status`); what
+                     `lance-sink status` prints
 
 Served on `observability.metrics_port`. When the query API listens on the same port, its
 routes are served by the same app.

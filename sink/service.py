@@ -52,6 +52,7 @@ from engine.reads.owners import ShardOwners
 from engine.shard import PutResult, ShardWriter
 from engine.threads import name_os_thread
 from engine.wal import SourceRange
+from sink.base_status import BaseTableStatus
 from sink.decode import DeadLetter, Decoded, Decoder, freeze_gc
 from sink.decode_process import ProcessDecoder
 from sink.dlq import DeadLetterBatch, DeadLetterProducer
@@ -223,6 +224,18 @@ class PartitionState:
     # says so meanwhile) until `done` passes it.
     rewound: tuple[int, int | None] | None = None
     assigned: bool = True  # handed to the consumer (incremental_assign) already
+    # The shard of the writer last opened for the partition (its series are removed on
+    # release), and what that writer last reported as durable and flushed (1 + offset)
+    # when it was dropped: the offsets shown while the partition has no writer.
+    shard: str | None = None
+    writer_durable: int = 0
+    writer_flushed: int = 0
+
+    @property
+    def fetched(self) -> bool:
+        """Whether the sink's consumer fetches the partition (so librdkafka's cached high
+        watermark is current): assigned to it, not paused, with a shard writer."""
+        return self.assigned and not self.paused and self.writer is not None
 
     @property
     def tp(self) -> TopicPartition:
@@ -348,6 +361,8 @@ class SinkService:
         # One snapshot's gauges are set (and exposed) together; watermarks are read under it.
         self._offsets_lock = threading.RLock()
         self._consumer_closed = False
+        # The status's base table figures, read at most one at a time and waited for briefly.
+        self._base_figures = BaseTableStatus(self._read_base_figures)
         # (monotonic time, rows ingested) once a second: the ingest rate over the last 10 s
         self._ingest_window: deque[tuple[float, int]] = deque(maxlen=INGEST_WINDOW_SAMPLES)
         conf = consumer_conf(settings)
@@ -681,6 +696,8 @@ class SinkService:
             held.dead_letters = self.dlq.send(letters)
             return False
         except (Fenced, Poisoned) as exc:
+            if held.messages:  # consumed, dropped: the lag in seconds counts from it
+                _rewind(state, held.messages[0])
             self._writer_failed(state, exc)
             return True
         nbytes = batch.nbytes
@@ -779,9 +796,17 @@ class SinkService:
         if state.writer is None:
             return
         self.metrics.partition_poisoned(state.topic, state.partition, True)
+        _keep_writer_offsets(state, state.writer)
         state.writer.close(flush=False, timeout=5)
         with self._lock:
             state.writer = None
+        # What was consumed and is not durable is dropped, to be fetched again from `done`
+        # after the reopen (or by the partition's next owner): as after a rewind, the lag
+        # in seconds counts from its oldest message until `done` passes it.
+        dropped = _oldest_unsettled_timestamp_ms(state)
+        if state.done is not None and dropped is not None:
+            _rewind_to(state, state.done, dropped)
+        state.position = state.done
         state.inflight.clear()
         state.held = None
         self._drop_decoding(state)
@@ -889,6 +914,7 @@ class SinkService:
             start = max(start or 0, durable + 1)
         with self._lock:
             state.writer = writer
+        state.shard = writer.shard
         state.position = state.done = start
         if state.open_error is not None:
             log.info(
@@ -1172,12 +1198,12 @@ class SinkService:
                 )
             state.opening.add_done_callback(self._close_abandoned)
             state.opening = None
-        shard = None
         if state.writer is not None:
-            shard = state.writer.shard
             self.engine.close_shard(state.writer, flush=flush, timeout=timeout)
             state.writer = None
-        self.metrics.forget_partition(state.topic, state.partition, shard)
+        # Every series of the partition, and of its shard even when its writer was dropped
+        # (poisoned, fenced) before: none is left behind at its last value.
+        self.metrics.forget_partition(state.topic, state.partition, state.shard)
 
     def _wait_inflight(self, states: list[PartitionState], timeout: float) -> None:
         """Let in-flight puts finish (bounded), advancing `done` as they complete."""
@@ -1273,61 +1299,69 @@ class SinkService:
                 if hi >= 0 and (topic, partition) in self.partitions:
                     self.end_offsets[(topic, partition)] = hi
 
-    def partition_offsets(self, state: PartitionState) -> PartitionOffsets | None:
+    def partition_offsets(self, state: PartitionState) -> PartitionOffsets:
         """One consistent snapshot of a partition's offsets (any thread; see `sink.lag`):
         read from the slowest-moving to the fastest, the end offset last and from the
         newest fetch response, so no lag clamps to 0 on an end offset older than what is
-        subtracted from it. None while the partition has no writer or no position."""
+        subtracted from it.
+
+        Every assigned partition has one, with a shard writer or without (its open or
+        reopen under way or failing, poisoned, fenced): without, durable and flushed are
+        what its last writer reported when it was dropped (0 if none opened since the
+        assignment: the flush lag then counts from the log start, as `lance-sink lag`'s
+        does without a recorded flush), never below `done` and the committed offset; the
+        end offset of a partition the consumer does not fetch is the probe's
+        (`sink.lag.PausedEnds`)."""
         writer, position = state.writer, state.position
-        if writer is None or position is None:
-            return None
         key = (state.topic, state.partition)
         committed = max(state.committed, 0)
         pending_ts = _oldest_pending_timestamp_ms(state)
-        stats = writer.stats()
-        durable, flushed = _durable_and_flushed(
-            state.done,
-            stats.durable_offsets.get(key, -1) + 1,
-            stats.flushed_offsets.get(key, -1) + 1,
-        )
+        if writer is not None:
+            stats = writer.stats()
+            writer_durable = stats.durable_offsets.get(key, -1) + 1
+            writer_flushed = stats.flushed_offsets.get(key, -1) + 1
+        else:
+            writer_durable, writer_flushed = state.writer_durable, state.writer_flushed
+        durable, flushed = _durable_and_flushed(state.done, writer_durable, writer_flushed)
         durable, flushed = max(durable, committed), max(flushed, 0)
-        consumed = max(state.position or 0, durable)
+        consumed = max(position or 0, durable)
         high = -1
         with self._offsets_lock:
             if not self._consumer_closed:
                 with contextlib.suppress(RuntimeError, confluent_kafka.KafkaException):
                     high = self.consumer.get_watermark_offsets(state.tp, cached=True)[1]
-        # A paused partition is not fetched: the probe's newer end, once it has one.
+        # A partition the consumer does not fetch (paused, unassigned while its writer
+        # opens): the probe's newer end, once it has one.
         high = max(high, self._paused_ends.end(key))
         end = high if high >= 0 else self.end_offsets.get(key)
         return PartitionOffsets(end, consumed, durable, committed, flushed, pending_ts)
 
     def refresh_offsets(self) -> None:
-        """Set every partition's offset and lag gauges from one snapshot each (any thread:
-        the loop once a second, and each scrape just before the exposition)."""
+        """Set every partition's offset, lag, paused and writer-poisoned gauges, the
+        offsets from one snapshot each (any thread: the loop once a second, and each
+        scrape just before the exposition, so a scrape is current even while the loop is
+        busy)."""
         with self._offsets_lock:
             self._set_offsets()
 
     def _set_offsets(self) -> None:
         for key, state in list(self.partitions.items()):
-            snap = self.partition_offsets(state)
-            if snap is None:
-                continue
-            self.metrics.partition_offsets(*key, snap)
+            self.metrics.partition_offsets(*key, self.partition_offsets(state))
+            self.metrics.partition_paused(*key, state.paused)
+            self.metrics.partition_poisoned(*key, _writer_unusable(state))
             if self.partitions.get(key) is not state:  # revoked meanwhile
                 self.metrics.forget_partition(*key)
 
     def refresh_metrics(self) -> None:
         """Refresh every gauge from live state (called from the loop once a second)."""
-        self._paused_ends.track(key for key, state in self.partitions.items() if state.paused)
+        # End offsets of the partitions the consumer does not fetch come from the probe.
+        self._paused_ends.track(key for key, state in self.partitions.items() if not state.fetched)
         self.refresh_offsets()
         self._ingest_window.append((time.monotonic(), self.metrics.rows_total))
         for (topic, partition), state in list(self.partitions.items()):
-            self.metrics.partition_paused(topic, partition, state.paused)
             letters = _unacked_dead_letters(state)
             self.metrics.dlq_waiting(topic, partition, letters.waiting_s() if letters else 0.0)
             writer = state.writer
-            self.metrics.partition_poisoned(topic, partition, writer is None or state.fenced)
             if writer is None:
                 continue
             stats = writer.stats()
@@ -1454,24 +1488,26 @@ class SinkService:
 
     def _base_status(self) -> dict[str, Any]:
         """The base table's index lag as it is now (`sink.lag.unindexed_rows`), beside the
-        figure of the last maintenance run."""
-        base: dict[str, Any] = {
-            "unindexed_rows_at_last_maintenance": self.maintenance.unindexed_rows()
+        figure of the last maintenance run. Bounded in time whatever table storage does
+        (`sink.base_status`): a stalled store makes it unknown, with the reason and the
+        last figures read."""
+        return {
+            "unindexed_rows_at_last_maintenance": self.maintenance.unindexed_rows(),
+            **self._base_figures.get(),
         }
-        try:
-            ds = self.engine.table.dataset()
-            per_index = unindexed_rows(ds)
-            rows = int(ds.count_rows())
-        except (OSError, ValueError, RuntimeError) as exc:
-            base.update(unindexed_rows=None, error=str(exc))
-            return base
+
+    def _read_base_figures(self) -> dict[str, Any]:
+        """`BaseTableStatus`'s read (on its own thread): the base table's rows and index lag
+        from table storage (manifest metadata only)."""
+        ds = self.engine.table.dataset()
+        per_index = unindexed_rows(ds)
+        rows = int(ds.count_rows())
         # The least complete index: what queries wait on (0 without indexes).
-        base.update(
-            rows=rows,
-            unindexed_rows=max(per_index.values(), default=0),
-            unindexed_by_index=per_index,
-        )
-        return base
+        return {
+            "rows": rows,
+            "unindexed_rows": max(per_index.values(), default=0),
+            "unindexed_by_index": per_index,
+        }
 
     def _partition_status(self, state: PartitionState) -> dict[str, Any]:
         snap = self.partition_offsets(state)
@@ -1510,17 +1546,17 @@ class SinkService:
                 "stalled": letters.waiting_s() > self.settings.dlq.stalled_after_s,
                 "last_error": letters.last_error,
             }
-        if snap is not None:  # one snapshot (see `partition_offsets`)
-            entry.update(
-                consumed=snap.consumed,
-                committed=snap.committed,
-                durable=snap.durable,
-                flushed=snap.flushed,
-                end=snap.end,
-            )
-            lags = snap.lags()
-            if lags is not None:
-                entry["lag"] = {**lags, "seconds": round(snap.lag_seconds(), 3)}
+        # One snapshot (see `partition_offsets`), with a shard writer or without.
+        entry.update(
+            consumed=snap.consumed,
+            committed=snap.committed,
+            durable=snap.durable,
+            flushed=snap.flushed,
+            end=snap.end,
+        )
+        lags = snap.lags()
+        if lags is not None:
+            entry["lag"] = {**lags, "seconds": round(snap.lag_seconds(), 3)}
         writer = state.writer
         if writer is not None:
             st = writer.stats()
@@ -1550,10 +1586,46 @@ def _rewind(state: PartitionState, first: Any) -> None:
     """Batches from message `first` on are dropped before they were put and fetched again:
     remember when it was produced for the lag in seconds (`PartitionState.rewound`), unless
     an older message not yet durable is remembered already."""
+    _rewind_to(state, first.offset(), _timestamp_ms(first))
+
+
+def _rewind_to(state: PartitionState, offset: int, timestamp_ms: int | None) -> None:
+    """`_rewind` for a dropped message known by its offset and timestamp."""
     rewound = state.rewound
     stale = rewound is not None and state.done is not None and state.done > rewound[0]
-    if rewound is None or stale or first.offset() < rewound[0]:
-        state.rewound = (first.offset(), _timestamp_ms(first))
+    if rewound is None or stale or offset < rewound[0]:
+        state.rewound = (offset, timestamp_ms)
+
+
+def _oldest_unsettled_timestamp_ms(state: PartitionState) -> int | None:
+    """The timestamp of the partition's oldest consumed message not yet durable, counting
+    the batches still decoding or parked too (what a dropped writer drops with them)."""
+    pending = _oldest_pending_timestamp_ms(state)
+    if pending is not None:
+        return pending
+    if state.decoding and state.decoding[0].messages:
+        return _timestamp_ms(state.decoding[0].messages[0])
+    if state.parked:
+        return _timestamp_ms(state.parked[0])
+    return None
+
+
+def _writer_unusable(state: PartitionState) -> bool:
+    """The writer-poisoned gauge: the partition's writer was dropped (poisoned, fenced) or
+    its shard failed to open, and no writer replaces it yet. A first open still under way
+    is not (it is a readiness reason while it lasts)."""
+    if state.fenced or state.open_error is not None:
+        return True
+    return state.writer is None and state.opening is None
+
+
+def _keep_writer_offsets(state: PartitionState, writer: ShardWriter) -> None:
+    """Remember what `writer` reports as durable and flushed for the partition (1 +
+    offset), before it is dropped: the offsets shown until a new writer opens."""
+    key = (state.topic, state.partition)
+    stats = writer.stats()
+    state.writer_durable = max(state.writer_durable, stats.durable_offsets.get(key, -1) + 1)
+    state.writer_flushed = max(state.writer_flushed, stats.flushed_offsets.get(key, -1) + 1)
 
 
 def _oldest_pending_timestamp_ms(state: PartitionState) -> int | None:

@@ -81,3 +81,22 @@ def test_a_partition_waiting_for_its_dead_letters_says_so() -> None:
 def test_a_running_partition_has_one_line() -> None:
     [row] = partition_lines(render_status(status()))
     assert row.endswith("running")
+
+
+def test_base_figures_storage_did_not_answer_for_show_the_last_read() -> None:
+    """While table storage does not answer, /v1/status has the base table's figures as
+    unknown with the reason and the last ones read (`sink.base_status`)."""
+    doc = status()
+    doc["base"] = {
+        "unindexed_rows": None,
+        "error": "table storage has not answered for 3.2 s (a read of the base table is "
+        "still in flight)",
+        "last_known": {"rows": 5000, "unindexed_rows": 1200, "unindexed_by_index": {}, "age_s": 42},
+    }
+    line = render_status(doc).splitlines()[-1]
+    assert line == (
+        "base table: unindexed rows unknown (table storage has not answered for 3.2 s (a read "
+        "of the base table is still in flight)); 42 s ago: 1,200 unindexed rows of 5,000"
+    )
+    del doc["base"]["last_known"]  # storage never answered since the start
+    assert render_status(doc).splitlines()[-1].startswith("base table: unindexed rows unknown")

@@ -1,0 +1,66 @@
+"""The offsets of a partition without a shard writer, and its series after release, in a
+real `SinkService` (real broker client, real Lance table): fast companions of
+`tests/e2e/test_lag_without_writer.py`."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from config import load_settings
+from sink.service import PartitionState, SinkService
+from tests.support.brokers import Broker
+from tests.support.sink import write_config
+
+pytestmark = [pytest.mark.broker, pytest.mark.timeout(60)]
+
+
+def series(service: SinkService, topic: str, shard: str) -> list[str]:
+    """Exposition lines of the partition (`topic`) or of its shard."""
+    text = service.exposition().decode()
+    pattern = re.compile(rf'(topic="{re.escape(topic)}"|shard="{re.escape(shard)}")')
+    return [line for line in text.splitlines() if pattern.search(line)]
+
+
+def test_a_dropped_writer_leaves_current_offsets_and_a_release_leaves_no_series(
+    kafka_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    config = write_config(
+        tmp_path / "sink.toml",
+        bootstrap=kafka_broker.bootstrap,
+        topics=[topic],
+        group=group,
+        table_uri=str(tmp_path / "table.lance"),
+    )
+    service = SinkService(load_settings(config))
+    try:
+        # A partition whose writer was poisoned after making 0-119 durable and flushing
+        # 0-79, with 120 committed and a batch from offset 120 (produced 30 s ago) dropped.
+        state = PartitionState(topic, 0, None, 120, 120, 120, assigned=False, shard="s-0")
+        state.writer_durable, state.writer_flushed = 120, 80
+        state.rewound = (120, int(time.time() * 1000) - 30_000)
+        state.open_error = "Poisoned: disk full"
+        service.partitions[(topic, 0)] = state
+        service.end_offsets[(topic, 0)] = 150  # the last statistics before it
+        snap = service.partition_offsets(state)
+        assert (snap.end, snap.consumed, snap.durable, snap.committed, snap.flushed) == (
+            150,
+            120,
+            120,
+            120,
+            80,
+        )
+        assert snap.lag_seconds() >= 30
+        service.metrics.shard_memory("s-0", unflushed=10, frozen_count=1, active=5, index=0)
+        lines = series(service, topic, "s-0")
+        assert any(line.startswith("lance_sink_commit_lag_messages{") for line in lines)
+        assert any(line.startswith("lance_sink_writer_poisoned{") for line in lines)
+        assert any(line.startswith("lance_sink_wal_unflushed_bytes{") for line in lines)
+
+        service._release(state, flush=False)  # revoked: no series stays at its last value
+        assert series(service, topic, "s-0") == []
+    finally:
+        service._drain()
