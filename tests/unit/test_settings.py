@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import urllib3
 
 from config import ConfigError, load_settings, problem_at, redacted
 from config.settings import LIBRDKAFKA_SECRET_KEYS, MASK, is_secret_librdkafka_key
@@ -603,6 +604,54 @@ def test_advertised_url_must_be_an_http_url(tmp_path: Path) -> None:
     [(key, origin, reason)] = problems(path)
     assert (key, origin) == ("query.advertised_url", f"file {path}")
     assert "pattern" in reason
+
+
+@pytest.mark.parametrize(
+    ("url", "advertised"),
+    [
+        # What the chart's http://$(POD_IP):8080 becomes on an IPv6 pod: bracketed.
+        ("http://fd00::1:8080", "http://[fd00::1]:8080"),
+        ("http://fd00:10:244::1a:8080/sink", "http://[fd00:10:244::1a]:8080/sink"),
+        ("https://2001:db8:0:0:0:0:0:1:443", "https://[2001:db8:0:0:0:0:0:1]:443"),
+        # Already bracketed, IPv4 and names: unchanged.
+        ("http://[fd00::1]:8080", "http://[fd00::1]:8080"),
+        ("http://[fd00::1]", "http://[fd00::1]"),
+        ("http://10.1.2.3:8080", "http://10.1.2.3:8080"),
+        ("http://sink-0.sink-headless:8080", "http://sink-0.sink-headless:8080"),
+    ],
+)
+def test_an_ipv6_advertised_url_is_bracketed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str, advertised: str
+) -> None:
+    """On an IPv6 cluster the chart advertised http://fd00::1:8080, which the pattern let
+    through and urllib3 refused (LocationParseError) on every fan-out request to that pod:
+    an unbracketed IPv6 address followed by :port is bracketed when the settings load."""
+    monkeypatch.setenv("LANCE_SINK__QUERY__ADVERTISED_URL", url)
+    settings = load_settings(write(tmp_path, MINIMAL))
+    assert settings.query.advertised_url == advertised
+    assert writer_config(settings).advertised_url == advertised  # what the manifests record
+    parsed = urllib3.util.parse_url(advertised.rstrip("/") + "/internal/v1/fresh")
+    assert parsed.host is not None
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("http://fd00::1", "'fd00::1' is ambiguous: an IPv6 address goes in brackets"),
+        ("http://fd00::abcd", "'fd00::abcd' is ambiguous"),
+        ("http://fd00::8080", "'fd00::8080' is ambiguous"),
+        ("http://fd00::1:99999", "'fd00::1:99999': the port must be a number from 1 to 65535"),
+        ("http://[fd00::1]:0", "'[fd00::1]:0': the port must be a number from 1 to 65535"),
+        ("http://[10.1.2.3]:8080", "the host in brackets must be an IPv6 address"),
+        ("http://[fd00::1]8080", "only ':port' may follow the brackets"),
+        ("http://10.1.2.3:80a", "'10.1.2.3:80a': the port must be a number from 1 to 65535"),
+    ],
+)
+def test_an_ambiguous_advertised_url_is_a_config_error(tmp_path: Path, url: str, says: str) -> None:
+    path = write(tmp_path, MINIMAL + f'\n[query]\nadvertised_url = "{url}"\n')
+    [(key, origin, reason)] = problems(path)
+    assert (key, origin) == ("query.advertised_url", f"file {path}")
+    assert says in reason, reason
 
 
 @pytest.mark.parametrize(
