@@ -219,7 +219,10 @@ class KafkaSettings(_Section):
     bootstrap_servers: str = Field(min_length=1, description="Comma-separated host:port list.")
     group_id: str = Field(default="lance-sink", min_length=1, description="Consumer group id.")
     topics: list[Annotated[str, Field(min_length=1)]] = Field(
-        min_length=1, description="Topics to consume; several topics may feed one table."
+        min_length=1,
+        description="Topics to consume; several topics may feed one table. Each is a legal "
+        "Kafka topic name (at most 249 of a-z, A-Z, 0-9, '.', '_' and '-'; not '.' or '..'), "
+        "or a librdkafka regex subscription starting with '^'.",
     )
     client_id: str = Field(default="lance-sink", description="Client id sent to the brokers.")
     group_instance_id: str | None = Field(
@@ -298,6 +301,20 @@ class KafkaSettings(_Section):
         "(librdkafka: 300000): how long a topic created after the start, or a partition "
         "added, waits to be consumed.",
     )
+
+    @field_validator("topics")
+    @classmethod
+    def _topics(cls, value: list[str]) -> list[str]:
+        # A name starting with "^" is a librdkafka regex subscription, not a topic name.
+        illegal = []
+        for topic in (t for t in value if not t.startswith("^")):
+            why = check_topic_name(topic)
+            if why is not None:
+                reason = f"{topic!r} is not a legal Kafka topic name"
+                illegal.append(reason if why == reason else f"{reason}: it {why}")
+        if illegal:
+            raise ValueError("; ".join(illegal))
+        return value
 
     @field_validator("sasl_mechanism")
     @classmethod

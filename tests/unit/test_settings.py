@@ -655,6 +655,42 @@ def test_an_ambiguous_advertised_url_is_a_config_error(tmp_path: Path, url: str,
 
 
 @pytest.mark.parametrize(
+    ("topics", "says"),
+    [
+        (
+            ["ev ents"],
+            (
+                "'ev ents' is not a legal Kafka topic name: it holds characters Kafka "
+                "refuses in a topic name: ' '"
+            ),
+        ),
+        (["events", "a/b"], "'a/b' is not a legal Kafka topic name: it holds characters"),
+        (["."], "'.' is not a legal Kafka topic name"),
+        (["e" * 250], "is not a legal Kafka topic name: it is 250 characters long"),
+    ],
+)
+def test_an_illegal_topic_name_is_reported_at_kafka_topics(
+    tmp_path: Path, topics: list[str], says: str
+) -> None:
+    """An illegal topic was blamed on `dlq.topic_template (not set in file)`, through the
+    dead-letter topic derived from it (or, as '.', passed: '..dlq' is legal)."""
+    text = MINIMAL.replace('topics = ["events"]', f"topics = {json.dumps(topics)}")
+    path = write(tmp_path, text)
+    [(key, origin, reason)] = problems(path)  # nothing about dlq.topic_template
+    assert (key, origin) == ("kafka.topics", f"file {path}")
+    assert says in reason, reason
+    # Without a dead-letter topic too: the name itself is illegal.
+    with pytest.raises(ConfigError):
+        load_settings(path, ["dlq.enabled=false"])
+
+
+def test_a_regex_subscription_is_not_checked_as_a_topic_name(tmp_path: Path) -> None:
+    text = MINIMAL.replace('topics = ["events"]', 'topics = ["^ev ents-.*", "orders"]')
+    settings = load_settings(write(tmp_path, text))
+    assert settings.kafka.topics == ["^ev ents-.*", "orders"]
+
+
+@pytest.mark.parametrize(
     ("template", "found"),
     [
         ("{topic} dead!", "' ' '!'"),
