@@ -422,8 +422,10 @@ def test_every_secret_property_librdkafka_knows_is_masked() -> None:
 # --- the CLI -------------------------------------------------------------------------------
 
 
-def cli(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LANCE_SINK__")}
+def cli(
+    *args: str, pythonpath: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LANCE_SINK__")} | (env or {})
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
     return subprocess.run(
@@ -688,6 +690,36 @@ def test_a_regex_subscription_is_not_checked_as_a_topic_name(tmp_path: Path) -> 
     text = MINIMAL.replace('topics = ["events"]', 'topics = ["^ev ents-.*", "orders"]')
     settings = load_settings(write(tmp_path, text))
     assert settings.kafka.topics == ["^ev ents-.*", "orders"]
+
+
+def test_a_misspelled_environment_section_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`LANCE_SINK__MEMTABEL__MAX_ROWS` was ignored without a word (pydantic-settings reads
+    the variables of known sections only), where a misspelled key in a known section is
+    refused: it names the variable, with the other problems."""
+    monkeypatch.setenv("LANCE_SINK__MEMTABEL__MAX_ROWS", "5")
+    path = write(tmp_path, MINIMAL)
+    [(key, origin, reason)] = problems(path)
+    assert (key, origin) == ("memtabel", "environment LANCE_SINK__MEMTABEL__MAX_ROWS")
+    assert reason.startswith(
+        "'memtabel' is not a section of the settings (did you mean "
+        "LANCE_SINK__MEMTABLE? the sections are kafka, source, table,"
+    )
+    monkeypatch.setenv("LANCE_SINK__MEMTABLE__MAX_ROWS", "-1")
+    assert [p[:2] for p in problems(path)] == [
+        ("memtabel", "environment LANCE_SINK__MEMTABEL__MAX_ROWS"),
+        ("memtable.max_rows", "environment LANCE_SINK__MEMTABLE__MAX_ROWS"),
+    ]
+
+
+def test_check_config_refuses_a_misspelled_environment_section(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL)
+    env = {"LANCE_SINK__MEMTABEL__MAX_ROWS": "5"}
+    result = cli("check-config", str(path), env=env)
+    assert result.returncode == 2, result.stdout
+    assert "LANCE_SINK__MEMTABEL__MAX_ROWS" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(
