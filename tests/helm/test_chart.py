@@ -572,6 +572,22 @@ INVALID = {
         {"resources": {"limits": {"memory": "1Gi"}}},
         "Raise resources.limits.memory to at least 5696Mi, or leave it null",
     ),
+    "memory request above the derived limit": (
+        {"resources": {"requests": {"memory": "8Gi"}}},
+        (
+            "resources.requests.memory (8Gi) is above the container's memory limit (5696Mi, "
+            "derived from config.backpressure.process_budget_bytes since "
+            "resources.limits.memory is null): the API server refuses a pod whose request "
+            "exceeds its limit. Lower resources.requests.memory to at most 5696Mi"
+        ),
+    ),
+    "memory request above the set limit": (
+        {"resources": {"requests": {"memory": "7Gi"}, "limits": {"memory": "6Gi"}}},
+        (
+            "resources.requests.memory (7Gi) is above the container's memory limit (6Gi, "
+            "resources.limits.memory)"
+        ),
+    ),
     "memory limit that is not a quantity": (
         {"resources": {"limits": {"memory": "6GB"}}},
         'resources.limits.memory: cannot read "6GB" as a Kubernetes memory quantity',
