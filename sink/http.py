@@ -518,6 +518,7 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
         settings.max_concurrent_queries, "query-hybrid", initializer=name_os_thread
     )
     app.state.hybrid_pool = hybrid_pool
+    app.state.serves = {SERVES_QUERY}
 
     @app.exception_handler(_HttpError)
     async def http_error(request: Request, exc: _HttpError) -> Response:
@@ -778,34 +779,60 @@ class ServerHandle:
             hybrid.shutdown(wait=False)
 
 
+#: What an app serves (`app.state.serves`, set by `create_query_app` and
+#: `sink.server.create_ops_app`): the query API, the metrics and health endpoints, or both.
+SERVES_QUERY = "query"
+SERVES_METRICS = "metrics"
+
+#: The event `run_server` logs once a server listens, and its thread's name, by what it
+#: serves: each server says which one it is.
+_STARTED: dict[frozenset[str], tuple[str, str]] = {
+    frozenset({SERVES_QUERY}): ("query_server_started", "query-http"),
+    frozenset({SERVES_METRICS}): ("metrics_server_started", "metrics-http"),
+    frozenset({SERVES_QUERY, SERVES_METRICS}): ("query_and_metrics_server_started", "ops-http"),
+}
+
+
+def serves(app: FastAPI) -> frozenset[str]:
+    """What `app` serves (`SERVES_QUERY`, `SERVES_METRICS`); empty for another app."""
+    return frozenset(getattr(app.state, "serves", ()))
+
+
 def run_server(
     app: FastAPI, host: str, port: int, *, startup_timeout: float = 10.0
 ) -> ServerHandle:
     """Serve `app` with uvicorn in a daemon thread; returns once it listens (port 0 = any).
+    Logs `query_server_started`, `metrics_server_started` or
+    `query_and_metrics_server_started` (by `serves(app)`; `http_server_started` for another
+    app) with the host and the bound port.
 
     Raises:
         RuntimeError: the server did not start within `startup_timeout` seconds.
     """
+    what = serves(app)
+    event, thread_name = _STARTED.get(what, ("http_server_started", "http"))
     config = uvicorn.Config(
         app, host=host, port=port, log_config=None, access_log=False, lifespan="off"
     )
     server = _ThreadServer(config)
-    thread = threading.Thread(target=server.run, name="query-http", daemon=True)
+    thread = threading.Thread(target=server.run, name=thread_name, daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             server.should_exit = True
-            raise RuntimeError(f"query server did not start on {host}:{port}")
+            raise RuntimeError(f"server ({thread_name}) did not start on {host}:{port}")
         time.sleep(0.01)
     handle = ServerHandle(server, thread)
-    log.info("query_server_started", host=host, port=handle.port)
+    log.info(event, host=host, port=handle.port)
     return handle
 
 
 __all__ = [
     "ARROW_STREAM",
     "OPEN_PATHS",
+    "SERVES_METRICS",
+    "SERVES_QUERY",
     "LookupRequest",
     "QueryPool",
     "QueryResponse",
@@ -814,4 +841,5 @@ __all__ = [
     "ServerHandle",
     "create_query_app",
     "run_server",
+    "serves",
 ]

@@ -467,6 +467,23 @@ class _Ops:
         return {"partitions": []}
 
 
+def test_each_server_logs_its_own_started_event(harness: ReadHarness) -> None:
+    """The metrics and health server logged `query_server_started`, as the query API does:
+    each now says which server it is (one server for both when the ports are equal)."""
+    both = create_ops_app(_Ops(), create_query_app(harness.reader, QuerySettings()))
+    apps = [
+        ("query_server_started", create_query_app(harness.reader, QuerySettings())),
+        ("metrics_server_started", create_ops_app(_Ops())),
+        ("query_and_metrics_server_started", both),
+    ]
+    for event, app in apps:
+        with structlog.testing.capture_logs() as logs:
+            handle = run_server(app, "127.0.0.1", 0)
+        port = handle.port
+        handle.stop()
+        assert [(e["event"], e["host"], e["port"]) for e in logs] == [(event, "127.0.0.1", port)]
+
+
 @pytest.mark.parametrize("same_port", [False, True])
 def test_which_operations_paths_need_the_token(harness: ReadHarness, same_port: bool) -> None:
     """/metrics and the probes stay open (Prometheus, kubelet); /v1/status and
