@@ -45,6 +45,7 @@ from sink.log import configure_logging
 
 if TYPE_CHECKING:
     from engine.backpressure import BackpressureController
+    from sink.http import ListenError
     from sink.lag import Level, PartitionLag
 
 EXIT_OK = 0
@@ -316,7 +317,17 @@ def _run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     for signum in early:
         on_signal(signum, None)
-    code = service.run()
+    from sink.http import ListenError  # noqa: PLC0415
+
+    try:
+        code = service.run()
+    except ListenError as exc:  # raised by start_servers, before anything is consumed
+        key = listen_setting(exc)
+        log.error("startup_failed", error=str(exc), key=key, port=exc.port)
+        print(f"lance-sink: {key} ({exc.port}): {exc}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_FAILURE)
     # The drain is over (bounded by shutdown.drain_deadline_s): what is acknowledged is
     # durable and committed. Threads still running (a slow query inside Lance, an open the
     # drain stopped waiting for) would hold the interpreter's exit, which joins every
@@ -337,6 +348,20 @@ def _run(args: argparse.Namespace) -> int:
         os.environ[EVOLVE_SCHEMA_IDS_ENV] = met
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])  # noqa: S606 - the same program
     os._exit(code)
+
+
+def listen_setting(exc: ListenError) -> str:
+    """The setting whose port a server could not listen on: `observability.metrics_port`
+    for the metrics and health endpoints, `query.port` for the query API, both when one
+    server serves both (the ports are equal)."""
+    from sink.http import SERVES_METRICS, SERVES_QUERY  # noqa: PLC0415
+
+    keys = []
+    if SERVES_QUERY in exc.serves:
+        keys.append("query.port")
+    if SERVES_METRICS in exc.serves:
+        keys.append("observability.metrics_port")
+    return " and ".join(keys) or "port"
 
 
 def _lag(args: argparse.Namespace) -> int:

@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import socket
 import threading
 import time
 import uuid
@@ -88,7 +89,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from config.settings import QuerySettings
-from engine.errors import FreshRowsUnavailable, LanceSinkError
+from engine.errors import FatalError, FreshRowsUnavailable, LanceSinkError
 from engine.filters import (
     FilterSyntaxError,
     FilterTooComplex,
@@ -798,6 +799,55 @@ def serves(app: FastAPI) -> frozenset[str]:
     return frozenset(getattr(app.state, "serves", ()))
 
 
+class ListenError(FatalError):
+    """A server cannot listen on its address: the port is taken by another process, the
+    host is not an address of this machine, or the port needs a privilege. Raised by
+    `run_server` in the caller's thread before anything is served.
+
+    Attributes:
+        host: the address it was to listen on.
+        port: the port it was to listen on.
+        serves: what the server was to serve (`SERVES_QUERY`, `SERVES_METRICS`), from which
+            the caller names the setting (`query.port`, `observability.metrics_port`).
+        reason: the operating system's reason (e.g. "Address already in use").
+    """
+
+    def __init__(self, host: str, port: int, serves: frozenset[str], reason: str) -> None:
+        super().__init__(f"cannot listen on {host}:{port}: {reason}")
+        self.host = host
+        self.port = port
+        self.serves = serves
+        self.reason = reason
+
+
+def _bind(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address `host` resolves to, made as asyncio's
+    `loop.create_server(host=..., port=...)` (which uvicorn calls otherwise) makes them:
+    SO_REUSEADDR, IPv6 sockets IPv6-only. Binding here makes a failure an `OSError` in the
+    caller's thread; inside uvicorn it was a log line and a `sys.exit` of the server thread.
+
+    Raises:
+        OSError: the address cannot be resolved or bound.
+    """
+    infos = socket.getaddrinfo(
+        host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE
+    )
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
 def run_server(
     app: FastAPI, host: str, port: int, *, startup_timeout: float = 10.0
 ) -> ServerHandle:
@@ -807,20 +857,29 @@ def run_server(
     app) with the host and the bound port.
 
     Raises:
+        ListenError: `host`:`port` cannot be listened on (in use, not this machine's, ...).
         RuntimeError: the server did not start within `startup_timeout` seconds.
     """
     what = serves(app)
     event, thread_name = _STARTED.get(what, ("http_server_started", "http"))
+    try:
+        sockets = _bind(host, port)
+    except OSError as exc:
+        raise ListenError(host, port, what, exc.strerror or str(exc)) from exc
     config = uvicorn.Config(
         app, host=host, port=port, log_config=None, access_log=False, lifespan="off"
     )
     server = _ThreadServer(config)
-    thread = threading.Thread(target=server.run, name=thread_name, daemon=True)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": sockets}, name=thread_name, daemon=True
+    )
     thread.start()
     deadline = time.monotonic() + startup_timeout
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             server.should_exit = True
+            for sock in sockets:
+                sock.close()
             raise RuntimeError(f"server ({thread_name}) did not start on {host}:{port}")
         time.sleep(0.01)
     handle = ServerHandle(server, thread)
@@ -833,6 +892,7 @@ __all__ = [
     "OPEN_PATHS",
     "SERVES_METRICS",
     "SERVES_QUERY",
+    "ListenError",
     "LookupRequest",
     "QueryPool",
     "QueryResponse",
