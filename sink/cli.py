@@ -41,12 +41,15 @@ from config import (
 )
 from engine.malloc import tune_malloc
 from sink import __version__
-from sink.log import configure_logging
+from sink.log import LogLevel, configure_logging
 
 if TYPE_CHECKING:
     from engine.backpressure import BackpressureController
     from sink.http import ListenError
     from sink.lag import Level, PartitionLag
+
+#: `observability.log_level`'s values, least severe first.
+LOG_LEVELS: tuple[LogLevel, ...] = ("debug", "info", "warning", "error")
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -368,10 +371,15 @@ def _lag(args: argparse.Namespace) -> int:
     from sink.lag import FlushedReader, group_lag  # noqa: PLC0415 - keep the other commands light
 
     flushed: FlushedReader | None = None
+    # The report is the output: logs go to standard error, warnings and above only (or the
+    # config's observability.log_level if it is higher), in the config's format.
+    configure_logging("warning")
     if args.config is not None:
         from sink.kafka_conf import lag_confs  # noqa: PLC0415
 
         settings = _load(args.config, args.overrides)
+        obs = settings.observability
+        configure_logging(max(obs.log_level, "warning", key=LOG_LEVELS.index), obs.log_format)
         conf, probe_conf = lag_confs(settings)
         group = args.group or settings.kafka.group_id
         topics = args.topic or list(settings.kafka.topics)

@@ -90,3 +90,72 @@ port = {query_port}
     )
     [failed] = [json.loads(s) for s in result.stderr.splitlines() if '"startup_failed"' in s]
     assert (failed["key"], failed["port"]) == (key, held_port)
+
+
+# --- lag: the report is the output --------------------------------------------------------
+
+#: `lance-sink lag` with the group's offsets faked: reading them logs what a real read of the
+#: table's commits does (a debug `transaction_undecodable`) and a warning.
+LAG_WITH_LOGS = """
+import sys
+
+import structlog
+
+import sink.lag
+from engine.table import transaction_properties
+from sink.lag import PartitionLag
+
+
+class Undecodable:
+    def read_transaction(self, version):
+        raise TypeError("RewrittenIndex.__init__() missing 1 required positional argument")
+
+
+def group_lag(conf, group, topics, **kwargs):
+    assert transaction_properties(Undecodable(), 7) == {}
+    structlog.get_logger("lance_sink.test").warning("lag_test_warning")
+    return [PartitionLag("events", 0, start=0, end=10, committed=4)]
+
+
+sink.lag.group_lag = group_lag
+from sink.cli import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("with_config", [False, True])
+def test_lag_prints_its_report_and_only_warnings_to_stderr(
+    tmp_path: Path, with_config: bool
+) -> None:
+    """`lance-sink lag` configures logging as `run` does: warnings and above on standard
+    error, so the report (JSON here) is all of standard output. It never configured it, and
+    structlog's default printed every debug line (`transaction_undecodable` while reading
+    the table's commits) onto the report."""
+    script = tmp_path / "lag_with_logs.py"
+    script.write_text(LAG_WITH_LOGS)
+    if with_config:
+        config = tmp_path / "sink.toml"
+        config.write_text(
+            f"""
+[kafka]
+bootstrap_servers = "127.0.0.1:1"
+topics = ["events"]
+[table]
+uri = "{tmp_path / "t.lance"}"
+columns = [{{ name = "id", type = "string" }}]
+[observability]
+log_level = "debug"
+log_format = "json"
+"""
+        )
+        args = ["--config", str(config)]
+    else:
+        args = ["--bootstrap", "127.0.0.1:1", "--group", "g", "--topic", "events"]
+    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = _run(str(script), "lag", *args, "--json", env=env)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)  # nothing but the report
+    assert report["total_lag"] == 6
+    assert "transaction_undecodable" not in result.stdout + result.stderr
+    assert "lag_test_warning" in result.stderr
