@@ -1107,7 +1107,11 @@ class QuerySettings(_Section):
         description="Address of the query API.",
     )
     port: Port = Field(
-        default=8080, description="Port of the query API (may equal the metrics port)."
+        default=8080,
+        description="Port of the query API. It may equal observability.metrics_port: one "
+        "server then serves both (the bearer token still leaves /metrics and the probes "
+        "open). The Helm chart refuses that: its Service, probes and NetworkPolicy give each "
+        "port its own name and peers.",
     )
     auth_token: SecretStr | None = Field(
         default=None,
