@@ -8,6 +8,7 @@ of them at once so an operator fixes a file in one pass.
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 from collections.abc import Mapping
@@ -147,10 +148,39 @@ def load_settings(
             # First wins: CLI flags, then environment, then the file.
             return init_settings, env_settings, _MappingSource(settings_cls, file_data)
 
+    unknown = _unknown_env_sections(os.environ)
     try:
-        return _Loaded(**cli_data)
+        settings = _Loaded(**cli_data)
     except ValidationError as exc:
-        raise ConfigError(_problems(exc, path, file_data, cli_data, os.environ)) from exc
+        problems = unknown + _problems(exc, path, file_data, cli_data, os.environ)
+        raise ConfigError(problems) from exc
+    if unknown:
+        raise ConfigError(unknown)
+    return settings
+
+
+def _unknown_env_sections(env: Mapping[str, str]) -> list[ConfigProblem]:
+    """A problem per `LANCE_SINK__<SECTION>__...` variable whose section the settings do not
+    have. pydantic-settings reads only the variables of known sections, so a misspelled
+    section (`LANCE_SINK__MEMTABEL__MAX_ROWS`) would be ignored without a word, where a
+    misspelled key inside a known section is refused as an extra input."""
+    sections = list(Settings.model_fields)
+    problems = []
+    for var in sorted(env):
+        if not var.upper().startswith(ENV_PREFIX):
+            continue
+        section = var[len(ENV_PREFIX) :].split(ENV_NESTED_DELIMITER, 1)[0].lower()
+        if section in Settings.model_fields:
+            continue
+        close = difflib.get_close_matches(section, sections, n=1)
+        hint = f"did you mean {ENV_PREFIX}{close[0].upper()}? " if close else ""
+        reason = (
+            f"{section!r} is not a section of the settings ({hint}the sections are "
+            + ", ".join(sections)
+            + ")"
+        )
+        problems.append(ConfigProblem(section, f"environment {var}", reason))
+    return problems
 
 
 def _overrides_data(overrides: list[str] | None) -> dict[str, Any]:

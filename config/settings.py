@@ -14,6 +14,7 @@ Secrets are `SecretStr`: they print as ``**********`` in every dump of the model
 from __future__ import annotations
 
 import importlib
+import ipaddress
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -218,7 +219,10 @@ class KafkaSettings(_Section):
     bootstrap_servers: str = Field(min_length=1, description="Comma-separated host:port list.")
     group_id: str = Field(default="lance-sink", min_length=1, description="Consumer group id.")
     topics: list[Annotated[str, Field(min_length=1)]] = Field(
-        min_length=1, description="Topics to consume; several topics may feed one table."
+        min_length=1,
+        description="Topics to consume; several topics may feed one table. Each is a legal "
+        "Kafka topic name (at most 249 of a-z, A-Z, 0-9, '.', '_' and '-'; not '.' or '..'), "
+        "or a librdkafka regex subscription starting with '^'.",
     )
     client_id: str = Field(default="lance-sink", description="Client id sent to the brokers.")
     group_instance_id: str | None = Field(
@@ -297,6 +301,20 @@ class KafkaSettings(_Section):
         "(librdkafka: 300000): how long a topic created after the start, or a partition "
         "added, waits to be consumed.",
     )
+
+    @field_validator("topics")
+    @classmethod
+    def _topics(cls, value: list[str]) -> list[str]:
+        # A name starting with "^" is a librdkafka regex subscription, not a topic name.
+        illegal = []
+        for topic in (t for t in value if not t.startswith("^")):
+            why = check_topic_name(topic)
+            if why is not None:
+                reason = f"{topic!r} is not a legal Kafka topic name"
+                illegal.append(reason if why == reason else f"{reason}: it {why}")
+        if illegal:
+            raise ValueError("; ".join(illegal))
+        return value
 
     @field_validator("sasl_mechanism")
     @classmethod
@@ -1089,7 +1107,11 @@ class QuerySettings(_Section):
         description="Address of the query API.",
     )
     port: Port = Field(
-        default=8080, description="Port of the query API (may equal the metrics port)."
+        default=8080,
+        description="Port of the query API. It may equal observability.metrics_port: one "
+        "server then serves both (the bearer token still leaves /metrics and the probes "
+        "open). The Helm chart refuses that: its Service, probes and NetworkPolicy give each "
+        "port its own name and peers.",
     )
     auth_token: SecretStr | None = Field(
         default=None,
@@ -1147,7 +1169,10 @@ class QuerySettings(_Section):
         description="Where other pods reach this process's query API (e.g. "
         "http://10.1.2.3:8080; the Helm chart sets the pod IP). Recorded in the shard manifest "
         "when a shard is claimed, so a query to any pod can ask this one for its memtables' "
-        "rows. None: this process serves no fresh rows to other pods.",
+        "rows. None: this process serves no fresh rows to other pods. An IPv6 address goes in "
+        "brackets (http://[fd00::1]:8080); an unbracketed one followed by :port, as the chart "
+        "writes an IPv6 pod IP (http://fd00::1:8080), is read as address and port and "
+        "bracketed; any other host with several ':' is refused as ambiguous.",
     )
     fanout_timeout_ms: PositiveInt = Field(
         default=1_000,
@@ -1159,6 +1184,66 @@ class QuerySettings(_Section):
         description="How often the shard owners are re-read from the shard manifests (also "
         "re-read when an owner answers with another epoch).",
     )
+
+    @field_validator("advertised_url")
+    @classmethod
+    def _advertised_url(cls, value: str | None) -> str | None:
+        return None if value is None else bracket_ipv6_host(value)
+
+
+def bracket_ipv6_host(url: str) -> str:
+    """`url` (an http(s) URL) with an IPv6 host in brackets, as URLs need it.
+
+    A host with several ':' and no brackets is read as an IPv6 address followed by ':port'
+    (the last ':' and its digits): what `http://$(POD_IP):8080` becomes on an IPv6 pod,
+    `http://fd00::1:8080`, is `http://[fd00::1]:8080`. An address without a port cannot be
+    told from an address with one (`fd00::1:8080` is an address too), so it must come in
+    brackets.
+
+    Raises:
+        ValueError: the host is ambiguous (several ':' that are not an IPv6 address and a
+            port), a bracketed host is no IPv6 address, or a port is not 1-65535.
+    """
+    scheme, _, rest = url.partition("://")
+    authority, slash, path = rest.partition("/")
+    userinfo, at, host_port = authority.rpartition("@")
+    if host_port.startswith("["):
+        address, bracket, port = host_port[1:].partition("]")
+        if not bracket or not _is_ipv6(address.replace("%25", "%")):
+            raise ValueError(f"{host_port!r}: the host in brackets must be an IPv6 address")
+        if port:
+            if not port.startswith(":"):
+                raise ValueError(f"{host_port!r}: only ':port' may follow the brackets")
+            _check_port(port[1:], host_port)
+        return url
+    if host_port.count(":") > 1:
+        address, _, port = host_port.rpartition(":")
+        if not (port.isdigit() and "%" not in address and _is_ipv6(address)):
+            raise ValueError(
+                f"{host_port!r} is ambiguous: an IPv6 address goes in brackets, with its port "
+                "after them (http://[fd00::1]:8080); unbracketed, only an IPv6 address "
+                "followed by ':port' is accepted (and bracketed)"
+            )
+        _check_port(port, host_port)
+        authority = f"{userinfo}{at}[{address}]:{port}"
+        return f"{scheme}://{authority}{slash}{path}"
+    _host, colon, port = host_port.partition(":")
+    if colon:
+        _check_port(port, host_port)
+    return url
+
+
+def _is_ipv6(address: str) -> bool:
+    try:
+        ipaddress.IPv6Address(address)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_port(port: str, host_port: str) -> None:
+    if not (port.isdigit() and 0 < int(port) <= 65535):  # the TCP port range
+        raise ValueError(f"{host_port!r}: the port must be a number from 1 to 65535")
 
 
 class ShutdownSettings(_Section):

@@ -41,11 +41,15 @@ from config import (
 )
 from engine.malloc import tune_malloc
 from sink import __version__
-from sink.log import configure_logging
+from sink.log import LogLevel, configure_logging
 
 if TYPE_CHECKING:
     from engine.backpressure import BackpressureController
+    from sink.http import ListenError
     from sink.lag import Level, PartitionLag
+
+#: `observability.log_level`'s values, least severe first.
+LOG_LEVELS: tuple[LogLevel, ...] = ("debug", "info", "warning", "error")
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -316,7 +320,17 @@ def _run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     for signum in early:
         on_signal(signum, None)
-    code = service.run()
+    from sink.http import ListenError  # noqa: PLC0415
+
+    try:
+        code = service.run()
+    except ListenError as exc:  # raised by start_servers, before anything is consumed
+        key = listen_setting(exc)
+        log.error("startup_failed", error=str(exc), key=key, port=exc.port)
+        print(f"lance-sink: {key} ({exc.port}): {exc}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_FAILURE)
     # The drain is over (bounded by shutdown.drain_deadline_s): what is acknowledged is
     # durable and committed. Threads still running (a slow query inside Lance, an open the
     # drain stopped waiting for) would hold the interpreter's exit, which joins every
@@ -339,14 +353,33 @@ def _run(args: argparse.Namespace) -> int:
     os._exit(code)
 
 
+def listen_setting(exc: ListenError) -> str:
+    """The setting whose port a server could not listen on: `observability.metrics_port`
+    for the metrics and health endpoints, `query.port` for the query API, both when one
+    server serves both (the ports are equal)."""
+    from sink.http import SERVES_METRICS, SERVES_QUERY  # noqa: PLC0415
+
+    keys = []
+    if SERVES_QUERY in exc.serves:
+        keys.append("query.port")
+    if SERVES_METRICS in exc.serves:
+        keys.append("observability.metrics_port")
+    return " and ".join(keys) or "port"
+
+
 def _lag(args: argparse.Namespace) -> int:
     from sink.lag import FlushedReader, group_lag  # noqa: PLC0415 - keep the other commands light
 
     flushed: FlushedReader | None = None
+    # The report is the output: logs go to standard error, warnings and above only (or the
+    # config's observability.log_level if it is higher), in the config's format.
+    configure_logging("warning")
     if args.config is not None:
         from sink.kafka_conf import lag_confs  # noqa: PLC0415
 
         settings = _load(args.config, args.overrides)
+        obs = settings.observability
+        configure_logging(max(obs.log_level, "warning", key=LOG_LEVELS.index), obs.log_format)
         conf, probe_conf = lag_confs(settings)
         group = args.group or settings.kafka.group_id
         topics = args.topic or list(settings.kafka.topics)

@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import socket
 import threading
 import time
 import uuid
@@ -88,7 +89,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from config.settings import QuerySettings
-from engine.errors import FreshRowsUnavailable, LanceSinkError
+from engine.errors import FatalError, FreshRowsUnavailable, LanceSinkError
 from engine.filters import (
     FilterSyntaxError,
     FilterTooComplex,
@@ -518,6 +519,7 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
         settings.max_concurrent_queries, "query-hybrid", initializer=name_os_thread
     )
     app.state.hybrid_pool = hybrid_pool
+    app.state.serves = {SERVES_QUERY}
 
     @app.exception_handler(_HttpError)
     async def http_error(request: Request, exc: _HttpError) -> Response:
@@ -778,34 +780,119 @@ class ServerHandle:
             hybrid.shutdown(wait=False)
 
 
+#: What an app serves (`app.state.serves`, set by `create_query_app` and
+#: `sink.server.create_ops_app`): the query API, the metrics and health endpoints, or both.
+SERVES_QUERY = "query"
+SERVES_METRICS = "metrics"
+
+#: The event `run_server` logs once a server listens, and its thread's name, by what it
+#: serves: each server says which one it is.
+_STARTED: dict[frozenset[str], tuple[str, str]] = {
+    frozenset({SERVES_QUERY}): ("query_server_started", "query-http"),
+    frozenset({SERVES_METRICS}): ("metrics_server_started", "metrics-http"),
+    frozenset({SERVES_QUERY, SERVES_METRICS}): ("query_and_metrics_server_started", "ops-http"),
+}
+
+
+def serves(app: FastAPI) -> frozenset[str]:
+    """What `app` serves (`SERVES_QUERY`, `SERVES_METRICS`); empty for another app."""
+    return frozenset(getattr(app.state, "serves", ()))
+
+
+class ListenError(FatalError):
+    """A server cannot listen on its address: the port is taken by another process, the
+    host is not an address of this machine, or the port needs a privilege. Raised by
+    `run_server` in the caller's thread before anything is served.
+
+    Attributes:
+        host: the address it was to listen on.
+        port: the port it was to listen on.
+        serves: what the server was to serve (`SERVES_QUERY`, `SERVES_METRICS`), from which
+            the caller names the setting (`query.port`, `observability.metrics_port`).
+        reason: the operating system's reason (e.g. "Address already in use").
+    """
+
+    def __init__(self, host: str, port: int, serves: frozenset[str], reason: str) -> None:
+        super().__init__(f"cannot listen on {host}:{port}: {reason}")
+        self.host = host
+        self.port = port
+        self.serves = serves
+        self.reason = reason
+
+
+def _bind(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address `host` resolves to, made as asyncio's
+    `loop.create_server(host=..., port=...)` (which uvicorn calls otherwise) makes them:
+    SO_REUSEADDR, IPv6 sockets IPv6-only. Binding here makes a failure an `OSError` in the
+    caller's thread; inside uvicorn it was a log line and a `sys.exit` of the server thread.
+
+    Raises:
+        OSError: the address cannot be resolved or bound.
+    """
+    infos = socket.getaddrinfo(
+        host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE
+    )
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
 def run_server(
     app: FastAPI, host: str, port: int, *, startup_timeout: float = 10.0
 ) -> ServerHandle:
     """Serve `app` with uvicorn in a daemon thread; returns once it listens (port 0 = any).
+    Logs `query_server_started`, `metrics_server_started` or
+    `query_and_metrics_server_started` (by `serves(app)`; `http_server_started` for another
+    app) with the host and the bound port.
 
     Raises:
+        ListenError: `host`:`port` cannot be listened on (in use, not this machine's, ...).
         RuntimeError: the server did not start within `startup_timeout` seconds.
     """
+    what = serves(app)
+    event, thread_name = _STARTED.get(what, ("http_server_started", "http"))
+    try:
+        sockets = _bind(host, port)
+    except OSError as exc:
+        raise ListenError(host, port, what, exc.strerror or str(exc)) from exc
     config = uvicorn.Config(
         app, host=host, port=port, log_config=None, access_log=False, lifespan="off"
     )
     server = _ThreadServer(config)
-    thread = threading.Thread(target=server.run, name="query-http", daemon=True)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": sockets}, name=thread_name, daemon=True
+    )
     thread.start()
     deadline = time.monotonic() + startup_timeout
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             server.should_exit = True
-            raise RuntimeError(f"query server did not start on {host}:{port}")
+            for sock in sockets:
+                sock.close()
+            raise RuntimeError(f"server ({thread_name}) did not start on {host}:{port}")
         time.sleep(0.01)
     handle = ServerHandle(server, thread)
-    log.info("query_server_started", host=host, port=handle.port)
+    log.info(event, host=host, port=handle.port)
     return handle
 
 
 __all__ = [
     "ARROW_STREAM",
     "OPEN_PATHS",
+    "SERVES_METRICS",
+    "SERVES_QUERY",
+    "ListenError",
     "LookupRequest",
     "QueryPool",
     "QueryResponse",
@@ -814,4 +901,5 @@ __all__ = [
     "ServerHandle",
     "create_query_app",
     "run_server",
+    "serves",
 ]

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import SecretStr
 
-from sink.http import RequestGuard
+from sink.http import SERVES_METRICS, RequestGuard, serves
 
 
 class Observable(Protocol):
@@ -49,6 +49,7 @@ def create_ops_app(
         app = FastAPI(title="lance-sink operations", docs_url=None, redoc_url=None)
         token = auth_token.get_secret_value().encode() if auth_token is not None else None
         app.add_middleware(RequestGuard, token=token)
+    app.state.serves = serves(app) | {SERVES_METRICS}
 
     @app.get("/metrics", include_in_schema=False)
     def metrics() -> Response:

@@ -36,7 +36,7 @@ import yaml
 from kubernetes_validate.utils import all_versions
 from pydantic import BaseModel, ByteSize, TypeAdapter
 
-from config.settings import Settings
+from config.settings import QuerySettings, Settings
 from tests.helm.crds import CRD_SCHEMAS
 
 pytestmark = pytest.mark.helm
@@ -571,6 +571,22 @@ INVALID = {
     "memory limit below the fixed part": (
         {"resources": {"limits": {"memory": "1Gi"}}},
         "Raise resources.limits.memory to at least 5696Mi, or leave it null",
+    ),
+    "memory request above the derived limit": (
+        {"resources": {"requests": {"memory": "8Gi"}}},
+        (
+            "resources.requests.memory (8Gi) is above the container's memory limit (5696Mi, "
+            "derived from config.backpressure.process_budget_bytes since "
+            "resources.limits.memory is null): the API server refuses a pod whose request "
+            "exceeds its limit. Lower resources.requests.memory to at most 5696Mi"
+        ),
+    ),
+    "memory request above the set limit": (
+        {"resources": {"requests": {"memory": "7Gi"}, "limits": {"memory": "6Gi"}}},
+        (
+            "resources.requests.memory (7Gi) is above the container's memory limit (6Gi, "
+            "resources.limits.memory)"
+        ),
     ),
     "memory limit that is not a quantity": (
         {"resources": {"limits": {"memory": "6GB"}}},
@@ -1130,6 +1146,10 @@ def test_pods_advertise_their_ip_for_fan_out_reads(helm: str, tmp_path: Path) ->
     assert env["LANCE_SINK__QUERY__ADVERTISED_URL"]["value"] == "http://$(POD_IP):8080"
     names = [v["name"] for v in _container(docs)["env"]]
     assert names.index("POD_IP") < names.index("LANCE_SINK__QUERY__ADVERTISED_URL")
+    # On an IPv6 cluster the kubelet makes it http://fd00::1:8080, which the sink advertises
+    # bracketed (urllib3 refused it unbracketed on every fan-out request to the pod).
+    url = env["LANCE_SINK__QUERY__ADVERTISED_URL"]["value"].replace("$(POD_IP)", "fd00::1")
+    assert QuerySettings(advertised_url=url).advertised_url == "http://[fd00::1]:8080"
     path = tmp_path / "values.yaml"
     path.write_text(
         yaml.safe_dump({"config": {"query": {"advertised_url": "http://sink-0.sink:8080"}}})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -465,6 +466,47 @@ class _Ops:
 
     def status(self) -> dict[str, Any]:
         return {"partitions": []}
+
+
+def test_each_server_logs_its_own_started_event(harness: ReadHarness) -> None:
+    """The metrics and health server logged `query_server_started`, as the query API does:
+    each now says which server it is (one server for both when the ports are equal)."""
+    both = create_ops_app(_Ops(), create_query_app(harness.reader, QuerySettings()))
+    apps = [
+        ("query_server_started", create_query_app(harness.reader, QuerySettings())),
+        ("metrics_server_started", create_ops_app(_Ops())),
+        ("query_and_metrics_server_started", both),
+    ]
+    for event, app in apps:
+        with structlog.testing.capture_logs() as logs:
+            handle = run_server(app, "127.0.0.1", 0)
+        port = handle.port
+        handle.stop()
+        assert [(e["event"], e["host"], e["port"]) for e in logs] == [(event, "127.0.0.1", port)]
+
+
+def test_a_port_in_use_is_a_listen_error_naming_what_the_server_serves(
+    harness: ReadHarness,
+) -> None:
+    """A port another socket holds raises `ListenError` in the caller's thread, with the
+    host, the port, what the server serves (for the CLI to name the setting) and the OS's
+    reason; uvicorn logged it and ended its thread, and `run_server` raised RuntimeError."""
+    from sink.http import SERVES_METRICS, SERVES_QUERY, ListenError  # noqa: PLC0415
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = int(taken.getsockname()[1])
+        for app, what in [
+            (create_ops_app(_Ops()), {SERVES_METRICS}),
+            (create_query_app(harness.reader, QuerySettings()), {SERVES_QUERY}),
+        ]:
+            with pytest.raises(ListenError) as info:
+                run_server(app, "127.0.0.1", port)
+            error = info.value
+            assert (error.host, error.port, error.serves) == ("127.0.0.1", port, what)
+            assert error.reason == "Address already in use"
+            assert str(error) == f"cannot listen on 127.0.0.1:{port}: Address already in use"
 
 
 @pytest.mark.parametrize("same_port", [False, True])

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import urllib3
 
 from config import ConfigError, load_settings, problem_at, redacted
 from config.settings import LIBRDKAFKA_SECRET_KEYS, MASK, is_secret_librdkafka_key
@@ -421,8 +422,10 @@ def test_every_secret_property_librdkafka_knows_is_masked() -> None:
 # --- the CLI -------------------------------------------------------------------------------
 
 
-def cli(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LANCE_SINK__")}
+def cli(
+    *args: str, pythonpath: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LANCE_SINK__")} | (env or {})
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
     return subprocess.run(
@@ -603,6 +606,120 @@ def test_advertised_url_must_be_an_http_url(tmp_path: Path) -> None:
     [(key, origin, reason)] = problems(path)
     assert (key, origin) == ("query.advertised_url", f"file {path}")
     assert "pattern" in reason
+
+
+@pytest.mark.parametrize(
+    ("url", "advertised"),
+    [
+        # What the chart's http://$(POD_IP):8080 becomes on an IPv6 pod: bracketed.
+        ("http://fd00::1:8080", "http://[fd00::1]:8080"),
+        ("http://fd00:10:244::1a:8080/sink", "http://[fd00:10:244::1a]:8080/sink"),
+        ("https://2001:db8:0:0:0:0:0:1:443", "https://[2001:db8:0:0:0:0:0:1]:443"),
+        # Already bracketed, IPv4 and names: unchanged.
+        ("http://[fd00::1]:8080", "http://[fd00::1]:8080"),
+        ("http://[fd00::1]", "http://[fd00::1]"),
+        ("http://10.1.2.3:8080", "http://10.1.2.3:8080"),
+        ("http://sink-0.sink-headless:8080", "http://sink-0.sink-headless:8080"),
+    ],
+)
+def test_an_ipv6_advertised_url_is_bracketed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str, advertised: str
+) -> None:
+    """On an IPv6 cluster the chart advertised http://fd00::1:8080, which the pattern let
+    through and urllib3 refused (LocationParseError) on every fan-out request to that pod:
+    an unbracketed IPv6 address followed by :port is bracketed when the settings load."""
+    monkeypatch.setenv("LANCE_SINK__QUERY__ADVERTISED_URL", url)
+    settings = load_settings(write(tmp_path, MINIMAL))
+    assert settings.query.advertised_url == advertised
+    assert writer_config(settings).advertised_url == advertised  # what the manifests record
+    parsed = urllib3.util.parse_url(advertised.rstrip("/") + "/internal/v1/fresh")
+    assert parsed.host is not None
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("http://fd00::1", "'fd00::1' is ambiguous: an IPv6 address goes in brackets"),
+        ("http://fd00::abcd", "'fd00::abcd' is ambiguous"),
+        ("http://fd00::8080", "'fd00::8080' is ambiguous"),
+        ("http://fd00::1:99999", "'fd00::1:99999': the port must be a number from 1 to 65535"),
+        ("http://[fd00::1]:0", "'[fd00::1]:0': the port must be a number from 1 to 65535"),
+        ("http://[10.1.2.3]:8080", "the host in brackets must be an IPv6 address"),
+        ("http://[fd00::1]8080", "only ':port' may follow the brackets"),
+        ("http://10.1.2.3:80a", "'10.1.2.3:80a': the port must be a number from 1 to 65535"),
+    ],
+)
+def test_an_ambiguous_advertised_url_is_a_config_error(tmp_path: Path, url: str, says: str) -> None:
+    path = write(tmp_path, MINIMAL + f'\n[query]\nadvertised_url = "{url}"\n')
+    [(key, origin, reason)] = problems(path)
+    assert (key, origin) == ("query.advertised_url", f"file {path}")
+    assert says in reason, reason
+
+
+@pytest.mark.parametrize(
+    ("topics", "says"),
+    [
+        (
+            ["ev ents"],
+            (
+                "'ev ents' is not a legal Kafka topic name: it holds characters Kafka "
+                "refuses in a topic name: ' '"
+            ),
+        ),
+        (["events", "a/b"], "'a/b' is not a legal Kafka topic name: it holds characters"),
+        (["."], "'.' is not a legal Kafka topic name"),
+        (["e" * 250], "is not a legal Kafka topic name: it is 250 characters long"),
+    ],
+)
+def test_an_illegal_topic_name_is_reported_at_kafka_topics(
+    tmp_path: Path, topics: list[str], says: str
+) -> None:
+    """An illegal topic was blamed on `dlq.topic_template (not set in file)`, through the
+    dead-letter topic derived from it (or, as '.', passed: '..dlq' is legal)."""
+    text = MINIMAL.replace('topics = ["events"]', f"topics = {json.dumps(topics)}")
+    path = write(tmp_path, text)
+    [(key, origin, reason)] = problems(path)  # nothing about dlq.topic_template
+    assert (key, origin) == ("kafka.topics", f"file {path}")
+    assert says in reason, reason
+    # Without a dead-letter topic too: the name itself is illegal.
+    with pytest.raises(ConfigError):
+        load_settings(path, ["dlq.enabled=false"])
+
+
+def test_a_regex_subscription_is_not_checked_as_a_topic_name(tmp_path: Path) -> None:
+    text = MINIMAL.replace('topics = ["events"]', 'topics = ["^ev ents-.*", "orders"]')
+    settings = load_settings(write(tmp_path, text))
+    assert settings.kafka.topics == ["^ev ents-.*", "orders"]
+
+
+def test_a_misspelled_environment_section_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`LANCE_SINK__MEMTABEL__MAX_ROWS` was ignored without a word (pydantic-settings reads
+    the variables of known sections only), where a misspelled key in a known section is
+    refused: it names the variable, with the other problems."""
+    monkeypatch.setenv("LANCE_SINK__MEMTABEL__MAX_ROWS", "5")
+    path = write(tmp_path, MINIMAL)
+    [(key, origin, reason)] = problems(path)
+    assert (key, origin) == ("memtabel", "environment LANCE_SINK__MEMTABEL__MAX_ROWS")
+    assert reason.startswith(
+        "'memtabel' is not a section of the settings (did you mean "
+        "LANCE_SINK__MEMTABLE? the sections are kafka, source, table,"
+    )
+    monkeypatch.setenv("LANCE_SINK__MEMTABLE__MAX_ROWS", "-1")
+    assert [p[:2] for p in problems(path)] == [
+        ("memtabel", "environment LANCE_SINK__MEMTABEL__MAX_ROWS"),
+        ("memtable.max_rows", "environment LANCE_SINK__MEMTABLE__MAX_ROWS"),
+    ]
+
+
+def test_check_config_refuses_a_misspelled_environment_section(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL)
+    env = {"LANCE_SINK__MEMTABEL__MAX_ROWS": "5"}
+    result = cli("check-config", str(path), env=env)
+    assert result.returncode == 2, result.stdout
+    assert "LANCE_SINK__MEMTABEL__MAX_ROWS" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(

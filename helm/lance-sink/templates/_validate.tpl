@@ -151,4 +151,17 @@ checks only cover what is about how Kubernetes runs it, or what would leak a sec
 {{- fail (printf "config.backpressure.process_budget_bytes (%s) does not fit in resources.limits.memory (%s): the pod needs %dMi = %dMi for the budget (x resources.memory.budgetFactor %v) + %dMi resources.memory.overheadMiB + %dMi for the query API's caches (unindexed rows, Lance's index and metadata caches) and the maintenance process, so the kernel would OOM-kill the sink before backpressure pauses a partition. %s resources.limits.memory to at least %dMi, or leave it null to derive it." $budgetShow $limitShow $needMiB $budgetMiB $factor (int64 $.Values.resources.memory.overheadMiB) (sub $fixedMiB (int64 $.Values.resources.memory.overheadMiB)) $fix $needMiB) -}}
 {{- end -}}
 {{- end -}}
+{{/* the request may not exceed the limit (the API server refuses such a pod) */}}
+{{- with .Values.resources.requests.memory -}}
+{{- $request := include "lance-sink.quantityBytes" (list "resources.requests.memory" .) | float64 -}}
+{{- $limitMem := include "lance-sink.memoryLimit" $ -}}
+{{- $limitBytes := include "lance-sink.quantityBytes" (list "resources.limits.memory" $limitMem) | float64 -}}
+{{- if gt $request $limitBytes -}}
+{{- $limitFrom := "resources.limits.memory" -}}
+{{- if not $.Values.resources.limits.memory -}}
+{{- $limitFrom = "derived from config.backpressure.process_budget_bytes since resources.limits.memory is null" -}}
+{{- end -}}
+{{- fail (printf "resources.requests.memory (%v) is above the container's memory limit (%s, %s): the API server refuses a pod whose request exceeds its limit. Lower resources.requests.memory to at most %s (or leave it null: it defaults to the limit), or set resources.limits.memory to at least %v." . $limitMem $limitFrom $limitMem .) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
