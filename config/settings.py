@@ -961,7 +961,11 @@ class MaintenanceSettings(_Section):
     """Background upkeep of the base table: indexes, compaction, old versions."""
 
     enabled: bool = Field(
-        default=True, description="Run base-table maintenance from this sink process."
+        default=True,
+        description="Run base-table maintenance. One pod of the consumer group runs it: the "
+        "holder of partition 0 of the first topic in kafka.topics (it moves with "
+        "rebalances); the others stand by. Off: this pod never runs it, even holding that "
+        "partition (then no pod does).",
     )
     process: bool = Field(
         default=True,

@@ -11,12 +11,23 @@ and a pass over a large backlog took minutes during which the text index fell be
 Tests and tools call `run_once()` directly (it optimises every index).
 
 Maintenance never takes a shard writer's lock and never waits for a flush: every task is
-one or a few Lance commits of its own, so ingestion goes on while it runs. Several sink
-processes may run it against the same table;
-Lance commits are optimistic, and a task that loses a commit race (Lance reports a commit
-conflict) is retried with exponential backoff (`CONFLICT_ATTEMPTS` times), then reported as
+one or a few Lance commits of its own, so ingestion goes on while it runs. Lance commits are
+optimistic, and a task that loses a commit race (Lance reports a commit conflict, e.g. with
+a flush) is retried with exponential backoff (`CONFLICT_ATTEMPTS` times), then reported as
 ``conflict`` and tried again next run. A flush that loses a race against a compaction is
 retried by the shard writer's own flush backoff.
+
+Standby. The loops start tasks only while active (`set_active`, the constructors'
+`active`). The sink runs one maintenance per consumer group this way: every pod starts its
+loops, and only the pod that holds the group's maintenance partition is active
+(`sink.maintenance_role`); the others stand by, so the pods do not race each other's
+commits (in a trial with 3 pods all maintaining one table: 168 conflicts and 9 failures in
+20 minutes, a cleanup failing on a version another pod's cleanup had removed, and every
+index optimisation done three times). A runner set to standby finishes the task it is in
+(one or a few atomic Lance commits; a lost commit race is not retried then) and starts no
+other until it is active again; it then does its next full run as soon as one is due (at
+once if the last was `interval_s` ago). `run_once()` called directly (tests, tools) runs
+whatever the state.
 
 Tasks, in order, each reporting `MaintenanceEvents.ran(task, outcome, seconds)` with
 outcome ``done`` / ``skipped`` / ``conflict`` / ``failed``:
@@ -198,8 +209,9 @@ class Maintenance:
     """Runs the maintenance tasks (see the module docstring).
 
     Lifecycle: construct after the engine opened the table; `start()` once (the sink, when
-    `maintenance.enabled`); `stop()` during shutdown (always safe, idempotent). A task that
-    raises is logged and reported as ``failed``; the thread keeps running.
+    `maintenance.enabled`); `set_active()` from any thread, any time (see "Standby"); `stop()`
+    during shutdown (always safe, idempotent). A task that raises is logged and reported as
+    ``failed``; the thread keeps running.
     """
 
     def __init__(
@@ -212,7 +224,9 @@ class Maintenance:
         *,
         min_retained_versions: int = MIN_RETAINED_VERSIONS,
         now: Callable[[], dt.datetime] = dt.datetime.now,
+        active: bool = True,
     ) -> None:
+        """`active` False: the loops stand by until `set_active(True)` (module docstring)."""
         self.spec = spec
         self.table = table
         self.storage = storage
@@ -221,6 +235,9 @@ class Maintenance:
         self._now = now
         self.min_retained_versions = max(min_retained_versions, 1)
         self._stop = threading.Event()
+        self._active = threading.Event()
+        if active:
+            self._active.set()
         self._thread: threading.Thread | None = None
         self._vector_thread: threading.Thread | None = None
         self._unindexed = 0
@@ -239,6 +256,17 @@ class Maintenance:
         )
         self._vector_thread.start()
 
+    def set_active(self, active: bool) -> None:
+        """Run the tasks (True), or stand by after the current one (False); see "Standby"."""
+        if active:
+            self._active.set()
+        else:
+            self._active.clear()
+
+    @property
+    def active(self) -> bool:
+        return self._active.is_set()
+
     def request_stop(self, timeout: float) -> None:
         """Ask the threads to stop after the current task, without waiting (`stop` waits);
         `timeout` is for the child process's interface (see `MaintenanceProcess`)."""
@@ -252,10 +280,17 @@ class Maintenance:
             if thread is not None:
                 thread.join(max(deadline - time.monotonic(), 0.01))
 
+    def _halted(self) -> bool:
+        """Should the loops start no further task (stopping, or standing by)? Never for a
+        `run_once()` called directly, without the threads."""
+        return self._thread is not None and (self._stop.is_set() or not self._active.is_set())
+
     def _loop(self) -> None:
         period = min(self.settings.optimize_interval_s, self.settings.interval_s)
         next_full = time.monotonic() + self.settings.interval_s
         while not self._stop.wait(period):
+            if not self._active.is_set():
+                continue  # standby; the next full run is due when it is active again
             if time.monotonic() >= next_full:
                 self.run_once()
                 next_full = time.monotonic() + self.settings.interval_s
@@ -264,6 +299,8 @@ class Maintenance:
 
     def _vector_loop(self) -> None:
         while not self._stop.wait(self.settings.optimize_interval_s):
+            if not self._active.is_set():
+                continue
             self._run(
                 "optimize_vector_index", lambda: self.optimize_indices(scalar=False, vector=True)
             )
@@ -283,7 +320,7 @@ class Maintenance:
             "cleanup": self.cleanup,
         }
         for name, task in tasks.items():
-            if self._stop.is_set() and self._thread is not None:
+            if self._halted():
                 break
             outcomes[name] = self._run(name, task)
         return outcomes
@@ -298,7 +335,7 @@ class Maintenance:
             except _Skip:
                 outcome = "skipped"
             except Exception as exc:  # noqa: BLE001 - reported, never kills the thread
-                if is_conflict(exc) and attempt < CONFLICT_ATTEMPTS:
+                if is_conflict(exc) and attempt < CONFLICT_ATTEMPTS and not self._halted():
                     log.info("maintenance_conflict", task=name, attempt=attempt, error=str(exc))
                     time.sleep(delay)
                     delay *= 2
@@ -426,7 +463,7 @@ class Maintenance:
             self.table.dataset().optimize.optimize_indices(
                 index_names=[name], num_indices_to_merge=merge
             )
-            if self._stop.is_set() and self._thread is not None:
+            if self._halted():
                 break
         self._measure_unindexed(self.table.dataset())
 
@@ -527,13 +564,16 @@ class MaintenanceProcess:
     supervisor thread here forwards them to `events` and `unindexed_rows()`. The child exits
     when `stop()` asks it to, or when the pipe closes because the sink died (even by
     SIGKILL). A child that exits on its own (a crash inside Lance, the OOM killer) is logged
-    (``maintenance_process_exited``) and restarted with backoff.
+    (``maintenance_process_exited``) and restarted with backoff. `set_active` reaches the
+    child over the same pipe (a restarted child starts in the last state set); a standby
+    child keeps its runtimes (~200 MiB) so that taking over costs no start.
 
     Killing the child in the middle of a task loses only that task's work: each task is one
     or a few Lance commits, each atomic; files written by an interrupted task are removed by
     a later cleanup.
 
-    Lifecycle: `start()` once, `stop()` during shutdown (safe, idempotent).
+    Lifecycle: `start()` once, `set_active()` any time, `stop()` during shutdown (safe,
+    idempotent).
     """
 
     def __init__(
@@ -544,9 +584,11 @@ class MaintenanceProcess:
         events: MaintenanceEvents | None = None,
         *,
         init: Callable[[], None] | None = None,
+        active: bool = True,
     ) -> None:
         """`init` runs first in the child (e.g. to configure logging); it must be picklable
-        (a module-level function or a `functools.partial` of one)."""
+        (a module-level function or a `functools.partial` of one). `active` False: the
+        child stands by until `set_active(True)`."""
         self.spec = spec
         self.storage_uri = storage_uri
         self.settings = settings
@@ -560,6 +602,7 @@ class MaintenanceProcess:
         self._conn: Connection | None = None
         self._supervisor: threading.Thread | None = None
         self._stop_sent = False
+        self._active = active
         self._unindexed = 0
 
     def start(self) -> None:
@@ -572,16 +615,32 @@ class MaintenanceProcess:
         )
         self._supervisor.start()
 
+    def set_active(self, active: bool) -> None:
+        """Have the child run the tasks (True) or stand by after its current one (False);
+        returns at once. The message is a few bytes on the pipe, which never fills."""
+        with self._lock:
+            if active == self._active:
+                return
+            self._active = active
+            conn = None if self._stop_sent else self._conn
+            if conn is not None:  # sent under the lock: the child sees the changes in order
+                with contextlib.suppress(OSError, ValueError):  # gone: a new child reads it
+                    conn.send(("active", active))
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
     def request_stop(self, timeout: float) -> None:
         """Ask the child to stop after its current task, which it may finish within
         `timeout` seconds; returns at once (`stop` waits, and kills)."""
         self._stop.set()
         with self._lock:
-            conn = self._conn
-        if conn is not None and not self._stop_sent:
+            conn = None if self._stop_sent else self._conn
             self._stop_sent = True
-            with contextlib.suppress(OSError, ValueError):  # the child is gone already
-                conn.send(("stop", timeout))
+            if conn is not None:
+                with contextlib.suppress(OSError, ValueError):  # the child is gone already
+                    conn.send(("stop", timeout))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ask the child to stop after its current task (unless `request_stop` did); kill
@@ -617,7 +676,14 @@ class MaintenanceProcess:
                 parent, child = self._ctx.Pipe()
                 process = self._ctx.Process(
                     target=run_child,
-                    args=(child, self.spec, self.storage_uri, self.settings, self.init),
+                    args=(
+                        child,
+                        self.spec,
+                        self.storage_uri,
+                        self.settings,
+                        self.init,
+                        self._active,
+                    ),
                     name="lance-sink-maintenance",
                     daemon=True,
                 )
@@ -688,10 +754,11 @@ def run_child(
     storage_uri: str,
     settings: MaintenanceSettings,
     init: Callable[[], None] | None,
+    active: bool = True,
 ) -> None:
-    """The maintenance child's main (see `MaintenanceProcess`): runs the loops until the
-    parent says stop or its end of the pipe closes, then exits without waiting for a task
-    still inside Lance."""
+    """The maintenance child's main (see `MaintenanceProcess`): runs the loops (active or
+    standing by, as the parent says) until the parent says stop or its end of the pipe
+    closes, then exits without waiting for a task still inside Lance."""
     # Ctrl-C reaches the whole process group; the parent drains and then stops this child.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if init is not None:
@@ -700,15 +767,26 @@ def run_child(
         os.nice(settings.nice)
     events = _PipeEvents(conn)
     maintenance = Maintenance(
-        spec, BaseTable(spec), open_storage(storage_uri, spec.storage_options), settings, events
+        spec,
+        BaseTable(spec),
+        open_storage(storage_uri, spec.storage_options),
+        settings,
+        events,
+        active=active,
     )
     events.maintenance = maintenance
     maintenance.start()
     timeout = 0.0
-    try:
-        message = conn.recv()
-        timeout = float(message[1])
-    except (EOFError, OSError):
-        log.warning("maintenance_parent_gone")
+    while True:
+        try:
+            kind, value = conn.recv()
+        except (EOFError, OSError):
+            log.warning("maintenance_parent_gone")
+            break
+        if kind == "active":
+            maintenance.set_active(bool(value))
+            continue
+        timeout = float(value)  # "stop"
+        break
     maintenance.stop(timeout=timeout)
     os._exit(0)

@@ -567,6 +567,16 @@ def render_status(status: dict[str, Any]) -> str:
             f"{size_or(memory['budget_bytes'], 'none')}, limit "
             f"{size_or(memory['limit_bytes'], 'none')}"
         )
+    maintenance = status.get("maintenance")
+    if maintenance is not None:
+        anchor = maintenance["partition"]
+        holder = f"{anchor['topic']}[{anchor['partition']}]"
+        lines.append(
+            {
+                "active": f"maintenance: runs in this pod (it holds {holder})",
+                "standby": f"maintenance: standby (the pod that holds {holder} runs it)",
+            }.get(maintenance["role"], "maintenance: off")
+        )
     base = status["base"]
     if base.get("unindexed_rows") is None:
         line = f"base table: unindexed rows unknown ({base.get('error', 'not read')})"

@@ -275,6 +275,12 @@ class Metrics:
             "Base-table maintenance tasks run, by outcome.",
             ["task", "outcome"],
         )
+        self.maintenance_active_gauge = gauge(
+            "maintenance_active",
+            "1 while this pod runs base-table maintenance: it holds the group's maintenance "
+            "partition (partition 0 of the first topic); 0 while another pod does, or with "
+            "maintenance off.",
+        )
         self.maintenance_process_exits = counter(
             "maintenance_process_exits_total",
             "Times the maintenance child process exited on its own (crash, OOM kill); each "
@@ -469,6 +475,11 @@ class Metrics:
     def process_exited(self, exitcode: int | None) -> None:
         """The maintenance child process exited on its own (MaintenanceEvents)."""
         self.maintenance_process_exits.inc()
+
+    def maintenance_active(self, active: bool) -> None:
+        """This pod started (True) or stopped (False) running maintenance
+        (`sink.maintenance_role`)."""
+        self.maintenance_active_gauge.set(1 if active else 0)
 
     def base_unindexed(self, rows: int) -> None:
         self.unindexed_rows.set(rows)

@@ -62,6 +62,7 @@ from sink.http import ServerHandle, create_query_app, run_server
 from sink.kafka_conf import kafka_security_conf, lag_confs
 from sink.lag import PartitionOffsets, PausedEnds, unindexed_rows
 from sink.log import configure_logging, librdkafka_logger
+from sink.maintenance_role import MaintenanceRole
 from sink.metrics import Metrics, memory_limit_bytes, resident_bytes
 from sink.server import create_ops_app
 from sink.topic_shards import TopicShards
@@ -308,6 +309,8 @@ class SinkService:
             if query.enabled
             else None,
         )
+        # Started standing by: one pod of the group runs it, the holder of the maintenance
+        # partition (`sink.maintenance_role`, switched from the loop's `_tick`).
         self.maintenance: Maintenance | MaintenanceProcess
         if settings.maintenance.process:
             obs = settings.observability
@@ -317,6 +320,7 @@ class SinkService:
                 settings.maintenance,
                 events=self.metrics,
                 init=functools.partial(configure_logging, obs.log_level, obs.log_format),
+                active=False,
             )
         else:
             self.maintenance = Maintenance(
@@ -325,7 +329,14 @@ class SinkService:
                 self.engine.storage,
                 settings.maintenance,
                 events=self.metrics,
+                active=False,
             )
+        self.maintenance_role = MaintenanceRole(
+            list(settings.kafka.topics),
+            self.maintenance,
+            self.metrics,
+            enabled=settings.maintenance.enabled,
+        )
         self.servers: list[ServerHandle] = []
         self._trim = PeriodicThread(
             "malloc-trim", MALLOC_TRIM_INTERVAL_S, release_free_memory, "malloc_trim_failed"
@@ -483,6 +494,7 @@ class SinkService:
             self.dlq.poll()
         self._service_held()
         self._advance()
+        self.maintenance_role.update(self.partitions)
         now = time.monotonic()
         if now - self._last_commit >= self.settings.kafka.commit_interval_ms / 1000:
             self._last_commit = now
@@ -1475,6 +1487,7 @@ class SinkService:
                 "limit_bytes": memory_limit_bytes(),
             },
             "base": self._base_status(),
+            "maintenance": self.maintenance_role.status(),
         }
 
     def _ingest_status(self) -> dict[str, Any]:

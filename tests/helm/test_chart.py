@@ -99,6 +99,7 @@ METRICS = {
     "lance_sink_base_unindexed_rows",
     "lance_sink_maintenance_runs_total",
     "lance_sink_maintenance_process_exits_total",
+    "lance_sink_maintenance_active",
     "lance_sink_query_seconds",
     "lance_sink_query_unindexed_cache_bytes",
     "lance_sink_query_unindexed_fallbacks_total",

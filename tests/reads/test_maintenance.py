@@ -573,6 +573,103 @@ def test_a_dead_child_is_restarted_and_a_stuck_one_killed_at_stop(
     assert events.events == [("process_exited", str(-signal.SIGKILL))]
 
 
+def indexed(h: ReadHarness) -> set[int]:
+    """The rows each index of the base covers."""
+    return {int(i.num_rows_indexed) for i in h.table.dataset().describe_indices()}
+
+
+def wait_quiet(events: Recorder, quiet_s: float = 1.5, timeout: float = 60) -> int:
+    """Wait until no event has come for `quiet_s` (a task in progress ended); their count."""
+    deadline = time.monotonic() + timeout
+    count, since = len(events.events), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, events.events
+        time.sleep(0.1)
+        if len(events.events) != count:
+            count, since = len(events.events), time.monotonic()
+    return count
+
+
+def test_a_standby_runner_starts_no_task_until_it_is_active(make_harness: MakeHarness) -> None:
+    """Every pod of a group ran every task on the one table (conflicts, failed cleanups,
+    each optimisation done by each pod); a runner standing by starts none, runs as soon as
+    it is set active, and after it is set to standby again starts nothing more."""
+    h = make_harness()
+    w = h.open()
+    h.put(w, range(700))
+    h.flush(w)
+    events = Recorder()
+    m = Maintenance(
+        h.spec,
+        h.table,
+        h.storage,
+        maintenance_settings(interval_s=1, optimize_interval_s=1),
+        events,
+        min_retained_versions=2,
+        active=False,
+    )
+    m.start()
+    try:
+        time.sleep(2.5)  # two full runs (every index due) would have started by now
+        assert events.events == []
+        assert h.table.dataset().describe_indices() == []
+        m.set_active(True)
+        wait_for(
+            lambda: {("vector_index", "done"), ("fts_index", "done")} <= set(events.events),
+            events.events,
+            60,
+        )
+        m.set_active(False)
+        count = wait_quiet(events)
+        h.put(w, range(700, 800))  # due for optimize_indices (50 rows)
+        h.flush(w)
+        time.sleep(2.5)
+        assert len(events.events) == count, events.events[count:]
+        assert indexed(h) == {700}
+        m.set_active(True)
+        wait_for(lambda: indexed(h) == {800}, events.events, 60)
+    finally:
+        m.stop()
+
+
+@pytest.mark.slow
+def test_the_child_stands_by_as_told_and_a_restarted_child_keeps_it(
+    make_harness: MakeHarness,
+) -> None:
+    """`MaintenanceProcess.set_active` reaches the child over its pipe, and a child
+    restarted after a crash starts in the last state set (standby: it indexes nothing)."""
+    h = make_harness()
+    w = h.open()
+    h.put(w, range(700))
+    h.flush(w)
+    events = Recorder()
+    settings = maintenance_settings(interval_s=1, optimize_interval_s=1)
+    m = MaintenanceProcess(h.spec, h.storage.uri, settings, events, active=False)
+    m.start()
+    try:
+        wait_for(lambda: m.pid() is not None, "the child did not start", 30)
+        time.sleep(3)
+        assert events.events == []
+        m.set_active(True)
+        wait_for(lambda: ("fts_index", "done") in events.events, events.events, 60)
+        m.set_active(False)
+        first = m.pid()
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: m.pid() not in (None, first), "the child was not restarted", 30)
+        count = wait_quiet(events)
+        assert events.events[-1] == ("process_exited", str(-signal.SIGKILL))
+        h.put(w, range(700, 800))  # due for optimize_indices (50 rows)
+        h.flush(w)
+        time.sleep(3)
+        assert len(events.events) == count, events.events[count:]
+        assert indexed(h) == {700}
+        m.set_active(True)
+        wait_for(lambda: indexed(h) == {800}, events.events, 60)
+    finally:
+        m.stop(timeout=30)
+
+
 PARENT = """
 import sys, time
 from config.settings import MaintenanceSettings

@@ -100,3 +100,23 @@ def test_base_figures_storage_did_not_answer_for_show_the_last_read() -> None:
     )
     del doc["base"]["last_known"]  # storage never answered since the start
     assert render_status(doc).splitlines()[-1].startswith("base table: unindexed rows unknown")
+
+
+def test_the_summary_says_whether_this_pod_runs_maintenance() -> None:
+    """Every pod ran maintenance and nothing said so; one pod does now, and each says which."""
+    anchor = {"topic": "orders", "partition": 0}
+    lines = {
+        role: [
+            line
+            for line in render_status(
+                {**status(), "maintenance": {"role": role, "partition": anchor}}
+            ).splitlines()
+            if line.startswith("maintenance:")
+        ]
+        for role in ("active", "standby", "off")
+    }
+    assert lines == {
+        "active": ["maintenance: runs in this pod (it holds orders[0])"],
+        "standby": ["maintenance: standby (the pod that holds orders[0] runs it)"],
+        "off": ["maintenance: off"],
+    }

@@ -46,6 +46,11 @@ EXPECTED = {
     ),
     "lance_sink_lag_seconds": "Age of the oldest message not yet durable (0 when caught up).",
     "lance_sink_log_end_offset": "Log end offset (high watermark).",
+    "lance_sink_maintenance_active": (
+        "1 while this pod runs base-table maintenance: it holds the group's maintenance "
+        "partition (partition 0 of the first topic); 0 while another pod does, or with "
+        "maintenance off."
+    ),
     "lance_sink_maintenance_process_exits": (
         "Times the maintenance child process exited on its own (crash, OOM kill); each is "
         "restarted with backoff."
@@ -121,6 +126,7 @@ def test_counters_end_in_total_and_units_are_named() -> None:
                         "_waits",
                         "_paused",
                         "_poisoned",
+                        "_active",
                     )
                 ), name
 
