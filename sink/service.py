@@ -33,7 +33,7 @@ import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import confluent_kafka
 import pyarrow as pa
@@ -857,7 +857,7 @@ class SinkService:
         outage, a bug in reading a table version) must not become a crash loop."""
         delay = min(RECOVERY_BACKOFF_S * 2**state.open_failures, RECOVERY_BACKOFF_MAX_S)
         state.open_failures += 1
-        state.open_error = f"{type(exc).__name__}: {exc}"
+        state.open_error = _brief(exc)
         state.recover_at = time.monotonic() + delay
         self.metrics.partition_poisoned(state.topic, state.partition, True)
         if event is not None:
@@ -866,7 +866,7 @@ class SinkService:
                 event,
                 topic=state.topic,
                 partition=state.partition,
-                error=state.open_error,
+                error=f"{type(exc).__name__}: {exc}",
                 attempt=state.open_failures,
                 retry_in_s=delay,
             )
@@ -1621,6 +1621,23 @@ def _oldest_unsettled_timestamp_ms(state: PartitionState) -> int | None:
     if state.parked:
         return _timestamp_ms(state.parked[0])
     return None
+
+
+#: Longest error text a partition's /readyz reason and status entry carry (`_brief`).
+BRIEF_ERROR_CHARS: Final = 300
+
+
+def _brief(exc: BaseException) -> str:
+    """An error for /readyz and /v1/status: its type and first line, at most
+    `BRIEF_ERROR_CHARS` characters. Lance's errors carry a multi-line Rust Debug dump (~1.5 KB
+    per partition, repeated in every reason); the log event keeps the whole text."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip()
+    if len(text) > BRIEF_ERROR_CHARS:
+        text = text[: BRIEF_ERROR_CHARS - 3] + "..."
+    if len(lines) > 1 or text.endswith("..."):
+        text += " (the whole error is in the log)"
+    return text
 
 
 def _writer_unusable(state: PartitionState) -> bool:

@@ -64,3 +64,35 @@ def test_a_dropped_writer_leaves_current_offsets_and_a_release_leaves_no_series(
         assert series(service, topic, "s-0") == []
     finally:
         service._drain()
+
+
+def test_a_failed_open_is_named_briefly_in_readiness_and_status(
+    kafka_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    """Lance's errors carry a multi-line Rust Debug dump: /readyz and /v1/status repeated
+    ~1.5 KB of it per partition. They carry its first line now; the log keeps it all."""
+    config = write_config(
+        tmp_path / "sink.toml",
+        bootstrap=kafka_broker.bootstrap,
+        topics=[topic],
+        group=group,
+        table_uri=str(tmp_path / "table.lance"),
+    )
+    service = SinkService(load_settings(config))
+    try:
+        state = PartitionState(topic, 0, None, None, None, -1, assigned=False)
+        service.partitions[(topic, 0)] = state
+        dump = "LanceError(IO): Generic S3 error: request timed out\n" + "  frame {\n" * 150
+        service._open_failed(state, OSError(dump), event="partition_open_failed")
+        _, reasons = service.readiness()
+        (reason,) = [r for r in reasons if r.startswith(f"{topic}[0]")]
+        assert reason == (
+            f"{topic}[0]: no shard writer (OSError: LanceError(IO): Generic S3 error: request "
+            "timed out (the whole error is in the log)), retrying (attempt 2)"
+        )
+        (entry,) = service.status()["partitions"]
+        assert "frame" not in str(entry)
+        service._open_failed(state, OSError("x" * 1000), event=None)
+        assert len(state.open_error or "") < 400
+    finally:
+        service._drain()
