@@ -68,6 +68,7 @@ from confluent_kafka import KafkaError
 
 from config.settings import Settings
 from sink.decode import DeadLetter
+from sink.log import librdkafka_logger
 
 log = structlog.get_logger("lance_sink.dlq")
 
@@ -328,7 +329,8 @@ class DeadLetterProducer:
         storage_options: dict[str, str] | None = None,
         retention_s: float = 3_600,
     ) -> None:
-        self._conf = dict(conf)
+        # librdkafka's own lines (connection failures, ...) through the sink's log pipeline.
+        self._conf = {**conf, "logger": librdkafka_logger()}
         self._producer = confluent_kafka.Producer(self._conf)
         self._generation = 0
         self._rebuild_due = False

@@ -27,6 +27,8 @@ from typing import Any
 import structlog
 from confluent_kafka.admin import AdminClient
 
+from sink.log import librdkafka_logger
+
 log = structlog.get_logger("lance_sink.sink")
 
 #: Seconds between partition lists; after a failed one, until the next try.
@@ -94,7 +96,8 @@ class TopicShards:
         return self._current
 
     def _run(self) -> None:
-        admin = AdminClient(dict(self._conf))
+        conf: dict[str, Any] = {**self._conf, "logger": librdkafka_logger()}
+        admin = AdminClient(conf)
         while not self._stop.is_set():
             self._wake.clear()
             try:

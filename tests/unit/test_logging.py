@@ -41,3 +41,40 @@ def test_json_events_and_librdkafka_lines_share_one_pipeline() -> None:
     routed = [e for e in events if e["event"] == "librdkafka_log"]
     assert routed, result.stderr[-2000:]
     assert all("facility" in e and "message" in e for e in routed)
+
+
+CLIENTS = """
+import time
+from sink.dlq import DeadLetterProducer
+from sink.log import configure_logging
+from sink.topic_shards import TopicShards
+configure_logging("info", "json")
+# The dead-letter producer and the fan-out's topic lister, pointed at nothing.
+conf = {"bootstrap.servers": "127.0.0.1:1", "reconnect.backoff.ms": 10}
+dlq = DeadLetterProducer(conf, "{topic}.dlq")
+shards = TopicShards(conf, ["events"], lambda topic, partition: f"{topic}-{partition}")
+shards.start()
+deadline = time.time() + 3
+while time.time() < deadline:
+    dlq.poll()
+    time.sleep(0.2)
+"""
+
+
+def test_the_sinks_other_kafka_clients_log_through_the_same_pipeline() -> None:
+    """The dead-letter producer and the topic lister printed librdkafka's raw lines
+    ('%3|...|FAIL|lance-sink#producer-1| ...') on standard error, beside the JSON events."""
+    result = subprocess.run(
+        [sys.executable, "-c", CLIENTS],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stderr.splitlines()
+    assert lines, "the clients logged nothing"
+    assert all(line.startswith("{") for line in lines), result.stderr[-2000:]
+    events = [json.loads(line) for line in lines]
+    assert any(e["event"] == "librdkafka_log" and "FAIL" in e["facility"] for e in events)
