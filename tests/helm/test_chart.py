@@ -589,6 +589,17 @@ INVALID = {
             "resources.limits.memory)"
         ),
     ),
+    "CPU request above the CPU limit": (
+        {"resources": {"requests": {"cpu": "1"}, "limits": {"cpu": "500m"}}},
+        (
+            "resources.requests.cpu (1) is above resources.limits.cpu (500m): the API server "
+            "refuses a pod whose request exceeds its limit"
+        ),
+    ),
+    "CPU limit that is not a quantity": (
+        {"resources": {"limits": {"cpu": "two"}}},
+        'resources.limits.cpu: cannot read "two" as a Kubernetes CPU quantity',
+    ),
     "memory limit that is not a quantity": (
         {"resources": {"limits": {"memory": "6GB"}}},
         'resources.limits.memory: cannot read "6GB" as a Kubernetes memory quantity',

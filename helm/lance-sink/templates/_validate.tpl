@@ -164,4 +164,28 @@ checks only cover what is about how Kubernetes runs it, or what would leak a sec
 {{- fail (printf "resources.requests.memory (%v) is above the container's memory limit (%s, %s): the API server refuses a pod whose request exceeds its limit. Lower resources.requests.memory to at most %s (or leave it null: it defaults to the limit), or set resources.limits.memory to at least %v." . $limitMem $limitFrom $limitMem .) -}}
 {{- end -}}
 {{- end -}}
+{{/* the same for CPU, when both are set */}}
+{{- if and .Values.resources.requests.cpu .Values.resources.limits.cpu -}}
+{{- $cpuRequest := include "lance-sink.cpuMillis" (list "resources.requests.cpu" .Values.resources.requests.cpu) | float64 -}}
+{{- $cpuLimit := include "lance-sink.cpuMillis" (list "resources.limits.cpu" .Values.resources.limits.cpu) | float64 -}}
+{{- if gt $cpuRequest $cpuLimit -}}
+{{- fail (printf "resources.requests.cpu (%v) is above resources.limits.cpu (%v): the API server refuses a pod whose request exceeds its limit. Lower resources.requests.cpu to at most %v, or raise resources.limits.cpu (or leave it null: no limit)." .Values.resources.requests.cpu .Values.resources.limits.cpu .Values.resources.limits.cpu) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+A Kubernetes CPU quantity in millicores: (list "key" value), e.g. "500m" -> 500, "2" or 2
+-> 2000, "0.5" -> 500. Anything else fails the render naming the key.
+*/}}
+{{- define "lance-sink.cpuMillis" -}}
+{{- $key := index . 0 -}}
+{{- $value := toString (index . 1) -}}
+{{- if regexMatch "^[0-9]+m$" $value -}}
+{{- trimSuffix "m" $value | float64 -}}
+{{- else if regexMatch "^[0-9]+(\\.[0-9]+)?$" $value -}}
+{{- mulf (float64 $value) 1000 -}}
+{{- else -}}
+{{- fail (printf "%s: cannot read %q as a Kubernetes CPU quantity (e.g. 500m, 2)" $key $value) -}}
+{{- end -}}
 {{- end -}}
