@@ -963,9 +963,9 @@ class MaintenanceSettings(_Section):
     enabled: bool = Field(
         default=True,
         description="Run base-table maintenance. One pod of the consumer group runs it: the "
-        "holder of partition 0 of the first topic in kafka.topics (it moves with "
-        "rebalances); the others stand by. Off: this pod never runs it, even holding that "
-        "partition (then no pod does).",
+        "holder of partition 0 of the first topic in kafka.topics that is not a pattern (it "
+        "moves with rebalances); the others stand by. With patterns only, every pod runs it. "
+        "Off: this pod never runs it, even holding that partition (then no pod does).",
     )
     process: bool = Field(
         default=True,

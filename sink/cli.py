@@ -570,10 +570,15 @@ def render_status(status: dict[str, Any]) -> str:
     maintenance = status.get("maintenance")
     if maintenance is not None:
         anchor = maintenance["partition"]
-        holder = f"{anchor['topic']}[{anchor['partition']}]"
+        if anchor is None:  # subscription patterns only: every pod maintains
+            holds = "(every pod does: kafka.topics holds patterns only)"
+            holder = "no partition"
+        else:
+            holder = f"{anchor['topic']}[{anchor['partition']}]"
+            holds = f"(it holds {holder})"
         lines.append(
             {
-                "active": f"maintenance: runs in this pod (it holds {holder})",
+                "active": f"maintenance: runs in this pod {holds}",
                 "standby": f"maintenance: standby (the pod that holds {holder} runs it)",
             }.get(maintenance["role"], "maintenance: off")
         )

@@ -1,5 +1,6 @@
 """Which pod of the consumer group maintains the base table: the one that holds the
-maintenance partition, partition 0 of the first topic in `kafka.topics`.
+maintenance partition, partition 0 of the first topic in `kafka.topics` (the first named
+one: with subscription patterns only, every pod maintains, as before).
 
 Every pod of a group runs the same configuration (the Helm chart renders one for all), and
 maintenance (`engine.maintenance`: index builds and optimisation, compaction, cleanup of
@@ -70,7 +71,11 @@ class MaintenanceRole:
     def __init__(
         self, topics: list[str], runner: MaintenanceRunner, events: RoleEvents, *, enabled: bool
     ) -> None:
-        self.partition = (topics[0], MAINTENANCE_PARTITION)
+        # The first topic named as such: a name starting with "^" is a subscription
+        # pattern, whose topics a pod does not all know. With patterns only there is no
+        # maintenance partition, and every pod maintains (as before the role existed).
+        named = [t for t in topics if not t.startswith("^")]
+        self.partition = (named[0], MAINTENANCE_PARTITION) if named else None
         self.runner = runner
         self.events = events
         self.enabled = enabled
@@ -79,8 +84,16 @@ class MaintenanceRole:
 
     def update(self, held: Mapping[tuple[str, int], Held]) -> None:
         """The consumer loop holds `held` now: run maintenance if the maintenance partition
-        is among them (and not fenced by a newer writer), stand by otherwise."""
+        is among them (and not fenced by a newer writer), stand by otherwise; with no
+        maintenance partition (patterns only), always run."""
         if not self.enabled:
+            return
+        if self.partition is None:
+            if self.role != "active":
+                self.role = "active"
+                self.runner.set_active(True)
+                self.events.maintenance_active(True)
+                log.info("maintenance_role", role="active", reason="topics are patterns only")
             return
         state = held.get(self.partition)
         active = state is not None and not state.fenced
@@ -95,6 +108,9 @@ class MaintenanceRole:
 
     def status(self) -> dict[str, Any]:
         """The role for `/v1/status`: ``active`` (this pod maintains the table),
-        ``standby`` (the holder of the maintenance partition does) or ``off``."""
+        ``standby`` (the holder of the maintenance partition does) or ``off``; the
+        maintenance partition, None with patterns only (every pod maintains)."""
+        if self.partition is None:
+            return {"role": self.role, "partition": None}
         topic, partition = self.partition
         return {"role": self.role, "partition": {"topic": topic, "partition": partition}}
