@@ -6,8 +6,9 @@
 # Two stages: `build` creates a virtualenv with the runtime dependencies pinned by
 # requirements.lock (used as constraints, so the lock's test and lint tools stay out), then
 # installs the project into it; the final stage copies only that virtualenv onto a clean slim
-# Python and runs it as an unprivileged user. Every runtime dependency ships binary wheels, so
-# no compiler is needed in either stage. The Helm chart runs the image with a read-only root
+# Python and runs it as an unprivileged user. Every runtime dependency ships binary wheels;
+# the build stage has a C++ compiler for the project's own extension (sink/_vector_scan.cpp),
+# the final stage none. The Helm chart runs the image with a read-only root
 # filesystem and a writable /tmp.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
@@ -17,13 +18,16 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
+RUN apt-get update \
+    && apt-get install --yes --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/lance-sink
 # Dependencies first, in their own layer: rebuilt only when the lock or pyproject changes.
 COPY pyproject.toml requirements.lock ./
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/runtime.txt \
     && /opt/lance-sink/bin/pip install --constraint requirements.lock --requirement /tmp/runtime.txt
 # Then the project itself (no dependency resolution: everything is already pinned above).
-COPY README.md ./
+COPY README.md setup.py ./
 COPY config ./config
 COPY engine ./engine
 COPY sink ./sink

@@ -9,7 +9,8 @@ PYTEST_ARGS ?=
 
 .PHONY: venv lint typecheck check test test-fast demo docs lock clean
 
-$(STAMP): pyproject.toml requirements.lock
+# setup.py and the C++ source: the install compiles sink._vector_scan (sink/vector_scan.py).
+$(STAMP): pyproject.toml requirements.lock setup.py sink/_vector_scan.cpp
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=25"
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[dev]'

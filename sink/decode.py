@@ -145,6 +145,7 @@ from sink.formats.derive import Column
 from sink.formats.keys import KeyDecoder
 from sink.formats.records import FLOAT32_MAX, float32_beyond, to_float
 from sink.vector_json import VectorJson
+from sink.vector_scan import scan
 
 __all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason"]
 
@@ -485,6 +486,12 @@ class Decoder:
         self._fast: VectorJson | None = None
         if vector_fast_path and self._json and spec.vector is not None:
             self._fast = VectorJson(list(self._path_types.items()), spec.vector.dim)
+        # Vectors as JSON arrays: read by `sink.vector_scan` outside the interpreter lock,
+        # the rest of each value by Arrow's reader; what it leaves out takes the path above.
+        self._scan: tuple[_Path, int] | None = None
+        if self._fast is not None and spec.vector is not None and not self._base64:
+            vector = next(p for p, kind in self._path_types.items() if kind == "vector")
+            self._scan = vector, spec.vector.dim
         self._tombstone_key: _Column | None = None
         if spec.upsert and len(spec.primary_key) == 1:
             self._tombstone_key = next(c for c in self._columns if c.primary_key)
@@ -805,6 +812,51 @@ class Decoder:
         """
         if self._fast is None:
             return self._parse_arrow(payloads, sizes)
+        if self._scan is not None and payloads:
+            return self._parse_scanned(payloads, sizes, *self._scan)
+        return self._parse_simdjson(payloads, sizes)
+
+    def _parse_scanned(
+        self, payloads: list[bytes], sizes: np.ndarray, path: _Path, dim: int
+    ) -> _ParseResult:
+        """Parse vector JSON: the vectors by `sink.vector_scan`, the rest of each value by
+        Arrow's reader from its stripped text; the values either leaves out (see
+        `sink.vector_scan`) by `_parse_simdjson`, whole.
+
+        Returns:
+            As `_parse_arrow`.
+        """
+        positions, matrix, stripped = scan(payloads, path, dim)
+        pieces: list[_ParseResult] = []
+        if len(positions):
+            # A stripped text Arrow refuses is parsed again whole below (its fault then
+            # names the value the producer sent).
+            parsed, leaves, is_object, _ = self._parse_arrow(stripped, value_sizes(stripped))
+            if len(parsed) < len(positions):
+                matrix = matrix[parsed]
+                positions = positions[parsed]
+            offsets = np.arange(0, (len(positions) + 1) * dim, dim, dtype=np.int32)
+            leaves[path] = pa.ListArray.from_arrays(
+                pa.array(offsets), pa.array(matrix.ravel()), type=_CANONICAL["vector"]
+            )
+            pieces.append((positions, leaves, is_object, {}))
+        if len(positions) < len(payloads):
+            left = np.ones(len(payloads), bool)
+            left[positions] = False
+            where = np.flatnonzero(left)
+            pieces.append(
+                _shifted(self._parse_simdjson([payloads[p] for p in where], sizes[where]), where)
+            )
+        return self._merge(pieces)
+
+    def _parse_simdjson(self, payloads: list[bytes], sizes: np.ndarray) -> _ParseResult:
+        """Parse JSON payloads of a vector table: `sink.vector_json` first, Arrow for the
+        rest.
+
+        Returns:
+            As `_parse_arrow`.
+        """
+        assert self._fast is not None
         if self._base64 and len(payloads) > _SIMDJSON_BASE64_MAX and self._base64_in_arrow:
             parsed = self._parse_arrow(payloads, sizes)
             # A batch with bad values was screened value by value, which costs more than

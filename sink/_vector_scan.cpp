@@ -1,0 +1,255 @@
+// The vector scan of the JSON format: each value's vector read by simdjson (On-Demand)
+// straight into one float32 matrix, outside the interpreter lock. See sink/vector_scan.py
+// for the contract; this file only reads, it never decides a value's fault.
+//
+// scan(payloads: list[bytes], path: tuple[str, ...], dim: int)
+//     -> (matrix: bytearray, positions: bytes, stripped: list[bytes])
+//
+// For every payload whose vector it is sure of (see `scan_one`), the vector's dim float32
+// values go to the next row of `matrix`, its position (int64, native order) to
+// `positions`, and the payload with the vector's text replaced by `null` to `stripped`.
+// Every other payload is left out: the caller hands it to Arrow's reader as it is.
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "simdjson.h"
+
+namespace {
+
+using simdjson::ondemand::array;
+using simdjson::ondemand::document;
+using simdjson::ondemand::object;
+using simdjson::ondemand::parser;
+using simdjson::ondemand::value;
+
+constexpr std::string_view kBom{"\xEF\xBB\xBF"};
+
+struct Span {
+  size_t start = 0;  // the vector's '['
+  size_t end = 0;    // one past its ']'
+};
+
+// Whether float32(d) may differ from rounding d's decimal text straight to float32, as
+// Arrow's reader does: d lies exactly halfway between two adjacent float32 values (every
+// such point is a double, so any other double rounds like its text), or beyond float32's
+// finite range (left to Arrow's reader, which names it).
+bool float32_unsure(double d, float f) {
+  if (!std::isfinite(f) || std::fabs(d) > static_cast<double>(FLT_MAX)) return true;
+  const double back = static_cast<double>(f);
+  if (back == d) return false;
+  const float other = std::nextafter(f, d > back ? INFINITY : -INFINITY);
+  // Adjacent float32 values and their midpoint are all exact doubles.
+  return (back + static_cast<double>(other)) * 0.5 == d;
+}
+
+class Scanner {
+ public:
+  Scanner(std::vector<std::string> path, size_t dim) : path_(std::move(path)), dim_(dim) {}
+
+  // Reads one payload; true when its vector went to `out` (dim values) and `span`.
+  bool scan_one(const char* data, size_t len, float* out, Span* span) {
+    if (len >= kBom.size() && std::string_view(data, kBom.size()) == kBom) return false;
+    if (padded_.size() < len + simdjson::SIMDJSON_PADDING) {
+      padded_.resize(len + simdjson::SIMDJSON_PADDING);
+    }
+    std::memcpy(padded_.data(), data, len);
+    std::memset(padded_.data() + len, 0, simdjson::SIMDJSON_PADDING);
+    document doc;
+    if (parser_.iterate(padded_.data(), len, padded_.size()).get(doc)) return false;
+    object root;
+    if (doc.get_object().get(root)) return false;
+    out_ = out;
+    found_ = false;
+    if (!walk(doc, root, 0)) return false;
+    if (!found_) return false;
+    // The rest of the document is left to Arrow's reader (it gets the stripped text).
+    span->start = start_;
+    span->end = end_;
+    return true;
+  }
+
+ private:
+  // Walks the object at path_[level - 1]: exactly one key path_[level] (a duplicate key is
+  // read differently by simdjson and by Arrow), an object below it or the vector at the end.
+  bool walk(document& doc, object obj, size_t level) {
+    bool seen = false;
+    for (auto item : obj) {
+      simdjson::ondemand::field field;
+      if (std::move(item).get(field)) return false;
+      std::string_view key;
+      if (field.unescaped_key().get(key)) return false;
+      if (key != path_[level]) continue;  // the value is skipped by the next step
+      if (seen) return false;
+      seen = true;
+      value child = field.value();
+      if (level + 1 == path_.size()) {
+        if (!read_vector(doc, child)) return false;
+        found_ = true;
+        continue;
+      }
+      object inner;
+      if (child.get_object().get(inner)) return false;
+      if (!walk(doc, inner, level + 1)) return false;
+    }
+    return true;
+  }
+
+  bool read_vector(document& doc, value v) {
+    const char* begin = v.raw_json_token().data();
+    array arr;
+    if (v.get_array().get(arr)) return false;
+    size_t count = 0;
+    for (auto item : arr) {
+      value element;
+      if (std::move(item).get(element)) return false;
+      double d;
+      if (element.get_double().get(d)) return false;  // not a number (nested arrays too)
+      if (count == dim_) return false;
+      // A negative zero's sign depends on its text in Arrow's reader (-0 and -0.0 differ).
+      if (d == 0.0 && element.raw_json_token().front() == '-') return false;
+      const float f = static_cast<float>(d);
+      if (float32_unsure(d, f)) return false;
+      out_[count++] = f;
+    }
+    if (count != dim_) return false;
+    // The iterator now stands on the token after the array's ']'.
+    const char* after;
+    if (doc.current_location().get(after)) return false;
+    const char* end = after;
+    while (end > begin && end[-1] != ']') --end;
+    if (end == begin) return false;
+    start_ = static_cast<size_t>(begin - padded_.data());
+    end_ = static_cast<size_t>(end - padded_.data());
+    return true;
+  }
+
+  std::vector<std::string> path_;
+  size_t dim_;
+  parser parser_;
+  std::vector<char> padded_;
+  float* out_ = nullptr;
+  bool found_ = false;
+  size_t start_ = 0;
+  size_t end_ = 0;
+};
+
+PyObject* scan(PyObject*, PyObject* args) {
+  PyObject* payloads;
+  PyObject* path_obj;
+  Py_ssize_t dim;
+  if (!PyArg_ParseTuple(args, "O!O!n", &PyList_Type, &payloads, &PyTuple_Type, &path_obj,
+                        &dim)) {
+    return nullptr;
+  }
+  if (dim <= 0 || PyTuple_GET_SIZE(path_obj) == 0) {
+    PyErr_SetString(PyExc_ValueError, "scan needs a positive dim and a non-empty path");
+    return nullptr;
+  }
+  std::vector<std::string> path;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(path_obj); ++i) {
+    Py_ssize_t size;
+    const char* name = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(path_obj, i), &size);
+    if (name == nullptr) return nullptr;
+    path.emplace_back(name, static_cast<size_t>(size));
+  }
+  // The list is held (and its bytes are immutable) while the lock is let go; a copy of
+  // the pointers keeps the loop independent of the list object.
+  const Py_ssize_t n = PyList_GET_SIZE(payloads);
+  std::vector<const char*> data(static_cast<size_t>(n));
+  std::vector<size_t> lengths(static_cast<size_t>(n));
+  PyObject* held = PyList_GetSlice(payloads, 0, n);
+  if (held == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyList_GET_ITEM(held, i);
+    if (!PyBytes_Check(item)) {
+      Py_DECREF(held);
+      PyErr_SetString(PyExc_TypeError, "scan takes a list of bytes");
+      return nullptr;
+    }
+    data[i] = PyBytes_AS_STRING(item);
+    lengths[i] = static_cast<size_t>(PyBytes_GET_SIZE(item));
+  }
+  const size_t row_bytes = static_cast<size_t>(dim) * sizeof(float);
+  PyObject* matrix = PyByteArray_FromStringAndSize(nullptr, n * row_bytes);
+  std::vector<int64_t> positions;
+  std::vector<Span> spans;
+  positions.reserve(static_cast<size_t>(n));
+  spans.reserve(static_cast<size_t>(n));
+  bool failed = false;
+  if (matrix != nullptr) {
+    auto* rows = reinterpret_cast<float*>(PyByteArray_AS_STRING(matrix));
+    Py_BEGIN_ALLOW_THREADS
+    try {
+      Scanner scanner(std::move(path), static_cast<size_t>(dim));
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        Span span;
+        float* out = rows + positions.size() * static_cast<size_t>(dim);
+        if (scanner.scan_one(data[i], lengths[i], out, &span)) {
+          positions.push_back(i);
+          spans.push_back(span);
+        }
+      }
+    } catch (const std::bad_alloc&) {
+      failed = true;
+    }
+    Py_END_ALLOW_THREADS
+  }
+  if (matrix == nullptr || failed) {
+    Py_DECREF(held);
+    Py_XDECREF(matrix);
+    return failed ? PyErr_NoMemory() : nullptr;
+  }
+  PyObject* stripped = PyList_New(static_cast<Py_ssize_t>(positions.size()));
+  for (size_t k = 0; stripped != nullptr && k < positions.size(); ++k) {
+    const char* src = data[positions[k]];
+    const size_t len = lengths[positions[k]];
+    const Span& s = spans[k];
+    const size_t size = s.start + 4 + (len - s.end);
+    PyObject* text = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(size));
+    if (text == nullptr) {
+      Py_CLEAR(stripped);
+      break;
+    }
+    char* dst = PyBytes_AS_STRING(text);
+    std::memcpy(dst, src, s.start);
+    std::memcpy(dst + s.start, "null", 4);
+    std::memcpy(dst + s.start + 4, src + s.end, len - s.end);
+    PyList_SET_ITEM(stripped, static_cast<Py_ssize_t>(k), text);
+  }
+  Py_DECREF(held);
+  PyObject* where = nullptr;
+  if (stripped != nullptr) {
+    where = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(positions.data()),
+                                      positions.size() * sizeof(int64_t));
+  }
+  if (where == nullptr) {
+    Py_XDECREF(stripped);
+    Py_DECREF(matrix);
+    return nullptr;
+  }
+  return Py_BuildValue("(NNN)", matrix, where, stripped);
+}
+
+PyMethodDef kMethods[] = {
+    {"scan", scan, METH_VARARGS,
+     "scan(payloads, path, dim) -> (matrix, positions, stripped): see sink.vector_scan."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {
+    PyModuleDef_HEAD_INIT, "sink._vector_scan",
+    "simdjson's On-Demand reader of JSON vectors, outside the interpreter lock.", -1, kMethods,
+};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__vector_scan() { return PyModule_Create(&kModule); }

@@ -1,0 +1,5 @@
+# The native part of sink.vector_scan (sink/_vector_scan.cpp).
+
+def scan(
+    payloads: list[bytes], path: tuple[str, ...], dim: int, /
+) -> tuple[bytearray, bytes, list[bytes]]: ...

@@ -1,0 +1,60 @@
+"""Vector JSON outside the interpreter lock: simdjson's On-Demand reader, in C++.
+
+`sink.decode.Decoder` hands `scan` the JSON values of a batch when its table keeps the
+vector as a JSON array. For each value, `sink._vector_scan` (sink/_vector_scan.cpp,
+compiled against the simdjson release pysimdjson ships) walks the mapped path to the
+vector, reads its numbers into the next row of one float32 matrix, and gives back the
+value with the vector's text replaced by ``null``. The whole batch runs without the
+interpreter lock, so the sink's decode threads parse vectors on every core, and no Python
+object is made per component or per value but the stripped text.
+
+The decoder parses the stripped texts with Arrow's reader, as it parses every other value,
+so every scalar leaf, fault and reason comes from the one reader; only the vector comes
+from here. The contract is identity with Arrow's path: a value is scanned only when its
+vector reads exactly as Arrow's reader reads it (bit-exact float32), otherwise it is left
+out and the decoder parses it whole as before. A value is left out when:
+
+- simdjson refuses it or the part of it read here (the objects on the vector's path and the
+  vector), it starts with a byte order mark (simdjson skips one, Arrow refuses it), or it
+  is not an object;
+- an object on the path has the path's key twice (Arrow's reader takes the last, and the
+  stripped text would keep the other), or a parent on the path is not an object, null or
+  missing;
+- the vector is not an array of exactly ``dim`` numbers (null, missing, another length,
+  nested arrays, strings);
+- a component may round differently: Arrow rounds the decimal text straight to float32,
+  simdjson reads the nearest double, cast here. The two agree unless the double lies
+  exactly halfway between two float32 values, so such components are left to Arrow, as are
+  those beyond float32's range (Arrow's reader names them) and negative zeros (their sign
+  depends on the text in Arrow's reader).
+
+The rest of each value is read by Arrow's reader from the stripped text (which is the
+value, byte for byte, but the vector), so what simdjson skips here unchecked is checked
+there; a stripped text Arrow refuses goes back whole to the decoder's other path. Identity
+with Arrow's path is proven by the property test in tests/unit/test_decode_vector_json.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from sink import _vector_scan
+
+__all__ = ["scan"]
+
+
+def scan(
+    payloads: list[bytes], path: Sequence[str], dim: int
+) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+    """Scan `payloads` for the vector at `path`.
+
+    Returns:
+        The positions (ascending, in `payloads`) of the values scanned, their vectors as a
+        ``(len(positions), dim)`` float32 matrix, and their stripped texts.
+    """
+    matrix, where, stripped = _vector_scan.scan(payloads, tuple(path), dim)
+    positions = np.frombuffer(where, np.int64)
+    rows = np.frombuffer(matrix, np.float32, count=len(positions) * dim)
+    return positions, rows.reshape(len(positions), dim), stripped

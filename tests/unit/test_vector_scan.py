@@ -1,0 +1,151 @@
+"""sink.vector_scan: which values it reads, what it reads, and the stripped texts it gives.
+
+Identity of whole decoded batches with Arrow's path is proven in
+tests/unit/test_decode_vector_json.py; these tests pin the scan's own rules.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.json as pj
+import pytest
+
+from sink.decode import Decoder
+from sink.vector_scan import scan
+from tests.unit.test_decode import Msg
+from tests.unit.test_decode_vector_json import CLEAN, source, spec
+
+
+def _arrow_float32(texts: list[str]) -> np.ndarray:
+    """The float32 values Arrow's JSON reader makes of number texts (the reference)."""
+    body = "\n".join(f'{{"x":{t}}}' for t in texts).encode()
+    schema = pa.schema([("x", pa.float32())])
+    table = pj.read_json(
+        pa.BufferReader(body), parse_options=pj.ParseOptions(explicit_schema=schema)
+    )
+    return table.column("x").to_numpy()
+
+
+def test_vectors_are_read_bit_exactly_and_the_rest_is_kept_byte_for_byte() -> None:
+    rng = np.random.default_rng(7)
+    texts = [
+        [repr(float(x)) for x in rng.standard_normal(4).astype(np.float32)],
+        ["1e-3", "-2.5E+2", "3", "0.1"],
+        ["123456789012345678", "1.17549435e-38", "1e-45", "3.4028234e38"],
+    ]
+    payloads = [('{"id": "a", "vec": [' + ", ".join(t) + '], "n": 1}').encode() for t in texts]
+    positions, matrix, stripped = scan(payloads, ("vec",), 4)
+    assert positions.tolist() == [0, 1, 2]
+    for row, t in zip(matrix, texts, strict=True):
+        assert row.view(np.uint32).tolist() == _arrow_float32(t).view(np.uint32).tolist()
+    assert stripped == [b'{"id": "a", "vec": null, "n": 1}'] * 3
+
+
+def test_a_nested_path_with_whitespace_and_an_escaped_key() -> None:
+    payloads = [
+        b'{"emb": {"model": "m", "v\\u0065c" :\n[ 1 ,\t2\r\n, 3 ] , "k": [[1]]}, "id": 1}',
+    ]
+    positions, matrix, stripped = scan(payloads, ("emb", "vec"), 3)
+    assert positions.tolist() == [0]
+    assert matrix.tolist() == [[1.0, 2.0, 3.0]]
+    assert stripped == [b'{"emb": {"model": "m", "v\\u0065c" :\nnull , "k": [[1]]}, "id": 1}']
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pytest.param(b'{"vec": [1, 2], "vec": [3, 4]}', id="duplicate-vector-key"),
+        pytest.param(b'{"e": {"vec": [1, 2]}, "e": {}}', id="duplicate-parent-key"),
+        pytest.param(b'\xef\xbb\xbf{"vec": [1, 2]}', id="byte-order-mark"),
+        pytest.param(b'[{"vec": [1, 2]}]', id="not-an-object"),
+        pytest.param(b'{"vec": [1, 2, 3]}', id="too-long"),
+        pytest.param(b'{"vec": [1]}', id="too-short"),
+        pytest.param(b'{"vec": [1, [2]]}', id="nested-array"),
+        pytest.param(b'{"vec": [1, "2"]}', id="string-component"),
+        pytest.param(b'{"vec": null}', id="null-vector"),
+        pytest.param(b'{"id": 1}', id="missing-vector"),
+        pytest.param(b'{"vec": [1, -0]}', id="negative-zero"),
+        pytest.param(b'{"vec": [1, -0.0]}', id="negative-zero-fraction"),
+        # 1 + 2**-24 exactly: halfway between two float32 values.
+        pytest.param(b'{"vec": [1, 1.000000059604644775390625]}', id="float32-tie"),
+        pytest.param(b'{"vec": [1, 1e39]}', id="beyond-float32"),
+        pytest.param(b'{"vec": [1, 1e400]}', id="beyond-double"),
+        pytest.param(b'{"vec": [1, NaN]}', id="nan"),
+        pytest.param(b'{"vec": [1,, 2]}', id="invalid-array"),
+        pytest.param(b'{"vec": [1, 2]', id="truncated"),
+        pytest.param(b'{"vec": [1, 01]}', id="leading-zero"),
+        pytest.param(b"", id="empty"),
+    ],
+)
+def test_values_it_is_not_sure_of_are_left_out(payload: bytes) -> None:
+    good = b'{"vec": [5, 6]}'
+    positions, matrix, stripped = scan([good, payload, good], ("vec",), 2)
+    assert positions.tolist() == [0, 2]
+    assert matrix.tolist() == [[5.0, 6.0], [5.0, 6.0]]
+    assert stripped == [b'{"vec": null}'] * 2
+
+
+def test_scans_run_on_several_threads_at_once() -> None:
+    """The scan lets go of the interpreter lock; concurrent scans give the same results."""
+    rng = np.random.default_rng(3)
+    vectors = rng.standard_normal((200, 16)).astype(np.float32)
+    payloads = [f'{{"vec": {v.tolist()}}}'.encode() for v in vectors]
+    expected = scan(payloads, ("vec",), 16)[1]
+    results: list[np.ndarray] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(scan(payloads, ("vec",), 16)[1]))
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 4
+    for got in results:
+        assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+    assert np.array_equal(expected, vectors.astype(np.float64).astype(np.float32))
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(TypeError):
+        scan(["text"], ("vec",), 2)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="positive dim"):
+        scan([b"{}"], ("vec",), 0)
+
+
+def test_the_decoder_scans_clean_values_and_parses_the_others_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Clean values never reach the decoder's other path; a value the scan leaves out, or
+    whose stripped text Arrow refuses, does, whole (its dead letter names what was sent)."""
+    whole: list[list[bytes]] = []
+    parse_whole = Decoder._parse_simdjson
+
+    def spy(self: Decoder, payloads: list[bytes], sizes: np.ndarray) -> Any:
+        whole.append(payloads)
+        return parse_whole(self, payloads, sizes)
+
+    monkeypatch.setattr(Decoder, "_parse_simdjson", spy)
+    decoder = Decoder(spec(), source())
+    clean = [Msg(CLEAN, i) for i in range(50)]
+    out = decoder.decode(clean)
+    assert out.batch is not None
+    assert len(out.batch) == 50
+    assert whole == []
+
+    left_out = b'{"id": "x", "vec": [1, 2, 3]}'
+    bad_elsewhere = b'{"id": "x", "vec": [1, 2, 3, 4], "n": tru}'
+    out = decoder.decode([Msg(CLEAN, 0), Msg(left_out, 1), Msg(bad_elsewhere, 2)])
+    assert whole == [[left_out, bad_elsewhere]]
+    assert out.batch is not None
+    assert len(out.batch) == 1
+    assert [d.reason for d in out.dead_letters] == ["wrong_vector_dimension", "invalid_json"]
+    arrow = Decoder(spec(), source(), vector_fast_path=False)
+    expected = arrow.decode([Msg(CLEAN, 0), Msg(left_out, 1), Msg(bad_elsewhere, 2)])
+    assert [(d.reason, d.detail) for d in out.dead_letters] == [
+        (d.reason, d.detail) for d in expected.dead_letters
+    ]
