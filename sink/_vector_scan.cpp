@@ -41,13 +41,22 @@ struct Span {
 // Whether float32(d) may differ from rounding d's decimal text straight to float32, as
 // Arrow's reader does: d lies exactly halfway between two adjacent float32 values (every
 // such point is a double, so any other double rounds like its text), or beyond float32's
-// finite range (left to Arrow's reader, which names it).
+// finite range (left to Arrow's reader, which names it). As sink.vector_json.float32_ties.
 bool float32_unsure(double d, float f) {
   if (!std::isfinite(f) || std::fabs(d) > static_cast<double>(FLT_MAX)) return true;
+  uint64_t bits;
+  std::memcpy(&bits, &d, sizeof bits);
+  constexpr uint64_t kExponent = 0x7FF0000000000000ULL;
+  constexpr uint64_t kTiny = static_cast<uint64_t>(1023 - 126) << 52;  // float32 normals
+  if ((bits & kExponent) >= kTiny) {
+    // In float32's normal range a halfway double has exactly the top one of the 29
+    // mantissa bits float32 drops.
+    return (bits & ((1ULL << 29) - 1)) == (1ULL << 28);
+  }
+  // Subnormal float32 range (or zero): the neighbours of f and their midpoint, all doubles.
   const double back = static_cast<double>(f);
   if (back == d) return false;
   const float other = std::nextafter(f, d > back ? INFINITY : -INFINITY);
-  // Adjacent float32 values and their midpoint are all exact doubles.
   return (back + static_cast<double>(other)) * 0.5 == d;
 }
 

@@ -84,11 +84,14 @@ with new fields raises `sink.formats.SchemaEvolution`, without they are logged o
 Everything else below is the JSON format's.
 
 How it is fast: the per-message Python work is reading the Message accessors. On a table
-with a vector column, values are parsed by `sink.vector_json` first (simdjson, each vector
-copied into one float32 matrix per batch without a Python float per component; base64
-vectors only in small batches); what it is not sure of (anything not clean, see there)
-goes to Arrow's reader below, so rows and dead letters are the same as Arrow's alone
-(``vector_fast_path=False``). Otherwise the JSON
+with a vector column kept as a JSON array, `sink.vector_scan` reads each value's vector
+(simdjson's On-Demand reader in C++, outside the interpreter lock, straight into one float32
+matrix per batch) and gives its text back with the vector stripped, which Arrow's reader
+below parses for the other columns. Base64 vectors are parsed by `sink.vector_json` first
+in small batches (simdjson, each vector copied into the matrix without a Python float per
+component). What either is not sure of (anything not clean, see there) is parsed whole by
+`sink.vector_json` and Arrow's reader, so rows and dead letters are the same as Arrow's
+alone (``vector_fast_path=False``). Otherwise the JSON
 values are parsed by `pyarrow.json.read_json` with an explicit schema of only the mapped
 fields, in chunks of about 4 MiB (one call each, its blocks parsed on all cores). Each value
 is wrapped as ``{"v":<value>}`` and the rows are newline-joined, so a value that is empty,
@@ -405,7 +408,8 @@ class Decoder:
             fitted to the table's columns; "evolve" (``table.evolve``) raises
             `sink.formats.SchemaEvolution` for fields that would add or widen one, "warn"
             logs them once per schema (`sink.formats.SchemaCheck`).
-        vector_fast_path: parse vector tables' JSON with `sink.vector_json` first; False
+        vector_fast_path: parse vector tables' JSON with `sink.vector_scan` (vectors as
+            arrays) or `sink.vector_json` (base64 vectors, and what the scan leaves) first; False
             keeps every value on Arrow's reader (the reference the fast path is tested
             against).
     Raises:
