@@ -26,16 +26,16 @@ For each, in one process, the median of ``--runs`` runs of:
 - decoder, Arrow only (vector tables): ``Decoder(vector_fast_path=False)``, the path before
   `sink.vector_json` and the reference it is tested against;
 - decoder Nw (vector tables): as the sink runs it: batches of ~8 MiB decoded by N threads
-  sharing one decoder (``source.decode_workers``); "Arrow only" as above. simdjson holds
-  the GIL, so a second worker adds no decode throughput to the fast path (a batch split
-  with Arrow's reader on a helper thread was tried and measured no faster: 52k vs 51k
-  rows/s on two workers, 50k vs 55k on one);
+  sharing one decoder (``source.decode_workers``); "Arrow only" as above. The vector
+  scan (`sink.vector_scan`, simdjson in C++) and Arrow's reader work outside the GIL, so
+  on vector JSON a second worker adds a core (before the scan, pysimdjson held the GIL and
+  a second worker added nothing);
 - decoder 2 processes (vector tables): the same batches from two threads, each handing
   them to a decode worker process of its own (``source.decode_processes``): the decode
   ceiling of the two cores, copies in and out included;
 - (d) simdjson as_buffer (vector): pysimdjson per message, the vector copied as doubles
   with ``Array.as_buffer`` and cast to one float32 matrix per batch, scalars read, no
-  checks: the fast path's parse ceiling;
+  checks: the parse ceiling of the pysimdjson path (`sink.vector_json`);
 - (e) orjson/msgspec->numpy row (vector): the other parsers measured for the fast path,
   each vector's Python floats assigned into a preallocated float32 matrix row.
 
