@@ -8,7 +8,7 @@
 // For every payload whose vector it is sure of (see `scan_one`), the vector's dim float32
 // values go to the next row of `matrix`, its position (int64, native order) to
 // `positions`, and the payload with the vector's text replaced by `null` to `stripped`.
-// Every other payload is left out: the caller hands it to Arrow's reader as it is.
+// Every other payload (anything but bytes too) is left out: the caller parses it whole.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -151,6 +151,88 @@ class Scanner {
   size_t end_ = 0;
 };
 
+// An owned reference, released when it goes out of scope.
+struct Owned {
+  PyObject* ref = nullptr;
+  Owned() = default;
+  explicit Owned(PyObject* r) : ref(r) {}
+  Owned(const Owned&) = delete;
+  Owned& operator=(const Owned&) = delete;
+  ~Owned() { Py_XDECREF(ref); }
+  PyObject* release() {
+    PyObject* r = ref;
+    ref = nullptr;
+    return r;
+  }
+};
+
+PyObject* scan_batch(PyObject* payloads, PyObject* path_obj, Py_ssize_t dim) {
+  std::vector<std::string> path;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(path_obj); ++i) {
+    Py_ssize_t size;
+    const char* name = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(path_obj, i), &size);
+    if (name == nullptr) return nullptr;
+    path.emplace_back(name, static_cast<size_t>(size));
+  }
+  // A copy of the list is held (and bytes are immutable) while the lock is let go.
+  Owned held(PyList_GetSlice(payloads, 0, PyList_GET_SIZE(payloads)));
+  if (held.ref == nullptr) return nullptr;
+  const Py_ssize_t n = PyList_GET_SIZE(held.ref);
+  std::vector<const char*> data(static_cast<size_t>(n), nullptr);
+  std::vector<size_t> lengths(static_cast<size_t>(n), 0);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyList_GET_ITEM(held.ref, i);
+    if (PyBytes_Check(item)) {  // anything else is left out
+      data[i] = PyBytes_AS_STRING(item);
+      lengths[i] = static_cast<size_t>(PyBytes_GET_SIZE(item));
+    }
+  }
+  const size_t row_bytes = static_cast<size_t>(dim) * sizeof(float);
+  Owned matrix(PyByteArray_FromStringAndSize(nullptr, n * row_bytes));
+  if (matrix.ref == nullptr) return nullptr;
+  std::vector<int64_t> positions;
+  std::vector<Span> spans;
+  positions.reserve(static_cast<size_t>(n));
+  spans.reserve(static_cast<size_t>(n));
+  Scanner scanner(std::move(path), static_cast<size_t>(dim));
+  auto* rows = reinterpret_cast<float*>(PyByteArray_AS_STRING(matrix.ref));
+  bool failed = false;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      Span span;
+      float* out = rows + positions.size() * static_cast<size_t>(dim);
+      if (data[i] != nullptr && scanner.scan_one(data[i], lengths[i], out, &span)) {
+        positions.push_back(i);
+        spans.push_back(span);
+      }
+    }
+  } catch (const std::bad_alloc&) {  // no exception may cross the lock's release
+    failed = true;
+  }
+  Py_END_ALLOW_THREADS
+  if (failed) return PyErr_NoMemory();
+  Owned stripped(PyList_New(static_cast<Py_ssize_t>(positions.size())));
+  if (stripped.ref == nullptr) return nullptr;
+  for (size_t k = 0; k < positions.size(); ++k) {
+    const char* src = data[positions[k]];
+    const size_t len = lengths[positions[k]];
+    const Span& s = spans[k];
+    PyObject* text = PyBytes_FromStringAndSize(
+        nullptr, static_cast<Py_ssize_t>(s.start + 4 + (len - s.end)));
+    if (text == nullptr) return nullptr;
+    char* dst = PyBytes_AS_STRING(text);
+    std::memcpy(dst, src, s.start);
+    std::memcpy(dst + s.start, "null", 4);
+    std::memcpy(dst + s.start + 4, src + s.end, len - s.end);
+    PyList_SET_ITEM(stripped.ref, static_cast<Py_ssize_t>(k), text);
+  }
+  Owned where(PyBytes_FromStringAndSize(reinterpret_cast<const char*>(positions.data()),
+                                        positions.size() * sizeof(int64_t)));
+  if (where.ref == nullptr) return nullptr;
+  return Py_BuildValue("(NNN)", matrix.release(), where.release(), stripped.release());
+}
+
 PyObject* scan(PyObject*, PyObject* args) {
   PyObject* payloads;
   PyObject* path_obj;
@@ -163,89 +245,11 @@ PyObject* scan(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "scan needs a positive dim and a non-empty path");
     return nullptr;
   }
-  std::vector<std::string> path;
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(path_obj); ++i) {
-    Py_ssize_t size;
-    const char* name = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(path_obj, i), &size);
-    if (name == nullptr) return nullptr;
-    path.emplace_back(name, static_cast<size_t>(size));
+  try {
+    return scan_batch(payloads, path_obj, dim);
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
   }
-  // The list is held (and its bytes are immutable) while the lock is let go; a copy of
-  // the pointers keeps the loop independent of the list object.
-  const Py_ssize_t n = PyList_GET_SIZE(payloads);
-  std::vector<const char*> data(static_cast<size_t>(n));
-  std::vector<size_t> lengths(static_cast<size_t>(n));
-  PyObject* held = PyList_GetSlice(payloads, 0, n);
-  if (held == nullptr) return nullptr;
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* item = PyList_GET_ITEM(held, i);
-    if (!PyBytes_Check(item)) {
-      Py_DECREF(held);
-      PyErr_SetString(PyExc_TypeError, "scan takes a list of bytes");
-      return nullptr;
-    }
-    data[i] = PyBytes_AS_STRING(item);
-    lengths[i] = static_cast<size_t>(PyBytes_GET_SIZE(item));
-  }
-  const size_t row_bytes = static_cast<size_t>(dim) * sizeof(float);
-  PyObject* matrix = PyByteArray_FromStringAndSize(nullptr, n * row_bytes);
-  std::vector<int64_t> positions;
-  std::vector<Span> spans;
-  positions.reserve(static_cast<size_t>(n));
-  spans.reserve(static_cast<size_t>(n));
-  bool failed = false;
-  if (matrix != nullptr) {
-    auto* rows = reinterpret_cast<float*>(PyByteArray_AS_STRING(matrix));
-    Py_BEGIN_ALLOW_THREADS
-    try {
-      Scanner scanner(std::move(path), static_cast<size_t>(dim));
-      for (Py_ssize_t i = 0; i < n; ++i) {
-        Span span;
-        float* out = rows + positions.size() * static_cast<size_t>(dim);
-        if (scanner.scan_one(data[i], lengths[i], out, &span)) {
-          positions.push_back(i);
-          spans.push_back(span);
-        }
-      }
-    } catch (const std::bad_alloc&) {
-      failed = true;
-    }
-    Py_END_ALLOW_THREADS
-  }
-  if (matrix == nullptr || failed) {
-    Py_DECREF(held);
-    Py_XDECREF(matrix);
-    return failed ? PyErr_NoMemory() : nullptr;
-  }
-  PyObject* stripped = PyList_New(static_cast<Py_ssize_t>(positions.size()));
-  for (size_t k = 0; stripped != nullptr && k < positions.size(); ++k) {
-    const char* src = data[positions[k]];
-    const size_t len = lengths[positions[k]];
-    const Span& s = spans[k];
-    const size_t size = s.start + 4 + (len - s.end);
-    PyObject* text = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(size));
-    if (text == nullptr) {
-      Py_CLEAR(stripped);
-      break;
-    }
-    char* dst = PyBytes_AS_STRING(text);
-    std::memcpy(dst, src, s.start);
-    std::memcpy(dst + s.start, "null", 4);
-    std::memcpy(dst + s.start + 4, src + s.end, len - s.end);
-    PyList_SET_ITEM(stripped, static_cast<Py_ssize_t>(k), text);
-  }
-  Py_DECREF(held);
-  PyObject* where = nullptr;
-  if (stripped != nullptr) {
-    where = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(positions.data()),
-                                      positions.size() * sizeof(int64_t));
-  }
-  if (where == nullptr) {
-    Py_XDECREF(stripped);
-    Py_DECREF(matrix);
-    return nullptr;
-  }
-  return Py_BuildValue("(NNN)", matrix, where, stripped);
 }
 
 PyMethodDef kMethods[] = {

@@ -110,11 +110,20 @@ def test_scans_run_on_several_threads_at_once() -> None:
     assert np.array_equal(expected, vectors.astype(np.float64).astype(np.float32))
 
 
-def test_bad_arguments_are_refused() -> None:
-    with pytest.raises(TypeError):
-        scan(["text"], ("vec",), 2)  # type: ignore[list-item]
+def test_bad_arguments_are_refused_and_values_not_bytes_left_out() -> None:
     with pytest.raises(ValueError, match="positive dim"):
         scan([b"{}"], ("vec",), 0)
+    with pytest.raises(ValueError, match="non-empty path"):
+        scan([b"{}"], (), 2)
+    with pytest.raises(TypeError):
+        scan((b"{}",), ("vec",), 2)  # type: ignore[arg-type]
+    positions, _, stripped = scan(
+        ['{"vec": [1, 2]}', None, b'{"vec": [1, 2]}'],  # type: ignore[list-item]
+        ("vec",),
+        2,
+    )
+    assert positions.tolist() == [2]
+    assert stripped == [b'{"vec": null}']
 
 
 def test_the_decoder_scans_clean_values_and_parses_the_others_whole(
