@@ -469,6 +469,17 @@ def render_lag(lags: list[PartitionLag], with_flushed: bool) -> str:
     return "\n".join(lines)
 
 
+def _local_host(host: str) -> str:
+    """The host part of a URL reaching a server listening on `host` from this machine: the
+    loopback address of the wildcard's family (the sink's IPv6 sockets are IPv6 only, so
+    ``::`` is not reachable at 127.0.0.1), an IPv6 address in brackets."""
+    if host == "0.0.0.0":  # noqa: S104 - a listening address, mapped to loopback
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def _status(args: argparse.Namespace) -> int:
     url = args.url
     # /v1/status follows query.auth_token: from the config file, else its environment variable.
@@ -479,8 +490,7 @@ def _status(args: argparse.Namespace) -> int:
         token = secret.get_secret_value() if secret is not None else token
         if url is None:
             obs = settings.observability
-            host = "127.0.0.1" if obs.metrics_host in {"0.0.0.0", "::"} else obs.metrics_host  # noqa: S104
-            url = f"http://{host}:{obs.metrics_port}"
+            url = f"http://{_local_host(obs.metrics_host)}:{obs.metrics_port}"
     if url is None:
         print("lance-sink status: give --url or --config", file=sys.stderr)
         return EXIT_CONFIG

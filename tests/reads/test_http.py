@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
@@ -562,6 +563,34 @@ def test_the_status_command_sends_the_token(
         assert "401" in capsys.readouterr().err
         monkeypatch.setenv("LANCE_SINK__QUERY__AUTH_TOKEN", "s3cret")
         assert cli.main(["status", "--url", url, "--json"]) == 0
+        assert '"partitions": []' in capsys.readouterr().out
+    finally:
+        handle.stop()
+
+
+@pytest.mark.parametrize("listen", ["::", "::1", "0.0.0.0", "127.0.0.1"])
+def test_the_status_command_reaches_the_metrics_host_of_its_config(
+    tmp_path: Path, listen: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`status --config` asks the metrics server where the config says it listens; with
+    ``metrics_host = "::"`` (an IPv6-only socket) it asked 127.0.0.1 and could not connect."""
+    handle = run_server(create_ops_app(_Ops()), listen, 0)
+    config = tmp_path / "sink.toml"
+    config.write_text(
+        f"""
+[kafka]
+bootstrap_servers = "127.0.0.1:1"
+topics = ["events"]
+[table]
+uri = "{tmp_path / "t.lance"}"
+columns = [{{ name = "id", type = "string" }}]
+[observability]
+metrics_host = "{listen}"
+metrics_port = {handle.port}
+"""
+    )
+    try:
+        assert cli.main(["status", "--config", str(config), "--json"]) == 0, capsys.readouterr()
         assert '"partitions": []' in capsys.readouterr().out
     finally:
         handle.stop()
