@@ -1,7 +1,8 @@
-"""`sink.vector_json`: the simdjson vector path gives the same rows (bit-exact) and dead
-letters as Arrow's reader alone (`Decoder(vector_fast_path=False)`), on hand-picked edge
-cases and on generated messages; and it does take the clean messages (else the
-comparison would prove nothing). Base64 vectors (simdjson in small batches, Arrow's
+"""The vector fast paths (`sink.vector_scan`, then `sink.vector_json` for what the scan
+leaves out) give the same rows (bit-exact) and dead letters as Arrow's reader alone
+(`Decoder(vector_fast_path=False)`), on hand-picked edge cases and on generated messages;
+and they do take the clean messages (else the comparison would prove nothing; the scan's
+side: tests/unit/test_vector_scan.py). Base64 vectors (simdjson in small batches, Arrow's
 reader in large ones): also rows and dead letters as Python's base64 and numpy make them.
 """
 
