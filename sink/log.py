@@ -3,13 +3,16 @@
 JSON lines when stderr is not a TTY (production, tests, containers), a readable console
 renderer on a TTY. Events have stable snake_case names and their data as fields; bound
 context (topic, partition, shard, generation) is added with `structlog.contextvars` or
-`log.bind`. librdkafka's own log lines reach the same pipeline through `librdkafka_logger`.
+`log.bind`. librdkafka's own log lines reach the same pipeline through `librdkafka_logger`,
+and other libraries' warnings and errors through Python's root logger (uvicorn's, for one:
+a request it cannot read, an exception in a handler) as `library_log` events.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from typing import Literal
 
 import structlog
@@ -61,6 +64,9 @@ def configure_logging(level: LogLevel = "info", fmt: LogFormat = "auto") -> None
         root = logging.getLogger("lance_sink.stdlib")
         root.addHandler(handler)
         root.propagate = False
+        # Everything else that logs through the stdlib (at the root's WARNING, as Python's
+        # last-resort handler printed it: plain text on stderr before).
+        logging.getLogger().addHandler(_LibraryHandler())
         _configured = True
     logging.getLogger("lance_sink.stdlib").setLevel(_LEVELS[level])
 
@@ -76,6 +82,20 @@ class _StructlogHandler(logging.Handler):
         message = record.getMessage()
         facility, _, rest = message.partition(" ")
         method("librdkafka_log", facility=facility, message=rest or message)
+
+
+class _LibraryHandler(logging.Handler):
+    """Forwards other libraries' stdlib records into structlog as `library_log`, with the
+    logger's name and, for an exception, its traceback."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        log = structlog.get_logger(record.name)
+        level = record.levelname.lower()
+        method = getattr(log, level if level in _LEVELS else "error")
+        fields: dict[str, str] = {"logger": record.name, "message": record.getMessage().rstrip()}
+        if record.exc_info and record.exc_info[1] is not None:
+            fields["exception"] = "".join(traceback.format_exception(*record.exc_info))
+        method("library_log", **fields)
 
 
 def librdkafka_logger() -> logging.Logger:

@@ -78,3 +78,46 @@ def test_the_sinks_other_kafka_clients_log_through_the_same_pipeline() -> None:
     assert all(line.startswith("{") for line in lines), result.stderr[-2000:]
     events = [json.loads(line) for line in lines]
     assert any(e["event"] == "librdkafka_log" and "FAIL" in e["facility"] for e in events)
+
+
+SERVER = """
+import socket, time
+from fastapi import FastAPI
+from sink.http import run_server
+from sink.log import configure_logging
+configure_logging("info", "json")
+app = FastAPI()
+
+@app.get("/boom")
+def boom():
+    raise RuntimeError("boom")
+
+handle = run_server(app, "127.0.0.1", 0)
+for request in (b"NOT HTTP AT ALL\\r\\n\\r\\n", b"GET /boom HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n"):
+    with socket.create_connection(("127.0.0.1", handle.port)) as s:
+        s.sendall(request)
+        s.settimeout(5)
+        s.recv(100)
+handle.stop()
+"""
+
+
+def test_the_http_servers_own_warnings_and_errors_are_json_events() -> None:
+    """uvicorn's warnings (a request it cannot read) and errors (an exception in a handler,
+    with its traceback) were plain text lines on stderr, outside the JSON log stream."""
+    result = subprocess.run(
+        [sys.executable, "-c", SERVER],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    events = [json.loads(line) for line in result.stderr.splitlines()]  # every line is JSON
+    library = [e for e in events if e["event"] == "library_log"]
+    assert [(e["logger"], e["level"], e["message"]) for e in library] == [
+        ("uvicorn.error", "warning", "Invalid HTTP request received."),
+        ("uvicorn.error", "error", "Exception in ASGI application"),
+    ]
+    assert library[1]["exception"].rstrip().endswith("RuntimeError: boom")
