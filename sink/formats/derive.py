@@ -268,12 +268,14 @@ def derive_settings(settings: Settings, schema_ids: tuple[int, ...] = ()) -> Set
                 columns |= mapped
             else:
                 columns = _fit(leaves, columns | mapped).columns
+    columns = key_columns(settings, columns)
     if settings.table.vector is not None:
         columns.pop(settings.table.vector.column, None)  # table.vector declares it
     for name, column in columns.items():
         if column.type_name is None:
+            whose = "the key's schema" if _key_path(column.source) else "the schema"
             raise ValueError(
-                f"source.columns maps {name!r} to {column.source!r}, whose type the schema "
+                f"source.columns maps {name!r} to {column.source!r}, whose type {whose} "
                 "does not give; declare table.columns"
             )
     if not columns:
@@ -319,7 +321,7 @@ def _configured_columns(settings: Settings) -> dict[str, Column]:
         elif src == "@value" or src.startswith("@headers.") or (src == "@key" and raw_key):
             type_name = "binary"
         else:
-            type_name = None  # a field of a decoded key: declare the column in the settings
+            type_name = None  # a field of a decoded key: typed by the key's schema
         out[name] = Column(src, type_name)
     vector = settings.table.vector
     if vector is not None:
@@ -384,19 +386,51 @@ def schema_columns(settings: Settings, schema_ids: tuple[int, ...] = ()) -> list
         assert pb.message is not None
         desc = load_descriptor(pb.descriptor_set, pb.message)
         return list(_proto_leaves(desc, ()))
+    message = None if pb is None else pb.message
+    return _subject_leaves(settings, "value", source.format, message, schema_ids)
+
+
+def key_columns(settings: Settings, columns: dict[str, Column]) -> dict[str, Column]:
+    """`columns` with those ``source.columns`` maps to a field of a registry-encoded key
+    (``@key.a.b``) typed by the key's schema: registry subject ``<first topic>-key`` at
+    its latest version (TopicNameStrategy, as for values)."""
+    key_format = settings.source.key_format
+    wanted = {
+        name: path
+        for name, c in columns.items()
+        if c.type_name is None and (path := _key_path(c.source)) is not None
+    }
+    if not wanted or key_format == "raw":
+        return columns
+    types = dict(_subject_leaves(settings, "key", key_format, None, ()))
+    return {
+        name: replace(c, type_name=types.get(wanted[name])) if name in wanted else c
+        for name, c in columns.items()
+    }
+
+
+def _key_path(source: str) -> Path | None:
+    return tuple(source[len("@key.") :].split(".")) if source.startswith("@key.") else None
+
+
+def _subject_leaves(
+    settings: Settings, kind: str, fmt: str, message: str | None, schema_ids: tuple[int, ...]
+) -> list[Leaf]:
+    """The leaves of subject ``<first topic>-<kind>`` at its latest version (plus the
+    schemas `schema_ids`) in the registry format `fmt`."""
     from sink.formats.registry import build_client, latest_schema  # noqa: PLC0415
 
+    source = settings.source
     assert source.schema_registry is not None
     client = build_client(source.schema_registry)
-    subject = f"{settings.kafka.topics[0]}-value"
-    registered = latest_schema(client, subject, serialized=source.format == "protobuf")
-    if source.format in {"avro", "json_schema"}:
+    subject = f"{settings.kafka.topics[0]}-{kind}"
+    registered = latest_schema(client, subject, serialized=fmt == "protobuf")
+    if fmt in {"avro", "json_schema"}:
         texts = [registered.schema.schema_str]
         texts += [client.get_schema(schema_id).schema_str for schema_id in schema_ids]
-        return [leaf for text in texts for leaf in text_leaves(source.format, text)]
+        return [leaf for text in texts for leaf in text_leaves(fmt, text)]
     from sink.formats.protobuf import registry_descriptor  # noqa: PLC0415
 
-    message = None if pb is None else pb.message
     schemas = [registered.schema]
     schemas += [client.get_schema(i, fmt="serialized") for i in schema_ids]
     return [

@@ -415,3 +415,32 @@ primary_key = ["order_id"]
         f"table.primary_key (file {config}): 'order_id' is not a column of the table" in run.stderr
     )
     assert "pydantic" not in run.stderr
+
+
+def test_a_field_of_a_registry_key_is_typed_by_the_key_subject(tmp_path: Path) -> None:
+    """An upsert table keyed by a field of an Avro key: `@key.id` is typed by the latest
+    `<topic>-key` schema. It needed `table.columns` ("whose type the schema does not give")."""
+    reg = registered(json.dumps(AVRO), "AVRO")
+    key = {
+        "type": "record",
+        "name": "OrderKey",
+        "fields": [{"name": "id", "type": "long"}, {"name": "region", "type": "string"}],
+    }
+    client = build_client(SchemaRegistrySettings(**reg))
+    client.register_schema(f"{TOPIC}-key", Schema(json.dumps(key), "AVRO"))
+    source = {
+        "format": "avro",
+        "key_format": "avro",
+        "schema_registry": reg,
+        "columns": {"order_id": "@key.id", "region": "@key.region"},
+    }
+    derived = derive_settings(settings(tmp_path, source, mode="upsert", primary_key=["order_id"]))
+    cols = columns(derived)
+    assert cols["order_id"] == ("int64", True)
+    assert cols["region"] == ("string", True)
+    assert cols["price"] == ("float64", True)  # the value's fields as before
+    assert derived.source.columns["order_id"] == "@key.id"
+    assert derived.table.primary_key == ["order_id"]
+    source["columns"] = {"order_id": "@key.nowhere"}
+    with pytest.raises(ValueError, match=r"'@key\.nowhere', whose type the key's schema does"):
+        derive_settings(settings(tmp_path, source))
