@@ -7,6 +7,7 @@ tests/unit/test_decode_vector_json.py; these tests pin the scan's own rules.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -158,3 +159,35 @@ def test_the_decoder_scans_clean_values_and_parses_the_others_whole(
     assert [(d.reason, d.detail) for d in out.dead_letters] == [
         (d.reason, d.detail) for d in expected.dead_letters
     ]
+
+
+def test_a_scan_lets_other_threads_run() -> None:
+    """The scan lets go of the interpreter lock for the whole batch: a Python loop on
+    another thread keeps running meanwhile (with the lock held, it would stand still for
+    the scan's whole duration)."""
+    rng = np.random.default_rng(5)
+    row = ", ".join(repr(float(x)) for x in rng.standard_normal(384).astype(np.float32))
+    payloads = [f'{{"id": "{i}", "vec": [{row}]}}'.encode() for i in range(4000)]
+    started = time.perf_counter()
+    scan(payloads, ("vec",), 384)
+    alone = time.perf_counter() - started
+    payloads *= max(1, round(0.5 / alone))  # about half a second of scanning
+    done = threading.Event()
+
+    def scan_all() -> None:
+        scan(payloads, ("vec",), 384)
+        done.set()
+
+    worker = threading.Thread(target=scan_all)
+    last = time.perf_counter()
+    gaps = []
+    worker.start()
+    began = last
+    while not done.is_set():
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    took = last - began
+    worker.join()
+    assert took > 0.2, took  # the scan did take long enough to tell
+    assert max(gaps) < took / 3, (max(gaps), took)
