@@ -1224,6 +1224,7 @@ def test_alerts(rendered: dict[str, list[dict[str, Any]]]) -> None:
         "LanceSinkWriterPoisoned",
         "LanceSinkDeadLetterRate",
         "LanceSinkDeadLettersStalled",
+        "LanceSinkNoMaintenance",
     }
     selector = f'{{job="{RELEASE}-lance-sink",namespace="{NAMESPACE}"}}'
     lag = rules["LanceSinkCommitLagGrowing"]["expr"]
@@ -1236,6 +1237,10 @@ def test_alerts(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert rules["LanceSinkDeadLettersStalled"]["expr"] == (
         f"lance_sink_dlq_held_seconds{selector} > 120"
     )
+    assert rules["LanceSinkNoMaintenance"]["expr"] == (
+        f"max by (namespace) (lance_sink_maintenance_active{selector}) == 0"
+    )
+    assert rules["LanceSinkNoMaintenance"]["for"] == "30m"
     for r in rules.values():
         assert _metrics_in(r["expr"]) <= METRICS, r["alert"]
         assert r["labels"]["severity"]
@@ -1245,6 +1250,20 @@ def test_alerts(rendered: dict[str, list[dict[str, Any]]]) -> None:
         {"port": "metrics", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}
     ]
     assert monitor["selector"]["matchLabels"] == _one(docs, "Service")["spec"]["selector"]
+
+
+def test_no_maintenance_alert_only_where_maintenance_runs(helm: str) -> None:
+    """With config.maintenance.enabled false, the gauge is 0 on every pod by design: the
+    alert would always fire, so it is not rendered."""
+    docs = _template(
+        helm,
+        _scenario("monitoring-values"),
+        extra=("--set", "config.maintenance.enabled=false"),
+    )
+    rule = _one(docs, "PrometheusRule")
+    alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert "LanceSinkNoMaintenance" not in alerts
+    assert "LanceSinkWriterPoisoned" in alerts
 
 
 def test_grafana_dashboard(rendered: dict[str, list[dict[str, Any]]]) -> None:
