@@ -72,12 +72,12 @@ def test_sigkill_at_random_instants(
     final = SinkProcess(config, tmp_path / "sink-final.log")
     try:
         wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[final])
-        if maintenance:
+        if maintenance["enabled"]:
             time.sleep(3)  # a maintenance run or two over the whole table
     finally:
         assert final.stop() == 0
     assert_exactly_once(table, n)
-    if maintenance:
+    if maintenance["enabled"]:
         assert_maintained_without_flush_failures([*procs, final])
 
 
@@ -103,13 +103,13 @@ def test_rebalance_join_and_kill(
     producer.join(120)
     try:
         wait_caught_up(kafka_broker.bootstrap, group, topic, timeout=180, procs=[b, c])
-        if maintenance:
+        if maintenance["enabled"]:
             time.sleep(3)
     finally:
         assert b.stop() == 0
         assert c.stop() == 0
     assert_exactly_once(table, n)
-    if maintenance:
+    if maintenance["enabled"]:
         assert_maintained_without_flush_failures([a, b, c])
 
     # Each partition was owned by one writer at a time: every claim of a shard took a new,

@@ -25,6 +25,7 @@ from tests.support.brokers import Broker, free_ports
 from tests.support.kafka import committed_offsets, produce
 from tests.support.maintenance import (
     MAINTENANCE,
+    MAINTENANCE_OFF,
     MAINTENANCE_ON,
     assert_maintained_without_flush_failures,
     assert_no_flush_failures,
@@ -76,7 +77,7 @@ def start_pods(
                     "owners_refresh_ms": 200,
                     "max_k": 100_000,
                 },
-                "maintenance": maintenance or {},  # {}: off (write_config's default)
+                "maintenance": maintenance or {},  # {}: on (write_config's default)
             },
         )
         env = {"LANCE_SINK__QUERY__AUTH_TOKEN": TOKEN}
@@ -136,7 +137,7 @@ BASE_INDEXED = {"vec", "text", "id", "n"}
 @pytest.mark.parametrize(
     "maintenance",
     [
-        pytest.param({}, id="maintenance-off"),
+        pytest.param(MAINTENANCE_OFF, id="maintenance-off"),
         pytest.param(MAINTENANCE_ON_SMALL_BASE, id="maintenance-on"),
     ],
 )
@@ -221,7 +222,7 @@ def test_any_pod_answers_with_every_committed_row(
             ds = lance.dataset(table_uri, storage_options=options)
             return {c for i in ds.describe_indices() if i.num_rows_indexed for c in i.field_names}
 
-        if maintenance:
+        if maintenance["enabled"]:
             deadline = time.monotonic() + 60
             while True:
                 done, columns = maintenance_done(procs), indexed()
@@ -294,7 +295,7 @@ def test_any_pod_answers_with_every_committed_row(
     finally:
         codes = [p.stop() for p in procs]
     assert codes == [0, 0, 0]
-    if maintenance:
+    if maintenance["enabled"]:
         assert_maintained_without_flush_failures(procs)
     else:
         assert_no_flush_failures(procs)
@@ -376,7 +377,7 @@ def test_rebalance_and_kill_during_a_stream_of_queries(
         # With maintenance on, the queries go on until it has indexed and compacted the
         # base (it begins after them, at the first flush): its commits land among them.
         deadline = time.monotonic() + 60
-        while maintenance and not (done := maintenance_done(procs)) >= UNDER_QUERIES:
+        while maintenance["enabled"] and not (done := maintenance_done(procs)) >= UNDER_QUERIES:
             assert time.monotonic() < deadline, f"maintenance did only {done}"
             query_round()
         producer.join(60)
@@ -386,7 +387,7 @@ def test_rebalance_and_kill_during_a_stream_of_queries(
     finally:
         codes = [p.stop() for k, p in enumerate(procs) if k not in killed]
     assert codes == [0] * len(codes)
-    if maintenance:
+    if maintenance["enabled"]:
         assert_maintained_without_flush_failures(procs)
     else:
         assert_no_flush_failures(procs)

@@ -1,31 +1,22 @@
 """Maintenance on in e2e tests, as in production: the settings that make every task fire
-within seconds, the off/on parametrization, and the check that it ran without ever making a
-flush or a partition's open fail."""
+within seconds (`MAINTENANCE_ON`, write_config's default, defined in tests.support.sink), the
+off/on parametrization, and the check that it ran without ever making a flush or a
+partition's open fail."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
-from tests.support.sink import SinkProcess
+# MAINTENANCE_ON and MAINTENANCE_OFF live in tests.support.sink (write_config's default, and
+# this module imports SinkProcess from there); importable from here too.
+from tests.support.sink import MAINTENANCE_OFF, MAINTENANCE_ON, SinkProcess
 
-#: Maintenance as in production (on), with every task firing within seconds during the
-#: run: vector, text and scalar indexes, optimize, compaction of indexed fragments (pylance
-#: cannot decode those commits; see engine.table.transaction_properties) and cleanup.
-MAINTENANCE_ON: dict[str, Any] = {
-    "enabled": True,
-    "interval_s": 1,
-    "optimize_interval_s": 1,
-    "vector_index_min_rows": 1000,
-    "optimize_unindexed_rows": 500,
-    "compact_min_fragments": 3,
-    "cleanup_retention_s": 1,
-    "scalar_indexes": {"n": "BTREE"},
-}
 MAINTENANCE = pytest.mark.parametrize(
     "maintenance",
-    [pytest.param({}, id="maintenance-off"), pytest.param(MAINTENANCE_ON, id="maintenance-on")],
+    [
+        pytest.param(MAINTENANCE_OFF, id="maintenance-off"),
+        pytest.param(MAINTENANCE_ON, id="maintenance-on"),
+    ],
 )
 
 
