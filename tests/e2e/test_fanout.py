@@ -56,7 +56,10 @@ def start_pods(
     maintenance: dict[str, Any] | None = None,
 ) -> tuple[list[SinkProcess], list[str]]:
     procs, urls = [], []
-    for name, port in zip(names, free_ports(len(names)), strict=True):
+    # The query and the metrics ports picked together, all distinct: with metrics_port 0 a
+    # pod's metrics server could be given the port just picked for its query server.
+    ports = free_ports(2 * len(names))
+    for name, port, metrics_port in zip(names, ports[::2], ports[1::2], strict=True):
         url = f"http://127.0.0.1:{port}"
         config = write_config(
             tmp_path / f"{name}.toml",
@@ -78,6 +81,7 @@ def start_pods(
                     "max_k": 100_000,
                 },
                 "maintenance": maintenance or {},  # {}: on (write_config's default)
+                "observability": {"metrics_port": metrics_port},
             },
         )
         env = {"LANCE_SINK__QUERY__AUTH_TOKEN": TOKEN}
