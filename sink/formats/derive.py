@@ -268,7 +268,7 @@ def derive_settings(settings: Settings, schema_ids: tuple[int, ...] = ()) -> Set
                 columns |= mapped
             else:
                 columns = _fit(leaves, columns | mapped).columns
-    columns = key_columns(settings, columns)
+    columns = _key_columns(settings, columns)
     if settings.table.vector is not None:
         columns.pop(settings.table.vector.column, None)  # table.vector declares it
     for name, column in columns.items():
@@ -390,7 +390,7 @@ def schema_columns(settings: Settings, schema_ids: tuple[int, ...] = ()) -> list
     return _subject_leaves(settings, "value", source.format, message, schema_ids)
 
 
-def key_columns(settings: Settings, columns: dict[str, Column]) -> dict[str, Column]:
+def _key_columns(settings: Settings, columns: dict[str, Column]) -> dict[str, Column]:
     """`columns` with those ``source.columns`` maps to a field of a registry-encoded key
     (``@key.a.b``) typed by the key's schema: registry subject ``<first topic>-key`` at
     its latest version (TopicNameStrategy, as for values)."""
