@@ -9,6 +9,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
+
+def run_script(script: str) -> subprocess.CompletedProcess[str]:
+    """`script` in a fresh interpreter at the repository root; it must exit 0."""
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
 SCRIPT = """
 import time, confluent_kafka, structlog
 from sink.log import configure_logging, librdkafka_logger
@@ -24,15 +39,7 @@ while time.time() < deadline:
 
 
 def test_json_events_and_librdkafka_lines_share_one_pipeline() -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_script(SCRIPT)
     events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
     assert result.stdout == ""  # logs go to stderr only
     bound = next(e for e in events if e["event"] == "bound_event")
@@ -64,15 +71,7 @@ while time.time() < deadline:
 def test_the_sinks_other_kafka_clients_log_through_the_same_pipeline() -> None:
     """The dead-letter producer and the topic lister printed librdkafka's raw lines
     ('%3|...|FAIL|lance-sink#producer-1| ...') on standard error, beside the JSON events."""
-    result = subprocess.run(
-        [sys.executable, "-c", CLIENTS],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_script(CLIENTS)
     lines = result.stderr.splitlines()
     assert lines, "the clients logged nothing"
     assert all(line.startswith("{") for line in lines), result.stderr[-2000:]
@@ -105,15 +104,7 @@ handle.stop()
 def test_the_http_servers_own_warnings_and_errors_are_json_events() -> None:
     """uvicorn's warnings (a request it cannot read) and errors (an exception in a handler,
     with its traceback) were plain text lines on stderr, outside the JSON log stream."""
-    result = subprocess.run(
-        [sys.executable, "-c", SERVER],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_script(SERVER)
     events = [json.loads(line) for line in result.stderr.splitlines()]  # every line is JSON
     library = [e for e in events if e["event"] == "library_log"]
     assert [(e["logger"], e["level"], e["message"]) for e in library] == [
