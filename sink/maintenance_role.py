@@ -89,22 +89,20 @@ class MaintenanceRole:
         if not self.enabled:
             return
         if self.partition is None:
-            if self.role != "active":
-                self.role = "active"
-                self.runner.set_active(True)
-                self.events.maintenance_active(True)
-                log.info("maintenance_role", role="active", reason="topics are patterns only")
-            return
-        state = held.get(self.partition)
-        active = state is not None and not state.fenced
+            active = True
+            fields: dict[str, Any] = {"reason": "topics are patterns only"}
+        else:
+            state = held.get(self.partition)
+            active = state is not None and not state.fenced
+            topic, partition = self.partition
+            fields = {"topic": topic, "partition": partition}
         role: Role = "active" if active else "standby"
         if role == self.role:
             return
         self.role = role
         self.runner.set_active(active)
         self.events.maintenance_active(active)
-        topic, partition = self.partition
-        log.info("maintenance_role", role=role, topic=topic, partition=partition)
+        log.info("maintenance_role", role=role, **fields)
 
     def status(self) -> dict[str, Any]:
         """The role for `/v1/status`: ``active`` (this pod maintains the table),
