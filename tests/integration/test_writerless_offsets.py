@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,9 +26,9 @@ def series(service: SinkService, topic: str, shard: str) -> list[str]:
     return [line for line in text.splitlines() if pattern.search(line)]
 
 
-def test_a_dropped_writer_leaves_current_offsets_and_a_release_leaves_no_series(
-    kafka_broker: Broker, topic: str, group: str, tmp_path: Path
-) -> None:
+@pytest.fixture
+def service(kafka_broker: Broker, topic: str, group: str, tmp_path: Path) -> Iterator[SinkService]:
+    """A sink service on `topic` (not started: the tests set its partitions by hand)."""
     config = write_config(
         tmp_path / "sink.toml",
         bootstrap=kafka_broker.bootstrap,
@@ -37,62 +38,57 @@ def test_a_dropped_writer_leaves_current_offsets_and_a_release_leaves_no_series(
     )
     service = SinkService(load_settings(config))
     try:
-        # A partition whose writer was poisoned after making 0-119 durable and flushing
-        # 0-79, with 120 committed and a batch from offset 120 (produced 30 s ago) dropped.
-        state = PartitionState(topic, 0, None, 120, 120, 120, assigned=False, shard="s-0")
-        state.writer_durable, state.writer_flushed = 120, 80
-        state.rewound = (120, int(time.time() * 1000) - 30_000)
-        state.open_error = "Poisoned: disk full"
-        service.partitions[(topic, 0)] = state
-        service.end_offsets[(topic, 0)] = 150  # the last statistics before it
-        snap = service.partition_offsets(state)
-        assert (snap.end, snap.consumed, snap.durable, snap.committed, snap.flushed) == (
-            150,
-            120,
-            120,
-            120,
-            80,
-        )
-        assert snap.lag_seconds() >= 30
-        service.metrics.shard_memory("s-0", unflushed=10, frozen_count=1, active=5, index=0)
-        lines = series(service, topic, "s-0")
-        assert any(line.startswith("lance_sink_commit_lag_messages{") for line in lines)
-        assert any(line.startswith("lance_sink_writer_poisoned{") for line in lines)
-        assert any(line.startswith("lance_sink_wal_unflushed_bytes{") for line in lines)
-
-        service._release(state, flush=False)  # revoked: no series stays at its last value
-        assert series(service, topic, "s-0") == []
+        yield service
     finally:
         service._drain()
+
+
+def test_a_dropped_writer_leaves_current_offsets_and_a_release_leaves_no_series(
+    service: SinkService, topic: str
+) -> None:
+    # A partition whose writer was poisoned after making 0-119 durable and flushing
+    # 0-79, with 120 committed and a batch from offset 120 (produced 30 s ago) dropped.
+    state = PartitionState(topic, 0, None, 120, 120, 120, assigned=False, shard="s-0")
+    state.writer_durable, state.writer_flushed = 120, 80
+    state.rewound = (120, int(time.time() * 1000) - 30_000)
+    state.open_error = "Poisoned: disk full"
+    service.partitions[(topic, 0)] = state
+    service.end_offsets[(topic, 0)] = 150  # the last statistics before it
+    snap = service.partition_offsets(state)
+    assert (snap.end, snap.consumed, snap.durable, snap.committed, snap.flushed) == (
+        150,
+        120,
+        120,
+        120,
+        80,
+    )
+    assert snap.lag_seconds() >= 30
+    service.metrics.shard_memory("s-0", unflushed=10, frozen_count=1, active=5, index=0)
+    lines = series(service, topic, "s-0")
+    assert any(line.startswith("lance_sink_commit_lag_messages{") for line in lines)
+    assert any(line.startswith("lance_sink_writer_poisoned{") for line in lines)
+    assert any(line.startswith("lance_sink_wal_unflushed_bytes{") for line in lines)
+
+    service._release(state, flush=False)  # revoked: no series stays at its last value
+    assert series(service, topic, "s-0") == []
 
 
 def test_a_failed_open_is_named_briefly_in_readiness_and_status(
-    kafka_broker: Broker, topic: str, group: str, tmp_path: Path
+    service: SinkService, topic: str
 ) -> None:
     """Lance's errors carry a multi-line Rust Debug dump: /readyz and /v1/status repeated
     ~1.5 KB of it per partition. They carry its first line now; the log keeps it all."""
-    config = write_config(
-        tmp_path / "sink.toml",
-        bootstrap=kafka_broker.bootstrap,
-        topics=[topic],
-        group=group,
-        table_uri=str(tmp_path / "table.lance"),
+    state = PartitionState(topic, 0, None, None, None, -1, assigned=False)
+    service.partitions[(topic, 0)] = state
+    dump = "LanceError(IO): Generic S3 error: request timed out\n" + "  frame {\n" * 150
+    service._open_failed(state, OSError(dump), event="partition_open_failed")
+    _, reasons = service.readiness()
+    (reason,) = [r for r in reasons if r.startswith(f"{topic}[0]")]
+    assert reason == (
+        f"{topic}[0]: no shard writer (OSError: LanceError(IO): Generic S3 error: request "
+        "timed out (the whole error is in the log)), retrying (attempt 2)"
     )
-    service = SinkService(load_settings(config))
-    try:
-        state = PartitionState(topic, 0, None, None, None, -1, assigned=False)
-        service.partitions[(topic, 0)] = state
-        dump = "LanceError(IO): Generic S3 error: request timed out\n" + "  frame {\n" * 150
-        service._open_failed(state, OSError(dump), event="partition_open_failed")
-        _, reasons = service.readiness()
-        (reason,) = [r for r in reasons if r.startswith(f"{topic}[0]")]
-        assert reason == (
-            f"{topic}[0]: no shard writer (OSError: LanceError(IO): Generic S3 error: request "
-            "timed out (the whole error is in the log)), retrying (attempt 2)"
-        )
-        (entry,) = service.status()["partitions"]
-        assert "frame" not in str(entry)
-        service._open_failed(state, OSError("x" * 1000), event=None)
-        assert len(state.open_error or "") < 400
-    finally:
-        service._drain()
+    (entry,) = service.status()["partitions"]
+    assert "frame" not in str(entry)
+    service._open_failed(state, OSError("x" * 1000), event=None)
+    assert len(state.open_error or "") < 400
