@@ -26,6 +26,7 @@ from sink import cli
 from sink.http import ARROW_STREAM, create_query_app, run_server
 from sink.server import create_ops_app
 from tests.reads.conftest import ReadHarness, vectors
+from tests.support.sink import minimal_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -575,19 +576,9 @@ def test_the_status_command_reaches_the_metrics_host_of_its_config(
     """`status --config` asks the metrics server where the config says it listens; with
     ``metrics_host = "::"`` (an IPv6-only socket) it asked 127.0.0.1 and could not connect."""
     handle = run_server(create_ops_app(_Ops()), listen, 0)
-    config = tmp_path / "sink.toml"
-    config.write_text(
-        f"""
-[kafka]
-bootstrap_servers = "127.0.0.1:1"
-topics = ["events"]
-[table]
-uri = "{tmp_path / "t.lance"}"
-columns = [{{ name = "id", type = "string" }}]
-[observability]
-metrics_host = "{listen}"
-metrics_port = {handle.port}
-"""
+    config = minimal_config(
+        tmp_path / "sink.toml",
+        {"observability": {"metrics_host": listen, "metrics_port": handle.port}},
     )
     try:
         assert cli.main(["status", "--config", str(config), "--json"]) == 0, capsys.readouterr()

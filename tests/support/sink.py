@@ -107,6 +107,25 @@ vector = {{ column = "vec", dim = {DIM}, metric = "l2" }}
     return path
 
 
+def minimal_config(path: Path, sections: dict[str, dict[str, Any]] | None = None) -> Path:
+    """A sink config at `path` that loads but reaches no broker: topic "events" on
+    127.0.0.1:1 and the table `t.lance` beside `path`, one string column. `sections` add
+    settings (observability, query, ...), as TOML sections."""
+    lines = [
+        "[kafka]",
+        'bootstrap_servers = "127.0.0.1:1"',
+        'topics = ["events"]',
+        "[table]",
+        f"uri = {json.dumps(str(path.parent / 't.lance'))}",
+        'columns = [{ name = "id", type = "string" }]',
+    ]
+    for name, values in (sections or {}).items():
+        lines.append(f"[{name}]")
+        lines.extend(f"{k} = {toml_value(v)}" for k, v in values.items())
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def sink_config(
     tmp_path: Path,
     bootstrap: str,

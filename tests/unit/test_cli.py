@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.sink import minimal_config
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -60,25 +62,17 @@ def test_a_port_in_use_stops_the_start_with_one_line_naming_the_key(
     server did not start"), for the metrics port too."""
     metrics_port = held_port if held in {"metrics", "both"} else 0
     query_port = held_port if held in {"query", "both"} else 0
-    config = tmp_path / "sink.toml"
-    config.write_text(
-        f"""
-[kafka]
-bootstrap_servers = "127.0.0.1:1"
-topics = ["events"]
-[table]
-uri = "{tmp_path / "t.lance"}"
-columns = [{{ name = "id", type = "string" }}]
-[maintenance]
-enabled = false
-[observability]
-metrics_host = "127.0.0.1"
-metrics_port = {metrics_port}
-log_format = "json"
-[query]
-host = "127.0.0.1"
-port = {query_port}
-"""
+    config = minimal_config(
+        tmp_path / "sink.toml",
+        {
+            "maintenance": {"enabled": False},
+            "observability": {
+                "metrics_host": "127.0.0.1",
+                "metrics_port": metrics_port,
+                "log_format": "json",
+            },
+            "query": {"host": "127.0.0.1", "port": query_port},
+        },
     )
     result = _run("-m", "sink.cli", "run", "--config", str(config))
     assert result.returncode == 1, result.stderr
@@ -135,19 +129,9 @@ def test_lag_prints_its_report_and_only_warnings_to_stderr(
     script = tmp_path / "lag_with_logs.py"
     script.write_text(LAG_WITH_LOGS)
     if with_config:
-        config = tmp_path / "sink.toml"
-        config.write_text(
-            f"""
-[kafka]
-bootstrap_servers = "127.0.0.1:1"
-topics = ["events"]
-[table]
-uri = "{tmp_path / "t.lance"}"
-columns = [{{ name = "id", type = "string" }}]
-[observability]
-log_level = "debug"
-log_format = "json"
-"""
+        config = minimal_config(
+            tmp_path / "sink.toml",
+            {"observability": {"log_level": "debug", "log_format": "json"}},
         )
         args = ["--config", str(config)]
     else:
