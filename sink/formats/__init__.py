@@ -89,8 +89,14 @@ class RecordFormat(Protocol):
 
     name: str
 
-    def records(self, payloads: Sequence[bytes]) -> tuple[list[int], list[Any], dict[int, Fault]]:
+    def records(
+        self, payloads: Sequence[bytes], epoch_ms: frozenset[Path] = frozenset()
+    ) -> tuple[list[int], list[Any], dict[int, Fault]]:
         """The positions of the payloads that decoded, their records, the others' faults.
+
+        `epoch_ms`: record paths whose values fill only timestamp columns: there the format
+        may give a timestamp as epoch milliseconds (an int) rather than a datetime, where
+        that is cheaper (Avro's timestamp-millis); the column is the same either way.
 
         Raises:
             RegistryUnavailable: the registry could not be asked (not the messages' fault).
@@ -170,10 +176,11 @@ def parse_records(
         SchemaEvolution: (with a `check` that evolves) a decoded payload's writer schema
             has fields the table lacks or widens one.
     """
+    epoch_ms = _epoch_ms_paths(paths)
     if len(payloads) <= _CHUNK:
-        return _parse_chunk(fmt, payloads, paths, check)
+        return _parse_chunk(fmt, payloads, paths, check, epoch_ms)
     parts = [
-        _parse_chunk(fmt, payloads[start : start + _CHUNK], paths, check)
+        _parse_chunk(fmt, payloads[start : start + _CHUNK], paths, check, epoch_ms)
         for start in range(0, len(payloads), _CHUNK)
     ]
     faults: dict[int, Fault] = {}
@@ -192,14 +199,33 @@ def parse_records(
     )
 
 
+def _epoch_ms_paths(paths: Sequence[tuple[Path, str, str]]) -> frozenset[Path]:
+    """The paths of timestamp columns that no other path reads through or into: there a
+    format may give epoch milliseconds instead of a datetime (`RecordFormat.records`), and
+    no other column sees the difference."""
+    every = [path for path, _, _ in paths]
+    return frozenset(
+        path
+        for path, type_name, _ in paths
+        if type_name == "timestamp"
+        and not any(other != path and other[: len(path)] == path[: len(other)] for other in every)
+    )
+
+
 def _parse_chunk(
     fmt: RecordFormat,
     payloads: Sequence[bytes],
     paths: Sequence[tuple[Path, str, str]],
     check: SchemaCheck | None,
+    epoch_ms: frozenset[Path] = frozenset(),
 ) -> RecordColumns:
-    """`parse_records` of up to `_CHUNK` payloads."""
-    positions, records, faults = fmt.records(payloads)
+    """`parse_records` of up to `_CHUNK` payloads.
+
+    A value of an `epoch_ms` path that its column refuses may be one the format would have
+    refused as a datetime (a long beyond the datetime range faults the whole message in
+    fastavro): then the chunk is read again without `epoch_ms`, so the faults are the
+    format's own."""
+    positions, records, faults = fmt.records(payloads, epoch_ms)
     if check is not None:
         _check_writer_schemas(fmt, [payloads[p] for p in positions], check)
     if set(map(type, records)) - {dict}:
@@ -220,6 +246,8 @@ def _parse_chunk(
         arr, bad = to_column(values, type_name, describe)
         for row, problem in problems.items():
             bad.setdefault(row, ("wrong_type", f"{describe}: {problem}"))
+        if bad and path in epoch_ms:
+            return _parse_chunk(fmt, payloads, paths, check)
         leaves[path] = arr
         column_faults[path] = bad
     return RecordColumns(np.asarray(positions, np.int64), leaves, faults, column_faults)

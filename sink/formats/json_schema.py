@@ -38,8 +38,11 @@ class JsonSchemaFormat:
         text = writer_schema_text(self._client, payload)
         return None if text is None else text_leaves("json_schema", text)
 
-    def records(self, payloads: Sequence[bytes]) -> tuple[list[int], list[Any], dict[int, Fault]]:
-        """See `sink.formats.RecordFormat`."""
+    def records(
+        self, payloads: Sequence[bytes], epoch_ms: frozenset[tuple[str, ...]] = frozenset()
+    ) -> tuple[list[int], list[Any], dict[int, Fault]]:
+        """See `sink.formats.RecordFormat` (timestamps come as they are: `epoch_ms` is
+        unused)."""
         deserialize = self._deserializer
         # The deserializer needs a context to name the subject; no rules or migrations are
         # configured, so only the writer schema (by id) is used.

@@ -162,8 +162,11 @@ class ProtobufFormat:
             derived_from = first is not None and first.full_name == desc.full_name
         return proto_leaves(desc) if derived_from else None
 
-    def records(self, payloads: Sequence[bytes]) -> tuple[list[int], list[Any], dict[int, Fault]]:
-        """See `sink.formats.RecordFormat`."""
+    def records(
+        self, payloads: Sequence[bytes], epoch_ms: frozenset[tuple[str, ...]] = frozenset()
+    ) -> tuple[list[int], list[Any], dict[int, Fault]]:
+        """See `sink.formats.RecordFormat` (timestamps come as they are: `epoch_ms` is
+        unused)."""
         if self._cls is None:
             assert self._deserializer is not None
             positions, messages, faults = decode_framed(

@@ -95,6 +95,10 @@ _EXPECTED: Final = {
     "vector": "an array of numbers or little-endian float32 bytes",
 }
 _EPOCH: Final = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+#: Epoch milliseconds of the first and last millisecond a `datetime` holds (years 1-9999):
+#: the timestamp range of every conversion here.
+_MIN_MS: Final = (dt.datetime(1, 1, 1, tzinfo=dt.UTC) - _EPOCH) // dt.timedelta(milliseconds=1)
+_MAX_MS: Final = (dt.datetime.max.replace(tzinfo=dt.UTC) - _EPOCH) // dt.timedelta(milliseconds=1)
 #: Longest text of a value quoted in a dead-letter detail.
 _SHOW_CHARS: Final = 40
 #: Largest finite float32.
@@ -173,6 +177,10 @@ def to_column(
         return _vectors_from_bytes(values, describe)
     if type_name == "timestamp" and kinds <= {dt.date, _NONE}:
         return pa.array(values, pa.date32()).cast(_TS_TYPE), {}
+    if type_name == "timestamp" and kinds <= {int, _NONE}:
+        millis = _epoch_millis(values)
+        if millis is not None:
+            return millis, {}
     faults: dict[int, Fault] = {}
     out: list[Any] = []
     for pos, value in enumerate(values):
@@ -216,6 +224,19 @@ def _bulk(values: list[Any], type_name: str) -> pa.Array:
         # Microseconds first, then floored to the ms (a direct ms conversion would round).
         return pc.floor_temporal(pa.array(values, _TS_US), unit="millisecond").cast(_TS_TYPE)
     return pa.array(values, _CANONICAL[type_name])
+
+
+def _epoch_millis(values: list[int | None]) -> pa.Array | None:
+    """Epoch milliseconds as a timestamp column in one call, when every one is within the
+    timestamp range (then each is exactly what `_convert` makes of it); else None."""
+    try:
+        arr = pa.array(values, pa.int64())
+    except (pa.ArrowInvalid, OverflowError):
+        return None
+    low, high = pc.min_max(arr).values()
+    if low.is_valid and (low.as_py() < _MIN_MS or high.as_py() > _MAX_MS):
+        return None
+    return arr.cast(_TS_TYPE)
 
 
 def _vectors_from_bytes(

@@ -19,6 +19,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 
 from config.settings import SchemaRegistrySettings
 from sink import formats
+from sink.formats import records as record_columns
 from sink.formats.avro import AvroFormat
 from sink.formats.registry import build_client, decode_framed
 from tests.unit.test_decode import Msg, decode, spec_for
@@ -192,3 +193,110 @@ def test_chunked_decoding_gives_the_rows_and_dead_letters_of_one_pass(
     rows, dead = results[0]
     assert len(rows) > 10
     assert {"wrong_type", "wrong_vector_dimension", "not_an_object"} <= {r for _, r, _ in dead}
+
+
+STAMPS = [
+    {"name": "id", "type": "string"},
+    {"name": "at", "type": {"type": "long", "logicalType": "timestamp-millis"}},
+    {"name": "opt", "type": ["null", {"type": "long", "logicalType": "timestamp-millis"}]},
+    {"name": "inner", "type": {"type": "record", "name": "In", "fields": [
+        {"name": "t", "type": {"type": "long", "logicalType": "local-timestamp-millis"}},
+    ]}},
+    {"name": "again", "type": "In"},  # the named type by reference: read as before
+    {"name": "seen", "type": {"type": "record", "name": "Seen", "fields": [
+        {"name": "t", "type": {"type": "long", "logicalType": "timestamp-millis"}},
+    ]}},
+    {"name": "us", "type": {"type": "long", "logicalType": "timestamp-micros"}},
+    {"name": "as_text", "type": ["null", {"type": "long", "logicalType": "timestamp-millis"}]},
+]  # fmt: skip
+
+
+def test_timestamp_millis_read_as_epoch_milliseconds_give_the_same_rows_and_dead_letters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where a timestamp-millis long fills only a timestamp column it is read as epoch
+    milliseconds, not as a datetime: the rows and dead letters must be those of the
+    datetime reading, for values at the ends of the datetime range and beyond it (fastavro
+    refuses those: the whole message is a dead letter), nulls, nested and referenced named
+    records, and a string column reading one."""
+    url = f"mock://{uuid.uuid4().hex}"
+    client = build_client(SchemaRegistrySettings(url=url))
+    ser = AvroSerializer(client, record(STAMPS, "Stamps"))
+    context = SerializationContext(TOPIC, MessageField.VALUE)
+    lowest, highest = -62_135_596_800_000, 253_402_300_799_999  # years 1 and 9999
+    values = [1_700_000_000_123, 0, -1, lowest, highest, None]
+    payloads = []
+    beyond = [highest + 1, lowest - 1, 2**62]
+    for i, ms in enumerate(values + beyond + beyond):
+        stamp = ms if ms is not None else 5
+        fields = {
+            "id": f"r{i}", "at": stamp, "opt": ms, "inner": {"t": stamp},
+            "again": {"t": stamp}, "seen": {"t": stamp}, "us": 7, "as_text": stamp,
+        }  # fmt: skip
+        if i < 3:  # rows: the string column holds no timestamp
+            fields.update(as_text=None)
+        if i >= len(values) + len(beyond):  # beyond the range only where it is epoch ms
+            fields.update(again={"t": 5}, as_text=5)
+        payloads.append(ser(fields, context))
+    spec = spec_for(
+        [
+            {"name": "id", "type": "string", "nullable": False},
+            {"name": "at", "type": "timestamp"},
+            {"name": "opt", "type": "timestamp"},
+            {"name": "inner_t", "type": "timestamp"},
+            {"name": "again_t", "type": "timestamp"},
+            {"name": "seen_t", "type": "timestamp"},
+            {"name": "us", "type": "timestamp"},
+            {"name": "as_text", "type": "string"},
+        ],
+        dim=None,
+    )
+    columns = {"inner_t": "$.inner.t", "again_t": "$.again.t", "seen_t": "$.seen.t"}
+    messages = [Msg(v, 10 + i) for i, v in enumerate(payloads)]
+    read: dict[str, Any] = {}
+    real = formats._epoch_ms_paths
+    # Only timestamp columns, and none that another path reads through or into.
+    assert real(
+        [(("at",), "timestamp", ""), (("n",), "int64", ""), (("a",), "timestamp", ""),
+         (("a", "b"), "timestamp", ""), (("c", "d"), "timestamp", ""), (("c",), "string", "")]
+    ) == {("at",)}  # fmt: skip
+    for name, paths in (("datetimes", lambda _: frozenset()), ("epoch ms", real)):
+        monkeypatch.setattr(formats, "_epoch_ms_paths", paths)
+        out, rows = decode(
+            spec, messages, format="avro", schema_registry={"url": url}, columns=columns
+        )
+        read[name] = (rows, [(d.offset, d.reason, d.detail) for d in out.dead_letters])
+    assert read["epoch ms"] == read["datetimes"]
+    # The epoch ms reading did happen (a referenced named type is read as before).
+    epoch = frozenset({("at",), ("opt",), ("inner", "t"), ("again", "t")})
+    _, (first, *_), _ = AvroFormat(client).records(payloads[:1], epoch)
+    assert (first["at"], first["opt"], first["inner"]) == (values[0], values[0], {"t": values[0]})
+    assert isinstance(first["again"]["t"], datetime)
+    rows, dead = read["datetimes"]
+    # The string column refuses a datetime (a row fault: a dead letter), and the values
+    # beyond the range fault their messages in fastavro.
+    stamps = [datetime.fromtimestamp(ms / 1000, UTC) for ms in values[:3]]
+    assert [(r["id"], r["at"], r["seen_t"]) for r in rows] == [
+        (f"r{i}", stamp, stamp) for i, stamp in enumerate(stamps)
+    ]
+    reasons = {d[0]: d[1] for d in dead}
+    assert sorted(reasons) == [10 + i for i in range(3, 12)]
+    assert {reasons[10 + i] for i in range(3, 6)} == {"wrong_type"}
+    assert {reasons[10 + i] for i in range(6, 12)} == {"not_matching_schema"}
+
+
+def test_epoch_milliseconds_fill_a_timestamp_column_as_they_do_one_by_one() -> None:
+    """A timestamp column of epoch milliseconds is built in one Arrow call (it was one
+    datetime per value): the same instants, and the same faults beyond the range."""
+    lowest, highest = -62_135_596_800_000, 253_402_300_799_999
+    values = [0, -1, 1_700_000_000_123, lowest, highest, None]
+    arr, faults = record_columns.to_column(values, "timestamp", "'t' ($.t)")
+    assert faults == {}
+    assert arr.to_pylist() == [record_columns._convert(v, "timestamp")[0] for v in values]
+    beyond: list[int | None] = [1, highest + 1, None, lowest - 1, 2**64]
+    arr, faults = record_columns.to_column(beyond, "timestamp", "'t' ($.t)")
+    assert arr.to_pylist() == [datetime(1970, 1, 1, 0, 0, 0, 1000, tzinfo=UTC)] + [None] * 4
+    assert faults == {
+        pos: ("wrong_type", f"'t' ($.t) is {beyond[pos]}, outside the timestamp range")
+        for pos in (1, 3, 4)
+    }
