@@ -15,7 +15,7 @@ from typing import Any
 import lance
 import numpy as np
 
-from tests.support.kafka import committed_offsets, end_offsets
+from tests.support.kafka import committed_offsets, end_offsets, produce
 
 ROOT = Path(__file__).resolve().parents[2]
 DIM = 8
@@ -226,6 +226,34 @@ def wait_caught_up(
             assert p.alive(), f"sink exited early: {p.log_path.read_text()[-3000:]}"
         time.sleep(0.5)
     raise TimeoutError(f"committed {committed} != end {ends} after {timeout}s")
+
+
+def produce_in_steps(
+    bootstrap: str,
+    topic: str,
+    group: str,
+    stream: list[tuple[bytes, bytes]],
+    step: int,
+    procs: list[SinkProcess],
+    *,
+    partition: int = 0,
+    done: int = 0,
+    timeout: float = 60,
+) -> None:
+    """Produce `stream` to `partition`, `step` messages at a time, each step once the group
+    committed every message before it (`done`: how many the partition holds already). With
+    `memtable.max_rows = step`, each step is a flush of its own: messages produced at once
+    can reach a sink as one batch, one memtable whatever its limit."""
+    for start in range(0, len(stream), step):
+        chunk = stream[start : start + step]
+        produce(bootstrap, topic, chunk, partition=partition)
+        want = done + start + len(chunk)
+        deadline = time.monotonic() + timeout
+        while committed_offsets(bootstrap, group, topic, partition + 1).get(partition) != want:
+            for p in procs:
+                assert p.alive(), f"sink exited early: {p.log_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"{topic}[{partition}] never committed {want}"
+            time.sleep(0.2)
 
 
 def table_rows(uri: str) -> list[dict[str, Any]]:
