@@ -1,6 +1,7 @@
 """A broker outage mid-run: tansu (its log kept in S3 on the moto server, so it survives a
 restart) is stopped and started again while the sink runs; the sink recovers without loss
-or duplicates."""
+or duplicates. Small memtables: the sink flushes many times before and after the outage,
+and maintenance (on, as in production) indexes and compacts the table throughout."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from tests.support.brokers import Broker, start_tansu
 from tests.support.kafka import produce
+from tests.support.maintenance import assert_maintained_without_flush_failures, wait_maintained
 from tests.support.sink import SinkProcess, messages, sink_config, table_rows, wait_caught_up
 
 pytestmark = [pytest.mark.broker, pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -53,7 +55,10 @@ def test_sink_rides_out_a_broker_restart(
         bootstrap,
         [topic],
         group,
-        extra={"kafka": {"session_timeout_ms": 10000}},
+        extra={
+            "kafka": {"session_timeout_ms": 10000, "consume_batch_size": 100},
+            "memtable": {"max_rows": 100},
+        },
     )
     sink = SinkProcess(config, tmp_path / "sink.log")
     try:
@@ -72,7 +77,9 @@ def test_sink_rides_out_a_broker_restart(
         late.start()
         late.join(120)
         wait_caught_up(bootstrap, group, topic, timeout=240, procs=[sink])
+        wait_maintained([sink])
     finally:
         assert sink.stop() == 0, sink.log_path.read_text()[-3000:]
     rows = table_rows(table)
     assert sorted(r["n"] for r in rows) == list(range(n))
+    assert_maintained_without_flush_failures([sink])
