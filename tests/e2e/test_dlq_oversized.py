@@ -6,6 +6,10 @@ On tansu (a real Kafka-protocol broker). tansu 0.6.0 stores a topic's `max.messa
 but does not enforce it (nor does librdkafka's mock cluster), so the broker's refusal is
 tansu's schema validation (INVALID_RECORD) here; the size refusal is librdkafka's own
 MSG_SIZE_TOO_LARGE, the error code a Kafka broker returns for a topic's limit.
+
+Small consume batches and memtables: the sink flushes several times in each test, and
+maintenance (on, as in production) indexes and compacts the table while dead letters are
+handled.
 """
 
 from __future__ import annotations
@@ -27,7 +31,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.brokers import Broker, free_port, start_tansu
 from tests.support.kafka import committed_offsets, consume_all, consumer_conf
-from tests.support.sink import SinkProcess, message, sink_config, table_rows, wait_caught_up
+from tests.support.maintenance import assert_maintained_without_flush_failures, wait_maintained
+from tests.support.sink import (
+    SinkProcess,
+    message,
+    produce_in_steps,
+    sink_config,
+    table_rows,
+    wait_caught_up,
+)
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -96,12 +108,15 @@ def test_a_12_mib_message_becomes_an_envelope_and_its_partition_moves_on(
         extra={
             "dlq": {"lance_table_uri": dlq_table},
             "observability": {"metrics_port": port},
+            "kafka": {"consume_batch_size": 100},
+            "memtable": {"max_rows": 100},
         },
     )
     sink = SinkProcess(config, tmp_path / "sink.log")
     try:
         ends = wait_caught_up(tansu_broker.bootstrap, group, topic, timeout=120, procs=[sink])
         metrics = scrape(port)
+        wait_maintained([sink])
     finally:
         assert sink.stop() == 0, sink.log_path.read_text()[-3000:]
     assert ends[0] == len(stream)  # every offset committed, the oversized one included
@@ -135,6 +150,7 @@ def test_a_12_mib_message_becomes_an_envelope_and_its_partition_moves_on(
     assert failed
     assert failed[0]["offset"] == 100
     assert failed[0]["outcome"] == "size"
+    assert_maintained_without_flush_failures([sink])
 
 
 # The dead-letter topic accepts only envelopes: every full dead letter is refused.
@@ -177,22 +193,23 @@ def test_a_dead_letter_the_broker_refuses_becomes_an_envelope(
     bad = [(b"bad-1", b'{"id": "x", "n": '), (b"bad-2", b"not json at all")]
     stream = [*(message(i) for i in range(50)), bad[0]]
     stream += [*(message(i) for i in range(50, 250)), bad[1]]
-    stream += [message(i) for i in range(250, 300)]
+    stream += [message(i) for i in range(250, 600)]  # six batches of 100: six flushes
     produce_big(bootstrap, topic, stream)
     config, table = sink_config(
         tmp_path,
         bootstrap,
         [topic],
         group,
-        extra={"kafka": {"consume_batch_size": 100}},
+        extra={"kafka": {"consume_batch_size": 100}, "memtable": {"max_rows": 100}},
     )
     sink = SinkProcess(config, tmp_path / "sink.log")
     try:
         ends = wait_caught_up(bootstrap, group, topic, timeout=120, procs=[sink])
+        wait_maintained([sink])
     finally:
         assert sink.stop() == 0, sink.log_path.read_text()[-3000:]
     assert ends[0] == len(stream)
-    assert sorted(r["n"] for r in table_rows(table)) == list(range(300))
+    assert sorted(r["n"] for r in table_rows(table)) == list(range(600))
 
     letters = dead_letters(bootstrap, topic, 2)
     by_key = {m.key(): m for m in letters}
@@ -208,6 +225,7 @@ def test_a_dead_letter_the_broker_refuses_becomes_an_envelope(
     assert int(dict(by_key[b"bad-2"].headers() or [])["lance_sink.offset"]) == 251
     events = [e["event"] for e in sink.events()]
     assert "dlq_delivery_failed" in events
+    assert_maintained_without_flush_failures([sink])
 
 
 @pytest.mark.parametrize("validating_tansu", [NOTHING], indirect=True)
@@ -217,9 +235,11 @@ def test_a_partition_held_by_dead_letters_is_reported_and_loses_nothing(
     """Envelopes refused too and no dead-letter table: the partition waits (nothing would
     record the message), and says so in /readyz, /v1/status and the held-seconds gauge."""
     bootstrap = validating_tansu.bootstrap
-    stream = [*(message(i) for i in range(40)), (b"bad", b"{not json")]
-    stream += [message(i) for i in range(40, 80)]
-    produce_big(bootstrap, topic, stream)
+    # 100 good messages (a flush of 20 at a time, below) before the bad one.
+    bad_at, step = 100, 20
+    stream = [*(message(i) for i in range(bad_at)), (b"bad", b"{not json")]
+    stream += [message(i) for i in range(bad_at, bad_at + 40)]
+    produce_big(bootstrap, topic, stream[:step])
     port = free_port()
     config, table = sink_config(
         tmp_path,
@@ -229,11 +249,16 @@ def test_a_partition_held_by_dead_letters_is_reported_and_loses_nothing(
         extra={
             "dlq": {"stalled_after_s": 2},
             "observability": {"metrics_port": port},
-            "kafka": {"consume_batch_size": 20},
+            "kafka": {"consume_batch_size": step},
+            "memtable": {"max_rows": step},
         },
     )
     sink = SinkProcess(config, tmp_path / "sink.log")
     try:
+        wait_caught_up(bootstrap, group, topic, timeout=120, procs=[sink])
+        good = stream[step:bad_at]
+        produce_in_steps(bootstrap, topic, group, good, step, [sink], done=step)
+        produce_big(bootstrap, topic, stream[bad_at:])
         deadline = time.monotonic() + 90
         reasons: list[str] = []
         while not any("undelivered dead letter" in r for r in reasons):
@@ -263,17 +288,19 @@ def test_a_partition_held_by_dead_letters_is_reported_and_loses_nothing(
         held = sample(scrape(port), "lance_sink_dlq_held_seconds", partition="0", topic=topic)
         assert held is not None
         assert held > 1  # refreshed once a second
+        wait_maintained([sink])  # the rows before the dead letter, flushed
     finally:
         assert sink.stop() == 0, sink.log_path.read_text()[-3000:]
     # Nothing at or after the unrecorded dead letter was committed or written.
     committed = committed_offsets(bootstrap, group, topic, 1)[0]
-    assert 0 < committed <= 40
+    assert 0 < committed <= bad_at
     assert sorted(r["n"] for r in table_rows(table)) == list(range(committed))
     failed = [e for e in sink.events() if e["event"] == "dlq_delivery_failed"]
     assert failed
     assert {e["outcome"] for e in failed} == {"refused", "producer"} or {
         e["outcome"] for e in failed
     } == {"refused"}
+    assert_maintained_without_flush_failures([sink])
 
 
 @pytest.mark.parametrize("validating_tansu", [NOTHING], indirect=True)
@@ -288,11 +315,20 @@ def test_a_dead_letter_refused_even_as_an_envelope_is_recorded_in_the_table(
     produce_big(bootstrap, topic, stream)
     dlq_table = str(tmp_path / "dead.lance")
     config, table = sink_config(
-        tmp_path, bootstrap, [topic], group, extra={"dlq": {"lance_table_uri": dlq_table}}
+        tmp_path,
+        bootstrap,
+        [topic],
+        group,
+        extra={
+            "dlq": {"lance_table_uri": dlq_table},
+            "kafka": {"consume_batch_size": 10},
+            "memtable": {"max_rows": 10},
+        },
     )
     sink = SinkProcess(config, tmp_path / "sink.log")
     try:
         ends = wait_caught_up(bootstrap, group, topic, timeout=120, procs=[sink])
+        wait_maintained([sink])
     finally:
         assert sink.stop() == 0, sink.log_path.read_text()[-3000:]
     assert ends[0] == len(stream)
@@ -301,3 +337,4 @@ def test_a_dead_letter_refused_even_as_an_envelope_is_recorded_in_the_table(
     assert (row["offset"], row["reason"], row["value"]) == (40, "invalid_json", b"{not json")
     (event,) = [e for e in sink.events() if e["event"] == "dead_letter_recorded_in_table_only"]
     assert (event["offset"], event["table"]) == (40, dlq_table)
+    assert_maintained_without_flush_failures([sink])
