@@ -13,7 +13,8 @@ fire. Both states are made real here, in a real `lance-sink run`:
 
 Both must show the broker's end offset, the committed offset and the lags derived from
 them, moving as messages are produced, and the lag in seconds of the batch the fenced
-writer dropped.
+writer dropped. Small consume batches and memtables: the other partitions flush several
+times, and maintenance (on, as in production) indexes and compacts the table meanwhile.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ from engine.manifest import ManifestStore
 from tests.e2e.test_observability import scrape, sink_config, wait_http
 from tests.support.brokers import Broker, free_port
 from tests.support.kafka import committed_offsets, end_offsets, produce
+from tests.support.maintenance import MAINTAINED, maintenance_done, wait_maintained
 from tests.support.sink import SinkProcess, messages
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
 
 PARTITIONS = 4
 FIRST = 200
+BATCH = 50  # messages per consume, rows per memtable: 4 flushes per partition of FIRST
 
 
 def wait_series(
@@ -66,7 +69,14 @@ def test_partitions_without_a_writer_keep_current_lag_series(
     # The sink's writer learns of the fence at its next WAL append, with a batch in hand
     # (an idle writer's background probe would find it before anything was consumed).
     config = sink_config(
-        tmp_path, kafka_broker, topic, group, port, wal__fence_check_interval_ms=600_000
+        tmp_path,
+        kafka_broker,
+        topic,
+        group,
+        port,
+        wal__fence_check_interval_ms=600_000,
+        kafka__consume_batch_size=BATCH,
+        memtable__max_rows=BATCH,
     )
     engine = Engine.from_settings(load_settings(config))  # creates the table
     corrupt = ManifestStore(engine.storage, engine.shard_id(topic, 0)).key(1)
@@ -129,8 +139,16 @@ def test_partitions_without_a_writer_keep_current_lag_series(
         wait_series(
             port, sink, 0, {"log_end_offset": FIRST + 50, "commit_lag_messages": FIRST + 50}
         )
+        wait_maintained([sink])
     finally:
         if newer is not None:
             engine.close_shard(newer, flush=False, timeout=5)
         engine.close()
         sink.stop()
+    events = sink.events()
+    assert not [e for e in events if e.get("event") == "flush_failed"]
+    # Partition 0's open fails, as intended; no other partition's open ever did.
+    opens = [e for e in events if e.get("event") == "partition_open_failed"]
+    assert opens
+    assert {e["partition"] for e in opens} == {0}, opens[:3]
+    assert maintenance_done([sink]) >= MAINTAINED
