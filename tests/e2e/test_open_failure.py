@@ -3,7 +3,9 @@
 The failure is real: a corrupt object in the shard's manifest folder (what a torn write by
 another tool, or a bug in reading some table version, looks like to the sink). Before, any
 error but the engine's own escaped the rebalance callback and the process exited 1, and
-every restart died the same way at open.
+every restart died the same way at open. Small consume batches and memtables: the other
+partitions flush several times, and maintenance (on, as in production) indexes and compacts
+the table while partition 0's open is retried.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from engine.manifest import ManifestStore
 from tests.e2e.test_observability import get, sink_config, wait_http
 from tests.support.brokers import Broker, free_port
 from tests.support.kafka import committed_offsets, produce
+from tests.support.maintenance import MAINTAINED, maintenance_done, wait_maintained
 from tests.support.sink import SinkProcess, messages, table_rows, wait_caught_up
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -39,7 +42,16 @@ def test_a_shard_that_fails_to_open_is_retried_visibly(
     n = 800
     produce(kafka_broker.bootstrap, topic, messages(0, n))
     port = free_port()
-    config = sink_config(tmp_path, kafka_broker, topic, group, port)
+    # ~4 flushes of 50 rows per partition.
+    config = sink_config(
+        tmp_path,
+        kafka_broker,
+        topic,
+        group,
+        port,
+        kafka__consume_batch_size=50,
+        memtable__max_rows=50,
+    )
     engine = Engine.from_settings(load_settings(config))  # creates the table
     store = ManifestStore(engine.storage, engine.shard_id(topic, 0))
     corrupt = store.key(1)
@@ -82,7 +94,13 @@ def test_a_shard_that_fails_to_open_is_retried_visibly(
         wait_caught_up(kafka_broker.bootstrap, group, topic, timeout=90, procs=[sink])
         status, body = get(port, "/readyz")
         assert status == 200, body
+        wait_maintained([sink])
     finally:
         assert sink.stop() == 0
     assert sorted(r["n"] for r in table_rows(str(tmp_path / "table.lance"))) == list(range(n))
     assert any(e.get("event") == "partition_recovered" for e in sink.events())
+    events = sink.events()
+    assert not [e for e in events if e.get("event") == "flush_failed"]
+    opens = [e for e in events if e.get("event") == "partition_open_failed"]
+    assert {e["partition"] for e in opens} == {0}, opens[:3]  # only the corrupt one
+    assert maintenance_done([sink]) >= MAINTAINED
