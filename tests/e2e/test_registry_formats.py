@@ -3,7 +3,10 @@
 
 Bad values go to the dead-letter topic with their reasons; a registry outage pauses the
 partition (visible in /v1/status and /metrics) and dead-letters nothing; when the registry
-is back every message lands, the writer schema having gained a field meanwhile."""
+is back every message lands, the writer schema having gained a field meanwhile. Memtables
+of 20 rows, and 80 more messages produced 20 at a time before the outage: the sink flushes
+several times, and maintenance (on, as in production) indexes and compacts the table
+meanwhile."""
 
 from __future__ import annotations
 
@@ -23,10 +26,21 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 
 from tests.support.brokers import Broker, free_port
 from tests.support.kafka import consume_all, consumer_conf, produce
+from tests.support.maintenance import assert_maintained_without_flush_failures, wait_maintained
 from tests.support.registry import FakeRegistry
-from tests.support.sink import DIM, SinkProcess, sink_config, table_rows, wait_caught_up
+from tests.support.sink import (
+    DIM,
+    SinkProcess,
+    produce_in_steps,
+    sink_config,
+    table_rows,
+    wait_caught_up,
+)
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
+
+STEP = 20  # rows per memtable
+MORE = range(1000, 1000 + 4 * STEP)  # produced a memtable at a time before the outage
 
 FIELDS: list[dict[str, Any]] = [
     {"name": "id", "type": "string"},
@@ -92,18 +106,27 @@ def test_avro_topic_with_dead_letters_and_a_registry_outage(
                     },
                 },
                 "observability": {"metrics_port": port},
+                "memtable": {"max_rows": STEP},
             },
         )
         sink = SinkProcess(config, tmp_path / "sink.log")
         try:
             wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[sink])
             assert registry.requests["GET /schemas/ids/1"] == 1  # cached after the first
+            # More of the same schema, a flush at a time: maintenance gets work.
+            more = values(registry, topic, schema(), MORE)
+            more_stream = [(f"m-{i}".encode(), v) for i, v in zip(MORE, more, strict=True)]
+            done = len(stream)
+            produce_in_steps(
+                kafka_broker.bootstrap, topic, group, more_stream, STEP, [sink], done=done
+            )
 
             # A newer writer schema, produced while the registry is down: the sink cannot
             # fetch it, so the partition waits instead of dead-lettering.
             second = values(
                 registry, topic, schema({"name": "extra", "type": "int"}), range(200, 320)
             )
+            end = len(stream) + len(MORE) + len(second)  # the log end once all is produced
             registry.stop()
             produce(
                 kafka_broker.bootstrap,
@@ -139,12 +162,12 @@ def test_avro_topic_with_dead_letters_and_a_registry_outage(
             )
             while (part := json.loads(get(f"http://127.0.0.1:{port}/v1/status"))["partitions"][0])[
                 "end"
-            ] != 322:
+            ] != end:
                 assert time.monotonic() < deadline + 30, part
                 time.sleep(0.1)
             assert part["paused"] is True
             assert part["schema_registry"]["failures"] == waiting["failures"], part
-            assert part["lag"]["consumer"] == 322 - part["consumed"] > 20
+            assert part["lag"]["consumer"] == end - part["consumed"] > 20
             registry.start()
             wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[sink])
             metrics = get(f"http://127.0.0.1:{port}/metrics").decode()
@@ -152,13 +175,14 @@ def test_avro_topic_with_dead_letters_and_a_registry_outage(
             assert lag_seconds(metrics, topic) == 0.0, metrics  # every message durable
             status = json.loads(get(f"http://127.0.0.1:{port}/v1/status"))
             assert status["partitions"][0]["lag"]["seconds"] == 0.0, status
+            wait_maintained([sink])
         finally:
             assert sink.stop() == 0, sink.log_path.read_text()[-3000:]
     finally:
         registry.stop()
 
     rows = table_rows(table)
-    assert sorted(r["n"] for r in rows) == list(range(320))
+    assert sorted(r["n"] for r in rows) == [*range(320), *MORE]
     by_n = {r["n"]: r for r in rows}
     assert by_n[7]["vec"] == (np.arange(DIM, dtype=np.float32) * 7).tolist()
     assert by_n[250]["text"] == "message 250"
@@ -175,3 +199,4 @@ def test_avro_topic_with_dead_letters_and_a_registry_outage(
     assert reasons == {b"bad-json": b"missing_magic_byte", b"bad-id": b"unknown_schema_id"}
     events = [e["event"] for e in SinkProcess.events(sink)]
     assert "registry_unavailable" in events
+    assert_maintained_without_flush_failures([sink])
