@@ -1,7 +1,8 @@
 """SIGTERM ends `lance-sink run` within `shutdown.drain_deadline_s`, whatever is running:
 a shard open (claim + replay) that the drain would wait for, a maintenance child that does
 not answer, a query still inside the reader; and an assignment that arrives while draining
-opens no shard."""
+opens no shard. Maintenance is on (as in production) and has work to do in the sinks that
+are stopped: small consume batches and memtables make several flushes."""
 
 from __future__ import annotations
 
@@ -24,12 +25,20 @@ from sink.service import SinkService
 from tests.e2e.test_observability import get, sink_config, wait_http
 from tests.support.brokers import Broker, free_port
 from tests.support.kafka import produce
+from tests.support.maintenance import (
+    MAINTAINED,
+    assert_maintained_without_flush_failures,
+    wait_maintained,
+)
 from tests.support.sink import SinkProcess, messages, table_rows, wait_caught_up
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
 
 DEADLINE_S = 6.0
 SLOW = {"backpressure__controller": "tests.support.slow:controller"}
+#: Messages per consume and rows per memtable: flushes of about 25 rows (a sink's first
+#: batches, consumed while its decoders start, can be larger: one memtable each).
+SMALL = {"kafka__consume_batch_size": 25, "memtable__max_rows": 25}
 
 
 def stop_timed(sink: SinkProcess) -> float:
@@ -56,11 +65,29 @@ def test_stop_during_a_slow_shard_open(
 ) -> None:
     """The stop comes while the assignment's shards are being claimed and replayed (slowed
     to 40 s each): the drain stops waiting for them at its deadline, and the next sink
-    takes every partition over with nothing lost."""
+    takes every partition over with nothing lost. A first sink, maintenance off, left small
+    fragments in the table: the slow sink's maintenance indexes and compacts them meanwhile."""
     produce(kafka_broker.bootstrap, topic, messages(0, 400))
     port = free_port()
+    unmaintained = sink_config(
+        tmp_path, kafka_broker, topic, group, port, maintenance__enabled=False, **SMALL
+    )
+    first = SinkProcess(unmaintained, tmp_path / "first.log")
+    try:
+        wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[first])
+    finally:
+        assert first.stop() == 0, first.log_path.read_text()[-3000:]
+    produce(kafka_broker.bootstrap, topic, messages(400, 400))
+    port = free_port()
     config = sink_config(
-        tmp_path, kafka_broker, topic, group, port, shutdown__drain_deadline_s=DEADLINE_S, **SLOW
+        tmp_path,
+        kafka_broker,
+        topic,
+        group,
+        port,
+        shutdown__drain_deadline_s=DEADLINE_S,
+        **SLOW,
+        **SMALL,
     )
     sink = SinkProcess(config, tmp_path / "slow.log", env={"LANCE_SINK_TEST_REPLAY_DELAY_S": "40"})
     wait_http(port)
@@ -70,6 +97,8 @@ def test_stop_during_a_slow_shard_open(
         return any("opening and replaying" in r for r in body.get("reasons", []))
 
     wait_for(opening, "the sink never started opening its partitions")
+    wait_maintained([sink], timeout=30)  # well within the 40 s of the opens
+    assert opening()
     elapsed = stop_timed(sink)
     assert elapsed <= DEADLINE_S + 0.5, f"stopped after {elapsed:.1f} s"
     assert any(e.get("event") == "partition_open_abandoned" for e in sink.events())
@@ -79,7 +108,8 @@ def test_stop_during_a_slow_shard_open(
         wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[final])
     finally:
         assert final.stop() == 0
-    assert sorted(r["n"] for r in table_rows(str(tmp_path / "table.lance"))) == list(range(400))
+    assert sorted(r["n"] for r in table_rows(str(tmp_path / "table.lance"))) == list(range(800))
+    assert_maintained_without_flush_failures([sink])
 
 
 def test_stop_while_the_maintenance_child_does_not_answer(
@@ -98,9 +128,11 @@ def test_stop_while_the_maintenance_child_does_not_answer(
         shutdown__drain_deadline_s=DEADLINE_S,
         maintenance__enabled=True,
         maintenance__interval_s=1,
+        **SMALL,
     )
     sink = SinkProcess(config, tmp_path / "sink.log")
     wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[sink])
+    wait_maintained([sink])  # the child has done work: it is stopped with a table to keep
     started = [e for e in sink.events() if e.get("event") == "maintenance_process_started"]
     assert started, "no maintenance child"
     child = int(started[-1]["pid"])
@@ -129,11 +161,13 @@ def test_stop_with_a_query_still_running(
         query__enabled=True,
         query__port=port,
         **SLOW,
+        **SMALL,
     )
     text = config.read_text().replace('mode = "append"', 'mode = "upsert"\nprimary_key = ["id"]')
     config.write_text(text)
     sink = SinkProcess(config, tmp_path / "sink.log", env={"LANCE_SINK_TEST_LOOKUP_DELAY_S": "60"})
     wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[sink])
+    wait_maintained([sink], MAINTAINED | {"key_index"})  # the lookup reads a maintained base
 
     def lookup() -> None:
         request = urllib.request.Request(
@@ -152,6 +186,7 @@ def test_stop_with_a_query_still_running(
     assert elapsed <= DEADLINE_S + 0.5, f"stopped after {elapsed:.1f} s"
     abandoned = [e for e in sink.events() if e.get("event") == "threads_abandoned_at_exit"]
     assert any(name.startswith("query") for name in abandoned[0]["threads"]), abandoned
+    assert_maintained_without_flush_failures([sink])
 
 
 def test_an_assignment_while_draining_opens_no_shard(
