@@ -21,6 +21,7 @@ from sink.cli import render_status
 from sink.service import SinkService
 from tests.support.brokers import Broker, free_port
 from tests.support.kafka import produce
+from tests.support.maintenance import assert_maintained_without_flush_failures, wait_maintained
 from tests.support.sink import (
     DIM,
     ROOT,
@@ -75,7 +76,9 @@ def test_committed_rows_only_in_a_wal_show_as_unflushed(
         group=group,
         table_uri=table,
         # Nothing seals on its own: rows stay in memtables (and the WAL) until a flush.
+        # Batches of 25 messages: WAL entries that a smaller memtable seals between.
         extra={
+            "kafka": {"consume_batch_size": 25},
             "memtable": {"max_rows": 100_000, "max_age_s": 0},
             "observability": {"metrics_port": port},
         },
@@ -112,10 +115,22 @@ def test_committed_rows_only_in_a_wal_show_as_unflushed(
     assert "--config" in no_config.stderr
 
     # A sink opens the shards again (replay) and, stopping, flushes: every committed row is
-    # in the table and the flushed watermarks equal the committed offsets.
-    sink = SinkProcess(config, tmp_path / "b.log")
+    # in the table and the flushed watermarks equal the committed offsets. Its memtables
+    # hold 25 rows: the replay seals and flushes each shard's WAL in several pieces, and
+    # maintenance indexes and compacts them before the stop.
+    smaller = write_config(
+        tmp_path / "smaller.toml",
+        bootstrap=kafka_broker.bootstrap,
+        topics=[topic],
+        group=group,
+        table_uri=table,
+        extra={"memtable": {"max_rows": 25}, "observability": {"metrics_port": port}},
+    )
+    sink = SinkProcess(smaller, tmp_path / "b.log")
     wait_ready(port)
+    wait_maintained([sink])
     assert sink.stop() == 0
+    assert_maintained_without_flush_failures([sink])
     out = lag(config, "--json", "--level", "flushed")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
