@@ -116,11 +116,15 @@ def test_a_12_mib_message_becomes_an_envelope_and_its_partition_moves_on(
     try:
         ends = wait_caught_up(tansu_broker.bootstrap, group, topic, timeout=120, procs=[sink])
         metrics = scrape(port)
+        # The stream above can arrive in one or two batches (a memtable each): 300 more
+        # rows, a flush of 100 at a time, give maintenance fragments to compact.
+        more = [message(i) for i in range(600, 900)]
+        produce_in_steps(tansu_broker.bootstrap, topic, group, more, 100, [sink], done=len(stream))
         wait_maintained([sink])
     finally:
         assert sink.stop() == 0, sink.log_path.read_text()[-3000:]
     assert ends[0] == len(stream)  # every offset committed, the oversized one included
-    assert sorted(r["n"] for r in table_rows(table)) == list(range(600))
+    assert sorted(r["n"] for r in table_rows(table)) == list(range(900))
 
     (letter,) = dead_letters(tansu_broker.bootstrap, topic, 1)
     headers = dict(letter.headers() or [])
