@@ -137,7 +137,7 @@ def test_without_a_dead_letter_topic_a_bad_message_stops_its_partition(
     try:
         wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[sink])
         good = stream[step:bad_at]
-        produce_in_steps(kafka_broker.bootstrap, topic, group, good, step, [sink], done=step)
+        produce_in_steps(kafka_broker.bootstrap, topic, group, good, step, [sink])
         produce(kafka_broker.bootstrap, topic, stream[bad_at:], partition=0)
         deadline = time.monotonic() + 90
         while "partition_stopped_on_bad_message" not in sink.log_path.read_text():

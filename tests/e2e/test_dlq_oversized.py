@@ -119,7 +119,7 @@ def test_a_12_mib_message_becomes_an_envelope_and_its_partition_moves_on(
         # The stream above can arrive in one or two batches (a memtable each): 300 more
         # rows, a flush of 100 at a time, give maintenance fragments to compact.
         more = [message(i) for i in range(600, 900)]
-        produce_in_steps(tansu_broker.bootstrap, topic, group, more, 100, [sink], done=len(stream))
+        produce_in_steps(tansu_broker.bootstrap, topic, group, more, 100, [sink])
         wait_maintained([sink])
     finally:
         assert sink.stop() == 0, sink.log_path.read_text()[-3000:]
@@ -261,7 +261,7 @@ def test_a_partition_held_by_dead_letters_is_reported_and_loses_nothing(
     try:
         wait_caught_up(bootstrap, group, topic, timeout=120, procs=[sink])
         good = stream[step:bad_at]
-        produce_in_steps(bootstrap, topic, group, good, step, [sink], done=step)
+        produce_in_steps(bootstrap, topic, group, good, step, [sink])
         produce_big(bootstrap, topic, stream[bad_at:])
         deadline = time.monotonic() + 90
         reasons: list[str] = []

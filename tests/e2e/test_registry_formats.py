@@ -116,10 +116,7 @@ def test_avro_topic_with_dead_letters_and_a_registry_outage(
             # More of the same schema, a flush at a time: maintenance gets work.
             more = values(registry, topic, schema(), MORE)
             more_stream = [(f"m-{i}".encode(), v) for i, v in zip(MORE, more, strict=True)]
-            done = len(stream)
-            produce_in_steps(
-                kafka_broker.bootstrap, topic, group, more_stream, STEP, [sink], done=done
-            )
+            produce_in_steps(kafka_broker.bootstrap, topic, group, more_stream, STEP, [sink])
 
             # A newer writer schema, produced while the registry is down: the sink cannot
             # fetch it, so the partition waits instead of dead-lettering.

@@ -52,6 +52,16 @@ def toml_value(value: Any) -> str:
     return json.dumps(value)
 
 
+def toml_sections(sections: dict[str, dict[str, Any]]) -> list[str]:
+    """`sections` as TOML lines: each a ``[name]`` table of its keys, then an empty line."""
+    lines = []
+    for name, values in sections.items():
+        lines.append(f"[{name}]")
+        lines.extend(f"{k} = {toml_value(v)}" for k, v in values.items())
+        lines.append("")
+    return lines
+
+
 def write_config(
     path: Path,
     *,
@@ -84,11 +94,7 @@ def write_config(
     }
     for name, values in (extra or {}).items():
         sections.setdefault(name, {}).update(values)
-    lines = []
-    for name, values in sections.items():
-        lines.append(f"[{name}]")
-        lines.extend(f"{k} = {toml_value(v)}" for k, v in values.items())
-        lines.append("")
+    lines = toml_sections(sections)
     pk = '\nprimary_key = ["id"]' if mode == "upsert" else ""
     lines.append(
         f"""[table]
@@ -118,10 +124,8 @@ def minimal_config(path: Path, sections: dict[str, dict[str, Any]] | None = None
         "[table]",
         f"uri = {json.dumps(str(path.parent / 't.lance'))}",
         'columns = [{ name = "id", type = "string" }]',
+        *toml_sections(sections or {}),
     ]
-    for name, values in (sections or {}).items():
-        lines.append(f"[{name}]")
-        lines.extend(f"{k} = {toml_value(v)}" for k, v in values.items())
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -237,23 +241,15 @@ def produce_in_steps(
     procs: list[SinkProcess],
     *,
     partition: int = 0,
-    done: int = 0,
     timeout: float = 60,
 ) -> None:
     """Produce `stream` to `partition`, `step` messages at a time, each step once the group
-    committed every message before it (`done`: how many the partition holds already). With
-    `memtable.max_rows = step`, each step is a flush of its own: messages produced at once
-    can reach a sink as one batch, one memtable whatever its limit."""
+    committed everything before it (`wait_caught_up`). With `memtable.max_rows = step`, each
+    step is a flush of its own: messages produced at once can reach a sink as one batch, one
+    memtable whatever its limit."""
     for start in range(0, len(stream), step):
-        chunk = stream[start : start + step]
-        produce(bootstrap, topic, chunk, partition=partition)
-        want = done + start + len(chunk)
-        deadline = time.monotonic() + timeout
-        while committed_offsets(bootstrap, group, topic, partition + 1).get(partition) != want:
-            for p in procs:
-                assert p.alive(), f"sink exited early: {p.log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"{topic}[{partition}] never committed {want}"
-            time.sleep(0.2)
+        produce(bootstrap, topic, stream[start : start + step], partition=partition)
+        wait_caught_up(bootstrap, group, topic, timeout, procs)
 
 
 def table_rows(uri: str) -> list[dict[str, Any]]:
