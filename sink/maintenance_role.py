@@ -99,9 +99,11 @@ class MaintenanceRole:
         role: Role = "active" if active else "standby"
         if role == self.role:
             return
-        self.role = role
+        # Runner and gauge first, the role last: status (read from another thread) never
+        # says a role that the runner and metrics do not show yet.
         self.runner.set_active(active)
         self.events.maintenance_active(active)
+        self.role = role
         log.info("maintenance_role", role=role, **fields)
 
     def status(self) -> dict[str, Any]:

@@ -60,3 +60,23 @@ def test_off_runs_nothing() -> None:
     role.update({("events", 0): Held()})
     assert role.status()["role"] == "off"
     assert runner.states == []
+
+
+def test_status_shows_a_role_only_after_the_runner_and_gauge_do() -> None:
+    """Status is read from the HTTP thread: once it says "active", the runner must be
+    running and the gauge must read 1 (an e2e test read the gauge as 0 right after status
+    said "active", when the role was published first)."""
+    seen: list[tuple[bool, str]] = []
+    roles: list[MaintenanceRole] = []
+
+    class Watching(Events):
+        def maintenance_active(self, active: bool) -> None:
+            seen.extend((active, r.status()["role"]) for r in roles)
+            super().maintenance_active(active)
+
+    role = MaintenanceRole(["events"], Runner(), Watching(), enabled=True)
+    roles.append(role)
+    role.update({("events", 0): Held()})
+    role.update({})
+    # When the gauge changes, status still says the role before the change.
+    assert seen == [(True, "standby"), (False, "active")]
