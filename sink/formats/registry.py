@@ -3,7 +3,9 @@
 confluent-kafka's own `SchemaRegistryClient` does the HTTP, authentication, TLS, retries
 and the schema cache (a schema id never changes, so each id is fetched once per process).
 `build_client` makes one from `SchemaRegistrySettings` (``mock://`` URLs give the client's
-in-process registry, for tests). `classify` sorts the failures of a deserializer call:
+in-process registry, for tests); `OneRequestPerSchema` makes decode threads that miss the
+cache for one schema at once wait for one request instead of each sending its own.
+`classify` sorts the failures of a deserializer call:
 
 - the message's fault (dead letter): no Confluent framing (``missing_magic_byte``), a
   schema id the registry does not know (HTTP 404: ``unknown_schema_id``), bytes that do not
@@ -47,14 +49,48 @@ _MOCKS: dict[str, SchemaRegistryClient] = {}
 _MOCKS_LOCK: Final = threading.Lock()
 
 
+class OneRequestPerSchema(SchemaRegistryClient):
+    """confluent-kafka's client, sending one request for concurrent misses of one schema.
+
+    The client checks its cache, then asks the registry, without a lock: the decode
+    threads that took the first batches of a new schema id each asked for it (the helper
+    of an e2e test saw ``GET /schemas/ids/1`` twice). Here a lock per schema (id or GUID,
+    with the call's arguments) is held around the client's lookup: the first caller asks,
+    the others wait and find the answer in the cache. A failed request leaves the cache
+    empty, so each waiter then asks in turn, as each would have without the lock."""
+
+    def __init__(self, conf: dict[str, Any]) -> None:
+        super().__init__(conf)
+        self._schema_locks: dict[tuple[Any, ...], threading.Lock] = {}
+        self._schema_locks_lock = threading.Lock()
+
+    def _lock_for(self, key: tuple[Any, ...]) -> threading.Lock:
+        with self._schema_locks_lock:
+            return self._schema_locks.setdefault(key, threading.Lock())
+
+    def get_schema(
+        self,
+        schema_id: int,
+        subject_name: str | None = None,
+        fmt: str | None = None,
+        reference_format: str | None = None,
+    ) -> Any:
+        with self._lock_for(("id", schema_id, subject_name, fmt, reference_format)):
+            return super().get_schema(schema_id, subject_name, fmt, reference_format)
+
+    def get_schema_by_guid(self, guid: str, fmt: str | None = None) -> Any:
+        with self._lock_for(("guid", guid, fmt)):
+            return super().get_schema_by_guid(guid, fmt)
+
+
 def build_client(settings: SchemaRegistrySettings) -> SchemaRegistryClient:
-    """confluent-kafka's registry client for `settings`.
+    """confluent-kafka's registry client for `settings` (`OneRequestPerSchema`).
 
     A ``mock://`` URL gives the client's in-process mock registry, one per URL and process.
     """
     conf = settings.client_conf()
     if not settings.url.startswith("mock://"):
-        return SchemaRegistryClient(conf)
+        return OneRequestPerSchema(conf)
     with _MOCKS_LOCK:
         if settings.url not in _MOCKS:
             _MOCKS[settings.url] = SchemaRegistryClient.new_client(conf)

@@ -6,8 +6,10 @@ message's fault, nothing is dead-lettered)."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
 
 import pytest
 from confluent_kafka.schema_registry import SchemaRegistryClient
@@ -66,6 +68,53 @@ def test_schemas_are_fetched_once_per_id(registry: FakeRegistry) -> None:
         assert out.batch is not None
         assert out.batch.column("id").to_pylist() == [f"id-{i}" for i in range(lo, lo + 100)]
     assert registry.requests["GET /schemas/ids/1"] == 1
+
+
+def test_decode_threads_missing_one_schema_at_once_make_one_request(
+    registry: FakeRegistry,
+) -> None:
+    """The sink's decode threads take a new schema id's first batches at the same time:
+    each used to miss the client's cache and ask the registry (a test saw two requests).
+    With a slow registry both are sure to miss at once."""
+    values = produce_values({"url": registry.url}, 400)
+    dec = decoder(registry)
+    registry.delay_s = 0.3
+    start = threading.Barrier(4)
+
+    def decode(lo: int) -> list[str]:
+        start.wait()
+        out = dec.decode(messages(values[lo : lo + 100], lo))
+        assert not out.dead_letters
+        assert out.batch is not None
+        return cast("list[str]", out.batch.column("id").to_pylist())
+
+    with ThreadPoolExecutor(4) as pool:
+        ids = list(pool.map(decode, range(0, 400, 100)))
+    assert ids == [[f"id-{i}" for i in range(lo, lo + 100)] for lo in range(0, 400, 100)]
+    assert registry.requests["GET /schemas/ids/1"] == 1
+
+
+def test_a_failed_request_is_made_again_by_each_waiting_thread(registry: FakeRegistry) -> None:
+    """The lock does not share failures: a thread that waited for a request that failed
+    asks itself (and fails the same way, here), as it would have without the lock."""
+    values = produce_values({"url": registry.url}, 200)
+    dec = decoder(registry)
+    registry.fail_with = 503
+    registry.delay_s = 0.2
+    start = threading.Barrier(2)
+
+    def decode(lo: int) -> str:
+        start.wait()
+        with pytest.raises(RegistryUnavailable) as info:
+            dec.decode(messages(values[lo : lo + 100], lo))
+        return str(info.value)
+
+    with ThreadPoolExecutor(2) as pool:
+        errors = list(pool.map(decode, (0, 100)))
+    assert all("503" in e for e in errors), errors
+    assert registry.requests["GET /schemas/ids/1"] == 2
+    registry.fail_with, registry.delay_s = None, 0.0
+    assert dec.decode(messages(values[:100])).batch is not None
 
 
 def test_unknown_schema_id_is_a_dead_letter(registry: FakeRegistry) -> None:

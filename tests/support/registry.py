@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -40,6 +41,7 @@ class FakeRegistry:
         self.basic_auth = basic_auth
         self.bearer = bearer
         self.fail_with: int | None = None
+        self.delay_s = 0.0  # every answer waits this long (concurrent requests overlap)
         self.requests: Counter[str] = Counter()  # "GET /schemas/ids/1" -> count
         self.schemas: list[dict[str, Any]] = []  # id - 1 -> {"schema", "schemaType", ...}
         self.subjects: dict[str, list[int]] = {}  # subject -> schema ids by version
@@ -97,6 +99,7 @@ class FakeRegistry:
         url = urlparse(req.path)
         parts = [unquote(p) for p in url.path.strip("/").split("/")]
         self.requests[f"{method} {url.path}"] += 1
+        time.sleep(self.delay_s)
         if self.fail_with is not None:
             self._send(req, self.fail_with, {"error_code": 50001, "message": "failing"})
             return
