@@ -53,8 +53,8 @@ class OneRequestPerSchema(SchemaRegistryClient):
     """confluent-kafka's client, sending one request for concurrent misses of one schema.
 
     The client checks its cache, then asks the registry, without a lock: the decode
-    threads that took the first batches of a new schema id each asked for it (the helper
-    of an e2e test saw ``GET /schemas/ids/1`` twice). Here a lock per schema (id or GUID,
+    threads that took the first batches of a new schema id each asked for it (two
+    ``GET /schemas/ids/1`` for a topic's first batches). Here a lock per schema (id or GUID,
     with the call's arguments) is held around the client's lookup: the first caller asks,
     the others wait and find the answer in the cache. A failed request leaves the cache
     empty, so each waiter then asks in turn, as each would have without the lock."""
