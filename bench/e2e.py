@@ -20,8 +20,10 @@ measures in the same run, on the same data:
 - freshness: after catching up, messages are produced at a steady rate and the sink's
   `lance_sink_freshness_seconds` (message timestamp -> visible) gives p50/p99;
 - where the two cores went while it caught up: CPU per thread group of the sink (its decode
-  worker processes included) and of tansu; with ``--decode threads,processes`` the sink
-  runs both ways (``source.decode_processes``), alternating, on the same data.
+  worker processes included) and of tansu, and the sink's CPU time and minor page faults per
+  message (steadier than rates on a shared machine: what to compare when A/B-ing a
+  change); with ``--decode threads,processes`` the sink runs both ways
+  (``source.decode_processes``), alternating, on the same data.
 
 Report: medians are not possible for a one-shot catch-up of a large backlog on a shared
 2-core machine; read the ratios, which compare runs made seconds apart on the same data:
@@ -359,6 +361,17 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
+def page_faults(pid: int) -> int:
+    """Minor page faults of a process (all its threads, live or ended) and of its child
+    processes (the sink's decode workers)."""
+    total = 0
+    for proc in (pid, *children(pid)):
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{proc}/stat").read_text()
+            total += int(stat[stat.rindex(")") + 2 :].split()[7])
+    return total
+
+
 def cpu_split(before: dict[str, float], after: dict[str, float], seconds: float) -> str:
     """Cores used per thread group between two `thread_cpu` readings, busiest first."""
     used = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -412,6 +425,7 @@ def run_sink(
     committed = Committed(bootstrap, group, topic)
     spy: subprocess.Popen[bytes] | None = None
     cpu_at: tuple[dict[str, float], dict[str, float]] = ({}, {})
+    faults_at = 0
     try:
         # The clock starts when the first rows become durable (after start-up and the group
         # join, which are not throughput) and stops when every offset is committed.
@@ -423,12 +437,14 @@ def run_sink(
                     if rows > 0:
                         first = (time.perf_counter(), rows)
                         cpu_at = (thread_cpu(proc.pid), thread_cpu(broker_pid or proc.pid))
+                        faults_at = page_faults(proc.pid)
                         if profile is not None:
                             spy = py_spy(proc.pid, profile, gil=profile_gil)
             done = committed.total()
             if done >= n:
                 end = time.perf_counter()
                 cpu_end = (thread_cpu(proc.pid), thread_cpu(broker_pid or proc.pid))
+                faults_end = page_faults(proc.pid)
                 if spy is not None:
                     spy.send_signal(signal.SIGINT)
                     spy.wait(60)
@@ -471,6 +487,9 @@ def run_sink(
         "commit_p99": quantile(commit, 0.99),
         "fresh_p50": quantile(fresh, 0.5),
         "fresh_p99": quantile(fresh, 0.99),
+        # Per message, steadier than the rate on a shared machine (for A/B of a change).
+        "cpu_us_per_msg": (sum(cpu_end[0].values()) - sum(cpu_at[0].values())) / rows * 1e6,
+        "faults_per_msg": (faults_end - faults_at) / rows,
         "sink_cpu": cpu_split(cpu_at[0], cpu_end[0], seconds),
         "broker_cpu": cpu_split(cpu_at[1], cpu_end[1], seconds) if broker_pid else "",
     }
@@ -514,6 +533,10 @@ def report_sink(
         f"p50 {sink['fresh_p50'] * 1000:.0f} ms, p99 {sink['fresh_p99'] * 1000:.0f} ms"
     )
     report(f"peak RSS of the sink (and its decode workers): {sink['peak_rss'] / 2**20:,.0f} MiB")
+    report(
+        f"per message, sink and decode workers: {sink['cpu_us_per_msg']:.1f} us CPU, "
+        f"{sink['faults_per_msg']:.2f} page faults"
+    )
     for i, (_, _, run) in enumerate(runs):
         report(f"CPU while catching up, run {i + 1}: sink {run['sink_cpu']}")
         report(f"                          tansu {run['broker_cpu']}")
