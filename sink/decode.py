@@ -462,6 +462,12 @@ class Decoder:
         self._json_paths = list(dict.fromkeys(c.path for c in self._json_columns))
         self._path_types = {c.path: self._leaf_type(c) for c in self._json_columns}
         self._path_columns = {c.path: c for c in reversed(self._json_columns)}
+        # What `_fill_one` checks per path: the column, its type, and the value types that
+        # fit without a closer look (None, and every kind but ranged ints and vectors).
+        self._screen_plan = [
+            (p, self._path_columns[p], self._path_types[p], _quick_fits(self._path_types[p]))
+            for p in self._json_paths
+        ]
         self._tree = self._json_tree()
         self._has_timestamps = any(c.type_name == "timestamp" for c in self._json_columns)
         self._iso_timestamps = False  # which representation the last batch's timestamps used
@@ -1087,28 +1093,24 @@ class Decoder:
         """`_decode_one` of a payload parsed into `obj` (`exact`: by Python's json, whose
         integers are exact; orjson reads one beyond 64 bits as a float)."""
         leaves: dict[_Path, list[pa.Array]] = {}
-        for path in self._json_paths:
-            col = self._path_columns[path]
-            item: Any = obj
-            where = "$"
-            for name in path:
-                if item is None:
-                    break
-                if not isinstance(item, dict):
-                    kind = _a(_json_kind(item))
-                    return (
-                        "wrong_type",
-                        f"{col.name!r} ({col.where}): {where} is {kind}, not an object",
-                    )
-                item = item.get(name)
-                where += "." + name
-            problem = _kind_problem(item, self._path_types[path])
+        # Screening runs this for every value of a chunk that did not parse: per path, a
+        # walk and one type test in the common case (the rest only when something is off).
+        for path, col, type_name, quick in self._screen_plan:
+            if len(path) == 1:  # a top-level field (the usual case): no walk
+                item: Any = obj.get(path[0])
+            else:
+                item = self._walk(obj, path, col)
+                if isinstance(item, tuple):  # a fault (JSON values are never tuples)
+                    return item
+            if type(item) in quick and not build:
+                continue
+            problem = _kind_problem(item, type_name)
             if problem is not None and type(item) is float and not exact:
                 # Perhaps an integer beyond 64 bits, which the detail should show as sent.
                 with contextlib.suppress(ValueError, RecursionError):
                     return self._fill_one(payload, json.loads(payload), build, exact=True)
             if problem is None and build:
-                arr = _coerce_one(item, self._path_types[path])
+                arr = _coerce_one(item, type_name)
                 if isinstance(arr, str):
                     problem = arr
                 else:
@@ -1116,6 +1118,24 @@ class Decoder:
             if problem is not None:
                 return ("wrong_type", f"{col.name!r} ({col.where}) {problem}")
         return _Parsed(np.zeros(1, np.int64), leaves, [pa.array([True])]) if build else None
+
+    @staticmethod
+    def _walk(obj: dict[str, Any], path: _Path, col: _Column) -> Any:
+        """The value at `path` in `obj` (None past a null), or the ``wrong_type`` fault of
+        a value on the way that is not an object."""
+        item: Any = obj
+        for depth, name in enumerate(path):
+            if item is None:
+                break
+            if not isinstance(item, dict):
+                kind = _a(_json_kind(item))
+                where = "$" + "".join("." + step for step in path[:depth])
+                return (
+                    "wrong_type",
+                    f"{col.name!r} ({col.where}): {where} is {kind}, not an object",
+                )
+            item = item.get(name)
+        return item
 
     # -- tombstones and assembly ----------------------------------------------------------
 
@@ -1495,6 +1515,17 @@ _KIND_FITS: Final[dict[str, frozenset[type]]] = {
     "vector": frozenset({list}),
     "base64_f32": frozenset({str}),
 }
+
+
+def _quick_fits(type_name: str) -> frozenset[type]:
+    """The value types `_kind_problem` passes for `type_name` without looking at the value
+    (it range-checks ints of int and timestamp columns, and the components of vectors)."""
+    fits = set(_KIND_FITS[type_name]) | {type(None)}
+    if type_name in _INT_RANGES:
+        fits.discard(int)
+    if type_name == "vector":
+        fits.discard(list)
+    return frozenset(fits)
 
 
 def _kind_problem(item: Any, type_name: str) -> str | None:

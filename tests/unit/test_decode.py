@@ -336,6 +336,28 @@ def test_every_bad_value_in_one_batch() -> None:
     expect_good(rows, [2 * i for i in range(len(BAD_JSON))])
 
 
+def test_a_scalar_on_a_nested_path_names_where_it_stands() -> None:
+    """The detail names the path up to the value that is not an object, exactly (the
+    screening of a chunk that did not parse builds it only for the faulted value)."""
+    spec = spec_for(
+        columns=[{"name": "id", "type": "string"}, {"name": "deep", "type": "int64"}], dim=None
+    )
+    messages = msgs(
+        {"id": "a", "a": {"b": {"c": 1}}},
+        {"id": "b", "a": {"b": "s"}},
+        {"id": "c", "a": [1]},
+        {"id": "d", "a": {"b": None}},
+        {"id": "e", "a": {"b": {"c": 2.5}}},
+    )
+    out, rows = decode(spec, messages, columns={"deep": "$.a.b.c"})
+    assert [(r["id"], r["deep"]) for r in rows] == [("a", 1), ("d", None)]
+    assert [(d.offset, d.reason, d.detail) for d in out.dead_letters] == [
+        (101, "wrong_type", "'deep' ($.a.b.c): $.a.b is a string, not an object"),
+        (102, "wrong_type", "'deep' ($.a.b.c): $.a is an array, not an object"),
+        (104, "wrong_type", "'deep' ($.a.b.c) is 2.5, expected an integer"),
+    ]
+
+
 def test_dead_letter_details_name_column_and_path() -> None:
     spec = spec_for(
         columns=[
