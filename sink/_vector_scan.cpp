@@ -1,14 +1,16 @@
 // The vector scan of the JSON format: each value's vector read by simdjson (On-Demand)
-// straight into one float32 matrix, outside the interpreter lock. See sink/vector_scan.py
-// for the contract; this file only reads, it never decides a value's fault.
+// straight into one matrix, outside the interpreter lock. See sink/vector_scan.py for the
+// contract; this file only reads, it never decides a value's fault.
 //
-// scan(payloads: list[bytes], path: tuple[str, ...], dim: int)
+// scan(payloads: list[bytes], path: tuple[str, ...], dim: int, base64: bool)
 //     -> (matrix: bytearray, positions: bytes, stripped: list[bytes])
 //
-// For every payload whose vector it is sure of (see `scan_one`), the vector's dim float32
-// values go to the next row of `matrix`, its position (int64, native order) to
-// `positions`, and the payload with the vector's text replaced by `null` to `stripped`.
-// Every other payload (anything but bytes too) is left out: the caller parses it whole.
+// For every payload whose vector it is sure of (see `scan_one`), the vector goes to the
+// next row of `matrix`, its position (int64, native order) to `positions`, and the payload
+// with the vector's text replaced by `null` to `stripped`. A row is the vector's dim
+// float32 values (a JSON array), or with `base64` the base64 text of its 4 * dim bytes as
+// it stands between the quotes (decoded by the caller). Every other payload (anything but
+// bytes too) is left out: the caller parses it whole.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -60,12 +62,36 @@ bool float32_unsure(double d, float f) {
   return (back + static_cast<double>(other)) * 0.5 == d;
 }
 
+// Base64 text of `bytes` bytes: its length, and how many '=' end it (standard alphabet).
+size_t base64_chars(size_t bytes) { return (bytes + 2) / 3 * 4; }
+size_t base64_padding(size_t bytes) { return (3 - bytes % 3) % 3; }
+
+// The standard base64 alphabet (RFC 4648 section 4), without the padding '='.
+struct Base64Alphabet {
+  bool in[256] = {};
+  Base64Alphabet() {
+    for (unsigned char c = 'A'; c <= 'Z'; ++c) in[c] = true;
+    for (unsigned char c = 'a'; c <= 'z'; ++c) in[c] = true;
+    for (unsigned char c = '0'; c <= '9'; ++c) in[c] = true;
+    in[static_cast<unsigned char>('+')] = in[static_cast<unsigned char>('/')] = true;
+  }
+};
+const Base64Alphabet kBase64;
+
 class Scanner {
  public:
-  Scanner(std::vector<std::string> path, size_t dim) : path_(std::move(path)), dim_(dim) {}
+  Scanner(std::vector<std::string> path, size_t dim, bool base64)
+      : path_(std::move(path)),
+        dim_(dim),
+        base64_(base64),
+        chars_(base64_chars(dim * sizeof(float))),
+        padding_(base64_padding(dim * sizeof(float))) {}
 
-  // Reads one payload; true when its vector went to `out` (dim values) and `span`.
-  bool scan_one(const char* data, size_t len, float* out, Span* span) {
+  // Bytes of one row of the matrix.
+  size_t row_bytes() const { return base64_ ? chars_ : dim_ * sizeof(float); }
+
+  // Reads one payload; true when its vector went to `out` (one row) and `span`.
+  bool scan_one(const char* data, size_t len, char* out, Span* span) {
     if (len >= kBom.size() && std::string_view(data, kBom.size()) == kBom) return false;
     if (padded_.size() < len + simdjson::SIMDJSON_PADDING) {
       padded_.resize(len + simdjson::SIMDJSON_PADDING);
@@ -101,7 +127,7 @@ class Scanner {
       seen = true;
       value child = field.value();
       if (level + 1 == path_.size()) {
-        if (!read_vector(doc, child)) return false;
+        if (!(base64_ ? read_base64(child) : read_vector(doc, child))) return false;
         found_ = true;
         continue;
       }
@@ -127,7 +153,7 @@ class Scanner {
       if (d == 0.0 && element.raw_json_token().front() == '-') return false;
       const float f = static_cast<float>(d);
       if (float32_unsure(d, f)) return false;
-      out_[count++] = f;
+      std::memcpy(out_ + count++ * sizeof f, &f, sizeof f);
     }
     if (count != dim_) return false;
     // The iterator now stands on the token after the array's ']'.
@@ -141,11 +167,39 @@ class Scanner {
     return true;
   }
 
+  // A base64 vector: a string of exactly chars_ characters, the alphabet's but for its
+  // padding_ closing '='. Nothing else is sure: an escape (even "\/") or a character
+  // outside the alphabet is left to the decoder's other path, which names the fault.
+  // Strict base64 (Python's binascii, pybase64 with validate) accepts exactly such text
+  // of the right length, so the caller's decode of these rows cannot refuse one.
+  bool read_base64(value v) {
+    const char* open = v.raw_json_token().data();
+    simdjson::ondemand::raw_json_string raw;
+    if (v.get_raw_json_string().get(raw)) return false;  // not a string
+    const char* text = raw.raw();
+    const size_t letters = chars_ - padding_;
+    for (size_t i = 0; i < letters; ++i) {
+      // The closing quote, a backslash or any other byte outside the alphabet ends it.
+      if (!kBase64.in[static_cast<unsigned char>(text[i])]) return false;
+    }
+    for (size_t i = letters; i < chars_; ++i) {
+      if (text[i] != '=') return false;
+    }
+    if (text[chars_] != '"') return false;
+    std::memcpy(out_, text, chars_);
+    start_ = static_cast<size_t>(open - padded_.data());
+    end_ = static_cast<size_t>(text + chars_ + 1 - padded_.data());
+    return true;
+  }
+
   std::vector<std::string> path_;
   size_t dim_;
+  bool base64_;
+  size_t chars_;
+  size_t padding_;
   parser parser_;
   std::vector<char> padded_;
-  float* out_ = nullptr;
+  char* out_ = nullptr;
   bool found_ = false;
   size_t start_ = 0;
   size_t end_ = 0;
@@ -166,7 +220,7 @@ struct Owned {
   }
 };
 
-PyObject* scan_batch(PyObject* payloads, PyObject* path_obj, Py_ssize_t dim) {
+PyObject* scan_batch(PyObject* payloads, PyObject* path_obj, Py_ssize_t dim, bool base64) {
   std::vector<std::string> path;
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(path_obj); ++i) {
     Py_ssize_t size;
@@ -187,21 +241,21 @@ PyObject* scan_batch(PyObject* payloads, PyObject* path_obj, Py_ssize_t dim) {
       lengths[i] = static_cast<size_t>(PyBytes_GET_SIZE(item));
     }
   }
-  const size_t row_bytes = static_cast<size_t>(dim) * sizeof(float);
+  Scanner scanner(std::move(path), static_cast<size_t>(dim), base64);
+  const size_t row_bytes = scanner.row_bytes();
   Owned matrix(PyByteArray_FromStringAndSize(nullptr, n * row_bytes));
   if (matrix.ref == nullptr) return nullptr;
   std::vector<int64_t> positions;
   std::vector<Span> spans;
   positions.reserve(static_cast<size_t>(n));
   spans.reserve(static_cast<size_t>(n));
-  Scanner scanner(std::move(path), static_cast<size_t>(dim));
-  auto* rows = reinterpret_cast<float*>(PyByteArray_AS_STRING(matrix.ref));
+  char* rows = PyByteArray_AS_STRING(matrix.ref);
   bool failed = false;
   Py_BEGIN_ALLOW_THREADS
   try {
     for (Py_ssize_t i = 0; i < n; ++i) {
       Span span;
-      float* out = rows + positions.size() * static_cast<size_t>(dim);
+      char* out = rows + positions.size() * row_bytes;
       if (data[i] != nullptr && scanner.scan_one(data[i], lengths[i], out, &span)) {
         positions.push_back(i);
         spans.push_back(span);
@@ -237,8 +291,9 @@ PyObject* scan(PyObject*, PyObject* args) {
   PyObject* payloads;
   PyObject* path_obj;
   Py_ssize_t dim;
-  if (!PyArg_ParseTuple(args, "O!O!n", &PyList_Type, &payloads, &PyTuple_Type, &path_obj,
-                        &dim)) {
+  int base64 = 0;
+  if (!PyArg_ParseTuple(args, "O!O!n|p", &PyList_Type, &payloads, &PyTuple_Type, &path_obj,
+                        &dim, &base64)) {
     return nullptr;
   }
   if (dim <= 0 || PyTuple_GET_SIZE(path_obj) == 0) {
@@ -246,7 +301,7 @@ PyObject* scan(PyObject*, PyObject* args) {
     return nullptr;
   }
   try {
-    return scan_batch(payloads, path_obj, dim);
+    return scan_batch(payloads, path_obj, dim, base64 != 0);
   } catch (const std::bad_alloc&) {
     return PyErr_NoMemory();
   }
@@ -254,7 +309,8 @@ PyObject* scan(PyObject*, PyObject* args) {
 
 PyMethodDef kMethods[] = {
     {"scan", scan, METH_VARARGS,
-     "scan(payloads, path, dim) -> (matrix, positions, stripped): see sink.vector_scan."},
+     "scan(payloads, path, dim, base64=False) -> (matrix, positions, stripped): see "
+     "sink.vector_scan."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -1,5 +1,5 @@
 # The native part of sink.vector_scan (sink/_vector_scan.cpp).
 
 def scan(
-    payloads: list[bytes], path: tuple[str, ...], dim: int, /
+    payloads: list[bytes], path: tuple[str, ...], dim: int, base64: bool = ..., /
 ) -> tuple[bytearray, bytes, list[bytes]]: ...

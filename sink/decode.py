@@ -84,14 +84,14 @@ with new fields raises `sink.formats.SchemaEvolution`, without they are logged o
 Everything else below is the JSON format's.
 
 How it is fast: the per-message Python work is reading the Message accessors. On a table
-with a vector column kept as a JSON array, `sink.vector_scan` reads each value's vector
-(simdjson's On-Demand reader in C++, outside the interpreter lock, straight into one float32
-matrix per batch) and gives its text back with the vector stripped, which Arrow's reader
-below parses for the other columns. Base64 vectors are parsed by `sink.vector_json` first
-in small batches (simdjson, each vector copied into the matrix without a Python float per
-component). What either is not sure of (anything not clean, see there) is parsed whole by
-`sink.vector_json` and Arrow's reader, so rows and dead letters are the same as Arrow's
-alone (``vector_fast_path=False``). Otherwise the JSON
+with a vector column, `sink.vector_scan` reads each value's vector (simdjson's On-Demand
+reader in C++, outside the interpreter lock, straight into one float32 matrix per batch; a
+base64 vector's text into one buffer, decoded in one pybase64 call) and gives its text back
+with the vector stripped, which Arrow's reader below parses for the other columns. Small
+batches of base64 vectors are parsed by `sink.vector_json` instead (simdjson in Python,
+without the scan's fixed cost). What either is not sure of (anything not clean, see there)
+is parsed whole by `sink.vector_json` and Arrow's reader, so rows and dead letters are the
+same as Arrow's alone (``vector_fast_path=False``). Otherwise the JSON
 values are parsed by `pyarrow.json.read_json` with an explicit schema of only the mapped
 fields, in chunks of about 4 MiB (one call each, its blocks parsed on all cores). Each value
 is wrapped as ``{"v":<value>}`` and the rows are newline-joined, so a value that is empty,
@@ -148,7 +148,7 @@ from sink.formats.derive import Column
 from sink.formats.keys import KeyDecoder
 from sink.formats.records import FLOAT32_MAX, float32_beyond, to_float
 from sink.vector_json import VectorJson
-from sink.vector_scan import scan
+from sink.vector_scan import scan, scan_base64
 
 __all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason"]
 
@@ -183,12 +183,12 @@ _PARSE_CHUNK_BYTES: Final = 4 << 20
 _BLOCKS_PER_CHUNK: Final = 4
 #: Smallest block: below this a block's fixed cost outweighs a second core.
 _MIN_BLOCK_BYTES: Final = 64 << 10
-#: Batches of base64 vector values up to this many take the simdjson path, larger ones
-#: Arrow's reader alone (see `Decoder.__init__`), unless the last batch held a value
-#: Arrow's reader refused (then screening every value of its chunk cost 2x the simdjson
-#: path: bench/decode, 1% bad messages). Measured on threads, 2.3 KB values: the sink
-#: caught up 1.1-1.5x faster with Arrow's reader for every batch, but its freshness at
-#: 1k msg/s (batches of a few values) went from p50 47 to 55-69 ms.
+#: Batches of base64 vector values up to this many take `sink.vector_json` (simdjson in
+#: Python, no fixed cost), larger ones `sink.vector_scan` (outside the interpreter lock,
+#: but its Arrow call on the stripped texts costs a fixed ~0.1-0.5 ms). Measured on
+#: threads, 2.3 KB values, when the large batches went to Arrow's reader whole: the sink
+#: caught up 1.1-1.5x faster than on simdjson in Python, but its freshness at 1k msg/s
+#: (batches of a few values) went from p50 47 to 55-69 ms with every batch on Arrow.
 _SIMDJSON_BASE64_MAX: Final = 64
 _CORES: Final = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
 
@@ -474,8 +474,6 @@ class Decoder:
         # Whether the last batch held a value with a raw newline: then the next batch is
         # checked for them before its first parse (see `_wrap`).
         self._newlines = False
-        # Whether large batches of base64 vectors go to Arrow's reader (see `_parse`).
-        self._base64_in_arrow = True
         self._read_schemas = {iso: self._read_schema(iso) for iso in (False, True)}
         # Derived columns: new writer schemas are checked against all columns (sink.formats).
         self._schema_check = (
@@ -488,19 +486,19 @@ class Decoder:
         )
         # Vector tables in the JSON format: simdjson first, Arrow's reader for what it
         # hands back (sink.vector_json). Small messages without vectors parse faster in
-        # Arrow alone (bench/results/decode.txt). Base64 vectors parse as fast either way
-        # on one thread, but Arrow's reader lets go of the interpreter lock, which
-        # simdjson holds, and costs a fixed ~0.1-0.5 ms a call: batches above
-        # `_SIMDJSON_BASE64_MAX` (catching up) take Arrow's reader, smaller ones (a live
-        # stream, where latency counts) simdjson.
+        # Arrow alone (bench/results/decode.txt).
         self._fast: VectorJson | None = None
         if vector_fast_path and self._json and spec.vector is not None:
             self._fast = VectorJson(list(self._path_types.items()), spec.vector.dim)
-        # Vectors as JSON arrays: read by `sink.vector_scan` outside the interpreter lock,
-        # the rest of each value by Arrow's reader; what it leaves out takes the path above.
+        # The vector read by `sink.vector_scan` outside the interpreter lock, the rest of
+        # each value by Arrow's reader; what it leaves out takes the path above. Base64
+        # vectors: batches above `_SIMDJSON_BASE64_MAX` (catching up) only; smaller ones (a
+        # live stream, where latency counts) parse on the path above alone.
         self._scan: tuple[_Path, int] | None = None
-        if self._fast is not None and spec.vector is not None and not self._base64:
-            vector = next(p for p, kind in self._path_types.items() if kind == "vector")
+        if self._fast is not None and spec.vector is not None:
+            vector = next(
+                p for p, kind in self._path_types.items() if kind in {"vector", "base64_f32"}
+            )
             self._scan = vector, spec.vector.dim
         self._tombstone_key: _Column | None = None
         if spec.upsert and len(spec.primary_key) == 1:
@@ -825,7 +823,8 @@ class Decoder:
         """
         if self._fast is None:
             return self._parse_arrow(payloads, sizes)
-        if self._scan is not None and payloads:
+        small = self._base64 and len(payloads) <= _SIMDJSON_BASE64_MAX
+        if self._scan is not None and payloads and not small:
             return self._parse_scanned(payloads, sizes, *self._scan)
         return self._parse_simdjson(payloads, sizes)
 
@@ -839,19 +838,24 @@ class Decoder:
         Returns:
             As `_parse_arrow`.
         """
-        positions, matrix, stripped = scan(payloads, path, dim)
+        vectors: pa.Array
+        if self._base64:  # the base64 texts, decoded with those of the other paths
+            positions, vectors, stripped = scan_base64(payloads, path, dim)
+        else:
+            positions, matrix, stripped = scan(payloads, path, dim)
+            offsets = np.arange(0, (len(positions) + 1) * dim, dim, dtype=np.int32)
+            vectors = pa.ListArray.from_arrays(
+                pa.array(offsets), pa.array(matrix.ravel()), type=_CANONICAL["vector"]
+            )
         pieces: list[_ParseResult] = []
         if len(positions):
             # A stripped text Arrow refuses is parsed again whole below (its fault then
             # names the value the producer sent).
             parsed, leaves, is_object, _ = self._parse_arrow(stripped, value_sizes(stripped))
             if len(parsed) < len(positions):
-                matrix = matrix[parsed]
+                vectors = vectors.take(pa.array(parsed))
                 positions = positions[parsed]
-            offsets = np.arange(0, (len(positions) + 1) * dim, dim, dtype=np.int32)
-            leaves[path] = pa.ListArray.from_arrays(
-                pa.array(offsets), pa.array(matrix.ravel()), type=_CANONICAL["vector"]
-            )
+            leaves[path] = vectors
             pieces.append((positions, leaves, is_object, {}))
         if len(positions) < len(payloads):
             left = np.ones(len(payloads), bool)
@@ -870,16 +874,7 @@ class Decoder:
             As `_parse_arrow`.
         """
         assert self._fast is not None
-        if self._base64 and len(payloads) > _SIMDJSON_BASE64_MAX and self._base64_in_arrow:
-            parsed = self._parse_arrow(payloads, sizes)
-            # A batch with bad values was screened value by value, which costs more than
-            # the simdjson path: the next batches take that path until one of them is clean
-            # (racy between decode threads, harmless: only the speed moves).
-            self._base64_in_arrow = not parsed[3]
-            return parsed
         fast, leaves, rest = self._fast.parse(payloads)
-        if self._base64:
-            self._base64_in_arrow = not rest
         ones = pa.array(np.ones(len(fast), bool))
         pieces: list[_ParseResult] = [(fast, leaves, ones, {})]
         if rest:

@@ -28,6 +28,14 @@ out and the decoder parses it whole as before. A value is left out when:
   those beyond float32's range (Arrow's reader names them) and negative zeros (their sign
   depends on the text in Arrow's reader).
 
+`scan_base64` does the same for a vector kept as a base64 string (``vector.encoding =
+"base64_f32"``): it scans a value only when the string is exactly the base64 text of
+``4 * dim`` bytes in the standard alphabet (with the padding that length needs, and no
+escape, not even ``\\/``), and gives the texts back as they stand, in one Arrow string
+array whose buffer holds them end to end. The decoder decodes them as it decodes the base64
+texts Arrow's reader gives it (in one pybase64 call when no text has padding), so every
+fault and reason of a base64 vector (NaN, infinities) stays the decoder's.
+
 The rest of each value is read by Arrow's reader from the stripped text (which is the
 value, byte for byte, but the vector), so what simdjson skips here unchecked is checked
 there; a stripped text Arrow refuses goes back whole to the decoder's other path. Identity
@@ -39,16 +47,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import pyarrow as pa
 
 from sink import _vector_scan
 
-__all__ = ["scan"]
+__all__ = ["scan", "scan_base64"]
 
 
 def scan(
     payloads: list[bytes], path: Sequence[str], dim: int
 ) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
-    """Scan `payloads` for the vector at `path`.
+    """Scan `payloads` for the vector at `path`, a JSON array of `dim` numbers.
 
     Returns:
         The positions (ascending, in `payloads`) of the values scanned, their vectors as a
@@ -58,3 +67,20 @@ def scan(
     positions = np.frombuffer(where, np.int64)
     rows = np.frombuffer(matrix, np.float32, count=len(positions) * dim)
     return positions, rows.reshape(len(positions), dim), stripped
+
+
+def scan_base64(
+    payloads: list[bytes], path: Sequence[str], dim: int
+) -> tuple[np.ndarray, pa.Array, list[bytes]]:
+    """Scan `payloads` for the vector at `path`, the base64 text of `dim` float32.
+
+    Returns:
+        The positions (ascending, in `payloads`) of the values scanned, their base64 texts
+        (an Arrow string array, undecoded), and their stripped texts.
+    """
+    matrix, where, stripped = _vector_scan.scan(payloads, tuple(path), dim, True)
+    positions = np.frombuffer(where, np.int64)
+    chars = (4 * dim + 2) // 3 * 4
+    offsets = np.arange(0, (len(positions) + 1) * chars, chars, dtype=np.int32)
+    texts = pa.StringArray.from_buffers(len(positions), pa.py_buffer(offsets), pa.py_buffer(matrix))
+    return positions, texts, stripped

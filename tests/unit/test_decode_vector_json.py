@@ -2,16 +2,18 @@
 leaves out) give the same rows (bit-exact) and dead letters as Arrow's reader alone
 (`Decoder(vector_fast_path=False)`), on hand-picked edge cases and on generated messages;
 and they do take the clean messages (else the comparison would prove nothing; the scan's
-side: tests/unit/test_vector_scan.py). Base64 vectors (simdjson in small batches, Arrow's
-reader in large ones): also rows and dead letters as Python's base64 and numpy make them.
+side: tests/unit/test_vector_scan.py). Base64 vectors (simdjson in small batches,
+the scan in large ones): also rows and dead letters as Python's base64 and numpy make them.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -394,7 +396,16 @@ def b64(*floats: float, dtype: str = "<f4") -> str:
     return base64.b64encode(np.array(floats, dtype).tobytes()).decode()
 
 
-def test_base64_f32_vectors_decode_bit_exact_with_specific_dead_letters() -> None:
+@contextlib.contextmanager
+def base64_route(scanned: bool) -> Iterator[None]:
+    """Base64 vectors of every batch through the scan (`scanned`) or none."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode_module, "_SIMDJSON_BASE64_MAX", -1 if scanned else 1 << 30)
+        yield
+
+
+@pytest.mark.parametrize("scanned", [True, False], ids=["scan", "simdjson"])
+def test_base64_f32_vectors_decode_bit_exact_with_specific_dead_letters(scanned: bool) -> None:
     vectors = np.array([[1.5, -0.0, 1e-45, 3.4028235e38], [0.1, 2, 3, 4]], np.float32)
     values = [
         f'{{"id": "a", "vec": "{base64.b64encode(vectors[0].tobytes()).decode()}"}}'.encode(),
@@ -406,7 +417,8 @@ def test_base64_f32_vectors_decode_bit_exact_with_specific_dead_letters() -> Non
         b'{"id": "g", "vec": [1, 2, 3, 4]}',
         b'{"id": "h", "vec": null}',
     ]
-    out = assert_same(values, encoding="base64_f32")
+    with base64_route(scanned):
+        out = assert_same(values, encoding="base64_f32")
     assert out.batch is not None
     got = out.batch.column("vec").flatten().to_numpy().view(np.uint32)
     assert got.tolist() == vectors.ravel().view(np.uint32).tolist()
@@ -433,59 +445,6 @@ def test_base64_f32_nan_allowed_keeps_the_row() -> None:
     assert np.isnan(out.batch.column("vec").flatten().to_numpy()[1])
 
 
-def test_large_batches_of_base64_vectors_parse_in_arrows_reader(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Base64 vectors in a batch above `_SIMDJSON_BASE64_MAX` skip the simdjson path
-    (Arrow's reader, as fast on one thread, lets go of the interpreter lock); a smaller
-    batch takes it (Arrow's reader costs a fixed fraction of a millisecond per call)."""
-
-    class Refused(Exception):
-        pass
-
-    def refuse(*_: object) -> None:
-        raise Refused
-
-    monkeypatch.setattr(VectorJson, "parse", refuse)
-    value = f'{{"id": "a", "vec": "{b64(1, 2, 3, 4)}"}}'.encode()
-    decoder = Decoder(spec("base64_f32"), source())
-    n = decode_module._SIMDJSON_BASE64_MAX + 1
-    out = decoder.decode([Msg(value, i) for i in range(n)])
-    assert out.batch is not None
-    assert out.batch.column("vec").to_pylist() == [[1, 2, 3, 4]] * n
-    with pytest.raises(Refused):
-        decoder.decode([Msg(value, i) for i in range(n - 1)])
-
-
-def test_base64_batches_return_to_simdjson_after_a_value_arrows_reader_refused(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A large batch with a value Arrow's reader refuses is screened value by value (its
-    dead letter as always); the next large batch takes the simdjson path (cheaper with bad
-    values about), and once one comes clean, Arrow's reader again."""
-    calls: list[int] = []
-    parse = VectorJson.parse
-
-    def spy(self: VectorJson, payloads: list[bytes]) -> Any:
-        calls.append(len(payloads))
-        return parse(self, payloads)
-
-    monkeypatch.setattr(VectorJson, "parse", spy)
-    n = decode_module._SIMDJSON_BASE64_MAX + 1
-    good = [f'{{"id": "{i}", "vec": "{b64(i, 2, 3, 4)}"}}'.encode() for i in range(n)]
-    decoder = Decoder(spec("base64_f32"), source())
-    bad = [*good[:-1], b'{"id": "x", "vec": ']
-    out = decoder.decode([Msg(v, i) for i, v in enumerate(bad)])
-    assert [(d.offset, d.reason) for d in out.dead_letters] == [(n - 1, "invalid_json")]
-    assert calls == []  # Arrow's reader, then the screening
-    for expected in ([n], []):  # simdjson (after the refusal), then Arrow's reader again
-        out = decoder.decode([Msg(v, i) for i, v in enumerate(good)])
-        assert out.batch is not None
-        assert out.batch.column("vec").to_pylist() == [[i, 2, 3, 4] for i in range(n)]
-        assert calls == expected
-        calls.clear()
-
-
 def test_base64_f32_is_refused_outside_the_json_format() -> None:
     with pytest.raises(ValueError, match="json format only"):
         Decoder(spec("base64_f32"), SourceSettings(format="raw"))
@@ -496,9 +455,17 @@ def base64_message(draw: st.DrawFn) -> bytes:
     size = draw(st.sampled_from([DIM] * 8 + [0, DIM - 1, DIM + 1]))
     floats = draw(st.lists(st.floats(width=32), min_size=size, max_size=size))
     text = base64.b64encode(np.array(floats, "<f4").tobytes()).decode()
-    vec = draw(
-        st.sampled_from([f'"{text}"'] * 8 + ['"@@"', "null", "[1, 2, 3, 4]", '"' + text[:-1] + '"'])
-    )
+    odd = [
+        '"@@"',
+        "null",
+        "[1, 2, 3, 4]",
+        '"' + text[:-1] + '"',
+        '"' + text.replace("/", "\\/") + '"',  # an escaped slash: the same text
+        '"' + text.replace("+", "-") + '"',  # the URL-safe alphabet
+        '"' + text[:4] + "\\n" + text[4:] + '"',  # a newline inside
+        '"' + text[:4] + "\\u0041" + text[5:] + '"',  # an escaped letter
+    ]
+    vec = draw(st.sampled_from([f'"{text}"'] * 8 + odd))
     return f'{{"id": "x", "vec": {vec}}}'.encode()
 
 
@@ -523,14 +490,15 @@ def _base64_expected(value: bytes, allow_nan: bool) -> tuple[str, np.ndarray | N
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(base64_message(), min_size=1, max_size=12), st.booleans())
+@given(st.lists(base64_message(), min_size=1, max_size=12), st.booleans(), st.booleans())
 def test_generated_base64_messages_decode_as_python_base64_does(
-    values: list[bytes], allow_nan: bool
+    values: list[bytes], allow_nan: bool, scanned: bool
 ) -> None:
     """Every generated message is a row holding the very float32 bits it carried, or a
-    dead letter with the reason Python's base64 and numpy give; the simdjson path and
-    Arrow's reader alone agree on them."""
-    out = assert_same(values, encoding="base64_f32", allow_nan=allow_nan)
+    dead letter with the reason Python's base64 and numpy give; the scan or the simdjson
+    path and Arrow's reader alone agree on them."""
+    with base64_route(scanned):
+        out = assert_same(values, encoding="base64_f32", allow_nan=allow_nan)
     expected = [_base64_expected(v, allow_nan) for v in values]
     rows = [vec.view(np.uint32).tolist() for kind, vec in expected if vec is not None]
     got = [] if out.batch is None else out.batch.column("vec").to_pylist()

@@ -1,4 +1,5 @@
-"""sink.vector_scan: which values it reads, what it reads, and the stripped texts it gives.
+"""sink.vector_scan: which values it reads, what it reads, and the stripped texts it gives
+(vectors as JSON arrays, and as base64 strings).
 
 Identity of whole decoded batches with Arrow's path is proven in
 tests/unit/test_decode_vector_json.py; these tests pin the scan's own rules.
@@ -6,6 +7,7 @@ tests/unit/test_decode_vector_json.py; these tests pin the scan's own rules.
 
 from __future__ import annotations
 
+import base64
 import threading
 import time
 from typing import Any
@@ -15,8 +17,9 @@ import pyarrow as pa
 import pyarrow.json as pj
 import pytest
 
+from sink import decode as decode_module
 from sink.decode import Decoder
-from sink.vector_scan import scan
+from sink.vector_scan import scan, scan_base64
 from tests.unit.test_decode import Msg
 from tests.unit.test_decode_vector_json import CLEAN, source, spec
 
@@ -191,3 +194,100 @@ def test_a_scan_lets_other_threads_run() -> None:
     worker.join()
     assert took > 0.2, took  # the scan did take long enough to tell
     assert max(gaps) < took / 3, (max(gaps), took)
+
+
+# -- base64 vectors (vector.encoding = "base64_f32") --------------------------------
+
+
+def _b64(floats: list[float]) -> str:
+    return base64.b64encode(np.array(floats, "<f4").tobytes()).decode()
+
+
+@pytest.mark.parametrize("dim", [3, 4, 5])  # no padding, "==" and "="
+def test_base64_texts_are_given_back_as_they_stand_and_the_rest_byte_for_byte(dim: int) -> None:
+    vectors = [[float(i + k) for k in range(dim)] for i in range(3)]
+    payloads = [f'{{"id": "a", "vec": "{_b64(v)}" , "n": 1}}'.encode() for v in vectors]
+    payloads.append(f'{{"e": {{"vec":"{_b64(vectors[0])}"}}, "x": [1]}}'.encode())
+    positions, texts, stripped = scan_base64(payloads[:3], ("vec",), dim)
+    assert positions.tolist() == [0, 1, 2]
+    assert texts.to_pylist() == [_b64(v) for v in vectors]
+    assert stripped == [b'{"id": "a", "vec": null , "n": 1}'] * 3
+    positions, texts, stripped = scan_base64(payloads[3:], ("e", "vec"), dim)
+    assert texts.to_pylist() == [_b64(vectors[0])]
+    assert stripped == [b'{"e": {"vec":null}, "x": [1]}']
+
+
+GOOD4 = _b64([1, 2, 3, 4])  # 16 bytes: 22 letters and "=="
+
+
+@pytest.mark.parametrize(
+    "vec",
+    [
+        pytest.param('"' + GOOD4[:-2] + '"', id="padding-missing"),
+        pytest.param('"' + GOOD4[:-1] + '"', id="padding-short"),
+        pytest.param('"' + GOOD4 + '="', id="padding-long"),
+        pytest.param('"' + GOOD4 + 'AAAA"', id="too-long"),
+        pytest.param('"' + _b64([1, 2, 3]) + '"', id="too-short"),
+        pytest.param('"' + GOOD4[:5] + "=" + GOOD4[6:] + '"', id="padding-inside"),
+        pytest.param('"' + GOOD4.replace("A", "-", 1) + '"', id="url-safe-alphabet"),
+        pytest.param('"' + GOOD4[:8] + " " + GOOD4[9:] + '"', id="space-inside"),
+        pytest.param('"' + GOOD4[:8] + "\\n" + GOOD4[10:] + '"', id="escaped-newline"),
+        pytest.param('"' + GOOD4[:8] + "\\/" + GOOD4[9:] + '"', id="escaped-slash"),
+        pytest.param('"' + GOOD4[:8] + "\\u0041" + GOOD4[9:] + '"', id="unicode-escape"),
+        pytest.param("[1, 2, 3, 4]", id="an-array"),
+        pytest.param("null", id="null"),
+        pytest.param("1234", id="a-number"),
+    ],
+)
+def test_base64_values_it_is_not_sure_of_are_left_out(vec: str) -> None:
+    good = f'{{"vec": "{GOOD4}"}}'.encode()
+    payload = f'{{"vec": {vec}}}'.encode()
+    positions, texts, stripped = scan_base64([good, payload, good], ("vec",), 4)
+    assert positions.tolist() == [0, 2]
+    assert texts.to_pylist() == [GOOD4, GOOD4]
+    assert stripped == [b'{"vec": null}'] * 2
+
+
+def test_the_decoder_scans_large_batches_of_base64_vectors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Above `_SIMDJSON_BASE64_MAX` values the decoder scans base64 vectors; what the scan
+    leaves out (a bad text, an escaped slash in a good one) takes the simdjson path, and
+    rows and dead letters are those of Arrow's reader alone. A small batch is not scanned."""
+    scanned: list[int] = []
+    whole: list[list[bytes]] = []
+    scan_b64 = decode_module.scan_base64
+    parse_whole = Decoder._parse_simdjson
+
+    def spy_scan(payloads: list[bytes], path: tuple[str, ...], dim: int) -> Any:
+        result = scan_b64(payloads, path, dim)
+        scanned.append(len(result[0]))
+        return result
+
+    def spy_whole(self: Decoder, payloads: list[bytes], sizes: np.ndarray) -> Any:
+        whole.append(payloads)
+        return parse_whole(self, payloads, sizes)
+
+    monkeypatch.setattr(decode_module, "scan_base64", spy_scan)
+    monkeypatch.setattr(Decoder, "_parse_simdjson", spy_whole)
+    n = decode_module._SIMDJSON_BASE64_MAX + 1
+    values = [f'{{"id": "{i}", "vec": "{_b64([i, 2, 3, 4])}"}}'.encode() for i in range(n)]
+    slash = '{"id": "s", "vec": "' + _b64([47.75, 2, 3, 4]).replace("/", "\\/") + '"}'
+    assert "\\/" in slash
+    values[3] = slash.encode()
+    values[5] = b'{"id": "x", "vec": "not base64!"}'
+    messages = [Msg(v, i) for i, v in enumerate(values)]
+    out = Decoder(spec("base64_f32"), source()).decode(messages)
+    assert scanned == [n - 2]
+    assert whole == [[values[3], values[5]]]
+    arrow = Decoder(spec("base64_f32"), source(), vector_fast_path=False).decode(messages)
+    assert out.batch is not None
+    assert arrow.batch is not None
+    assert out.batch.equals(arrow.batch)
+    assert [(d.offset, d.reason) for d in out.dead_letters] == [(5, "wrong_type")]
+    assert out.batch.column("vec").to_pylist()[3] == [47.75, 2, 3, 4]
+    scanned.clear()
+    whole.clear()
+    out = Decoder(spec("base64_f32"), source()).decode(messages[: n - 1])
+    assert scanned == []
+    assert whole == [values[: n - 1]]
