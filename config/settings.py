@@ -230,7 +230,10 @@ class KafkaSettings(_Section):
     )
     auto_offset_reset: Literal["earliest", "latest"] = Field(
         default="earliest",
-        description="Where a partition with no committed offset and no WAL state starts.",
+        description="Where a partition with no committed offset and no WAL state starts. An "
+        "offset the broker no longer has is never replaced silently: one deleted by retention "
+        "resumes at the log start (lance_sink_offsets_skipped_total), one past the log end "
+        "stops the partition (lance_sink_partition_stopped).",
     )
     isolation_level: Literal["read_committed", "read_uncommitted"] = Field(
         default="read_committed",

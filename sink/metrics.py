@@ -124,6 +124,19 @@ class Metrics:
         )
         self.paused = gauge("partition_paused", "1 while the partition is paused.", tp)
         self.writer_poisoned = gauge("writer_poisoned", "1 while the shard writer is poisoned.", tp)
+        self.stopped = gauge(
+            "partition_stopped",
+            "1 once the partition stopped for good (until it is assigned again): a bad message "
+            "with no dead-letter topic, a batch the table refused, or an offset past the "
+            "partition's log end (/readyz says which).",
+            tp,
+        )
+        self.skipped_offsets = counter(
+            "offsets_skipped_total",
+            "Offsets the broker deleted (retention, DeleteRecords) before the sink read them: "
+            "the sink resumed at the log start, their messages are not in the table.",
+            tp,
+        )
         self.shard_open_failures = counter(
             "shard_open_failures_total",
             "Failed attempts to open (claim and replay) a partition's shard writer; each is "
@@ -325,6 +338,12 @@ class Metrics:
     def partition_paused(self, topic: str, partition: int, paused: bool) -> None:
         self.paused.labels(topic, str(partition)).set(1 if paused else 0)
 
+    def partition_stopped(self, topic: str, partition: int) -> None:
+        self.stopped.labels(topic, str(partition)).set(1)
+
+    def offsets_skipped(self, topic: str, partition: int, count: int) -> None:
+        self.skipped_offsets.labels(topic, str(partition)).inc(count)
+
     def partition_poisoned(self, topic: str, partition: int, poisoned: bool) -> None:
         self.writer_poisoned.labels(topic, str(partition)).set(1 if poisoned else 0)
 
@@ -386,6 +405,8 @@ class Metrics:
             self.lag_seconds,
             self.paused,
             self.writer_poisoned,
+            self.stopped,
+            self.skipped_offsets,
             self.shard_open_failures,
             self.dlq_held,
             self.waiting_for_registry,

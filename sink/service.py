@@ -33,7 +33,7 @@ import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import confluent_kafka
 import pyarrow as pa
@@ -69,7 +69,15 @@ from sink.topic_shards import TopicShards
 
 log = structlog.get_logger("lance_sink.sink")
 
-OFFSET_INVALID = confluent_kafka.OFFSET_INVALID
+# Where a partition with neither a committed offset nor WAL state starts
+# (`kafka.auto_offset_reset`): the sink assigns it there itself, as librdkafka's own
+# auto.offset.reset is "error" (see `out_of_range_action`).
+START_AT: Final = {
+    "earliest": confluent_kafka.OFFSET_BEGINNING,
+    "latest": confluent_kafka.OFFSET_END,
+}
+# Longest wait for a partition's log range after the broker refused a fetch offset.
+LOG_RANGE_TIMEOUT_S = 10.0
 METRICS_INTERVAL_S = 1.0  # how often gauges are refreshed: matches a typical scrape
 RECOVERY_BACKOFF_S = 1.0  # wait before reopening a poisoned writer (doubles per failure)
 # Longest wait between two attempts to open a shard that keeps failing: long enough not to
@@ -115,7 +123,10 @@ def consumer_conf(settings: Settings) -> dict[str, Any]:
     conf.update(
         {
             "group.id": k.group_id,
-            "auto.offset.reset": k.auto_offset_reset,
+            # The sink starts a partition without offsets at kafka.auto_offset_reset itself
+            # (`START_AT`); an offset the broker no longer has is reported to it, never
+            # replaced silently (`out_of_range_action`).
+            "auto.offset.reset": "error",
             "isolation.level": k.isolation_level,
             "session.timeout.ms": k.session_timeout_ms,
             "max.poll.interval.ms": k.max_poll_interval_ms,
@@ -206,7 +217,10 @@ class PartitionState:
     paused: bool = False
     fenced: bool = False  # a newer writer owns the shard: wait to lose the partition
     fenced_at: float | None = None
-    stopped: str | None = None  # why the partition stopped for good (no dead-letter topic)
+    stopped: str | None = None  # why the partition stopped for good (see `_stop_partition`)
+    # The broker refused to fetch from this offset (out of range): the partition's log
+    # range, being looked up on the open pool (`_offset_out_of_range`).
+    out_of_range: tuple[int, Future[tuple[int, int]]] | None = None
     recover_at: float = 0.0
     # Opening the shard writer (on assign, or to recover it) on the open pool; while it
     # fails, `open_error` says why and `open_failures` counts the attempts in a row.
@@ -493,6 +507,7 @@ class SinkService:
         if self.dlq is not None:
             self.dlq.poll()
         self._service_held()
+        self._service_out_of_range()
         self._advance()
         self.maintenance_role.update(self.partitions)
         now = time.monotonic()
@@ -528,7 +543,10 @@ class SinkService:
         for m in messages:
             err = m.error()
             if err is not None:
-                self._on_message_error(err)
+                if err.code() == confluent_kafka.KafkaError._AUTO_OFFSET_RESET:
+                    self._offset_out_of_range(m.topic(), m.partition(), m.offset(), err)
+                else:
+                    self._on_message_error(err)
                 continue
             groups.setdefault((m.topic(), m.partition()), []).append(m)
         for key, batch in groups.items():
@@ -666,7 +684,7 @@ class SinkService:
                     detail=first.detail,
                 )
                 self._hold(state, held)
-                state.stopped = f"bad message at offset {first.offset}: {first.reason}"
+                self._stop_partition(state, f"bad message at offset {first.offset}: {first.reason}")
                 return
             held.dead_letters = self.dlq.send(list(decoded.dead_letters))
             self._hold(state, held)
@@ -701,7 +719,7 @@ class SinkService:
                 error=str(exc),
             )
             if self.dlq is None:
-                state.stopped = f"batch rejected by the table: {exc}"
+                self._stop_partition(state, f"batch rejected by the table: {exc}")
                 return False
             letters = [_rejected(m, str(exc)) for m in held.messages]
             held.decoded = Decoded(None, letters, [], decoded.first_offset, decoded.last_offset)
@@ -948,9 +966,8 @@ class SinkService:
             start=start,
         )
         if not state.assigned:
-            tp = TopicPartition(
-                state.topic, state.partition, OFFSET_INVALID if start is None else start
-            )
+            first = START_AT[self.settings.kafka.auto_offset_reset] if start is None else start
+            tp = TopicPartition(state.topic, state.partition, first)
             if assign is not None:
                 assign.append(tp)
             else:
@@ -960,6 +977,92 @@ class SinkService:
                 self.consumer.resume([state.tp])
             state.assigned = True
         return True
+
+    def _stop_partition(self, state: PartitionState, why: str) -> None:
+        """Stop consuming the partition for good (until the sink restarts): `why` shows in
+        /readyz and /v1/status, and `lance_sink_partition_stopped` is 1."""
+        state.stopped = why
+        self.metrics.partition_stopped(state.topic, state.partition)
+
+    def _offset_out_of_range(
+        self, topic: str, partition: int, offset: int, err: confluent_kafka.KafkaError
+    ) -> None:
+        """The broker has no message at `offset`, the partition's fetch position, and
+        librdkafka stopped fetching it: look its log range up on the open pool (a round
+        trip to the broker) and act on it in `_service_out_of_range`."""
+        state = self.partitions.get((topic, partition))
+        if state is None or state.out_of_range is not None or state.stopped:
+            return
+        log.warning(
+            "offset_out_of_range", topic=topic, partition=partition, offset=offset, error=err.str()
+        )
+        if offset < 0:  # a logical start (`START_AT`) the broker could not resolve: again
+            self._seek_fetch(state, offset)
+            return
+        lookup = self._open_pool.submit(
+            self.consumer.get_watermark_offsets,
+            TopicPartition(topic, partition),
+            LOG_RANGE_TIMEOUT_S,
+            False,
+        )
+        state.out_of_range = (offset, lookup)
+
+    def _service_out_of_range(self) -> None:
+        """Act on the log ranges looked up for refused fetch offsets (`out_of_range_action`)."""
+        for state in list(self.partitions.values()):
+            pending = state.out_of_range
+            if pending is None or not pending[1].done():
+                continue
+            state.out_of_range = None
+            offset, lookup = pending
+            try:
+                low, high = lookup.result()
+            except confluent_kafka.KafkaException as exc:
+                # Fetching again asks the broker again; a refusal that stands comes back.
+                log.warning(
+                    "log_range_lookup_failed",
+                    topic=state.topic,
+                    partition=state.partition,
+                    error=str(exc),
+                )
+                self._seek_fetch(state, offset)
+                continue
+            self._resolve_out_of_range(state, offset, low, high)
+
+    def _resolve_out_of_range(
+        self, state: PartitionState, offset: int, low: int, high: int
+    ) -> None:
+        """The broker refused `offset` of a partition whose log spans [`low`, `high`)."""
+        action = out_of_range_action(offset, low, high)
+        where = {"topic": state.topic, "partition": state.partition, "offset": offset}
+        if action == "retry":
+            log.info("offset_in_range_again", **where, log_start=low, log_end=high)
+            self._seek_fetch(state, offset)
+        elif action == "skip":
+            log.error("offsets_deleted_before_read", **where, log_start=low, skipped=low - offset)
+            self.metrics.offsets_skipped(state.topic, state.partition, low - offset)
+            # Nothing of them can become durable: `done` steps over them in order, as over
+            # offsets without rows.
+            state.inflight.append(_InFlight(low - 1, None, 0, 0, None))
+            state.position = low
+            self._seek_fetch(state, low)
+        else:
+            log.error("partition_stopped_offset_out_of_range", **where, log_end=high)
+            self._stop_partition(
+                state,
+                f"offset {offset} is past the log end {high}: the partition's log was "
+                "truncated or its topic created again",
+            )
+            self._pause(state)
+
+    def _seek_fetch(self, state: PartitionState, offset: int) -> None:
+        """Fetch the partition from `offset` (it was left where the broker refused it)."""
+        if not state.assigned or state.writer is None:
+            return  # fetched from `position` when it is assigned again
+        try:
+            self.consumer.seek(TopicPartition(state.topic, state.partition, offset))
+        except confluent_kafka.KafkaException as exc:
+            log.warning("seek_failed", topic=state.topic, partition=state.partition, error=str(exc))
 
     def _on_message_error(self, err: confluent_kafka.KafkaError) -> None:
         if err.fatal():
@@ -1593,6 +1696,30 @@ class SinkService:
                 poisoned=st.poisoned,
             )
         return entry
+
+
+def out_of_range_action(offset: int, low: int, high: int) -> Literal["skip", "stop", "retry"]:
+    """What the sink does when the broker refused to fetch `offset` of a partition whose
+    log spans [`low`, `high`) (librdkafka's auto.offset.reset is "error", so it never jumps
+    silently):
+
+    - "skip": `offset` lies before the log start: its messages were deleted (retention,
+      DeleteRecords) before the sink read them. Nothing can bring them back; the sink
+      resumes at the log start, counts the skipped offsets
+      (``lance_sink_offsets_skipped_total``) and logs ``offsets_deleted_before_read``.
+    - "stop": `offset` lies past the log end: the log was truncated (an unclean leader
+      election) or the topic deleted and created again, so the offsets now in the log
+      are not the ones the sink read. Resuming anywhere could drop rows (offsets below
+      the ones already durable are taken for done) or duplicate them: the partition stops
+      (``/readyz`` names it, ``lance_sink_partition_stopped`` is 1) until an operator
+      resolves it.
+    - "retry": `offset` is in the log now (a transient refusal): fetch it again.
+    """
+    if offset < low:
+        return "skip"
+    if offset > high:
+        return "stop"
+    return "retry"
 
 
 def _rewind(state: PartitionState, first: Any) -> None:

@@ -75,6 +75,8 @@ METRICS = {
     "lance_sink_rows_ingested_total",
     "lance_sink_bytes_ingested_total",
     "lance_sink_writer_poisoned",
+    "lance_sink_partition_stopped",
+    "lance_sink_offsets_skipped_total",
     "lance_sink_dlq_messages_total",
     "lance_sink_dlq_delivery_failures_total",
     "lance_sink_dlq_payload_omitted_total",
@@ -1222,6 +1224,8 @@ def test_alerts(rendered: dict[str, list[dict[str, Any]]]) -> None:
         "LanceSinkPartitionPaused",
         "LanceSinkFlushFailing",
         "LanceSinkWriterPoisoned",
+        "LanceSinkPartitionStopped",
+        "LanceSinkOffsetsSkipped",
         "LanceSinkDeadLetterRate",
         "LanceSinkDeadLettersStalled",
         "LanceSinkNoMaintenance",
@@ -1233,6 +1237,12 @@ def test_alerts(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert rules["LanceSinkPartitionPaused"]["for"] == "10m"
     assert "lance_sink_flush_failures_total" in rules["LanceSinkFlushFailing"]["expr"]
     assert "lance_sink_writer_poisoned" in rules["LanceSinkWriterPoisoned"]["expr"]
+    assert rules["LanceSinkPartitionStopped"]["expr"] == (
+        f"lance_sink_partition_stopped{selector} > 0"
+    )
+    assert rules["LanceSinkOffsetsSkipped"]["expr"] == (
+        f"increase(lance_sink_offsets_skipped_total{selector}[1h]) > 0"
+    )
     assert rules["LanceSinkDeadLetterRate"]["expr"].endswith("> 0.5")
     assert rules["LanceSinkDeadLettersStalled"]["expr"] == (
         f"lance_sink_dlq_held_seconds{selector} > 120"

@@ -111,6 +111,18 @@ def end_offsets(bootstrap: str, topic: str, timeout: float = 30.0) -> dict[int, 
         consumer.close()
 
 
+def commit_offsets(bootstrap: str, group: str, topic: str, offsets: dict[int, int]) -> None:
+    """Commit `offsets` (partition -> next offset to read) for `group`, as an operator's
+    offset reset would: the broker takes any offset, in its log or not."""
+    consumer = confluent_kafka.Consumer(consumer_conf(bootstrap, group))
+    try:
+        tps = [TopicPartition(topic, p, offset) for p, offset in offsets.items()]
+        for tp in consumer.commit(offsets=tps, asynchronous=False) or []:
+            assert tp.error is None, tp
+    finally:
+        consumer.close()
+
+
 def committed_offsets(
     bootstrap: str, group: str, topic: str, partitions: int = 4
 ) -> dict[int, int]:

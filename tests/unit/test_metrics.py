@@ -59,6 +59,12 @@ EXPECTED = {
     "lance_sink_memtable_bytes": "Resident bytes of the active memtable.",
     "lance_sink_memtable_index_bytes": "Resident bytes of in-memory indexes (all memtables).",
     "lance_sink_partition_paused": "1 while the partition is paused.",
+    "lance_sink_partition_stopped": "1 once the partition stopped for good (until it is "
+    "assigned again): a bad message with no dead-letter topic, a batch the table refused, or "
+    "an offset past the partition's log end (/readyz says which).",
+    "lance_sink_offsets_skipped": "Offsets the broker deleted (retention, DeleteRecords) before "
+    "the sink read them: the sink resumed at the log start, their messages are not in the "
+    "table.",
     "lance_sink_query_seconds": "Query latency by kind.",
     "lance_sink_query_fanout_missing_shards": (
         "Shards whose fresh rows a query lacked (answered partial, or failed) because the "
@@ -126,6 +132,7 @@ def test_counters_end_in_total_and_units_are_named() -> None:
                         "_waits",
                         "_paused",
                         "_poisoned",
+                        "_stopped",
                         "_active",
                     )
                 ), name

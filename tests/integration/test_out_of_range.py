@@ -1,0 +1,94 @@
+"""What the sink does with a fetch offset the broker refused, given the partition's log
+range (`sink.service.out_of_range_action`), in a real `SinkService` (real broker client,
+real Lance table). The stop is exercised end to end in
+`tests/e2e/test_offset_out_of_range.py`; no broker here deletes records (neither the mock
+cluster nor tansu serves DeleteRecords), so the skip is driven from its log range."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+
+from config import load_settings
+from sink.service import PartitionState, SinkService, out_of_range_action
+from tests.support.brokers import Broker
+from tests.support.sink import write_config
+
+pytestmark = [pytest.mark.broker, pytest.mark.timeout(60)]
+
+
+@pytest.mark.parametrize(
+    ("offset", "action"),
+    [(0, "skip"), (7, "skip"), (8, "retry"), (9, "retry"), (10, "retry"), (11, "stop")],
+)
+def test_the_action_follows_where_the_offset_lies_against_the_log(offset: int, action: str) -> None:
+    assert out_of_range_action(offset, 8, 10) == action  # the log holds offsets 8-9
+
+
+@pytest.fixture
+def service(kafka_broker: Broker, topic: str, group: str, tmp_path: Path) -> Iterator[SinkService]:
+    """A sink service on `topic` (not started: the tests set its partitions by hand)."""
+    config = write_config(
+        tmp_path / "sink.toml",
+        bootstrap=kafka_broker.bootstrap,
+        topics=[topic],
+        group=group,
+        table_uri=str(tmp_path / "table.lance"),
+    )
+    service = SinkService(load_settings(config))
+    try:
+        yield service
+    finally:
+        service._drain()
+
+
+def skipped(service: SinkService, topic: str) -> float:
+    value = service.metrics.registry.get_sample_value(
+        "lance_sink_offsets_skipped_total", {"topic": topic, "partition": "0"}
+    )
+    return value or 0.0
+
+
+def test_offsets_deleted_before_they_were_read_are_skipped_counted_and_committed_past(
+    service: SinkService, topic: str
+) -> None:
+    # Offsets 0-4 durable and committed; the broker then refused 5: retention deleted
+    # 5-7 before the sink read them, the log holds 8-9.
+    state = PartitionState(topic, 0, None, 5, 5, 5, assigned=False)
+    service.partitions[(topic, 0)] = state
+    with structlog.testing.capture_logs() as logs:
+        service._resolve_out_of_range(state, 5, 8, 10)
+    assert [(e["event"], e["offset"], e["skipped"]) for e in logs] == [
+        ("offsets_deleted_before_read", 5, 3)
+    ]
+    assert skipped(service, topic) == 3
+    assert state.position == 8
+    assert state.stopped is None
+    service._advance()  # nothing of 5-7 can become durable: `done` steps over them
+    assert state.done == 8
+
+
+def test_an_offset_back_in_the_log_is_fetched_again_and_one_past_its_end_stops(
+    service: SinkService, topic: str
+) -> None:
+    state = PartitionState(topic, 0, None, 5, 5, 5, assigned=False)
+    service.partitions[(topic, 0)] = state
+    service._resolve_out_of_range(state, 5, 0, 10)
+    assert (state.position, state.done, state.stopped) == (5, 5, None)
+    assert skipped(service, topic) == 0
+    service._resolve_out_of_range(state, 5, 0, 3)
+    assert state.stopped == (
+        "offset 5 is past the log end 3: the partition's log was truncated or its topic "
+        "created again"
+    )
+    assert state.paused
+    assert (
+        service.metrics.registry.get_sample_value(
+            "lance_sink_partition_stopped", {"topic": topic, "partition": "0"}
+        )
+        == 1
+    )
+    assert (state.position, state.done) == (5, 5)
