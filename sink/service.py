@@ -39,6 +39,8 @@ import confluent_kafka
 import pyarrow as pa
 import structlog
 from confluent_kafka import TopicPartition
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin._listoffsets import OffsetSpec  # not re-exported for typing
 
 from config.settings import Settings
 from engine.backpressure import BudgetController
@@ -78,6 +80,11 @@ START_AT: Final = {
 }
 # Longest wait for a partition's log range after the broker refused a fetch offset.
 LOG_RANGE_TIMEOUT_S = 10.0
+# An offset past the log end stops its partition only when the broker keeps refusing it
+# for this long (asked again every `OUT_OF_RANGE_RETRY_S`): a broker that just restarted
+# may report its log end late, which no truncation explains.
+OUT_OF_RANGE_GRACE_S = 10.0
+OUT_OF_RANGE_RETRY_S = 1.0
 METRICS_INTERVAL_S = 1.0  # how often gauges are refreshed: matches a typical scrape
 RECOVERY_BACKOFF_S = 1.0  # wait before reopening a poisoned writer (doubles per failure)
 # Longest wait between two attempts to open a shard that keeps failing: long enough not to
@@ -219,8 +226,11 @@ class PartitionState:
     fenced_at: float | None = None
     stopped: str | None = None  # why the partition stopped for good (see `_stop_partition`)
     # The broker refused to fetch from this offset (out of range): the partition's log
-    # range, being looked up on the open pool (`_offset_out_of_range`).
+    # range, being looked up on the open pool (`_offset_out_of_range`); the offset and when
+    # to fetch it again; since when the broker has refused it (reset by any message).
     out_of_range: tuple[int, Future[tuple[int, int]]] | None = None
+    out_of_range_retry: tuple[int, float] | None = None
+    out_of_range_since: float | None = None
     recover_at: float = 0.0
     # Opening the shard writer (on assign, or to recover it) on the open pool; while it
     # fails, `open_error` says why and `open_failures` counts the attempts in a row.
@@ -364,6 +374,8 @@ class SinkService:
         self._stop = threading.Event()
         self._stop_at: float | None = None  # when the drain was asked for (monotonic)
         self._fatal: str | None = None
+        # Asks the brokers for log ranges (`_offset_out_of_range`); made when first needed.
+        self._admin: AdminClient | None = None
         self._open_pool = ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="open", initializer=name_os_thread
         )
@@ -562,6 +574,7 @@ class SinkService:
                 else [m for m in batch if m.offset() >= position]
             )
             if fresh:
+                state.out_of_range_since = None
                 state.position = fresh[-1].offset() + 1
                 state.parked.extend(fresh)
                 self._parked_messages += len(fresh)
@@ -993,23 +1006,32 @@ class SinkService:
         state = self.partitions.get((topic, partition))
         if state is None or state.out_of_range is not None or state.stopped:
             return
-        log.warning(
-            "offset_out_of_range", topic=topic, partition=partition, offset=offset, error=err.str()
-        )
+        if state.out_of_range_since is None:  # the first refusal in a row (see below)
+            log.warning(
+                "offset_out_of_range",
+                topic=topic,
+                partition=partition,
+                offset=offset,
+                error=err.str(),
+            )
         if offset < 0:  # a logical start (`START_AT`) the broker could not resolve: again
             self._seek_fetch(state, offset)
             return
-        lookup = self._open_pool.submit(
-            self.consumer.get_watermark_offsets,
-            TopicPartition(topic, partition),
-            LOG_RANGE_TIMEOUT_S,
-            False,
-        )
+        if self._admin is None:
+            self._admin = AdminClient(lag_confs(self.settings)[0])
+        lookup = self._open_pool.submit(_log_range, self._admin, topic, partition)
         state.out_of_range = (offset, lookup)
 
     def _service_out_of_range(self) -> None:
-        """Act on the log ranges looked up for refused fetch offsets (`out_of_range_action`)."""
+        """Act on the log ranges looked up for refused fetch offsets (`out_of_range_action`)
+        and fetch again those whose wait is over."""
+        now = time.monotonic()
         for state in list(self.partitions.values()):
+            retry = state.out_of_range_retry
+            if retry is not None and now >= retry[1]:
+                state.out_of_range_retry = None
+                if not state.stopped:
+                    self._seek_fetch(state, retry[0])
             pending = state.out_of_range
             if pending is None or not pending[1].done():
                 continue
@@ -1025,7 +1047,7 @@ class SinkService:
                     partition=state.partition,
                     error=str(exc),
                 )
-                self._seek_fetch(state, offset)
+                state.out_of_range_retry = (offset, now + OUT_OF_RANGE_RETRY_S)
                 continue
             self._resolve_out_of_range(state, offset, low, high)
 
@@ -1047,6 +1069,15 @@ class SinkService:
             state.position = low
             self._seek_fetch(state, low)
         else:
+            now = time.monotonic()
+            if state.out_of_range_since is None:
+                state.out_of_range_since = now
+                log.warning(
+                    "offset_past_log_end", **where, log_end=high, grace_s=OUT_OF_RANGE_GRACE_S
+                )
+            if now - state.out_of_range_since < OUT_OF_RANGE_GRACE_S:
+                state.out_of_range_retry = (offset, now + OUT_OF_RANGE_RETRY_S)
+                return
             log.error("partition_stopped_offset_out_of_range", **where, log_end=high)
             self._stop_partition(
                 state,
@@ -1056,13 +1087,27 @@ class SinkService:
             self._pause(state)
 
     def _seek_fetch(self, state: PartitionState, offset: int) -> None:
-        """Fetch the partition from `offset` (it was left where the broker refused it)."""
+        """Fetch the partition from `offset` again after the broker refused an offset.
+        librdkafka refuses to seek a partition in that state ("Erroneous state"): it is
+        taken out of the assignment and put back at `offset`."""
         if not state.assigned or state.writer is None:
             return  # fetched from `position` when it is assigned again
+        tp = TopicPartition(state.topic, state.partition)
         try:
-            self.consumer.seek(TopicPartition(state.topic, state.partition, offset))
+            self.consumer.incremental_unassign([tp])
+            tp.offset = offset
+            self.consumer.incremental_assign([tp])
+            if state.paused:
+                self.consumer.pause([tp])  # an assignment starts unpaused
         except confluent_kafka.KafkaException as exc:
-            log.warning("seek_failed", topic=state.topic, partition=state.partition, error=str(exc))
+            log.warning(
+                "fetch_restart_failed",
+                topic=state.topic,
+                partition=state.partition,
+                offset=offset,
+                error=str(exc),
+            )
+            state.out_of_range_retry = (offset, time.monotonic() + OUT_OF_RANGE_RETRY_S)
 
     def _on_message_error(self, err: confluent_kafka.KafkaError) -> None:
         if err.fatal():
@@ -1698,6 +1743,23 @@ class SinkService:
         return entry
 
 
+def _log_range(admin: AdminClient, topic: str, partition: int) -> tuple[int, int]:
+    """A partition's log start and end (high watermark), from ListOffsets through an admin
+    client of the sink's own: the consumer's look-up (`get_watermark_offsets`) of a
+    partition whose fetch offset it had just been refused took up to 18 s, past its timeout.
+
+    Raises:
+        KafkaException: the brokers did not answer within `LOG_RANGE_TIMEOUT_S`.
+    """
+    tp = TopicPartition(topic, partition)
+    specs = (OffsetSpec.earliest(), OffsetSpec.latest())  # type: ignore[no-untyped-call]
+    start, end = (
+        next(iter(admin.list_offsets({tp: spec}, request_timeout=LOG_RANGE_TIMEOUT_S).values()))
+        for spec in specs
+    )
+    return start.result().offset, end.result().offset
+
+
 def out_of_range_action(offset: int, low: int, high: int) -> Literal["skip", "stop", "retry"]:
     """What the sink does when the broker refused to fetch `offset` of a partition whose
     log spans [`low`, `high`) (librdkafka's auto.offset.reset is "error", so it never jumps
@@ -1712,7 +1774,8 @@ def out_of_range_action(offset: int, low: int, high: int) -> Literal["skip", "st
       are not the ones the sink read. Resuming anywhere could drop rows (offsets below
       the ones already durable are taken for done) or duplicate them: the partition stops
       (``/readyz`` names it, ``lance_sink_partition_stopped`` is 1) until an operator
-      resolves it.
+      resolves it, once the broker has refused the offset for `OUT_OF_RANGE_GRACE_S` (a
+      broker that just restarted may report its log end late).
     - "retry": `offset` is in the log now (a transient refusal): fetch it again.
     """
     if offset < low:

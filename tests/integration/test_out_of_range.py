@@ -13,7 +13,12 @@ import pytest
 import structlog
 
 from config import load_settings
-from sink.service import PartitionState, SinkService, out_of_range_action
+from sink.service import (
+    OUT_OF_RANGE_GRACE_S,
+    PartitionState,
+    SinkService,
+    out_of_range_action,
+)
 from tests.support.brokers import Broker
 from tests.support.sink import write_config
 
@@ -79,6 +84,14 @@ def test_an_offset_back_in_the_log_is_fetched_again_and_one_past_its_end_stops(
     service._resolve_out_of_range(state, 5, 0, 10)
     assert (state.position, state.done, state.stopped) == (5, 5, None)
     assert skipped(service, topic) == 0
+    service._resolve_out_of_range(state, 5, 0, 3)
+    # Refused for less than the grace: asked again later, not stopped (a broker that just
+    # restarted may report its log end late).
+    assert state.stopped is None
+    assert state.out_of_range_retry is not None
+    assert state.out_of_range_retry[0] == 5
+    assert state.out_of_range_since is not None
+    state.out_of_range_since -= OUT_OF_RANGE_GRACE_S
     service._resolve_out_of_range(state, 5, 0, 3)
     assert state.stopped == (
         "offset 5 is past the log end 3: the partition's log was truncated or its topic "
