@@ -992,8 +992,8 @@ class SinkService:
         return True
 
     def _stop_partition(self, state: PartitionState, why: str) -> None:
-        """Stop consuming the partition for good (until the sink restarts): `why` shows in
-        /readyz and /v1/status, and `lance_sink_partition_stopped` is 1."""
+        """Stop consuming the partition for good (until it is assigned again): `why` shows
+        in /readyz and /v1/status, and `lance_sink_partition_stopped` is 1."""
         state.stopped = why
         self.metrics.partition_stopped(state.topic, state.partition)
 
@@ -1057,15 +1057,20 @@ class SinkService:
         """The broker refused `offset` of a partition whose log spans [`low`, `high`)."""
         action = out_of_range_action(offset, low, high)
         where = {"topic": state.topic, "partition": state.partition, "offset": offset}
-        if action == "retry":
+        if action == "retry":  # asked again after a while: ListOffsets and fetches disagree
             log.info("offset_in_range_again", **where, log_start=low, log_end=high)
-            self._seek_fetch(state, offset)
+            state.out_of_range_retry = (offset, time.monotonic() + OUT_OF_RANGE_RETRY_S)
         elif action == "skip":
             log.error("offsets_deleted_before_read", **where, log_start=low, skipped=low - offset)
             self.metrics.offsets_skipped(state.topic, state.partition, low - offset)
-            # Nothing of them can become durable: `done` steps over them in order, as over
-            # offsets without rows.
-            state.inflight.append(_InFlight(low - 1, None, 0, 0, None))
+            # Nothing of them can become durable: `done` steps over them as over offsets
+            # without rows, after the messages consumed before them (still parked or
+            # decoding), as one more decoded batch of none.
+            if state.parked:
+                self._submit_parked(state)
+            none: Future[Decoded] = Future()
+            none.set_result(Decoded(None, [], [], offset, low - 1))
+            state.decoding.append(_Decoding([], none))
             state.position = low
             self._seek_fetch(state, low)
         else:

@@ -7,16 +7,19 @@ cluster nor tansu serves DeleteRecords), so the skip is driven from its log rang
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import structlog
 
 from config import load_settings
+from sink.decode import Decoded
 from sink.service import (
     OUT_OF_RANGE_GRACE_S,
     PartitionState,
     SinkService,
+    _Decoding,
     out_of_range_action,
 )
 from tests.support.brokers import Broker
@@ -60,9 +63,11 @@ def skipped(service: SinkService, topic: str) -> float:
 def test_offsets_deleted_before_they_were_read_are_skipped_counted_and_committed_past(
     service: SinkService, topic: str
 ) -> None:
-    # Offsets 0-4 durable and committed; the broker then refused 5: retention deleted
-    # 5-7 before the sink read them, the log holds 8-9.
-    state = PartitionState(topic, 0, None, 5, 5, 5, assigned=False)
+    # Offsets 0-2 durable and committed, 3-4 consumed and still decoding; the broker then
+    # refused 5: retention deleted 5-7 before the sink read them, the log holds 8-9.
+    state = PartitionState(topic, 0, None, 5, 3, 3, assigned=False)
+    decoding: Future[Decoded] = Future()
+    state.decoding.append(_Decoding([], decoding))
     service.partitions[(topic, 0)] = state
     with structlog.testing.capture_logs() as logs:
         service._resolve_out_of_range(state, 5, 8, 10)
@@ -72,8 +77,16 @@ def test_offsets_deleted_before_they_were_read_are_skipped_counted_and_committed
     assert skipped(service, topic) == 3
     assert state.position == 8
     assert state.stopped is None
-    service._advance()  # nothing of 5-7 can become durable: `done` steps over them
+    # Nothing of 5-7 can become durable: `done` steps over them, after 3-4.
+    service._collect_decoded()
+    service._advance()
+    assert state.done == 3
+    decoding.set_result(Decoded(None, [], [], 3, 4))  # 3-4 without rows (tombstones, say)
+    service._collect_decoded()
+    service._advance()
     assert state.done == 8
+    assert not state.decoding
+    assert not state.inflight
 
 
 def test_an_offset_back_in_the_log_is_fetched_again_and_one_past_its_end_stops(
@@ -83,6 +96,8 @@ def test_an_offset_back_in_the_log_is_fetched_again_and_one_past_its_end_stops(
     service.partitions[(topic, 0)] = state
     service._resolve_out_of_range(state, 5, 0, 10)
     assert (state.position, state.done, state.stopped) == (5, 5, None)
+    assert state.out_of_range_retry is not None
+    assert state.out_of_range_retry[0] == 5  # fetched again a second later
     assert skipped(service, topic) == 0
     service._resolve_out_of_range(state, 5, 0, 3)
     # Refused for less than the grace: asked again later, not stopped (a broker that just
