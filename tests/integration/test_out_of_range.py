@@ -6,14 +6,11 @@ cluster nor tansu serves DeleteRecords), so the skip is driven from its log rang
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import Future
-from pathlib import Path
 
 import pytest
 import structlog
 
-from config import load_settings
 from sink.decode import Decoded
 from sink.service import (
     OUT_OF_RANGE_GRACE_S,
@@ -22,8 +19,6 @@ from sink.service import (
     _Decoding,
     out_of_range_action,
 )
-from tests.support.brokers import Broker
-from tests.support.sink import write_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(60)]
 
@@ -34,23 +29,6 @@ pytestmark = [pytest.mark.broker, pytest.mark.timeout(60)]
 )
 def test_the_action_follows_where_the_offset_lies_against_the_log(offset: int, action: str) -> None:
     assert out_of_range_action(offset, 8, 10) == action  # the log holds offsets 8-9
-
-
-@pytest.fixture
-def service(kafka_broker: Broker, topic: str, group: str, tmp_path: Path) -> Iterator[SinkService]:
-    """A sink service on `topic` (not started: the tests set its partitions by hand)."""
-    config = write_config(
-        tmp_path / "sink.toml",
-        bootstrap=kafka_broker.bootstrap,
-        topics=[topic],
-        group=group,
-        table_uri=str(tmp_path / "table.lance"),
-    )
-    service = SinkService(load_settings(config))
-    try:
-        yield service
-    finally:
-        service._drain()
 
 
 def skipped(service: SinkService, topic: str) -> float:

@@ -6,15 +6,10 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from config import load_settings
 from sink.service import PartitionState, SinkService
-from tests.support.brokers import Broker
-from tests.support.sink import write_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(60)]
 
@@ -24,23 +19,6 @@ def series(service: SinkService, topic: str, shard: str) -> list[str]:
     text = service.exposition().decode()
     pattern = re.compile(rf'(topic="{re.escape(topic)}"|shard="{re.escape(shard)}")')
     return [line for line in text.splitlines() if pattern.search(line)]
-
-
-@pytest.fixture
-def service(kafka_broker: Broker, topic: str, group: str, tmp_path: Path) -> Iterator[SinkService]:
-    """A sink service on `topic` (not started: the tests set its partitions by hand)."""
-    config = write_config(
-        tmp_path / "sink.toml",
-        bootstrap=kafka_broker.bootstrap,
-        topics=[topic],
-        group=group,
-        table_uri=str(tmp_path / "table.lance"),
-    )
-    service = SinkService(load_settings(config))
-    try:
-        yield service
-    finally:
-        service._drain()
 
 
 def test_a_dropped_writer_leaves_current_offsets_and_a_release_leaves_no_series(
