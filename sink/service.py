@@ -1015,7 +1015,7 @@ class SinkService:
                 error=err.str(),
             )
         if offset < 0:  # a logical start (`START_AT`) the broker could not resolve: again
-            self._seek_fetch(state, offset)
+            self._fetch_from(state, offset)
             return
         if self._admin is None:
             self._admin = AdminClient(lag_confs(self.settings)[0])
@@ -1031,7 +1031,7 @@ class SinkService:
             if retry is not None and now >= retry[1]:
                 state.out_of_range_retry = None
                 if not state.stopped:
-                    self._seek_fetch(state, retry[0])
+                    self._fetch_from(state, retry[0])
             pending = state.out_of_range
             if pending is None or not pending[1].done():
                 continue
@@ -1072,7 +1072,7 @@ class SinkService:
             none.set_result(Decoded(None, [], [], offset, low - 1))
             state.decoding.append(_Decoding([], none))
             state.position = low
-            self._seek_fetch(state, low)
+            self._fetch_from(state, low)
         else:
             now = time.monotonic()
             if state.out_of_range_since is None:
@@ -1091,7 +1091,7 @@ class SinkService:
             )
             self._pause(state)
 
-    def _seek_fetch(self, state: PartitionState, offset: int) -> None:
+    def _fetch_from(self, state: PartitionState, offset: int) -> None:
         """Fetch the partition from `offset` again after the broker refused an offset.
         librdkafka refuses to seek a partition in that state ("Erroneous state"): it is
         taken out of the assignment and put back at `offset`."""
