@@ -263,10 +263,12 @@ class KafkaSettings(_Section):
         "of the WAL flush interval keeps the commit delay within a few flush intervals.",
     )
     commit_interval_ms: PositiveInt = Field(
-        default=10,
+        default=5,
         description="Least time between two asynchronous commits of durable offsets (also "
-        "committed synchronously on revoke and shutdown). Half the WAL flush interval: a "
-        "group commit waits at most this long for its offset commit.",
+        "committed synchronously on revoke and shutdown), counted from the last commit "
+        "sent: an offset that becomes durable after a quieter spell is committed at once. "
+        "A quarter of the WAL flush interval: under load a group commit waits at most this "
+        "long for its offset commit.",
     )
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
         default="PLAINTEXT", description="How the clients talk to the brokers."
@@ -837,7 +839,7 @@ class WalSettings(_Section):
         default=20,
         validate_default=True,
         description="Group-commit window: puts arriving within it share one WAL entry, whose "
-        "offsets the next offset commit (every kafka.commit_interval_ms) takes.",
+        "offsets the next offset commit (at most kafka.commit_interval_ms later) takes.",
     )
     max_wal_buffer_size: PositiveBytes = Field(
         default=ByteSize(16 << 20),

@@ -509,8 +509,17 @@ class SinkService:
     def _wait_decoded(self, timeout: float) -> None:
         """The decode queue is full: wait (bounded) until some partition's oldest batch is
         decoded (only that lets batches be fed, in offset order)."""
-        heads = [s.decoding[0].future for s in self.partitions.values() if s.decoding]
+        heads: list[Future[Any]] = [
+            s.decoding[0].future for s in self.partitions.values() if s.decoding
+        ]
         if heads:
+            # A put that becomes durable meanwhile ends the wait too: its offsets are then
+            # committed in this iteration, not after the decoding.
+            heads += [
+                s.inflight[0].future
+                for s in self.partitions.values()
+                if s.inflight and s.inflight[0].future is not None
+            ]
             wait(heads, timeout, return_when=FIRST_COMPLETED)
 
     def _tick(self) -> None:
@@ -523,9 +532,11 @@ class SinkService:
         self._advance()
         self.maintenance_role.update(self.partitions)
         now = time.monotonic()
-        if now - self._last_commit >= self.settings.kafka.commit_interval_ms / 1000:
+        # The interval runs from the last commit sent: an offset that becomes durable later
+        # than that is committed at once, not at the next multiple of the interval.
+        interval = self.settings.kafka.commit_interval_ms / 1000
+        if now - self._last_commit >= interval and self._commit(asynchronous=True):
             self._last_commit = now
-            self._commit(asynchronous=True)
         if now - self._last_metrics >= METRICS_INTERVAL_S:
             self._last_metrics = now
             self._check_writers()
@@ -1133,7 +1144,7 @@ class SinkService:
 
     # ------------------------------------------------------------------ offsets
 
-    def _commit(self, *, asynchronous: bool, states: list[PartitionState] | None = None) -> None:
+    def _commit(self, *, asynchronous: bool, states: list[PartitionState] | None = None) -> bool:
         """Commit each partition's `done` offset (the commit protocol's last step, data
         path step 7 in DESIGN.md):
 
@@ -1141,6 +1152,9 @@ class SinkService:
         2. Commit every partition whose `done` is past its committed offset and that no
            newer writer fenced; a synchronous commit records the result at once, an
            asynchronous one in `_on_commit`.
+
+        Returns:
+            Whether a commit was sent (nothing is sent when no `done` moved).
         """
         states = states if states is not None else list(self.partitions.values())
         self._skip_records_without_data(states)
@@ -1148,19 +1162,20 @@ class SinkService:
             s for s in states if s.done is not None and s.done > s.committed and not s.fenced
         ]
         if not targets:
-            return
+            return False
         offsets = [TopicPartition(s.topic, s.partition, s.done or 0) for s in targets]
         try:
             if asynchronous:
                 self.consumer.commit(offsets=offsets, asynchronous=True)
-                return
+                return True
             result = self.consumer.commit(offsets=offsets, asynchronous=False)
         except confluent_kafka.KafkaException as exc:
             self.metrics.commit_failed()
             log.warning("commit_failed", error=str(exc), partitions=len(offsets))
-            return
+            return True
         for tp in result or []:
             self._committed(tp)
+        return True
 
     def _skip_records_without_data(self, states: list[PartitionState]) -> None:
         """Move `done` (and `position`) of idle partitions up to the consumer's position.
