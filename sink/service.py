@@ -1025,8 +1025,11 @@ class SinkService:
                 offset=offset,
                 error=err.str(),
             )
-        if offset < 0:  # a logical start (`START_AT`) the broker could not resolve: again
-            self._fetch_from(state, offset)
+        if offset < 0:
+            # A logical start (`START_AT`) the broker could not resolve: asked again after
+            # a while, as an offset back in the log is (not at once, in a loop with it).
+            state.out_of_range_since = state.out_of_range_since or time.monotonic()
+            state.out_of_range_retry = (offset, time.monotonic() + OUT_OF_RANGE_RETRY_S)
             return
         if self._admin is None:
             self._admin = AdminClient(lag_confs(self.settings)[0])

@@ -6,14 +6,17 @@ cluster nor tansu serves DeleteRecords), so the skip is driven from its log rang
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
+import confluent_kafka
 import pytest
 import structlog
 
 from sink.decode import Decoded
 from sink.service import (
     OUT_OF_RANGE_GRACE_S,
+    OUT_OF_RANGE_RETRY_S,
     PartitionState,
     SinkService,
     _Decoding,
@@ -98,3 +101,26 @@ def test_an_offset_back_in_the_log_is_fetched_again_and_one_past_its_end_stops(
         == 1
     )
     assert (state.position, state.done) == (5, 5)
+
+
+def test_a_logical_start_the_broker_could_not_resolve_is_asked_for_again_after_a_while(
+    service: SinkService, topic: str
+) -> None:
+    # Partition 0 started at its log start (`START_AT`, a logical offset) and the broker
+    # refused to resolve it: no log range to look up, the same start is asked for again a
+    # second later rather than at once (a refusal that stands would loop with the broker).
+    state = PartitionState(topic, 0, None, None, None, -1, assigned=False)
+    service.partitions[(topic, 0)] = state
+    refused = confluent_kafka.KafkaError(confluent_kafka.KafkaError._AUTO_OFFSET_RESET)
+    with structlog.testing.capture_logs() as logs:
+        service._offset_out_of_range(topic, 0, confluent_kafka.OFFSET_BEGINNING, refused)
+        service._offset_out_of_range(topic, 0, confluent_kafka.OFFSET_BEGINNING, refused)
+    assert [e["event"] for e in logs] == ["offset_out_of_range"]  # once while it stands
+    assert state.out_of_range is None  # nothing to look up
+    assert state.out_of_range_retry is not None
+    offset, at = state.out_of_range_retry
+    assert offset == confluent_kafka.OFFSET_BEGINNING
+    assert at - time.monotonic() > OUT_OF_RANGE_RETRY_S / 2
+    state.out_of_range_retry = (offset, time.monotonic())  # the wait is over
+    service._service_out_of_range()
+    assert state.out_of_range_retry is None  # fetched again (from `position` once assigned)
