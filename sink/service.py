@@ -1157,7 +1157,8 @@ class SinkService:
            asynchronous one in `_on_commit`.
 
         Returns:
-            Whether a commit was sent (nothing is sent when no `done` moved).
+            Whether a commit was sent, or tried and refused by the client (nothing is sent
+            when no `done` moved).
         """
         states = states if states is not None else list(self.partitions.values())
         self._skip_records_without_data(states)
