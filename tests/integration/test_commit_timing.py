@@ -49,13 +49,22 @@ def committed_at(bootstrap: str, group: str, topic: str, offset: int, within_s: 
     return False
 
 
+def partition_0(
+    service: SinkService, bootstrap: str, topic: str, messages: int, done: int, committed: int
+) -> PartitionState:
+    """Partition 0 of `topic`, holding `messages` messages, set in `service` as read and
+    durable up to `done` and committed up to `committed`."""
+    produce(bootstrap, topic, [(None, b"{}")] * messages, partition=0)
+    state = PartitionState(topic, 0, None, done, done, committed, assigned=False)
+    service.partitions[(topic, 0)] = state
+    return state
+
+
 def test_an_offset_durable_after_a_quiet_interval_is_committed_at_once(
     rare_commits: SinkService, kafka_broker: Broker, topic: str, group: str
 ) -> None:
     service = rare_commits
-    produce(kafka_broker.bootstrap, topic, [(None, b"{}")] * 5, partition=0)
-    state = PartitionState(topic, 0, None, 3, 3, 3, assigned=False)
-    service.partitions[(topic, 0)] = state
+    state = partition_0(service, kafka_broker.bootstrap, topic, 5, done=3, committed=3)
     service._tick()  # nothing to commit: no commit was sent, so none holds the next back
     state.inflight.append(_InFlight(4, None, 0, 0, None))  # offsets 3-4, durable
     service._tick()
@@ -67,9 +76,7 @@ def test_a_commit_waits_the_interval_after_the_last_one_sent(
     rare_commits: SinkService, kafka_broker: Broker, topic: str, group: str
 ) -> None:
     service = rare_commits
-    produce(kafka_broker.bootstrap, topic, [(None, b"{}")] * 8, partition=0)
-    state = PartitionState(topic, 0, None, 3, 3, 0, assigned=False)
-    service.partitions[(topic, 0)] = state
+    state = partition_0(service, kafka_broker.bootstrap, topic, 8, done=3, committed=0)
     service._tick()  # commits 3
     assert committed_at(kafka_broker.bootstrap, group, topic, 3, within_s=15)
     state.inflight.append(_InFlight(7, None, 0, 0, None))
