@@ -268,7 +268,8 @@ class KafkaSettings(_Section):
         "committed synchronously on revoke and shutdown), counted from the last commit "
         "sent: an offset that becomes durable after a quieter spell is committed at once. "
         "A quarter of the WAL flush interval: under load a group commit waits at most this "
-        "long for its offset commit.",
+        "long for its offset commit, and a process sends at most 200 commits a second (one "
+        "request each, for all its partitions); raise it to send fewer.",
     )
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
         default="PLAINTEXT", description="How the clients talk to the brokers."
