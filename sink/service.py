@@ -1028,8 +1028,10 @@ class SinkService:
         if offset < 0:
             # A logical start (`START_AT`) the broker could not resolve: asked again after
             # a while, as an offset back in the log is (not at once, in a loop with it).
-            state.out_of_range_since = state.out_of_range_since or time.monotonic()
-            state.out_of_range_retry = (offset, time.monotonic() + OUT_OF_RANGE_RETRY_S)
+            now = time.monotonic()
+            if state.out_of_range_since is None:
+                state.out_of_range_since = now
+            state.out_of_range_retry = (offset, now + OUT_OF_RANGE_RETRY_S)
             return
         if self._admin is None:
             self._admin = AdminClient(lag_confs(self.settings)[0])
