@@ -2,7 +2,7 @@
 // straight into one matrix, outside the interpreter lock. See sink/vector_scan.py for the
 // contract; this file only reads, it never decides a value's fault.
 //
-// scan(payloads: list[bytes], path: tuple[str, ...], dim: int, base64: bool)
+// scan(payloads: list[bytes], path: tuple[str, ...], dim: int, base64: bool, simd: bool)
 //     -> (matrix: bytearray, positions: bytes, stripped: list[bytes])
 //
 // For every payload whose vector it is sure of (see `scan_one`), the vector goes to the
@@ -24,6 +24,11 @@
 #include <vector>
 
 #include "simdjson.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define VECTOR_SCAN_SSSE3 1
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -62,6 +67,187 @@ bool float32_unsure(double d, float f) {
   return (back + static_cast<double>(other)) * 0.5 == d;
 }
 
+// Powers of ten a double holds exactly (10^22 is the last).
+constexpr double kExactPowers[] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,
+                                   1e8,  1e9,  1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
+                                   1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
+
+inline bool is_digit(char c) { return static_cast<unsigned char>(c - '0') < 10; }
+inline bool is_space(char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; }
+
+// One JSON number at `p` read to the nearest double when that takes one exact IEEE
+// operation (Clinger's fast path: at most 19 digits, a significand within 2^53 and a power
+// of ten within 10^22, so the product or quotient is correctly rounded, as simdjson's
+// reader gives it). False for anything else (a number this cannot read exactly, or text
+// that is not a number: the caller then reads the value with simdjson's reader).
+inline bool read_exact_number(const char*& p, double* out) {
+  const char* s = p;
+  const bool negative = *s == '-';
+  s += negative;
+  uint64_t significand = 0;
+  const char* digits = s;
+  if (*s == '0') {
+    ++s;
+  } else if (is_digit(*s)) {
+    while (is_digit(*s)) significand = significand * 10 + static_cast<uint64_t>(*s++ - '0');
+  } else {
+    return false;
+  }
+  int64_t exponent = 0;
+  if (*s == '.') {
+    const char* fraction = ++s;
+    while (is_digit(*s)) significand = significand * 10 + static_cast<uint64_t>(*s++ - '0');
+    if (s == fraction) return false;
+    exponent = fraction - s;
+  }
+  // The digits read (a leading "0." included): at most 19 cannot overflow 64 bits.
+  if (s - digits > 20 || (s - digits > 19 && *digits != '0')) return false;
+  if (*s == 'e' || *s == 'E') {
+    ++s;
+    const bool minus = *s == '-';
+    if (*s == '-' || *s == '+') ++s;
+    if (!is_digit(*s)) return false;
+    int64_t written = 0;
+    while (is_digit(*s)) {
+      if (written > 1000) return false;  // far outside the fast path anyway
+      written = written * 10 + (*s++ - '0');
+    }
+    exponent += minus ? -written : written;
+  }
+  if (significand > (1ULL << 53) || exponent < -22 || exponent > 22) return false;
+  // A negative zero is refused by the caller on its sign; the value's sign is kept here.
+  double d = static_cast<double>(significand);
+  d = exponent < 0 ? d / kExactPowers[-exponent] : d * kExactPowers[exponent];
+  *out = negative ? -d : d;
+  p = s;
+  return true;
+}
+
+// A component read as `d` (its text began with '-' when `minus`) goes to `out` as float32
+// under the checks of the general path (Scanner::read_vector); false when it is not sure.
+inline bool keep_component(double d, bool minus, char* out) {
+  if (d == 0.0 && minus) return false;  // a negative zero: its sign depends on the text
+  const float f = static_cast<float>(d);
+  if (float32_unsure(d, f)) return false;
+  std::memcpy(out, &f, sizeof f);
+  return true;
+}
+
+// Steps over JSON whitespace to the separator after a component: ',' or, after the last
+// one, ']'; true when it is there (p then stands after it).
+inline bool at_separator(const char*& p, bool last) {
+  while (is_space(*p)) ++p;
+  return *p++ == (last ? ']' : ',');
+}
+
+// A flat array of `dim` numbers `read_exact_number` reads, with JSON whitespace only around
+// them, from its '[' at `begin`; the float32 components to `out`, and `*end` one past its ']'.
+// False for anything else, which the caller then reads with simdjson's reader.
+bool read_flat_portable(const char* begin, size_t dim, char* out, const char** end) {
+  if (*begin != '[') return false;
+  const char* p = begin + 1;
+  for (size_t count = 0; count < dim; ++count) {
+    while (is_space(*p)) ++p;
+    const bool minus = *p == '-';
+    double d;
+    if (!read_exact_number(p, &d)) return false;
+    if (!keep_component(d, minus, out + count * sizeof(float))) return false;
+    if (!at_separator(p, count + 1 == dim)) return false;
+  }
+  *end = p;
+  return true;
+}
+
+#ifdef VECTOR_SCAN_SSSE3
+// The shuffles that right-align a number's digits in 16 bytes, its '.' left out: row
+// [dot][count] takes the `count` digits of a text whose '.' is at `dot` (or `dot` == the
+// text's length: no '.').
+struct DigitShuffles {
+  alignas(16) uint8_t rows[16][16][16];
+  DigitShuffles() {
+    for (int dot = 0; dot < 16; ++dot) {
+      for (int count = 0; count < 16; ++count) {
+        for (int j = 0; j < 16; ++j) {
+          const int digit = j - (16 - count);  // which digit lands in byte j, if any
+          rows[dot][count][j] =
+              digit < 0 ? 0x80 : static_cast<uint8_t>(digit < dot ? digit : digit + 1);
+        }
+      }
+    }
+  }
+};
+const DigitShuffles kDigitShuffles;
+
+// One component at `p` in a single SIMD step: a text of at most 15 characters after its
+// sign, `-?(0|[1-9][0-9]*)(\.[0-9]+)?` up to the ',' or ']' that ends it (so no
+// whitespace, no exponent), read to the nearest double by one exact IEEE division
+// (at most 15 digits, so the significand is below 2^53 and the power of ten at most 10^14:
+// Clinger's fast path, as `read_exact_number`). False for any other text, left to
+// `read_exact_number`. The 16 bytes read from `p` lie within the document's padding.
+__attribute__((target("ssse3"))) inline bool read_short_number(const char*& p, double* out) {
+  const uint64_t negative = *p == '-';
+  const char* text = p + negative;
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(text));
+  const auto ends = static_cast<unsigned>(_mm_movemask_epi8(
+      _mm_or_si128(_mm_cmpeq_epi8(bytes, _mm_set1_epi8(',')),
+                   _mm_cmpeq_epi8(bytes, _mm_set1_epi8(']')))));
+  if (ends == 0) return false;
+  const auto len = static_cast<unsigned>(__builtin_ctz(ends));
+  if (len == 0) return false;
+  const __m128i inside = _mm_cmplt_epi8(
+      _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm_set1_epi8(static_cast<char>(len)));
+  const __m128i values = _mm_sub_epi8(bytes, _mm_set1_epi8('0'));
+  const __m128i digits = _mm_cmpeq_epi8(_mm_min_epu8(values, _mm_set1_epi8(9)), values);
+  const auto others = static_cast<unsigned>(_mm_movemask_epi8(_mm_andnot_si128(digits, inside)));
+  if (others & (others - 1)) return false;  // two characters or more that are not digits
+  const unsigned dot = others != 0 ? static_cast<unsigned>(__builtin_ctz(others)) : len;
+  if (others != 0 && (text[dot] != '.' || dot == 0 || dot + 1 == len)) return false;
+  if (dot > 1 && text[0] == '0') return false;  // a leading zero
+  const unsigned count = len - (others != 0 ? 1 : 0);
+  const __m128i aligned = _mm_shuffle_epi8(
+      values, _mm_load_si128(reinterpret_cast<const __m128i*>(kDigitShuffles.rows[dot][count])));
+  // Pairs, then fours, then the two halves of eight digits (as simdjson's SIMD kernels).
+  const __m128i pairs = _mm_maddubs_epi16(
+      aligned, _mm_setr_epi8(10, 1, 10, 1, 10, 1, 10, 1, 10, 1, 10, 1, 10, 1, 10, 1));
+  const __m128i fours = _mm_madd_epi16(pairs, _mm_setr_epi16(100, 1, 100, 1, 100, 1, 100, 1));
+  const __m128i eights = _mm_madd_epi16(
+      _mm_packs_epi32(fours, fours), _mm_setr_epi16(10000, 1, 10000, 1, 10000, 1, 10000, 1));
+  const uint64_t high = static_cast<uint32_t>(_mm_cvtsi128_si32(eights));
+  const uint64_t low = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm_srli_si128(eights, 4)));
+  const uint64_t significand = high * 100000000ULL + low;
+  const double d = static_cast<double>(static_cast<int64_t>(significand)) /
+                   kExactPowers[others != 0 ? count - dot : 0];
+  *out = negative != 0 ? -d : d;
+  p = text + len;
+  return true;
+}
+
+// As `read_flat_portable`, each component read by `read_short_number` when it can.
+__attribute__((target("ssse3"))) bool read_flat_ssse3(const char* begin, size_t dim, char* out,
+                                                       const char** end) {
+  if (*begin != '[') return false;
+  const char* p = begin + 1;
+  for (size_t count = 0; count < dim; ++count) {
+    while (is_space(*p)) ++p;
+    const bool minus = *p == '-';
+    double d;
+    if (!read_short_number(p, &d) && !read_exact_number(p, &d)) return false;
+    if (!keep_component(d, minus, out + count * sizeof(float))) return false;
+    if (!at_separator(p, count + 1 == dim)) return false;
+  }
+  *end = p;
+  return true;
+}
+
+const bool kHasSsse3 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("ssse3") != 0;
+}();
+#else
+const bool kHasSsse3 = false;
+#endif
+
 // Base64 text of `bytes` bytes: its length, and how many '=' end it (standard alphabet).
 size_t base64_chars(size_t bytes) { return (bytes + 2) / 3 * 4; }
 size_t base64_padding(size_t bytes) { return (3 - bytes % 3) % 3; }
@@ -80,10 +266,11 @@ const Base64Alphabet kBase64;
 
 class Scanner {
  public:
-  Scanner(std::vector<std::string> path, size_t dim, bool base64)
+  Scanner(std::vector<std::string> path, size_t dim, bool base64, bool simd)
       : path_(std::move(path)),
         dim_(dim),
         base64_(base64),
+        simd_(simd && kHasSsse3),
         chars_(base64_chars(dim * sizeof(float))),
         padding_(base64_padding(dim * sizeof(float))) {}
 
@@ -140,6 +327,10 @@ class Scanner {
 
   bool read_vector(document& doc, value v) {
     const char* begin = v.raw_json_token().data();
+    // Most vectors are flat arrays of short decimals: read in one pass over the text, the
+    // array left unconsumed (the object's iteration skips it). Any other text is read
+    // again below by simdjson's reader, which decides it.
+    if (read_flat(begin)) return true;
     array arr;
     if (v.get_array().get(arr)) return false;
     size_t count = 0;
@@ -162,6 +353,21 @@ class Scanner {
     const char* end = after;
     while (end > begin && end[-1] != ']') --end;
     if (end == begin) return false;
+    start_ = static_cast<size_t>(begin - padded_.data());
+    end_ = static_cast<size_t>(end - padded_.data());
+    return true;
+  }
+
+  // The vector as a flat array of short decimals, read in one pass over its text.
+  bool read_flat(const char* begin) {
+    const char* end;
+#ifdef VECTOR_SCAN_SSSE3
+    const bool read = simd_ ? read_flat_ssse3(begin, dim_, out_, &end)
+                            : read_flat_portable(begin, dim_, out_, &end);
+#else
+    const bool read = read_flat_portable(begin, dim_, out_, &end);
+#endif
+    if (!read) return false;
     start_ = static_cast<size_t>(begin - padded_.data());
     end_ = static_cast<size_t>(end - padded_.data());
     return true;
@@ -195,6 +401,7 @@ class Scanner {
   std::vector<std::string> path_;
   size_t dim_;
   bool base64_;
+  bool simd_;  // components read by read_flat_ssse3
   size_t chars_;
   size_t padding_;
   parser parser_;
@@ -220,7 +427,8 @@ struct Owned {
   }
 };
 
-PyObject* scan_batch(PyObject* payloads, PyObject* path_obj, Py_ssize_t dim, bool base64) {
+PyObject* scan_batch(PyObject* payloads, PyObject* path_obj, Py_ssize_t dim, bool base64,
+                      bool simd) {
   std::vector<std::string> path;
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(path_obj); ++i) {
     Py_ssize_t size;
@@ -241,7 +449,7 @@ PyObject* scan_batch(PyObject* payloads, PyObject* path_obj, Py_ssize_t dim, boo
       lengths[i] = static_cast<size_t>(PyBytes_GET_SIZE(item));
     }
   }
-  Scanner scanner(std::move(path), static_cast<size_t>(dim), base64);
+  Scanner scanner(std::move(path), static_cast<size_t>(dim), base64, simd);
   const size_t row_bytes = scanner.row_bytes();
   Owned matrix(PyByteArray_FromStringAndSize(nullptr, n * row_bytes));
   if (matrix.ref == nullptr) return nullptr;
@@ -292,8 +500,9 @@ PyObject* scan(PyObject*, PyObject* args) {
   PyObject* path_obj;
   Py_ssize_t dim;
   int base64 = 0;
-  if (!PyArg_ParseTuple(args, "O!O!n|p", &PyList_Type, &payloads, &PyTuple_Type, &path_obj,
-                        &dim, &base64)) {
+  int simd = 1;
+  if (!PyArg_ParseTuple(args, "O!O!n|pp", &PyList_Type, &payloads, &PyTuple_Type, &path_obj,
+                        &dim, &base64, &simd)) {
     return nullptr;
   }
   if (dim <= 0 || PyTuple_GET_SIZE(path_obj) == 0) {
@@ -301,7 +510,7 @@ PyObject* scan(PyObject*, PyObject* args) {
     return nullptr;
   }
   try {
-    return scan_batch(payloads, path_obj, dim, base64 != 0);
+    return scan_batch(payloads, path_obj, dim, base64 != 0, simd != 0);
   } catch (const std::bad_alloc&) {
     return PyErr_NoMemory();
   }
@@ -309,8 +518,8 @@ PyObject* scan(PyObject*, PyObject* args) {
 
 PyMethodDef kMethods[] = {
     {"scan", scan, METH_VARARGS,
-     "scan(payloads, path, dim, base64=False) -> (matrix, positions, stripped): see "
-     "sink.vector_scan."},
+     "scan(payloads, path, dim, base64=False, simd=True) -> (matrix, positions, stripped): "
+     "see sink.vector_scan."},
     {nullptr, nullptr, 0, nullptr},
 };
 

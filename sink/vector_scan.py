@@ -28,6 +28,13 @@ out and the decoder parses it whole as before. A value is left out when:
   those beyond float32's range (Arrow's reader names them) and negative zeros (their sign
   depends on the text in Arrow's reader).
 
+A vector that is a flat array of plain decimals (``-?(0|[1-9][0-9]*)(.[0-9]+)?`` with
+optional exponent, at most 19 digits) is read in one pass over its text, each component
+by one exact IEEE operation (Clinger's fast path: a significand of at most 2^53 and a power of
+ten up to 10^22, so the double is the correctly rounded one simdjson's reader gives); on
+x86-64 CPUs with SSSE3 a component of at most 15 characters is read in one SIMD step. Any
+other vector is read by simdjson's reader, which decides it.
+
 `scan_base64` does the same for a vector kept as a base64 string (``vector.encoding =
 "base64_f32"``): it scans a value only when the string is exactly the base64 text of
 ``4 * dim`` bytes in the standard alphabet (with the padding that length needs, and no
@@ -55,15 +62,19 @@ __all__ = ["scan", "scan_base64"]
 
 
 def scan(
-    payloads: list[bytes], path: Sequence[str], dim: int
+    payloads: list[bytes], path: Sequence[str], dim: int, simd: bool = True
 ) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
     """Scan `payloads` for the vector at `path`, a JSON array of `dim` numbers.
+
+    Args:
+        simd: read short decimals with the SSSE3 reader when the CPU has one; False keeps
+            to the portable reader (the same results: the tests compare the two).
 
     Returns:
         The positions (ascending, in `payloads`) of the values scanned, their vectors as a
         ``(len(positions), dim)`` float32 matrix, and their stripped texts.
     """
-    matrix, where, stripped = _vector_scan.scan(payloads, tuple(path), dim)
+    matrix, where, stripped = _vector_scan.scan(payloads, tuple(path), dim, False, simd)
     positions = np.frombuffer(where, np.int64)
     rows = np.frombuffer(matrix, np.float32, count=len(positions) * dim)
     return positions, rows.reshape(len(positions), dim), stripped
