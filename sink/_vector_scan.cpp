@@ -115,7 +115,6 @@ inline bool read_exact_number(const char*& p, double* out) {
     exponent += minus ? -written : written;
   }
   if (significand > (1ULL << 53) || exponent < -22 || exponent > 22) return false;
-  // A negative zero is refused by the caller on its sign; the value's sign is kept here.
   double d = static_cast<double>(significand);
   d = exponent < 0 ? d / kExactPowers[-exponent] : d * kExactPowers[exponent];
   *out = negative ? -d : d;
@@ -123,10 +122,11 @@ inline bool read_exact_number(const char*& p, double* out) {
   return true;
 }
 
-// A component read as `d` (its text began with '-' when `minus`) goes to `out` as float32
-// under the checks of the general path (Scanner::read_vector); false when it is not sure.
-inline bool keep_component(double d, bool minus, char* out) {
-  if (d == 0.0 && minus) return false;  // a negative zero: its sign depends on the text
+// A component read as `d` goes to `out` as float32 under the float32 checks of the general
+// path (Scanner::read_vector); false when it is not sure. A negative zero is kept: the
+// readers here give every "-0" text -0.0, as Arrow's reader does (simdjson's reader gives
+// the integer -0 as +0, so the general path leaves negative zeros out).
+inline bool keep_component(double d, char* out) {
   const float f = static_cast<float>(d);
   if (float32_unsure(d, f)) return false;
   std::memcpy(out, &f, sizeof f);
@@ -148,10 +148,9 @@ bool read_flat_portable(const char* begin, size_t dim, char* out, const char** e
   const char* p = begin + 1;
   for (size_t count = 0; count < dim; ++count) {
     while (is_space(*p)) ++p;
-    const bool minus = *p == '-';
     double d;
     if (!read_exact_number(p, &d)) return false;
-    if (!keep_component(d, minus, out + count * sizeof(float))) return false;
+    if (!keep_component(d, out + count * sizeof(float))) return false;
     if (!at_separator(p, count + 1 == dim)) return false;
   }
   *end = p;
@@ -230,10 +229,9 @@ __attribute__((target("ssse3"))) bool read_flat_ssse3(const char* begin, size_t 
   const char* p = begin + 1;
   for (size_t count = 0; count < dim; ++count) {
     while (is_space(*p)) ++p;
-    const bool minus = *p == '-';
     double d;
     if (!read_short_number(p, &d) && !read_exact_number(p, &d)) return false;
-    if (!keep_component(d, minus, out + count * sizeof(float))) return false;
+    if (!keep_component(d, out + count * sizeof(float))) return false;
     if (!at_separator(p, count + 1 == dim)) return false;
   }
   *end = p;
@@ -340,7 +338,7 @@ class Scanner {
       double d;
       if (element.get_double().get(d)) return false;  // not a number (nested arrays too)
       if (count == dim_) return false;
-      // A negative zero's sign depends on its text in Arrow's reader (-0 and -0.0 differ).
+      // simdjson gives the integer -0 as +0, Arrow's reader every negative zero as -0.0.
       if (d == 0.0 && element.raw_json_token().front() == '-') return false;
       const float f = static_cast<float>(d);
       if (float32_unsure(d, f)) return false;

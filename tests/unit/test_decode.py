@@ -16,7 +16,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from unittest import mock
 
+import numpy as np
 import orjson
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -1118,3 +1120,22 @@ def test_an_integer_beyond_64_bits_is_named_as_sent() -> None:
         assert out.dead_letters[0].detail == (
             "'n' ($.n) is 1180591620717411303424, outside the int64 range"
         )
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_rows_taken_by_runs_equal_arrows_take(data: st.DataObject) -> None:
+    """`_take` joins runs of a list array's rows instead of Arrow's row-by-row take: the
+    same array for any rows (ascending with gaps, a permutation, none, repeats)."""
+    n = data.draw(st.integers(1, 40))
+    lengths = data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+    values = [None if k == 0 and i % 3 == 0 else list(range(k)) for i, k in enumerate(lengths)]
+    arr = pa.array(values, pa.list_(pa.float32())).slice(data.draw(st.integers(0, 1)))
+    rows = np.array(
+        data.draw(st.lists(st.integers(0, len(arr) - 1), max_size=2 * n)) if len(arr) else [],
+        np.int64,
+    )
+    if data.draw(st.booleans()):
+        rows = np.unique(rows)
+    got = decode_module._take(arr, rows)
+    assert got.equals(arr.take(pa.array(rows, pa.int64())))
