@@ -31,11 +31,11 @@ out and the decoder parses it whole as before. A value is left out when:
 
 A vector that is a flat array of plain decimals (``-?(0|[1-9][0-9]*)(.[0-9]+)?`` with
 optional exponent, at most 19 digits) is read in one pass over its text, each component
-by one exact IEEE operation (Clinger's fast path: a significand of at most 2^53 and a power of
-ten up to 10^22, so the double is the correctly rounded one simdjson's reader gives); on
-x86-64 CPUs with SSSE3 a component of at most 15 characters is read in one SIMD step;
-these readers give a negative zero -0.0, as Arrow's reader does. Any other vector is read
-by simdjson's reader, which decides it.
+by one exact IEEE operation (Clinger's fast path: a significand of at most 2^53 and a
+power of ten up to 10^22, so the double is the correctly rounded one simdjson's reader
+gives); on x86-64 CPUs with SSSE3 a component of at most 15 characters is read in one
+SIMD step; these readers give a negative zero -0.0, as Arrow's reader does. Any other
+vector is read by simdjson's reader, which decides it.
 
 `scan_base64` does the same for a vector kept as a base64 string (``vector.encoding =
 "base64_f32"``): it scans a value only when the string is exactly the base64 text of
