@@ -122,11 +122,13 @@ inline bool read_exact_number(const char*& p, double* out) {
   return true;
 }
 
-// A component read as `d` goes to `out` as float32 under the float32 checks of the general
-// path (Scanner::read_vector); false when it is not sure. A negative zero is kept: the
-// readers here give every "-0" text -0.0, as Arrow's reader does (simdjson's reader gives
-// the integer -0 as +0, so the general path leaves negative zeros out).
-inline bool keep_component(double d, char* out) {
+// A component read as `d` from a text of `chars` characters goes to `out` as float32 under
+// the float32 checks of the general path (Scanner::read_vector); false when it is not sure.
+// A negative zero is kept as -0.0, as Arrow's reader gives it, but for the integer "-0":
+// the decoder's own readers disagree on its sign (Arrow's bulk read gives -0.0, the
+// screening of a value it refused +0), so it is left to the decoder's other path.
+inline bool keep_component(double d, size_t chars, char* out) {
+  if (d == 0.0 && chars == 2 && std::signbit(d)) return false;  // "-0"
   const float f = static_cast<float>(d);
   if (float32_unsure(d, f)) return false;
   std::memcpy(out, &f, sizeof f);
@@ -148,9 +150,12 @@ bool read_flat_portable(const char* begin, size_t dim, char* out, const char** e
   const char* p = begin + 1;
   for (size_t count = 0; count < dim; ++count) {
     while (is_space(*p)) ++p;
+    const char* text = p;
     double d;
     if (!read_exact_number(p, &d)) return false;
-    if (!keep_component(d, out + count * sizeof(float))) return false;
+    if (!keep_component(d, static_cast<size_t>(p - text), out + count * sizeof(float))) {
+      return false;
+    }
     if (!at_separator(p, count + 1 == dim)) return false;
   }
   *end = p;
@@ -229,9 +234,12 @@ __attribute__((target("ssse3"))) bool read_flat_ssse3(const char* begin, size_t 
   const char* p = begin + 1;
   for (size_t count = 0; count < dim; ++count) {
     while (is_space(*p)) ++p;
+    const char* text = p;
     double d;
     if (!read_short_number(p, &d) && !read_exact_number(p, &d)) return false;
-    if (!keep_component(d, out + count * sizeof(float))) return false;
+    if (!keep_component(d, static_cast<size_t>(p - text), out + count * sizeof(float))) {
+      return false;
+    }
     if (!at_separator(p, count + 1 == dim)) return false;
   }
   *end = p;
@@ -338,7 +346,7 @@ class Scanner {
       double d;
       if (element.get_double().get(d)) return false;  // not a number (nested arrays too)
       if (count == dim_) return false;
-      // simdjson gives the integer -0 as +0, Arrow's reader every negative zero as -0.0.
+      // simdjson gives the integer -0 as +0 (see keep_component).
       if (d == 0.0 && element.raw_json_token().front() == '-') return false;
       const float f = static_cast<float>(d);
       if (float32_unsure(d, f)) return false;

@@ -25,17 +25,18 @@ out and the decoder parses it whole as before. A value is left out when:
 - a component may round differently: Arrow rounds the decimal text straight to float32,
   simdjson reads the nearest double, cast here. The two agree unless the double lies
   exactly halfway between two float32 values, so such components are left to Arrow, as are
-  those beyond float32's range (Arrow's reader names them) and, when simdjson's reader reads
-  the vector (below), negative zeros (it reads the integer ``-0`` as +0; Arrow's reader
-  gives every negative zero -0.0).
+  those beyond float32's range (Arrow's reader names them), the integer ``-0`` (the
+  decoder's own paths disagree on its sign: Arrow's bulk read gives -0.0, its screening of
+  a value the bulk read refused +0) and, when simdjson's reader reads the vector (below),
+  every negative zero (it reads ``-0`` as +0).
 
 A vector that is a flat array of plain decimals (``-?(0|[1-9][0-9]*)(.[0-9]+)?`` with
 optional exponent, at most 19 digits) is read in one pass over its text, each component
 by one exact IEEE operation (Clinger's fast path: a significand of at most 2^53 and a
 power of ten up to 10^22, so the double is the correctly rounded one simdjson's reader
 gives); on x86-64 CPUs with SSSE3 a component of at most 15 characters is read in one
-SIMD step; these readers give a negative zero -0.0, as Arrow's reader does. Any other
-vector is read by simdjson's reader, which decides it.
+SIMD step; these readers give any other negative zero (``-0.0``, ``-0e0``) -0.0, as both
+of the decoder's paths do. Any other vector is read by simdjson's reader, which decides it.
 
 `scan_base64` does the same for a vector kept as a base64 string (``vector.encoding =
 "base64_f32"``): it scans a value only when the string is exactly the base64 text of

@@ -61,8 +61,9 @@ def test_vectors_are_read_bit_exactly_and_the_rest_is_kept_byte_for_byte() -> No
 
 def test_negative_zeros_read_in_one_pass_are_kept_as_arrow_reads_them() -> None:
     """Every negative zero text the one-pass readers take is -0.0 (Arrow's reader gives
-    -0.0 for each); on both readers."""
-    texts = ["-0", "-0.0", "-0.000", "-0e0", "-0E+5", "-0.0e-3", "-0.00000000000000"]
+    -0.0 for each, in bulk and when the decoder screens a value); on both readers. The
+    integer -0 is left out (test_values_it_is_not_sure_of_are_left_out)."""
+    texts = ["-0.0", "-0.000", "-0e0", "-0E+5", "-0.0e-3", "-0.00000000000000"]
     payloads = [f'{{"vec": [{t}, 0, 1]}}'.encode() for t in texts]
     positions, matrix = _both_readers(payloads, 3)
     assert positions.tolist() == list(range(len(texts)))
@@ -94,8 +95,10 @@ def test_a_nested_path_with_whitespace_and_an_escaped_key() -> None:
         pytest.param(b'{"vec": [1, "2"]}', id="string-component"),
         pytest.param(b'{"vec": null}', id="null-vector"),
         pytest.param(b'{"id": 1}', id="missing-vector"),
-        # simdjson's reader (here for the 22-digit number) reads the integer -0 as +0.
-        pytest.param(b'{"vec": [-0, 1.000000000000000000001]}', id="negative-zero-simdjson"),
+        # The decoder's Arrow paths disagree on the integer -0's sign.
+        pytest.param(b'{"vec": [1, -0]}', id="integer-negative-zero"),
+        # simdjson's reader (here for the 22-digit number) reads -0 as +0.
+        pytest.param(b'{"vec": [-0.0, 1.000000000000000000001]}', id="negative-zero-simdjson"),
         # 1 + 2**-24 exactly: halfway between two float32 values.
         pytest.param(b'{"vec": [1, 1.000000059604644775390625]}', id="float32-tie"),
         pytest.param(b'{"vec": [1, 1e39]}', id="beyond-float32"),
