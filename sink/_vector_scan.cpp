@@ -142,17 +142,20 @@ inline bool at_separator(const char*& p, bool last) {
   return *p++ == (last ? ']' : ',');
 }
 
-// A flat array of `dim` numbers `read_exact_number` reads, with JSON whitespace only around
-// them, from its '[' at `begin`; the float32 components to `out`, and `*end` one past its ']'.
-// False for anything else, which the caller then reads with simdjson's reader.
-bool read_flat_portable(const char* begin, size_t dim, char* out, const char** end) {
+// A flat array of `dim` numbers `Read` reads, with JSON whitespace only around them, from
+// its '[' at `begin`; the float32 components to `out`, and `*end` one past its ']'. False
+// for anything else, which the caller then reads with simdjson's reader. Always inlined, so
+// that a `Read` built for SSSE3 is inlined in turn into its SSSE3 caller.
+template <bool (*Read)(const char*&, double*)>
+__attribute__((always_inline)) inline bool read_flat_with(const char* begin, size_t dim,
+                                                          char* out, const char** end) {
   if (*begin != '[') return false;
   const char* p = begin + 1;
   for (size_t count = 0; count < dim; ++count) {
     while (is_space(*p)) ++p;
     const char* text = p;
     double d;
-    if (!read_exact_number(p, &d)) return false;
+    if (!Read(p, &d)) return false;
     if (!keep_component(d, static_cast<size_t>(p - text), out + count * sizeof(float))) {
       return false;
     }
@@ -160,6 +163,10 @@ bool read_flat_portable(const char* begin, size_t dim, char* out, const char** e
   }
   *end = p;
   return true;
+}
+
+bool read_flat_portable(const char* begin, size_t dim, char* out, const char** end) {
+  return read_flat_with<read_exact_number>(begin, dim, out, end);
 }
 
 #ifdef VECTOR_SCAN_SSSE3
@@ -227,23 +234,15 @@ __attribute__((target("ssse3"))) inline bool read_short_number(const char*& p, d
   return true;
 }
 
-// As `read_flat_portable`, each component read by `read_short_number` when it can.
+// One component by `read_short_number` when it can, else by `read_exact_number`.
+__attribute__((target("ssse3"))) inline bool read_number_ssse3(const char*& p, double* out) {
+  return read_short_number(p, out) || read_exact_number(p, out);
+}
+
+// As `read_flat_portable`, each component read by `read_number_ssse3`.
 __attribute__((target("ssse3"))) bool read_flat_ssse3(const char* begin, size_t dim, char* out,
                                                        const char** end) {
-  if (*begin != '[') return false;
-  const char* p = begin + 1;
-  for (size_t count = 0; count < dim; ++count) {
-    while (is_space(*p)) ++p;
-    const char* text = p;
-    double d;
-    if (!read_short_number(p, &d) && !read_exact_number(p, &d)) return false;
-    if (!keep_component(d, static_cast<size_t>(p - text), out + count * sizeof(float))) {
-      return false;
-    }
-    if (!at_separator(p, count + 1 == dim)) return false;
-  }
-  *end = p;
-  return true;
+  return read_flat_with<read_number_ssse3>(begin, dim, out, end);
 }
 
 const bool kHasSsse3 = [] {
