@@ -122,13 +122,9 @@ inline bool read_exact_number(const char*& p, double* out) {
   return true;
 }
 
-// A component read as `d` from a text of `chars` characters goes to `out` as float32 under
-// the float32 checks of the general path (Scanner::read_vector); false when it is not sure.
-// A negative zero is kept as -0.0, as Arrow's reader gives it, but for the integer "-0":
-// the decoder's own readers disagree on its sign (Arrow's bulk read gives -0.0, the
-// screening of a value it refused +0), so it is left to the decoder's other path.
-inline bool keep_component(double d, size_t chars, char* out) {
-  if (d == 0.0 && chars == 2 && std::signbit(d)) return false;  // "-0"
+// A component read as the double `d` goes to `out` as float32; false when float32 may not
+// round it as Arrow's reader does (`float32_unsure`).
+inline bool store_float32(double d, char* out) {
   const float f = static_cast<float>(d);
   if (float32_unsure(d, f)) return false;
   std::memcpy(out, &f, sizeof f);
@@ -156,9 +152,11 @@ __attribute__((always_inline)) inline bool read_flat_with(const char* begin, siz
     const char* text = p;
     double d;
     if (!Read(p, &d)) return false;
-    if (!keep_component(d, static_cast<size_t>(p - text), out + count * sizeof(float))) {
-      return false;
-    }
+    // A negative zero is kept as -0.0, as Arrow's reader gives it, but for the integer
+    // "-0": the decoder's own readers disagree on its sign (Arrow's bulk read gives -0.0,
+    // the screening of a value it refused +0), so it is left to the decoder's other path.
+    if (d == 0.0 && p - text == 2 && std::signbit(d)) return false;
+    if (!store_float32(d, out + count * sizeof(float))) return false;
     if (!at_separator(p, count + 1 == dim)) return false;
   }
   *end = p;
@@ -345,11 +343,9 @@ class Scanner {
       double d;
       if (element.get_double().get(d)) return false;  // not a number (nested arrays too)
       if (count == dim_) return false;
-      // simdjson gives the integer -0 as +0 (see keep_component).
+      // simdjson gives the integer -0 as +0 (see read_flat_with).
       if (d == 0.0 && element.raw_json_token().front() == '-') return false;
-      const float f = static_cast<float>(d);
-      if (float32_unsure(d, f)) return false;
-      std::memcpy(out_ + count++ * sizeof f, &f, sizeof f);
+      if (!store_float32(d, out_ + count++ * sizeof(float))) return false;
     }
     if (count != dim_) return false;
     // The iterator now stands on the token after the array's ']'.

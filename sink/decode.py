@@ -1325,10 +1325,12 @@ def _take(arr: pa.Array, rows: np.ndarray) -> pa.Array:
     rows, the runs' slices joined, one copy each: Arrow's take and filter of a list array
     go row by row (15-20 ms per 10,000 384-dim vectors, for one row left out as for a
     thousand), the runs joined 3-8 ms up to 2,000 runs."""
+    if not pa.types.is_list(arr.type):
+        return arr.take(pa.array(rows))
     if len(rows) == 0:
         return arr.slice(0, 0)
     bounds = np.concatenate(([0], np.flatnonzero(np.diff(rows) != 1) + 1, [len(rows)]))
-    if not pa.types.is_list(arr.type) or len(bounds) - 1 > _TAKE_RUNS_MAX:
+    if len(bounds) - 1 > _TAKE_RUNS_MAX:
         return arr.take(pa.array(rows))
     runs = [
         arr.slice(int(rows[start]), int(end - start))
