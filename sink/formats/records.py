@@ -357,7 +357,8 @@ def to_float(value: float | decimal.Decimal) -> float:
     try:
         return float(value)
     except OverflowError:  # an integer beyond the double range
-        return math.copysign(math.inf, value)
+        # Its sign by comparison: converting it again (math.copysign) raises again.
+        return math.inf if value > 0 else -math.inf
 
 
 def _kind(value: Any) -> str:

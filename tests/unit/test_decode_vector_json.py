@@ -124,6 +124,10 @@ EDGE_VALUES = [
     b'{"id": "x", "vec": [NaN, 1, 2, 3]}',
     b'{"id": "x", "vec": [1, Infinity, -Infinity, 3]}',
     b'{"id": "x", "vec": [1, 2, 3, 4], "f": 1e39, "g": 1e308}',
+    # integers beyond the double range (a second conversion in an error handler crashed)
+    b'{"id": "x", "vec": [1%s, 1, 2, 3]}' % (b"0" * 400),
+    b'{"id": "x", "vec": [1, -1%s, 2, 3]}' % (b"0" * 400),
+    b'{"id": "x", "vec": [1, 2, 3, 4], "f": 1%s, "g": -1%s}' % (b"0" * 400, b"0" * 400),
     # whitespace, escaped keys, unicode
     b' {\n\t"id" : "x" ,\r\n "vec" : [ 1 , 2 ,\n3 , 4 ] } \n',
     b'{"\\u0069d": "x", "v\\u0065c": [1, 2, 3, 4]}',
@@ -189,6 +193,26 @@ def test_all_edge_cases_in_one_batch() -> None:
     out = assert_same([CLEAN, *EDGE_VALUES, CLEAN])
     assert out.batch is not None
     assert len(out.batch) + len(out.dead_letters) == len(EDGE_VALUES) + 2
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("sign", ["", "-"])
+def test_a_vector_component_beyond_the_double_range_is_a_nan_in_vector_dead_letter(
+    fast: bool, sign: str
+) -> None:
+    """A 400-digit integer component used to raise OverflowError out of `decode` (the
+    sink exited and crash-looped on the message): it is a `nan_in_vector` dead letter,
+    alone and between good messages."""
+    poison = b'{"id": "p", "vec": [0.5, %s1%s, 2, 3]}' % (sign.encode(), b"0" * 400)
+    decoder = Decoder(spec(), source(), vector_fast_path=fast)
+    for values in ([poison], [CLEAN, poison, CLEAN]):
+        out = decoder.decode([Msg(v, 10 + i) for i, v in enumerate(values)])
+        assert [(d.offset, d.reason) for d in out.dead_letters] == [
+            (10 + values.index(poison), "nan_in_vector")
+        ]
+        shown = f"component 1 is {(sign + '1' + '0' * 11)[:12]}... (401 digits), beyond"
+        assert shown in out.dead_letters[0].detail
+        assert (out.batch.num_rows if out.batch is not None else 0) == len(values) - 1
 
 
 def test_fast_path_takes_clean_messages_and_hands_back_the_doubtful() -> None:
