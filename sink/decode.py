@@ -123,7 +123,9 @@ import itertools
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal, Protocol, TypeAlias, cast
 
@@ -133,6 +135,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 import pybase64
+import structlog
 
 from config.settings import SourceSettings
 from engine.schema import (
@@ -143,14 +146,23 @@ from engine.schema import (
     TableSpec,
     arrow_type,
 )
-from sink.formats import SchemaCheck, SchemaCheckMode, parse_records, record_format
+from sink.formats import (
+    RegistryUnavailable,
+    SchemaCheck,
+    SchemaCheckMode,
+    SchemaEvolution,
+    parse_records,
+    record_format,
+)
 from sink.formats.derive import Column
 from sink.formats.keys import KeyDecoder
 from sink.formats.records import FLOAT32_MAX, float32_beyond, to_float
 from sink.vector_json import VectorJson
 from sink.vector_scan import scan, scan_base64
 
-__all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason"]
+__all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason", "total"]
+
+log = structlog.get_logger("lance_sink.sink")
 
 Reason: TypeAlias = Literal[
     "invalid_json",
@@ -164,6 +176,7 @@ Reason: TypeAlias = Literal[
     "invalid_utf8",
     "tombstone",
     "rejected_by_table",  # the engine refused a decoded batch (set by the consumer loop)
+    "decode_error",  # decoding it raised (`decode_error_letter`): no path foresaw the value
     # Registry formats (sink.formats):
     "missing_magic_byte",  # the value is not in the Confluent wire format
     "unknown_schema_id",  # the registry does not know the value's schema id (HTTP 404)
@@ -599,9 +612,16 @@ class Decoder:
 
         Raises:
             ValueError: `messages` is empty.
+            RegistryUnavailable: the schema registry cannot answer (not the messages'
+                fault: the consumer loop decodes them again later).
+            SchemaEvolution: the table must evolve before these messages are written.
         """
         if not messages:
             raise ValueError("decode needs at least one message")
+        return total(self._decode, messages)
+
+    def _decode(self, messages: Sequence[MessageLike]) -> Decoded:
+        """`decode` without the guarantee that nothing else raises (`total` gives it)."""
         first = messages[0]
         topic, partition = first.topic() or "", first.partition() or 0
         offsets = np.array([m.offset() for m in messages], dtype=np.int64)
@@ -1716,3 +1736,102 @@ def _dead_letter(
         reason=reason,
         detail=detail,
     )
+
+
+# ---------------------------------------------------------------------------------------
+# Totality: no message's content can make decoding raise.
+
+#: What `total` lets out of a decode: the consumer loop's signals, not a message's fault.
+_SIGNALS: Final = (RegistryUnavailable, SchemaEvolution)
+#: Longest exception text kept in a `decode_error` dead letter's detail.
+_ERROR_CHARS: Final = 1_000
+#: An exception of one type at one place is logged with its traceback at most this often
+#: (a flood of one bad kind would otherwise write a traceback per message); each is
+#: counted all the same (`lance_sink_decode_errors_total`) and dead-lettered.
+DECODE_ERROR_LOG_INTERVAL_S: Final = 60.0
+_logged_at: dict[tuple[str, str, int], float] = {}
+_logged_lock = threading.Lock()
+
+
+def total(
+    decode: Callable[[Sequence[MessageLike]], Decoded], messages: Sequence[MessageLike]
+) -> Decoded:
+    """`decode(messages)`, made total: whatever it raises for a batch (but the registry and
+    evolution signals, `_SIGNALS`), the batch is split in halves, each decoded the same
+    way, until the message that raises is alone; that message is a ``decode_error`` dead
+    letter naming the exception, the others decode as they would have.
+
+    A message's outcome stays its own: a half decodes exactly as a batch of those messages
+    would (the decoder's paths give every message the same outcome whatever its batch:
+    tests/unit/test_decode_metamorphic.py). The cost of one raising message among ``n`` is
+    about ``2n`` more messages decoded.
+
+    Args:
+        decode: decodes a non-empty batch of one topic-partition's messages.
+        messages: that batch, at least one message.
+    """
+    try:
+        return decode(messages)
+    except _SIGNALS:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a message's content must never stop the sink
+        if len(messages) == 1:
+            return Decoded(None, [decode_error_letter(messages[0], exc)], [], *_span(messages))
+        mid = len(messages) // 2
+        return joined([total(decode, messages[:mid]), total(decode, messages[mid:])])
+
+
+def decode_error_letter(message: MessageLike, exc: BaseException) -> DeadLetter:
+    """The ``decode_error`` dead letter of a message whose decoding raised `exc`; logs
+    the exception with its traceback (at most once a `DECODE_ERROR_LOG_INTERVAL_S` per
+    exception type and place)."""
+    text = f"{type(exc).__name__}: {exc}"
+    if len(text) > _ERROR_CHARS:
+        text = text[: _ERROR_CHARS - 3] + "..."
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = ("", 0) if tb is None else (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+    key = (type(exc).__name__, *where)
+    now = time.monotonic()
+    with _logged_lock:
+        due = now - _logged_at.get(key, -math.inf) >= DECODE_ERROR_LOG_INTERVAL_S
+        if due:
+            _logged_at[key] = now
+    if due:
+        log.error(
+            "decode_error",
+            topic=message.topic(),
+            partition=message.partition(),
+            offset=message.offset(),
+            error=text,
+            exc_info=exc,
+        )
+    return _dead_letter(
+        message,
+        message.topic() or "",
+        message.partition() or 0,
+        "decode_error",
+        f"decoding the value raised {text} (a dead letter instead; please report it)",
+    )
+
+
+def joined(parts: Sequence[Decoded]) -> Decoded:
+    """Decoded batches of consecutive runs of one partition's messages, as one."""
+    batches = [p.batch for p in parts if p.batch is not None and p.batch.num_rows]
+    batch = None
+    if len(batches) == 1:
+        batch = batches[0]
+    elif batches:
+        batch = pa.concat_batches(batches)
+    return Decoded(
+        batch,
+        [d for p in parts for d in p.dead_letters],
+        [o for p in parts for o in p.skipped_offsets],
+        parts[0].first_offset,
+        parts[-1].last_offset,
+    )
+
+
+def _span(messages: Sequence[MessageLike]) -> tuple[int, int]:
+    return int(messages[0].offset() or 0), int(messages[-1].offset() or 0)

@@ -47,7 +47,15 @@ import structlog
 from config.settings import SourceSettings
 from engine.malloc import set_mmap_threshold
 from engine.schema import TableSpec
-from sink.decode import Decoded, Decoder, MessageLike, freeze_gc, value_sizes
+from sink.decode import (
+    Decoded,
+    Decoder,
+    MessageLike,
+    decode_error_letter,
+    freeze_gc,
+    joined,
+    value_sizes,
+)
 from sink.formats import SchemaCheckMode
 from sink.log import LogConfig, configure_logging
 
@@ -320,6 +328,10 @@ def _grown(old: shared_memory.SharedMemory, need: int) -> shared_memory.SharedMe
     return new
 
 
+class _WorkerDied(RuntimeError):
+    """A decode worker died twice on one batch."""
+
+
 class ProcessDecoder:
     """`Decoder.decode` run in `workers` worker processes (see the module docstring).
 
@@ -352,12 +364,34 @@ class ProcessDecoder:
     def decode(self, messages: Sequence[MessageLike]) -> Decoded:
         """As `Decoder.decode`, in this thread's worker process.
 
+        A batch a worker dies on twice (a message that crashes the decoder's native code,
+        or one that takes more memory than the worker may have) is split in halves, each
+        decoded the same way, until the message it dies on is alone: that message is a
+        ``decode_error`` dead letter, the others decode as they would have (as
+        `sink.decode.total` does with what a decoder raises).
+
         Raises:
             ValueError: `messages` is empty.
-            RuntimeError: the decoder is closed, or a worker died twice on this batch.
+            RuntimeError: the decoder is closed.
         """
         if not messages:
             raise ValueError("decode needs at least one message")
+        try:
+            return self._decode_once(messages)
+        except _WorkerDied as exc:
+            if len(messages) == 1:
+                letter = decode_error_letter(messages[0], exc)
+                offset = int(messages[0].offset() or 0)
+                return Decoded(None, [letter], [], offset, offset)
+            mid = len(messages) // 2
+            return joined([self.decode(messages[:mid]), self.decode(messages[mid:])])
+
+    def _decode_once(self, messages: Sequence[MessageLike]) -> Decoded:
+        """`messages` decoded by this thread's worker, or by a new one if it dies.
+
+        Raises:
+            _WorkerDied: the new worker died on the batch too.
+        """
         if self._closed:
             raise RuntimeError("the decoder is closed")
         batch, values = _Batch.of(messages)
@@ -370,7 +404,11 @@ class ProcessDecoder:
             try:
                 return worker.call(batch, values)
             except (EOFError, OSError) as again:
-                raise RuntimeError(f"decode worker died twice on one batch: {again!r}") from exc
+                log.warning("decode_worker_died", worker=worker.process.name, error=repr(again))
+                self._replace(worker)
+                raise _WorkerDied(
+                    f"the decode worker process died on it twice ({again!r})"
+                ) from exc
 
     def _worker(self) -> _Worker:
         worker: _Worker | None = getattr(self._local, "worker", None)

@@ -163,6 +163,12 @@ class Metrics:
             "Messages sent to the dead-letter topic, by reason.",
             ["topic", "reason"],
         )
+        self.decode_errors = counter(
+            "decode_errors_total",
+            "Messages whose decoding raised (no decode path foresaw the value); each is a "
+            "decode_error dead letter.",
+            ["topic"],
+        )
         self.dlq_failures = counter(
             "dlq_delivery_failures_total",
             "Failed attempts to deliver a dead letter (each is re-sent, or replaced by an "
@@ -372,6 +378,10 @@ class Metrics:
 
     def dead_lettered(self, topic: str, reason: str) -> None:
         self.dlq_messages.labels(topic, reason).inc()
+
+    def decode_failed(self, topic: str, count: int) -> None:
+        """`count` messages of `topic` raised in decoding (decode_error dead letters)."""
+        self.decode_errors.labels(topic).inc(count)
 
     def dlq_delivery_failed(self, topic: str, error: str) -> None:
         self.dlq_failures.labels(topic, error).inc()

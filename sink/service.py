@@ -695,6 +695,8 @@ class SinkService:
     def _feed(self, state: PartitionState, messages: list[Any], decoded: Decoded) -> None:
         held = _Held(decoded, messages)
         if decoded.dead_letters:
+            if errors := sum(d.reason == "decode_error" for d in decoded.dead_letters):
+                self.metrics.decode_failed(state.topic, errors)
             if self.dlq is None:
                 # Without a dead-letter destination a bad message stops its partition:
                 # nothing is dropped silently.

@@ -198,6 +198,40 @@ def test_a_killed_worker_is_replaced(
     assert "decode_worker_died" in capsys.readouterr().out
 
 
+def test_a_message_a_worker_dies_on_is_a_decode_error_dead_letter(
+    decoders: tuple[Decoder, ProcessDecoder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker process killed whenever its batch holds one offset (as a message that
+    crashes native code would kill it): the batch is split until that message is alone, it
+    becomes a `decode_error` dead letter, every other message decodes as in-process."""
+    local, processes = decoders
+    messages = corpus(200)
+    poison = messages[77].offset()
+    real_call = decode_process._Worker.call
+    calls: list[int] = []
+
+    def dies_on_poison(worker: Any, batch: Any, values: list[bytes]) -> Decoded:
+        calls.append(len(batch.offsets))
+        if poison in batch.offsets:
+            os.kill(worker.process.pid, signal.SIGKILL)
+            worker.process.join(10)
+        return real_call(worker, batch, values)
+
+    monkeypatch.setattr(decode_process._Worker, "call", dies_on_poison)
+    got = processes.decode(messages)
+    want = local.decode(messages[:77] + messages[78:])
+    letters = [d for d in got.dead_letters if d.offset == poison]
+    assert [d.reason for d in letters] == ["decode_error"]
+    assert "decode worker process died on it twice" in letters[0].detail
+    assert [d for d in got.dead_letters if d.offset != poison] == want.dead_letters
+    assert got.batch is not None
+    assert want.batch is not None
+    assert got.batch.equals(want.batch)
+    assert (got.first_offset, got.last_offset) == (1000, 1199)
+    assert got.skipped_offsets == want.skipped_offsets
+    assert len(calls) <= 4 * 8  # two tries per half on the way down, log2(200) halvings
+
+
 def test_close_stops_the_workers_and_frees_the_shared_memory(tmp_path: Path) -> None:
     processes = ProcessDecoder(spec(tmp_path), SourceSettings(), schema_check="off", workers=2)
     processes.decode(corpus(50))

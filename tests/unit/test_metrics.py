@@ -17,6 +17,10 @@ EXPECTED = {
     "lance_sink_committed_offset": "Offset committed to Kafka.",
     "lance_sink_consumed_offset": "Next offset the consumer will hand to the sink (position).",
     "lance_sink_consumer_lag_messages": "Log end offset minus consumed position.",
+    "lance_sink_decode_errors": (
+        "Messages whose decoding raised (no decode path foresaw the value); each is a "
+        "decode_error dead letter."
+    ),
     "lance_sink_dlq_delivery_failures": (
         "Failed attempts to deliver a dead letter (each is re-sent, or replaced by an "
         "envelope), by source topic and librdkafka error."
