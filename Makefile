@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv lint typecheck check test test-fast demo docs lock clean
+.PHONY: venv lint typecheck check test test-fast fuzz demo docs lock clean
 
 # setup.py and the C++ source: the install compiles sink._vector_scan (sink/vector_scan.py).
 $(STAMP): pyproject.toml requirements.lock setup.py sink/_vector_scan.cpp
@@ -61,6 +61,13 @@ docs: venv
 ## Unit tests only (no brokers, no S3, nothing slow).
 test-fast: venv
 	$(BIN)/python -m pytest -m "not broker and not s3 and not slow and not helm" $(PYTEST_ARGS)
+
+## The decoder's fuzz and metamorphic tests run long (tests/unit/test_decode_metamorphic.py:
+## FUZZ_EXAMPLES examples per test instead of the bounded ones `make test` runs).
+FUZZ_EXAMPLES ?= 2000
+fuzz: venv
+	LANCE_SINK_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -p no:cacheprovider \
+		-o timeout=0 tests/unit/test_decode_metamorphic.py $(PYTEST_ARGS)
 
 ## Re-pin every dependency to what is installed in the virtualenv.
 lock: venv

@@ -33,8 +33,9 @@ Coercions, JSON values (anything else is ``wrong_type`` naming the column and JS
 
     string     JSON strings only
     int32/64   JSON integers only (no fractions, no exponents, no strings), in range
-    float32/64 JSON numbers; the non-standard literals NaN, Infinity and -Infinity that
-               Python's json module writes, and numbers beyond the double range (as +-inf);
+    float32/64 JSON numbers; the non-standard literals Arrow's reader takes (NaN, -NaN,
+               Inf, -Inf, Infinity, -Infinity: `_LITERALS`, read alike on every path), and
+               numbers beyond the double range (as +-inf);
                a finite number beyond the float32 range in a float32 column is
                ``wrong_type`` (it would be stored as infinity)
     bool       true / false
@@ -123,6 +124,8 @@ import itertools
 import json
 import math
 import os
+import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -425,6 +428,10 @@ class Decoder:
             arrays) or `sink.vector_json` (base64 vectors, and what the scan leaves) first; False
             keeps every value on Arrow's reader (the reference the fast path is tested
             against).
+        scan_simd: let the vector scan read short decimals with its SSSE3 reader where the
+            CPU has one; False keeps it to the portable reader (the same rows: the tests
+            decode both ways).
+
     Raises:
         ValueError: the mapping can never fill the table: a source feeding a column type it
             cannot produce, JSON paths that overlap, or (raw format) a required column
@@ -438,8 +445,10 @@ class Decoder:
         *,
         schema_check: SchemaCheckMode = "off",
         vector_fast_path: bool = True,
+        scan_simd: bool = True,
     ) -> None:
         self._spec = spec
+        self._scan_simd = scan_simd
         self._source = source
         self._schema: pa.Schema = spec.batch_schema
         self._max_bytes = int(source.max_message_bytes)
@@ -862,7 +871,7 @@ class Decoder:
         if self._base64:  # the base64 texts, decoded with those of the other paths
             positions, vectors, stripped = scan_base64(payloads, path, dim)
         else:
-            positions, matrix, stripped = scan(payloads, path, dim)
+            positions, matrix, stripped = scan(payloads, path, dim, simd=self._scan_simd)
             offsets = np.arange(0, (len(positions) + 1) * dim, dim, dtype=np.int32)
             vectors = pa.ListArray.from_arrays(
                 pa.array(offsets), pa.array(matrix.ravel()), type=_CANONICAL["vector"]
@@ -1086,7 +1095,7 @@ class Decoder:
         except orjson.JSONDecodeError:
             try:
                 # NaN, Infinity and numbers beyond the double range: Python's json takes them.
-                obj = json.loads(payload)
+                obj = _loads(payload)
             except ValueError as exc:
                 return ("invalid_json", f"value is not JSON: {exc}")
             except RecursionError:
@@ -1122,7 +1131,7 @@ class Decoder:
             if problem is not None and type(item) is float and not exact:
                 # Perhaps an integer beyond 64 bits, which the detail should show as sent.
                 with contextlib.suppress(ValueError, RecursionError):
-                    return self._fill_one(payload, json.loads(payload), build, exact=True)
+                    return self._fill_one(payload, _loads(payload), build, exact=True)
             if problem is None and build:
                 arr = _coerce_one(item, type_name)
                 if isinstance(arr, str):
@@ -1678,7 +1687,7 @@ def _non_finite(col: _Column, component: int, payload: bytes | None) -> str:
     """Why component `component` of the vector in `payload` is not a finite float32."""
     head = f"vector {col.name!r} ({col.where}) component {component}"
     try:
-        item: Any = json.loads(payload or b"")
+        item: Any = _loads(payload or b"")
         for name in col.path:
             item = item[name]
         number = item[component]
@@ -1711,7 +1720,7 @@ def _check_float32(arr: pa.Array, col: _Column, rows: _Rows, meta: _Metadata) ->
     infinite = np.isinf(arr.to_numpy(zero_copy_only=False))
     for pos in np.flatnonzero(infinite).tolist():
         try:
-            item: Any = json.loads(meta.value(int(rows.index[pos])) or b"")
+            item: Any = _loads(meta.value(int(rows.index[pos])) or b"")
             for name in col.path:
                 item = item[name]
         except (ValueError, KeyError, TypeError, RecursionError):
@@ -1719,6 +1728,52 @@ def _check_float32(arr: pa.Array, col: _Column, rows: _Rows, meta: _Metadata) ->
         beyond = float32_beyond(item, _show)
         if beyond is not None:
             rows.fault((pos,), ("wrong_type", f"{col.name!r} ({col.where}) {beyond}"))
+
+
+#: The non-standard number literals Arrow's reader (rapidjson's) takes where a number may
+#: stand, each with what it reads as: Python's json takes only NaN, Infinity and -Infinity.
+_LITERALS: Final = {
+    b"NaN": b"NaN",
+    b"-NaN": b"NaN",  # no sign: Arrow's reader reads it as the NaN it reads for NaN
+    b"Inf": b"Infinity",
+    b"-Inf": b"-Infinity",
+    b"Infinity": b"Infinity",
+    b"-Infinity": b"-Infinity",
+}
+#: A JSON string (left as it is) or one of `_LITERALS` outside strings.
+_LITERAL_RE: Final = re.compile(rb'"(?:[^"\\]|\\.)*"|-?(?:NaN|Inf(?:inity)?)')
+
+
+def _loads(payload: bytes) -> Any:
+    """A JSON value parsed by Python's json, taking the same non-standard number literals
+    as Arrow's reader (`_LITERALS`), so that a value reads the same on the bulk path and
+    on the per-message paths whatever its neighbours (docs/formats.md).
+
+    Raises:
+        ValueError: not JSON (json's own error, for the value as sent).
+        RecursionError: nested deeper than Python's parser goes.
+    """
+    try:
+        return json.loads(payload)
+    except ValueError:
+        rewritten = payload
+        if b"NaN" in payload or b"Inf" in payload:
+            rewritten = _LITERAL_RE.sub(lambda m: _LITERALS.get(m.group(), m.group()), payload)
+        try:
+            return json.loads(rewritten, parse_int=_parse_int)
+        except ValueError:
+            pass
+        raise
+
+
+def _parse_int(text: str) -> int | float:
+    """A JSON integer; one longer than Python reads (``sys.get_int_max_str_digits``, a
+    guard against quadratic conversions) as the signed infinity, as Arrow's reader reads it
+    where a number may be a float (an integer column refuses it either way)."""
+    limit = sys.get_int_max_str_digits()
+    if limit and len(text) - text.startswith("-") > limit:
+        return -math.inf if text.startswith("-") else math.inf
+    return int(text)
 
 
 def _dead_letter(

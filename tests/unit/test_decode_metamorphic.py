@@ -1,0 +1,484 @@
+"""A message's fate is its own, and no message makes decoding raise.
+
+For generated messages of every format, and mutations of them (byte flips, insertions,
+cuts, numbers swapped for huge, tiny and non-standard ones, deep nesting, duplicate keys,
+invalid UTF-8 and surrogates, broken wire-format framing), each message decoded alone,
+all of them in one batch, and all of them in batches of random composition mixed with
+known-bad messages get the same fate: the same row, bit for bit, or the same dead letter
+(reason and detail). The batches run on two threads sharing one decoder (as the sink's
+decode workers do), with the vector scan's SSSE3 and its portable reader, and for the
+JSON formats in decode processes too. Every message is accounted for exactly once, and
+none is a ``decode_error`` dead letter: that would mean some path raised (the decoder
+turns what raises into one, `sink.decode.total`; here it is a bug found).
+
+Bounded in ``make test``; ``make fuzz`` runs it long (``LANCE_SINK_FUZZ_EXAMPLES``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from confluent_kafka.schema_registry.avro import AvroSerializer
+from confluent_kafka.schema_registry.json_schema import JSONSerializer
+from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from config.settings import SchemaRegistrySettings, SourceSettings, TableSettings
+from engine.schema import TableSpec
+from sink.decode import Decoded, Decoder
+from sink.decode_process import ProcessDecoder
+from sink.formats.registry import build_client
+from tests.unit.test_decode import Msg
+from tests.unit.test_decode_vector_json import (
+    COLUMNS,
+    DIM,
+    MAPPED,
+    base64_message,
+    json_message,
+)
+from tests.unit.test_formats_protobuf_json import make_order, order_class
+
+#: ``make fuzz`` sets this: examples per test (0: each test's bounded default).
+FUZZ_EXAMPLES = int(os.environ.get("LANCE_SINK_FUZZ_EXAMPLES", "0"))
+TOPIC = "orders"
+
+
+def fuzz_settings(bounded: int) -> Callable[[Any], Any]:
+    return settings(
+        max_examples=FUZZ_EXAMPLES or bounded,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+
+# -- the tables ---------------------------------------------------------------------
+
+
+def table(kind: str) -> TableSpec:
+    raw: dict[str, Any] = {"uri": "/tmp/unused", "columns": COLUMNS}
+    if kind in {"vector", "base64_f32", "upsert"}:
+        raw["vector"] = {"column": "vec", "dim": DIM}
+        if kind == "base64_f32":
+            raw["vector"]["encoding"] = "base64_f32"
+    if kind == "upsert":
+        raw["mode"] = "upsert"
+        raw["primary_key"] = ["id"]
+    return TableSpec.from_settings(TableSettings.model_validate(raw))
+
+
+def json_source(**extra: Any) -> SourceSettings:
+    return SourceSettings(columns=MAPPED, **extra)
+
+
+# -- fates --------------------------------------------------------------------------
+
+
+def _bits(arr: pa.Array) -> list[Any]:
+    """A column's values with every float as its bit pattern (-0.0 and NaN count)."""
+    if pa.types.is_fixed_size_list(arr.type):
+        # Its values hold a slot per component of every row, null rows included.
+        size = arr.type.list_size
+        flat = arr.values.fill_null(0).to_numpy().astype(np.float32, copy=False)
+        bits = flat.view(np.uint32).tolist()
+        start = arr.offset * size
+        return [
+            None if null else tuple(bits[start + i * size : start + (i + 1) * size])
+            for i, null in enumerate(arr.is_null().to_pylist())
+        ]
+    if pa.types.is_floating(arr.type):
+        nulls = arr.is_null().to_pylist()
+        data = arr.fill_null(0).to_numpy()
+        view = data.view(np.uint32 if data.dtype == np.float32 else np.uint64)
+        return [None if z else int(b) for z, b in zip(nulls, view, strict=True)]
+    return arr.to_pylist()
+
+
+def fates(out: Decoded, messages: Sequence[Msg]) -> dict[int, tuple[Any, ...]]:
+    """Each message's fate by offset: ("row", values), ("dead", reason, detail) or
+    ("skipped",); asserts that every message is accounted for exactly once."""
+    dead = {d.offset: ("dead", d.reason, d.detail) for d in out.dead_letters}
+    assert len(dead) == len(out.dead_letters), "a message dead-lettered twice"
+    skipped = set(out.skipped_offsets)
+    rows: list[tuple[Any, ...]] = []
+    if out.batch is not None:
+        columns = [_bits(c) for c in out.batch.columns]
+        rows = list(zip(*columns, strict=True))
+    offsets = [m.offset() for m in messages]
+    assert set(dead) | skipped <= set(offsets)
+    assert not set(dead) & skipped
+    written = [o for o in offsets if o not in dead and o not in skipped]
+    assert len(rows) == len(written), "rows and messages do not add up"
+    assert (out.first_offset, out.last_offset) == (offsets[0], offsets[-1])
+    result: dict[int, tuple[Any, ...]] = {o: dead[o] for o in dead}
+    result.update(dict.fromkeys(skipped, ("skipped",)))
+    result.update({o: ("row", row) for o, row in zip(written, rows, strict=True)})
+    raised = [f for f in result.values() if f[0] == "dead" and f[1] == "decode_error"]
+    assert not raised, f"a decode path raised: {raised[0][2]}"
+    return result
+
+
+Decode = Callable[[Sequence[Msg]], Decoded]
+
+
+def check_fates(
+    decoders: Sequence[Decode],
+    values: list[bytes | None],
+    bad: list[bytes | None],
+    cuts: list[int],
+    bad_at: list[int],
+    keys: list[bytes | None] | None = None,
+) -> None:
+    """The metamorphic relation: alone = one batch = random batches with bad neighbours,
+    for every decoder given (all must agree with the first one's lone decodes)."""
+    keys = keys or [f"k{i}".encode() for i in range(len(values))]
+    messages = [Msg(v, 10 * i, key_=k) for i, (v, k) in enumerate(zip(values, keys, strict=True))]
+    reference = decoders[0]
+    alone: dict[int, tuple[Any, ...]] = {}
+    for m in messages:
+        alone.update(fates(reference([m]), [m]))
+    # Mixed: known-bad messages at offsets between the generated ones.
+    mixed = list(messages)
+    for n, at in enumerate(bad_at[:9]):
+        before = at % (len(messages) + 1) - 1  # the generated message it follows (-1: none)
+        mixed.append(Msg(bad[n % len(bad)], 10 * before + 1 + n, key_=b"bad"))
+    mixed.sort(key=lambda m: m.offset())
+    bounds = sorted({0, len(mixed), *(c % (len(mixed) + 1) for c in cuts)})
+    batches = [mixed[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+    wanted = {m.offset() for m in messages}
+    for decode in decoders:
+        assert fates(decode(messages), messages) == alone
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(decode, batches))
+        got: dict[int, tuple[Any, ...]] = {}
+        for out, part in zip(outs, batches, strict=True):
+            got.update(fates(out, part))
+        assert {o: f for o, f in got.items() if o in wanted} == alone
+
+
+# -- mutations ----------------------------------------------------------------------
+
+_BIG = b"1" + b"0" * 400
+_NUMBER = re.compile(rb"-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
+#: What a mutation may write in place of a number, or insert.
+TOKENS = [
+    b"-NaN", b"NaN", b"Inf", b"-Inf", b"Infinity", b"-Infinity", b"nan", b"+1", b"01",
+    b"1e400", b"-1e400", b"1e-400", _BIG, b"-" + _BIG, b"9" * 5000, b"-0", b"-0.0", b"0e0",
+    b"1E+2", b"18446744073709551616", b"-9223372036854775809", b"1.", b".5", b"1e",
+    b"[" * 1200 + b"]" * 1200, b"[" * 40 + b"]" * 40, b'{"a":' * 30 + b"1" + b"}" * 30,
+    b'"\\ud800"', b'"\\udc00\\ud800"', b'"\xed\xa0\x80"', b"\xff", b"\xc3", b'"\x00"',
+    b'"\\u0000"', b'"x\\"', b"null", b"true", b"{}", b"[]", b'"id": "dup", ', b"\xef\xbb\xbf",
+    b"\n", b"\r", b"\t", b" ",
+]  # fmt: skip
+
+
+@st.composite
+def mutated(draw: st.DrawFn, value: bytes) -> bytes:
+    """`value` with up to three mutations."""
+    data = bytearray(value)
+    for _ in range(draw(st.integers(0, 3))):
+        kind = draw(st.sampled_from(["number", "number", "insert", "flip", "cut", "delete"]))
+        at = draw(st.integers(0, max(len(data), 1)))
+        if kind == "number" and (numbers := list(_NUMBER.finditer(bytes(data)))):
+            match = numbers[draw(st.integers(0, len(numbers) - 1))]
+            data[match.start() : match.end()] = draw(st.sampled_from(TOKENS))
+        elif kind == "insert":
+            token = draw(st.one_of(st.sampled_from(TOKENS), st.binary(min_size=1, max_size=4)))
+            data[at:at] = token
+        elif kind == "flip" and data:
+            pos = min(at, len(data) - 1)
+            data[pos] ^= 1 << draw(st.integers(0, 7))
+        elif kind == "cut":
+            del data[at:]
+        elif kind == "delete" and data:
+            del data[at : at + draw(st.integers(1, 8))]
+    return bytes(data)
+
+
+def mutations_of(values: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
+    return values.flatmap(lambda v: st.one_of(st.just(v), mutated(v)))
+
+
+def batches_of(values: st.SearchStrategy[bytes | None]) -> st.SearchStrategy[Any]:
+    return st.tuples(
+        st.lists(values, min_size=1, max_size=14),
+        st.lists(st.integers(0, 200), max_size=4),  # cuts between batches
+        st.lists(st.integers(0, 200), max_size=4),  # where known-bad messages go
+    )
+
+
+#: Known-bad neighbours: each makes a bulk parse of its batch fail (the last one only
+#: after the vector scan, in the stripped texts' parse).
+JSON_BAD: list[bytes | None] = [
+    b"{not json", b"null", b"\xff\xfe", b"[1, 2]", b"", b'{"id": 5}',
+    b'{"id": 5, "vec": [1, 2, 3, 4]}',
+]  # fmt: skip
+
+
+# -- JSON ---------------------------------------------------------------------------
+
+#: The explicit examples: each was a message whose fate depended on its neighbours.
+NEG_NAN = b'{"id": "x", "f": -NaN, "vec": [1, 2, 3, 4]}'
+EXAMPLES: list[bytes] = [
+    NEG_NAN,
+    b'{"id": "x", "g": -NaN, "vec": [1, 2, 3, 4]}',
+    b'{"id": "x", "g": Inf, "f": -Inf, "vec": [1, 2, 3, 4]}',
+    b'{"id": "x", "vec": [1, -NaN, 3, 4]}',
+    b'{"id": "x", "vec": [1, 2, 3, 4], "other": -NaN}',
+    b'{"id": "x", "vec": [%s, 2, 3, 4]}' % _BIG,
+    # longer than Python reads integers (4,300 digits): Arrow's reader reads infinity
+    b'{"id": "x", "vec": [%s, 2, 3, 4]}' % (b"9" * 5000),
+    b'{"id": "x", "n": -%s, "f": %s, "vec": [1, 2, 3, 4]}' % (b"9" * 5000, b"9" * 5000),
+]
+
+
+@pytest.fixture(scope="module")
+def processes() -> Iterator[dict[str, ProcessDecoder]]:
+    made = {
+        kind: ProcessDecoder(table(kind), json_source(), schema_check="off", workers=2)
+        for kind in ("vector", "plain")
+    }
+    yield made
+    for decoder in made.values():
+        decoder.close()
+
+
+def json_decoders(kind: str, processes: dict[str, ProcessDecoder] | None) -> list[Decode]:
+    spec = table(kind)
+    decoders: list[Decode] = [
+        Decoder(spec, json_source()).decode,
+        Decoder(spec, json_source(), scan_simd=False).decode,
+    ]
+    if processes is not None and kind in processes:
+        decoders.append(processes[kind].decode)
+    return decoders
+
+
+@pytest.mark.parametrize("kind", ["vector", "plain"])
+@pytest.mark.parametrize("value", EXAMPLES)
+def test_the_messages_whose_fate_depended_on_their_neighbours(kind: str, value: bytes) -> None:
+    """Each between neighbours whose bulk parse fails (a wrong type after the vector scan,
+    and text that is not JSON), so its batch is screened message by message."""
+    bad: list[bytes | None] = [b'{"id": 5, "vec": [1, 2, 3, 4]}', b"{not json"]
+    check_fates(json_decoders(kind, None), [value, value], bad, [], [0, 1, 2])
+
+
+@fuzz_settings(20)
+@example((EXAMPLES, [2], [0, 3]))
+@given(batches_of(mutations_of(json_message())))
+def test_json_vector_messages(
+    processes: dict[str, ProcessDecoder], case: tuple[list[bytes], list[int], list[int]]
+) -> None:
+    values, cuts, bad_at = case
+    check_fates(json_decoders("vector", processes), list(values), JSON_BAD, cuts, bad_at)
+
+
+@fuzz_settings(15)
+@example((EXAMPLES, [2], [0, 3]))
+@given(batches_of(mutations_of(json_message())))
+def test_json_messages_without_a_vector(
+    processes: dict[str, ProcessDecoder], case: tuple[list[bytes], list[int], list[int]]
+) -> None:
+    values, cuts, bad_at = case
+    check_fates(json_decoders("plain", processes), list(values), JSON_BAD, cuts, bad_at)
+
+
+@fuzz_settings(15)
+@given(batches_of(mutations_of(base64_message())), st.integers(0, 3))
+def test_json_base64_vector_messages(
+    case: tuple[list[bytes], list[int], list[int]], scale: int
+) -> None:
+    """Batches of more than 64 base64 values take the scan, smaller ones simdjson in
+    Python: `scale` repeats the values so both are reached."""
+    values, cuts, bad_at = case
+    values = values * (1 + 20 * scale)
+    spec = table("base64_f32")
+    decoders: list[Decode] = [Decoder(spec, json_source()).decode]
+    check_fates(decoders, values, JSON_BAD, cuts, bad_at)
+
+
+@st.composite
+def keyed(draw: st.DrawFn) -> tuple[bytes | None, bytes | None]:
+    """A value (or a tombstone) and a key (maybe not UTF-8, maybe missing)."""
+    value = draw(st.one_of(mutations_of(json_message()), st.none()))
+    key = draw(
+        st.one_of(
+            st.text(max_size=6).map(str.encode), st.binary(max_size=4), st.none(),
+            st.sampled_from([b"\xed\xa0\x80", b"\xff", b""]),
+        )
+    )  # fmt: skip
+    return value, key
+
+
+@fuzz_settings(15)
+@given(
+    st.lists(keyed(), min_size=1, max_size=14),
+    st.lists(st.integers(0, 200), max_size=4),
+    st.lists(st.integers(0, 200), max_size=4),
+)
+def test_upsert_messages_with_keys_headers_and_tombstones(
+    pairs: list[tuple[bytes | None, bytes | None]], cuts: list[int], bad_at: list[int]
+) -> None:
+    spec = table("upsert")
+    source = SourceSettings(columns={**MAPPED, "b": "@headers.blob"})
+    decoders: list[Decode] = [Decoder(spec, source).decode]
+    values = [v for v, _ in pairs]
+    keys = [k for _, k in pairs]
+    check_fates(decoders, values, [*JSON_BAD, None], cuts, bad_at, keys)
+
+
+# -- registry formats -----------------------------------------------------------------
+
+REGISTRY = {"url": f"mock://{uuid.uuid4().hex}"}
+CONTEXT = SerializationContext(TOPIC, MessageField.VALUE)
+RECORD_SCHEMA = json.dumps(
+    {
+        "type": "record",
+        "name": "Order",
+        "fields": [
+            {"name": "id", "type": "string"},
+            {"name": "n", "type": ["null", "int"], "default": None},
+            {"name": "f", "type": ["null", "float"], "default": None},
+            {"name": "g", "type": ["null", "double"], "default": None},
+            {"name": "ok", "type": ["null", "boolean"], "default": None},
+            {"name": "at", "type": ["null", {"type": "long", "logicalType": "timestamp-millis"}],
+             "default": None},
+            {"name": "b", "type": ["null", "bytes"], "default": None},
+            {"name": "vec", "type": {"type": "array", "items": "float"}},
+            {"name": "meta", "type": ["null", {"type": "record", "name": "Meta", "fields": [
+                {"name": "score", "type": ["null", "double"], "default": None}]}],
+             "default": None},
+        ],
+    }
+)  # fmt: skip
+JSON_SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "n": {"type": "integer"},
+            "f": {"type": "number"},
+            "g": {"type": "number"},
+            "ok": {"type": "boolean"},
+            "vec": {"type": "array", "items": {"type": "number"}},
+            "meta": {"type": "object", "properties": {"score": {"type": "number"}}},
+        },
+        "required": ["id"],
+    }
+)
+_client = build_client(SchemaRegistrySettings(**REGISTRY))
+_avro = AvroSerializer(_client, RECORD_SCHEMA)
+_json_schema = JSONSerializer(JSON_SCHEMA, _client)
+_protobuf = ProtobufSerializer(order_class(), _client, {"use.deprecated.format": False})
+
+_floats = st.one_of(
+    st.floats(width=32), st.sampled_from([0.0, -0.0, 3.4e38, -3.4e38, 1e-45, float("nan")])
+)
+_doubles = st.one_of(st.floats(), st.sampled_from([1e308, -0.0, 1e39, 5e-324]))
+
+
+@st.composite
+def record(draw: st.DrawFn) -> dict[str, Any]:
+    size = draw(st.sampled_from([DIM] * 6 + [0, DIM + 1]))
+    return {
+        "id": draw(st.text(max_size=6)),
+        "n": draw(st.one_of(st.none(), st.integers(-(2**31), 2**31 - 1))),
+        "f": draw(st.one_of(st.none(), _floats)),
+        "g": draw(st.one_of(st.none(), _doubles)),
+        "ok": draw(st.one_of(st.none(), st.booleans())),
+        "at": draw(st.one_of(st.none(), st.integers(-(2**40), 2**42))),
+        "b": draw(st.one_of(st.none(), st.binary(max_size=5))),
+        "vec": draw(st.lists(_floats, min_size=size, max_size=size)),
+        "meta": draw(st.one_of(st.none(), st.fixed_dictionaries({"score": _doubles}))),
+    }
+
+
+def _avro_value(rec: dict[str, Any]) -> bytes:
+    import datetime as dt  # noqa: PLC0415 - only here
+
+    rec = dict(rec)
+    if rec["at"] is not None:
+        rec["at"] = dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(milliseconds=rec["at"])
+    value: bytes = _avro(rec, CONTEXT)
+    return value
+
+
+@st.composite
+def avro_value(draw: st.DrawFn) -> bytes:
+    return _avro_value(draw(record()))
+
+
+@st.composite
+def json_schema_value(draw: st.DrawFn) -> bytes:
+    rec = draw(record())
+    doc = {k: v for k, v in rec.items() if k not in {"at", "b"} and v is not None}
+    finite = all(np.isfinite(x) for x in [*doc["vec"], doc.get("f", 0.0), doc.get("g", 0.0)]) and (
+        doc.get("meta") is None or np.isfinite(doc["meta"]["score"])
+    )
+    if not finite:
+        doc.pop("f", None)
+        doc.pop("g", None)
+        doc.pop("meta", None)
+        doc["vec"] = [0.5] * len(doc["vec"])
+    value: bytes = _json_schema(doc, CONTEXT)
+    return value
+
+
+@st.composite
+def protobuf_value(draw: st.DrawFn) -> bytes:
+    value: bytes = _protobuf(make_order(order_class(), draw(st.integers(0, 2**27))), CONTEXT)
+    return value
+
+
+REGISTRY_BAD: list[bytes | None] = [b"not framed", b"\x00", b"\x00\x00\x00\x00\x01\x02", b""]
+_PROTOBUF_COLUMNS = {"n": "$.n", "id": "$.id", "deep": "$.meta.n"}
+
+
+@pytest.mark.parametrize(
+    ("fmt", "values", "columns"),
+    [
+        ("avro", avro_value(), MAPPED),
+        ("json_schema", json_schema_value(), MAPPED),
+        ("protobuf", protobuf_value(), _PROTOBUF_COLUMNS),
+    ],
+    ids=["avro", "json_schema", "protobuf"],
+)
+@fuzz_settings(12)
+@given(data=st.data())
+def test_registry_format_messages(
+    fmt: str, values: st.SearchStrategy[bytes], columns: dict[str, str], data: st.DataObject
+) -> None:
+    case = data.draw(batches_of(mutations_of(values)))
+    source = SourceSettings(format=fmt, schema_registry=REGISTRY, columns=columns)
+    spec = table("vector" if fmt != "protobuf" else "plain")
+    if fmt == "protobuf":
+        spec = TableSpec.from_settings(
+            TableSettings.model_validate(
+                {
+                    "uri": "/tmp/unused",
+                    "columns": [
+                        {"name": "id", "type": "string", "nullable": False},
+                        {"name": "n", "type": "int64"},
+                        {"name": "text", "type": "string"},
+                        {"name": "at", "type": "timestamp"},
+                        {"name": "deep", "type": "int32"},
+                        {"name": "status", "type": "string"},
+                        {"name": "blob", "type": "binary"},
+                    ],
+                    "vector": {"column": "vec", "dim": DIM},
+                }
+            )
+        )
+    values_, cuts, bad_at = case
+    check_fates([Decoder(spec, source).decode], list(values_), REGISTRY_BAD, cuts, bad_at)
