@@ -16,6 +16,7 @@ Bounded in ``make test``; ``make fuzz`` runs it long (``LANCE_SINK_FUZZ_EXAMPLES
 
 from __future__ import annotations
 
+import datetime as dt
 import itertools
 import json
 import os
@@ -48,7 +49,7 @@ from tests.unit.test_decode_vector_json import (
     base64_message,
     json_message,
 )
-from tests.unit.test_formats_protobuf_json import make_order, order_class
+from tests.unit.test_formats_protobuf_json import SPEC_COLUMNS, make_order, order_class
 
 #: ``make fuzz`` sets this: examples per test (0: each test's bounded default).
 FUZZ_EXAMPLES = int(os.environ.get("LANCE_SINK_FUZZ_EXAMPLES", "0"))
@@ -67,8 +68,11 @@ def fuzz_settings(bounded: int) -> Callable[[Any], Any]:
 
 
 def table(kind: str) -> TableSpec:
-    raw: dict[str, Any] = {"uri": "/tmp/unused", "columns": COLUMNS}
-    if kind in {"vector", "base64_f32", "upsert"}:
+    """The tables of the tests: "plain" (no vector), "vector", "base64_f32", "upsert"
+    (a vector table keyed by ``id``), "protobuf" (the columns of the Protobuf tests)."""
+    columns = SPEC_COLUMNS if kind == "protobuf" else COLUMNS
+    raw: dict[str, Any] = {"uri": "/tmp/unused", "columns": columns}
+    if kind in {"vector", "base64_f32", "upsert", "protobuf"}:
         raw["vector"] = {"column": "vec", "dim": DIM}
         if kind == "base64_f32":
             raw["vector"]["encoding"] = "base64_f32"
@@ -405,8 +409,6 @@ def record(draw: st.DrawFn) -> dict[str, Any]:
 
 
 def _avro_value(rec: dict[str, Any]) -> bytes:
-    import datetime as dt  # noqa: PLC0415 - only here
-
     rec = dict(rec)
     if rec["at"] is not None:
         rec["at"] = dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(milliseconds=rec["at"])
@@ -442,7 +444,7 @@ def protobuf_value(draw: st.DrawFn) -> bytes:
 
 
 REGISTRY_BAD: list[bytes | None] = [b"not framed", b"\x00", b"\x00\x00\x00\x00\x01\x02", b""]
-_PROTOBUF_COLUMNS = {"n": "$.n", "id": "$.id", "deep": "$.meta.n"}
+_PROTOBUF_COLUMNS = {"meta_n": "$.meta.n"}
 
 
 @pytest.mark.parametrize(
@@ -461,24 +463,6 @@ def test_registry_format_messages(
 ) -> None:
     case = data.draw(batches_of(mutations_of(values)))
     source = SourceSettings(format=fmt, schema_registry=REGISTRY, columns=columns)
-    spec = table("vector" if fmt != "protobuf" else "plain")
-    if fmt == "protobuf":
-        spec = TableSpec.from_settings(
-            TableSettings.model_validate(
-                {
-                    "uri": "/tmp/unused",
-                    "columns": [
-                        {"name": "id", "type": "string", "nullable": False},
-                        {"name": "n", "type": "int64"},
-                        {"name": "text", "type": "string"},
-                        {"name": "at", "type": "timestamp"},
-                        {"name": "deep", "type": "int32"},
-                        {"name": "status", "type": "string"},
-                        {"name": "blob", "type": "binary"},
-                    ],
-                    "vector": {"column": "vec", "dim": DIM},
-                }
-            )
-        )
+    spec = table("protobuf" if fmt == "protobuf" else "vector")
     values_, cuts, bad_at = case
     check_fates([Decoder(spec, source).decode], list(values_), REGISTRY_BAD, cuts, bad_at)
