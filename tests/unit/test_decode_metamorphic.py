@@ -134,6 +134,9 @@ def fates(out: Decoded, messages: Sequence[Msg]) -> dict[int, tuple[Any, ...]]:
 
 
 Decode = Callable[[Sequence[Msg]], Decoded]
+#: The decode threads (as the sink's `source.decode_workers` pool): the same two threads
+#: throughout, so a `ProcessDecoder`'s threads keep their worker processes.
+_POOL = ThreadPoolExecutor(2, thread_name_prefix="decode")
 
 
 def check_fates(
@@ -163,8 +166,7 @@ def check_fates(
     wanted = {m.offset() for m in messages}
     for decode in decoders:
         assert fates(decode(messages), messages) == alone
-        with ThreadPoolExecutor(2) as pool:
-            outs = list(pool.map(decode, batches))
+        outs = list(_POOL.map(decode, batches))
         got: dict[int, tuple[Any, ...]] = {}
         for out, part in zip(outs, batches, strict=True):
             got.update(fates(out, part))
