@@ -163,7 +163,7 @@ from sink.formats.records import FLOAT32_MAX, float32_beyond, to_float
 from sink.vector_json import VectorJson
 from sink.vector_scan import scan, scan_base64
 
-__all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason", "total"]
+__all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason", "dead_letter", "total"]
 
 log = structlog.get_logger("lance_sink.sink")
 
@@ -1776,6 +1776,11 @@ def _parse_int(text: str) -> int | float:
     return int(text)
 
 
+def dead_letter(message: MessageLike, reason: Reason, detail: str) -> DeadLetter:
+    """The dead letter of `message`: its coordinates, key, value and headers as consumed."""
+    return _dead_letter(message, message.topic() or "", message.partition() or 0, reason, detail)
+
+
 def _dead_letter(
     message: MessageLike, topic: str, partition: int, reason: Reason, detail: str
 ) -> DeadLetter:
@@ -1862,10 +1867,8 @@ def decode_error_letter(message: MessageLike, exc: BaseException) -> DeadLetter:
             error=text,
             exc_info=exc,
         )
-    return _dead_letter(
+    return dead_letter(
         message,
-        message.topic() or "",
-        message.partition() or 0,
         "decode_error",
         f"decoding the value raised {text} (a dead letter instead; please report it)",
     )

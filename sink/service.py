@@ -55,7 +55,7 @@ from engine.shard import PutResult, ShardWriter
 from engine.threads import name_os_thread
 from engine.wal import SourceRange
 from sink.base_status import BaseTableStatus
-from sink.decode import DeadLetter, Decoded, Decoder, freeze_gc
+from sink.decode import Decoded, Decoder, freeze_gc
 from sink.decode_process import ProcessDecoder
 from sink.dlq import DeadLetterBatch, DeadLetterProducer
 from sink.dlq import producer_conf as dlq_producer_conf
@@ -66,6 +66,7 @@ from sink.lag import PartitionOffsets, PausedEnds, unindexed_rows
 from sink.log import configure_logging, librdkafka_logger
 from sink.maintenance_role import MaintenanceRole
 from sink.metrics import Metrics, memory_limit_bytes, resident_bytes
+from sink.refused import split_refused
 from sink.server import create_ops_app
 from sink.topic_shards import TopicShards
 
@@ -747,8 +748,11 @@ class SinkService:
             if self.dlq is None:
                 self._stop_partition(state, f"batch rejected by the table: {exc}")
                 return False
-            letters = [_rejected(m, str(exc)) for m in held.messages]
-            held.decoded = Decoded(None, letters, [], decoded.first_offset, decoded.last_offset)
+            # The refused rows' messages are dead letters; the other rows are put once
+            # those are acknowledged (`_service_held`).
+            held.decoded, letters = split_refused(
+                decoded, held.messages, exc, self.engine.spec.validate
+            )
             held.dead_letters = self.dlq.send(letters)
             return False
         except (Fenced, Poisoned) as exc:
@@ -1914,17 +1918,3 @@ def _durable_and_flushed(done: int | None, durable: int, flushed: int) -> tuple[
 def _timestamp_ms(message: Any) -> int | None:
     kind, ts = message.timestamp()
     return int(ts) if kind != confluent_kafka.TIMESTAMP_NOT_AVAILABLE else None
-
-
-def _rejected(message: Any, detail: str) -> DeadLetter:
-    return DeadLetter(
-        topic=message.topic(),
-        partition=message.partition(),
-        offset=message.offset(),
-        timestamp_ms=_timestamp_ms(message),
-        key=message.key(),
-        value=message.value(),
-        headers=list(message.headers() or []),
-        reason="rejected_by_table",
-        detail=detail,
-    )

@@ -112,3 +112,50 @@ def test_poison_messages_between_good_rows_never_stop_the_sink(
     assert reasons == {key: {reason.encode()} for key, (_, reason) in bad.items()}
     log = sink.log_path.read_text()
     assert "decode_error" not in log, "a decode path raised"
+
+
+def test_rows_the_table_refuses_are_dead_letters_and_their_batches_rows_land(
+    kafka_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    """The table refuses some rows the decoder passed (a test plugin makes
+    `TableSpec.validate` refuse one id): each such message is a `rejected_by_table` dead
+    letter, every other row of its batch lands (it used to dead-letter the whole batch)."""
+    stream = [message(i) for i in range(300)]
+    refused = {17, 18, 150, 299}
+    for i in refused:
+        key, value = message(i)
+        stream[i] = (key, value.replace(f'"m-{i}"'.encode(), b'"refuse-me"'))
+    produce(kafka_broker.bootstrap, topic, stream, partition=0)
+    config, table = sink_config(
+        tmp_path,
+        kafka_broker.bootstrap,
+        [topic],
+        group,
+        extra={
+            "kafka": {"consume_batch_size": 64},
+            "backpressure": {"controller": "tests.support.slow:controller"},
+        },
+    )
+    sink = SinkProcess(
+        config, tmp_path / "sink.log", env={"LANCE_SINK_TEST_REFUSE_ID": "refuse-me"}
+    )
+    try:
+        ends = wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[sink])
+        assert sink.proc.poll() is None, sink.log_path.read_text()[-3000:]
+    finally:
+        assert sink.stop() == 0, sink.log_path.read_text()[-3000:]
+    assert ends[0] == len(stream)
+    assert sorted(r["n"] for r in table_rows(table)) == sorted(set(range(300)) - refused)
+    reader = Consumer(consumer_conf(kafka_broker.bootstrap, group + "-dlq"))
+    try:
+        reader.subscribe([f"{topic}.dlq"])
+        got = consume_all(reader, len(refused), timeout=90)
+    finally:
+        reader.close()
+    offsets = set()
+    for m in got:
+        headers = dict(m.headers() or [])
+        assert headers["lance_sink.reason"] == b"rejected_by_table"
+        assert b"the test refuses this id" in headers["lance_sink.detail"]
+        offsets.add(int(headers["lance_sink.offset"]))
+    assert offsets == refused

@@ -15,6 +15,10 @@ still happen, only later.
                                     decode workers finish batches out of order
     LANCE_SINK_TEST_LOOKUP_DELAY_S  sleep in every key lookup (a query still running when
                                     the sink stops)
+    LANCE_SINK_TEST_REFUSE_ID       the table refuses every row whose ``id`` is this value
+                                    (`TableSpec.validate` raises `InvalidRecord` naming the
+                                    row, as for a value the decoder passed and Lance cannot
+                                    store)
 """
 
 from __future__ import annotations
@@ -25,9 +29,13 @@ import threading
 import time
 from typing import Any
 
+import pyarrow as pa
+
 from engine.backpressure import BudgetController
 from engine.engine import Engine
+from engine.errors import InvalidRecord
 from engine.reader import Reader
+from engine.schema import TableSpec
 from engine.shard import ShardWriter
 from engine.storage import LocalStorage
 from engine.table import BaseTable
@@ -41,6 +49,19 @@ def controller(*, process_budget_bytes: int, max_unflushed_memtable_bytes: int) 
     replay_delay = float(os.environ.get("LANCE_SINK_TEST_REPLAY_DELAY_S", "0"))
     decode_jitter = float(os.environ.get("LANCE_SINK_TEST_DECODE_JITTER_S", "0"))
     lookup_delay = float(os.environ.get("LANCE_SINK_TEST_LOOKUP_DELAY_S", "0"))
+    refuse_id = os.environ.get("LANCE_SINK_TEST_REFUSE_ID")
+    if refuse_id:
+        validate = TableSpec.validate
+
+        def refusing_validate(self: TableSpec, batch: pa.RecordBatch) -> pa.RecordBatch:
+            ids = batch.column("id").to_pylist()
+            if refuse_id in ids:
+                raise InvalidRecord(
+                    "the test refuses this id", column="id", row=ids.index(refuse_id)
+                )
+            return validate(self, batch)
+
+        TableSpec.validate = refusing_validate  # type: ignore[method-assign]
     if lookup_delay:
         lookup = Reader.lookup
 
