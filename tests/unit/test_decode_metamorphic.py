@@ -6,8 +6,9 @@ invalid UTF-8 and surrogates, broken wire-format framing), each message decoded 
 all of them in one batch, and all of them in batches of random composition mixed with
 known-bad messages get the same fate: the same row, bit for bit, or the same dead letter
 (reason and detail). The batches run on two threads sharing one decoder (as the sink's
-decode workers do), with the vector scan's SSSE3 and its portable reader, and for the
-JSON formats in decode processes too. Every message is accounted for exactly once, and
+decode workers do), with the vector scan's SSSE3 and its portable reader, and in decode
+processes (the registry formats' against a registry over HTTP: the workers cannot see the
+in-process one). Every message is accounted for exactly once, and
 none is a ``decode_error`` dead letter: that would mean some path raised (the decoder
 turns what raises into one, `sink.decode.total`; here it is a bug found).
 
@@ -41,6 +42,7 @@ from engine.schema import TableSpec
 from sink.decode import Decoded, Decoder
 from sink.decode_process import ProcessDecoder
 from sink.formats.registry import build_client
+from tests.support.registry import FakeRegistry
 from tests.unit.test_decode import Msg
 from tests.unit.test_decode_vector_json import (
     COLUMNS,
@@ -146,11 +148,16 @@ def check_fates(
     cuts: list[int],
     bad_at: list[int],
     keys: list[bytes | None] | None = None,
+    headers: list[list[tuple[str, bytes | None]] | None] | None = None,
 ) -> None:
     """The metamorphic relation: alone = one batch = random batches with bad neighbours,
     for every decoder given (all must agree with the first one's lone decodes)."""
     keys = keys or [f"k{i}".encode() for i in range(len(values))]
-    messages = [Msg(v, 10 * i, key_=k) for i, (v, k) in enumerate(zip(values, keys, strict=True))]
+    headers = headers or [None] * len(values)
+    messages = [
+        Msg(v, 10 * i, key_=k, headers_=h)
+        for i, (v, k, h) in enumerate(zip(values, keys, headers, strict=True))
+    ]
     reference = decoders[0]
     alone: dict[int, tuple[Any, ...]] = {}
     for m in messages:
@@ -249,12 +256,17 @@ EXAMPLES: list[bytes] = [
 ]
 
 
+#: The upsert table's columns: the JSON ones, and a header for its binary column.
+UPSERT_SOURCE = SourceSettings(columns={**MAPPED, "b": "@headers.blob"})
+
+
 @pytest.fixture(scope="module")
 def processes() -> Iterator[dict[str, ProcessDecoder]]:
     made = {
         kind: ProcessDecoder(table(kind), json_source(), schema_check="off", workers=2)
-        for kind in ("vector", "plain")
+        for kind in ("vector", "plain", "base64_f32")
     }
+    made["upsert"] = ProcessDecoder(table("upsert"), UPSERT_SOURCE, schema_check="off", workers=2)
     yield made
     for decoder in made.values():
         decoder.close()
@@ -303,20 +315,23 @@ def test_json_messages_without_a_vector(
 @fuzz_settings(15)
 @given(batches_of(mutations_of(base64_message())), st.integers(0, 3))
 def test_json_base64_vector_messages(
-    case: tuple[list[bytes], list[int], list[int]], scale: int
+    processes: dict[str, ProcessDecoder],
+    case: tuple[list[bytes], list[int], list[int]],
+    scale: int,
 ) -> None:
     """Batches of more than 64 base64 values take the scan, smaller ones simdjson in
     Python: `scale` repeats the values so both are reached."""
     values, cuts, bad_at = case
     values = values * (1 + 20 * scale)
     spec = table("base64_f32")
-    decoders: list[Decode] = [Decoder(spec, json_source()).decode]
+    decoders: list[Decode] = [Decoder(spec, json_source()).decode, processes["base64_f32"].decode]
     check_fates(decoders, values, JSON_BAD, cuts, bad_at)
 
 
 @st.composite
-def keyed(draw: st.DrawFn) -> tuple[bytes | None, bytes | None]:
-    """A value (or a tombstone) and a key (maybe not UTF-8, maybe missing)."""
+def keyed(draw: st.DrawFn) -> tuple[bytes | None, bytes | None, Any]:
+    """A value (or a tombstone), a key (maybe not UTF-8, maybe missing) and headers (the
+    last ``blob`` header is the binary column's: none, null, twice)."""
     value = draw(st.one_of(mutations_of(json_message()), st.none()))
     key = draw(
         st.one_of(
@@ -324,7 +339,14 @@ def keyed(draw: st.DrawFn) -> tuple[bytes | None, bytes | None]:
             st.sampled_from([b"\xed\xa0\x80", b"\xff", b""]),
         )
     )  # fmt: skip
-    return value, key
+    blob = st.one_of(st.binary(max_size=5), st.none())
+    headers = draw(
+        st.one_of(
+            st.none(),
+            st.lists(st.tuples(st.sampled_from(["blob", "other"]), blob), max_size=3),
+        )
+    )
+    return value, key, headers
 
 
 @fuzz_settings(15)
@@ -334,14 +356,17 @@ def keyed(draw: st.DrawFn) -> tuple[bytes | None, bytes | None]:
     st.lists(st.integers(0, 200), max_size=4),
 )
 def test_upsert_messages_with_keys_headers_and_tombstones(
-    pairs: list[tuple[bytes | None, bytes | None]], cuts: list[int], bad_at: list[int]
+    processes: dict[str, ProcessDecoder],
+    pairs: list[tuple[bytes | None, bytes | None, Any]],
+    cuts: list[int],
+    bad_at: list[int],
 ) -> None:
     spec = table("upsert")
-    source = SourceSettings(columns={**MAPPED, "b": "@headers.blob"})
-    decoders: list[Decode] = [Decoder(spec, source).decode]
-    values = [v for v, _ in pairs]
-    keys = [k for _, k in pairs]
-    check_fates(decoders, values, [*JSON_BAD, None], cuts, bad_at, keys)
+    decoders: list[Decode] = [Decoder(spec, UPSERT_SOURCE).decode, processes["upsert"].decode]
+    values = [v for v, _, _ in pairs]
+    keys = [k for _, k, _ in pairs]
+    headers = [h for _, _, h in pairs]
+    check_fates(decoders, values, [*JSON_BAD, None], cuts, bad_at, keys, headers)
 
 
 # -- registry formats -----------------------------------------------------------------
@@ -383,10 +408,25 @@ JSON_SCHEMA = json.dumps(
         "required": ["id"],
     }
 )
-_client = build_client(SchemaRegistrySettings(**REGISTRY))
-_avro = AvroSerializer(_client, RECORD_SCHEMA)
-_json_schema = JSONSerializer(JSON_SCHEMA, _client)
-_protobuf = ProtobufSerializer(order_class(), _client, {"use.deprecated.format": False})
+
+
+def serializers(url: str) -> dict[str, Callable[[Any], bytes]]:
+    """confluent-kafka's serializers of each registry format, into the registry at `url`."""
+    client = build_client(SchemaRegistrySettings(url=url))
+    avro = AvroSerializer(client, RECORD_SCHEMA)
+    json_schema = JSONSerializer(JSON_SCHEMA, client)
+    protobuf = ProtobufSerializer(order_class(), client, {"use.deprecated.format": False})
+    return {
+        "avro": lambda value: avro(value, CONTEXT),
+        "json_schema": lambda value: json_schema(value, CONTEXT),
+        "protobuf": lambda value: protobuf(value, CONTEXT),
+    }
+
+
+#: Into the in-process registry (`REGISTRY`), and into the HTTP one of `http_registry`
+#: (filled by that fixture; decode processes cannot see an in-process registry).
+MOCK_SERIALIZERS = serializers(REGISTRY["url"])
+HTTP_SERIALIZERS: dict[str, Callable[[Any], bytes]] = {}
 
 _floats = st.one_of(
     st.floats(width=32), st.sampled_from([0.0, -0.0, 3.4e38, -3.4e38, 1e-45, float("nan")])
@@ -410,21 +450,16 @@ def record(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
-def _avro_value(rec: dict[str, Any]) -> bytes:
-    rec = dict(rec)
+@st.composite
+def avro_value(draw: st.DrawFn, serialize: dict[str, Callable[[Any], bytes]]) -> bytes:
+    rec = draw(record())
     if rec["at"] is not None:
         rec["at"] = dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(milliseconds=rec["at"])
-    value: bytes = _avro(rec, CONTEXT)
-    return value
+    return serialize["avro"](rec)
 
 
 @st.composite
-def avro_value(draw: st.DrawFn) -> bytes:
-    return _avro_value(draw(record()))
-
-
-@st.composite
-def json_schema_value(draw: st.DrawFn) -> bytes:
+def json_schema_value(draw: st.DrawFn, serialize: dict[str, Callable[[Any], bytes]]) -> bytes:
     rec = draw(record())
     doc = {k: v for k, v in rec.items() if k not in {"at", "b"} and v is not None}
     finite = all(np.isfinite(x) for x in [*doc["vec"], doc.get("f", 0.0), doc.get("g", 0.0)]) and (
@@ -435,36 +470,63 @@ def json_schema_value(draw: st.DrawFn) -> bytes:
         doc.pop("g", None)
         doc.pop("meta", None)
         doc["vec"] = [0.5] * len(doc["vec"])
-    value: bytes = _json_schema(doc, CONTEXT)
-    return value
+    return serialize["json_schema"](doc)
 
 
 @st.composite
-def protobuf_value(draw: st.DrawFn) -> bytes:
-    value: bytes = _protobuf(make_order(order_class(), draw(st.integers(0, 2**27))), CONTEXT)
-    return value
+def protobuf_value(draw: st.DrawFn, serialize: dict[str, Callable[[Any], bytes]]) -> bytes:
+    return serialize["protobuf"](make_order(order_class(), draw(st.integers(0, 2**27))))
+
+
+REGISTRY_VALUES = {"avro": avro_value, "json_schema": json_schema_value, "protobuf": protobuf_value}
 
 
 REGISTRY_BAD: list[bytes | None] = [b"not framed", b"\x00", b"\x00\x00\x00\x00\x01\x02", b""]
 _PROTOBUF_COLUMNS = {"meta_n": "$.meta.n"}
 
 
-@pytest.mark.parametrize(
-    ("fmt", "values", "columns"),
-    [
-        ("avro", avro_value(), MAPPED),
-        ("json_schema", json_schema_value(), MAPPED),
-        ("protobuf", protobuf_value(), _PROTOBUF_COLUMNS),
-    ],
-    ids=["avro", "json_schema", "protobuf"],
-)
+def registry_case(fmt: str, url: str) -> tuple[TableSpec, SourceSettings]:
+    columns = _PROTOBUF_COLUMNS if fmt == "protobuf" else MAPPED
+    source = SourceSettings(format=fmt, schema_registry={"url": url}, columns=columns)
+    return table("protobuf" if fmt == "protobuf" else "vector"), source
+
+
+@pytest.mark.parametrize("fmt", sorted(REGISTRY_VALUES))
 @fuzz_settings(12)
 @given(data=st.data())
-def test_registry_format_messages(
-    fmt: str, values: st.SearchStrategy[bytes], columns: dict[str, str], data: st.DataObject
-) -> None:
-    case = data.draw(batches_of(mutations_of(values)))
-    source = SourceSettings(format=fmt, schema_registry=REGISTRY, columns=columns)
-    spec = table("protobuf" if fmt == "protobuf" else "vector")
-    values_, cuts, bad_at = case
+def test_registry_format_messages(fmt: str, data: st.DataObject) -> None:
+    values = REGISTRY_VALUES[fmt](MOCK_SERIALIZERS)
+    values_, cuts, bad_at = data.draw(batches_of(mutations_of(values)))
+    spec, source = registry_case(fmt, REGISTRY["url"])
     check_fates([Decoder(spec, source).decode], list(values_), REGISTRY_BAD, cuts, bad_at)
+
+
+@pytest.fixture(scope="module")
+def http_registry() -> Iterator[tuple[str, dict[str, ProcessDecoder]]]:
+    """A registry over HTTP on 127.0.0.1 (`tests.support.registry`), the serializers into
+    it, and a `ProcessDecoder` of each registry format reading from it."""
+    registry = FakeRegistry().start()
+    HTTP_SERIALIZERS.update(serializers(registry.url))
+    made = {
+        fmt: ProcessDecoder(*registry_case(fmt, registry.url), schema_check="off", workers=2)
+        for fmt in REGISTRY_VALUES
+    }
+    yield registry.url, made
+    for decoder in made.values():
+        decoder.close()
+    HTTP_SERIALIZERS.clear()
+    registry.stop()
+
+
+@pytest.mark.parametrize("fmt", sorted(REGISTRY_VALUES))
+@fuzz_settings(8)
+@given(data=st.data())
+def test_registry_format_messages_in_decode_processes(
+    http_registry: tuple[str, dict[str, ProcessDecoder]], fmt: str, data: st.DataObject
+) -> None:
+    url, processes = http_registry
+    values = REGISTRY_VALUES[fmt](HTTP_SERIALIZERS)
+    values_, cuts, bad_at = data.draw(batches_of(mutations_of(values)))
+    spec, source = registry_case(fmt, url)
+    decoders = [Decoder(spec, source).decode, processes[fmt].decode]
+    check_fates(decoders, list(values_), REGISTRY_BAD, cuts, bad_at)
