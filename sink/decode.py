@@ -157,8 +157,8 @@ from sink.formats import (
     parse_records,
     record_format,
 )
-from sink.formats.derive import Column
 from sink.formats.keys import KeyDecoder
+from sink.formats.leaves import Column
 from sink.formats.records import FLOAT32_MAX, float32_beyond, to_float
 from sink.vector_json import VectorJson
 from sink.vector_scan import scan, scan_base64

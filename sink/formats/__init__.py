@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -21,10 +21,8 @@ import structlog
 
 from config.settings import REGISTRY_FORMATS, SourceSettings
 from engine.errors import ControlFlow, RetriableError
+from sink.formats.leaves import Column, fit_leaves
 from sink.formats.records import Fault, column_values, to_column
-
-if TYPE_CHECKING:
-    from sink.formats.derive import Column
 
 __all__ = [
     "RecordColumns",
@@ -69,7 +67,7 @@ class SchemaEvolution(ControlFlow):
 @dataclass
 class SchemaCheck:
     """What `parse_records` checks each new writer schema against (derived columns): the
-    table's columns (`sink.formats.derive.fit_leaves` fits the schema's fields to them).
+    table's columns (`sink.formats.leaves.fit_leaves` fits the schema's fields to them).
 
     With `evolve` (``table.evolve``) a schema with fields that would add or widen a column
     raises `SchemaEvolution`; without, those fields are logged once per schema id
@@ -261,7 +259,6 @@ def _check_writer_schemas(fmt: RecordFormat, payloads: list[bytes], check: Schem
     """Fit each writer schema among `payloads` not checked yet to the table's columns:
     raise `SchemaEvolution` if one needs the table evolved and `check.evolve`, else log what
     the table will not hold, once per schema."""
-    from sink.formats.derive import fit_leaves  # noqa: PLC0415
 
     new = {p[:_HEADER_BYTES]: p for p in payloads} if payloads else {}
     needs: dict[int, list[str]] = {}

@@ -40,6 +40,7 @@ from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer
 from fastavro import schemaless_reader
 
+from sink.formats.leaves import text_leaves
 from sink.formats.records import Fault
 from sink.formats.registry import classify, decode_framed, framing_fault, writer_schema_text
 
@@ -76,7 +77,6 @@ class AvroFormat:
 
     def writer_leaves(self, payload: bytes) -> list[tuple[tuple[str, ...], str | None]] | None:
         """The leaves of `payload`'s writer schema (fetched once per id by the client)."""
-        from sink.formats.derive import text_leaves  # noqa: PLC0415
 
         text = writer_schema_text(self._client, payload)
         return None if text is None else text_leaves("avro", text)

@@ -16,6 +16,7 @@ from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.json_schema import JSONDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
+from sink.formats.leaves import text_leaves
 from sink.formats.records import Fault
 from sink.formats.registry import decode_framed, writer_schema_text
 
@@ -33,7 +34,6 @@ class JsonSchemaFormat:
 
     def writer_leaves(self, payload: bytes) -> list[tuple[tuple[str, ...], str | None]] | None:
         """The leaves of `payload`'s writer schema (fetched once per id by the client)."""
-        from sink.formats.derive import text_leaves  # noqa: PLC0415
 
         text = writer_schema_text(self._client, payload)
         return None if text is None else text_leaves("json_schema", text)

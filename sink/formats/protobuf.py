@@ -32,6 +32,7 @@ from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
 from config.settings import descriptor_pool, find_message
+from sink.formats.leaves import proto_leaves
 from sink.formats.records import Fault
 from sink.formats.registry import decode_framed
 
@@ -152,7 +153,6 @@ class ProtobufFormat:
         from (``source.protobuf.message``, else its schema's first message); else None."""
         if self._deserializer is None or payload[:1] != b"\x00":
             return None
-        from sink.formats.derive import proto_leaves  # noqa: PLC0415
 
         desc = self._deserializer.descriptor(payload)
         if self._message is not None:
