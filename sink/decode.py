@@ -121,16 +121,11 @@ import binascii
 import contextlib
 import gc
 import itertools
-import json
 import math
 import os
-import re
-import sys
-import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Final, Literal, Protocol, TypeAlias, cast
+from typing import Any, Final, Literal, TypeAlias, cast
 
 import numpy as np
 import orjson
@@ -149,45 +144,46 @@ from engine.schema import (
     TableSpec,
     arrow_type,
 )
+from sink.decode_total import total
+from sink.decoded import (
+    TIMESTAMP_NOT_AVAILABLE,
+    DeadLetter,
+    Decoded,
+    MessageLike,
+    Reason,
+    dead_letter,
+    value_sizes,
+)
 from sink.formats import (
-    RegistryUnavailable,
     SchemaCheck,
     SchemaCheckMode,
-    SchemaEvolution,
     parse_records,
     record_format,
 )
 from sink.formats.keys import KeyDecoder
 from sink.formats.leaves import Column
 from sink.formats.records import FLOAT32_MAX, float32_beyond, to_float
+from sink.json_values import (
+    EXPECTED,
+    INT_RANGES,
+    RANGE_NAMES,
+    article,
+    is_utf8,
+    is_utf8_buffer,
+    json_kind,
+    kind_problem,
+    loads,
+    quick_fits,
+    show,
+    utf8_error,
+)
 from sink.vector_json import VectorJson
 from sink.vector_scan import scan, scan_base64
 
-__all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason", "dead_letter", "total"]
+__all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason"]
 
 log = structlog.get_logger("lance_sink.sink")
 
-Reason: TypeAlias = Literal[
-    "invalid_json",
-    "not_an_object",
-    "wrong_type",
-    "wrong_vector_dimension",
-    "nan_in_vector",
-    "missing_primary_key",
-    "missing_required",
-    "oversized",
-    "invalid_utf8",
-    "tombstone",
-    "rejected_by_table",  # the engine refused a decoded batch (set by the consumer loop)
-    "decode_error",  # decoding it raised (`decode_error_letter`): no path foresaw the value
-    # Registry formats (sink.formats):
-    "missing_magic_byte",  # the value is not in the Confluent wire format
-    "unknown_schema_id",  # the registry does not know the value's schema id (HTTP 404)
-    "not_matching_schema",  # the value does not decode with its schema
-]
-
-#: Kafka's TIMESTAMP_NOT_AVAILABLE timestamp type: the message carries no timestamp.
-_TIMESTAMP_NOT_AVAILABLE: Final = 0
 
 #: Bytes of JSON parsed per Arrow call. A batch is parsed in chunks of about this size:
 #: well below glibc's 32 MiB mmap threshold, so each chunk's buffer reuses heap pages
@@ -216,72 +212,9 @@ _ROOT: Final = "v"
 _TS_TYPE: Final = pa.timestamp("ms", tz="UTC")
 #: ISO strings are parsed at microsecond resolution, then truncated to the column's ms.
 _TS_PARSE_TYPE: Final = pa.timestamp("us", tz="UTC")
-_INT_RANGES: Final = {
-    "int32": (-(2**31), 2**31 - 1),
-    "int64": (-(2**63), 2**63 - 1),
-    "timestamp": (-(2**63), 2**63 - 1),
-}
 _DECIMAL_RE: Final = r"^-?[0-9]+$"
 
 _BYTES_TARGETS: Final = frozenset({"binary", "string", "int32", "int64"})
-
-
-class MessageLike(Protocol):
-    """The accessors of `confluent_kafka.Message` that decoding reads."""
-
-    def topic(self) -> str | None: ...
-    def partition(self) -> int | None: ...
-    def offset(self) -> int | None: ...
-    def timestamp(self) -> tuple[int, int]: ...
-    def key(self) -> bytes | None: ...
-    def value(self) -> bytes | None: ...
-    def headers(self) -> Sequence[tuple[str, bytes | None]] | None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class DeadLetter:
-    """One message that cannot be written, with why.
-
-    Attributes:
-        topic: source topic.
-        partition: source partition.
-        offset: source offset.
-        timestamp_ms: the Kafka timestamp, or None when the message carries none.
-        key: the raw key bytes.
-        value: the raw value bytes (None for a tombstone).
-        headers: the raw headers (a header value may be None, as in Kafka).
-        reason: a stable snake_case code (`Reason`).
-        detail: human text naming the column and JSON path at fault.
-    """
-
-    topic: str
-    partition: int
-    offset: int
-    timestamp_ms: int | None
-    key: bytes | None
-    value: bytes | None
-    headers: list[tuple[str, bytes | None]]
-    reason: Reason
-    detail: str
-
-
-@dataclass(frozen=True, slots=True)
-class Decoded:
-    """The result of decoding one batch of one topic-partition.
-
-    Attributes:
-        batch: the good rows in `TableSpec.batch_schema`, in offset order; None if none.
-        dead_letters: the messages that cannot be written, in offset order.
-        skipped_offsets: tombstones skipped by policy on append tables.
-        first_offset: offset of the first message given (good, dead or skipped).
-        last_offset: offset of the last message given.
-    """
-
-    batch: pa.RecordBatch | None
-    dead_letters: list[DeadLetter]
-    skipped_offsets: list[int]
-    first_offset: int
-    last_offset: int
 
 
 # ---------------------------------------------------------------------------------------
@@ -359,14 +292,6 @@ class _Parsed:
 #: What parsing a list of JSON values gives: the positions of those that parsed, their
 #: leaves and object mask, and the faults of those that did not, by position.
 _ParseResult: TypeAlias = tuple[np.ndarray, dict[_Path, pa.Array], pa.Array, dict[int, _Fault]]
-
-
-def value_sizes(values: Sequence[bytes | None]) -> np.ndarray:
-    """Each value's length, -1 for a tombstone (None), as int64."""
-    try:
-        return np.fromiter(map(len, values), np.int64, len(values))  # type: ignore[arg-type]
-    except TypeError:  # tombstones among them
-        return np.fromiter((-1 if v is None else len(v) for v in values), np.int64, len(values))
 
 
 def freeze_gc() -> None:
@@ -487,7 +412,7 @@ class Decoder:
         # What `_fill_one` checks per path: the column, its type, and the value types that
         # fit without a closer look (None, and every kind but ranged ints and vectors).
         self._screen_plan = [
-            (p, self._path_columns[p], self._path_types[p], _quick_fits(self._path_types[p]))
+            (p, self._path_columns[p], self._path_types[p], quick_fits(self._path_types[p]))
             for p in self._json_paths
         ]
         self._tree = self._json_tree()
@@ -673,9 +598,7 @@ class Decoder:
 
         return Decoded(
             batch=self._assemble(rows, deletes, meta),
-            dead_letters=[
-                _dead_letter(messages[i], topic, partition, *dead[i]) for i in sorted(dead)
-            ],
+            dead_letters=[dead_letter(messages[i], *dead[i]) for i in sorted(dead)],
             skipped_offsets=skipped,
             first_offset=int(offsets[0]),
             last_offset=int(offsets[-1]),
@@ -798,7 +721,7 @@ class Decoder:
             for pos, first in _first_in_row(~finite, arr):
                 if self._base64:
                     number = float(values[int(np.searchsorted(starts, pos)) + first])
-                    what = f"vector {col.name!r} ({col.where}) component {first} is {_show(number)}"
+                    what = f"vector {col.name!r} ({col.where}) component {first} is {show(number)}"
                 else:
                     what = _non_finite(col, first, meta.value(int(rows.index[pos])))
                 rows.fault((pos,), ("nan_in_vector", what))
@@ -947,12 +870,12 @@ class Decoder:
             # The wrapping is ASCII: the buffer is UTF-8 exactly when every payload is.
             buf: bytes | None
             buf, self._newlines = _wrap(run, self._newlines)
-            if not _is_utf8_buffer(buf):
-                good = [pos for pos, p in enumerate(run) if _is_utf8(p)]
+            if not is_utf8_buffer(buf):
+                good = [pos for pos, p in enumerate(run) if is_utf8(p)]
                 for pos in sorted(set(range(len(run))) - set(good)):
                     faults[lo + pos] = (
                         "invalid_utf8",
-                        f"value is not UTF-8{_utf8_error(run[pos])}",
+                        f"value is not UTF-8{utf8_error(run[pos])}",
                     )
                 keep = keep[np.asarray(good, np.int64)]
                 run = [run[pos] for pos in good]
@@ -1095,7 +1018,7 @@ class Decoder:
         except orjson.JSONDecodeError:
             try:
                 # NaN, Infinity and numbers beyond the double range: Python's json takes them.
-                obj = _loads(payload)
+                obj = loads(payload)
             except ValueError as exc:
                 return ("invalid_json", f"value is not JSON: {exc}")
             except RecursionError:
@@ -1107,7 +1030,7 @@ class Decoder:
                     return ("invalid_json", "value is not JSON, or nests too deeply to read")
                 return alone if build else None
         if not isinstance(obj, dict):
-            return ("not_an_object", f"value is a JSON {_json_kind(obj)}, not an object")
+            return ("not_an_object", f"value is a JSON {json_kind(obj)}, not an object")
         return self._fill_one(payload, obj, build, exact=False)
 
     def _fill_one(
@@ -1127,11 +1050,11 @@ class Decoder:
                     return item
             if type(item) in quick and not build:
                 continue
-            problem = _kind_problem(item, type_name)
+            problem = kind_problem(item, type_name)
             if problem is not None and type(item) is float and not exact:
                 # Perhaps an integer beyond 64 bits, which the detail should show as sent.
                 with contextlib.suppress(ValueError, RecursionError):
-                    return self._fill_one(payload, _loads(payload), build, exact=True)
+                    return self._fill_one(payload, loads(payload), build, exact=True)
             if problem is None and build:
                 arr = _coerce_one(item, type_name)
                 if isinstance(arr, str):
@@ -1151,7 +1074,7 @@ class Decoder:
             if item is None:
                 break
             if not isinstance(item, dict):
-                kind = _a(_json_kind(item))
+                kind = article(json_kind(item))
                 where = "$" + "".join("." + step for step in path[:depth])
                 return (
                     "wrong_type",
@@ -1313,7 +1236,7 @@ class _Metadata:
             else:
                 stamps = [m.timestamp() for m in self._messages]
                 arr = pa.array(
-                    [ms if kind_ != _TIMESTAMP_NOT_AVAILABLE else None for kind_, ms in stamps],
+                    [ms if kind_ != TIMESTAMP_NOT_AVAILABLE else None for kind_, ms in stamps],
                     pa.int64(),
                 ).cast(arrow_type)
             self._cache[key] = arr
@@ -1436,27 +1359,6 @@ def _base64_in_one(arr: pa.Array, expected: int) -> bytes | None:
     return data if len(data) == expected * len(arr) else None
 
 
-def _is_utf8_buffer(data: bytes) -> bool:
-    """Whether `data` is UTF-8, checked by Arrow in place (SIMD, no copy)."""
-    offsets = pa.py_buffer(np.array([0, len(data)], np.int64))
-    arr = pa.LargeBinaryArray.from_buffers(
-        pa.large_binary(), 1, [None, offsets, pa.py_buffer(data)]
-    )
-    try:
-        arr.cast(pa.large_string())
-    except pa.ArrowInvalid:
-        return False
-    return True
-
-
-def _is_utf8(data: bytes) -> bool:
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
 def _constant_string(value: str, n: int) -> pa.Array:
     """A string array of `n` times `value`, built from buffers (no per-row Python)."""
     data = value.encode()
@@ -1491,9 +1393,9 @@ def _bytes_to(arr: pa.Array, col: _Column, rows: _Rows) -> pa.Array:
         text = arr.cast(pa.string())
     except pa.ArrowInvalid:
         values = arr.to_pylist()
-        ok = [v is None or _is_utf8(v) for v in values]
+        ok = [v is None or is_utf8(v) for v in values]
         for pos in (i for i, good in enumerate(ok) if not good):
-            what = f"{col.name!r} ({col.where}) is not UTF-8{_utf8_error(values[pos])}"
+            what = f"{col.name!r} ({col.where}) is not UTF-8{utf8_error(values[pos])}"
             rows.fault((pos,), ("invalid_utf8", what))
         text = pc.if_else(pa.array(ok), arr, pa.scalar(None, pa.binary())).cast(pa.string())
     if col.type_name == "string":
@@ -1501,21 +1403,21 @@ def _bytes_to(arr: pa.Array, col: _Column, rows: _Rows) -> pa.Array:
     decimal = pc.fill_null(pc.match_substring_regex(text, _DECIMAL_RE), True)
     if decimal.false_count:
         for pos in np.flatnonzero(~decimal.to_numpy(zero_copy_only=False)).tolist():
-            shown = _show(text[pos].as_py())
+            shown = show(text[pos].as_py())
             what = f"{col.name!r} ({col.where}) is {shown}, not a decimal integer"
             rows.fault((pos,), ("wrong_type", what))
         text = pc.if_else(decimal, text, pa.scalar(None, pa.string()))
     try:
         return text.cast(col.arrow_type)
     except pa.ArrowInvalid:
-        low, high = _INT_RANGES[col.type_name]
+        low, high = INT_RANGES[col.type_name]
         ints: list[int | None] = []
         for pos, item in enumerate(text.to_pylist()):
             number = None if item is None else int(item)
             if number is not None and not low <= number <= high:
-                range_name = _RANGE_NAMES[col.type_name]
+                range_name = RANGE_NAMES[col.type_name]
                 what = (
-                    f"{col.name!r} ({col.where}) is {_show(number)}, outside the {range_name} range"
+                    f"{col.name!r} ({col.where}) is {show(number)}, outside the {range_name} range"
                 )
                 rows.fault((pos,), ("wrong_type", what))
                 number = None
@@ -1523,81 +1425,8 @@ def _bytes_to(arr: pa.Array, col: _Column, rows: _Rows) -> pa.Array:
         return pa.array(ints, col.arrow_type)
 
 
-def _json_kind(item: Any) -> str:
-    if item is None:
-        return "null"
-    if isinstance(item, bool):
-        return "boolean"
-    if isinstance(item, int | float):
-        return "number"
-    if isinstance(item, str):
-        return "string"
-    return "array" if isinstance(item, list) else "object"
-
-
-_EXPECTED: Final = {
-    "string": "a string",
-    "binary": "a base64 string",
-    "int32": "an integer",
-    "int64": "an integer",
-    "float32": "a number",
-    "float64": "a number",
-    "bool": "true or false",
-    "timestamp": "epoch milliseconds or an ISO-8601 string",
-    "vector": "an array of numbers",
-    "base64_f32": "a base64 string of little-endian float32",
-}
-_NUMBER_TYPES: Final = frozenset({int, float, type(None)})
-#: The Python types (as JSON decoders make them) each column type accepts before conversion;
-#: timestamps are range-checked as int64 like int64 columns.
-_KIND_FITS: Final[dict[str, frozenset[type]]] = {
-    "string": frozenset({str}),
-    "binary": frozenset({str}),
-    "int32": frozenset({int}),
-    "int64": frozenset({int}),
-    "float32": frozenset({int, float}),
-    "float64": frozenset({int, float}),
-    "bool": frozenset({bool}),
-    "timestamp": frozenset({int, str}),
-    "vector": frozenset({list}),
-    "base64_f32": frozenset({str}),
-}
-
-
-def _quick_fits(type_name: str) -> frozenset[type]:
-    """The value types `_kind_problem` passes for `type_name` without looking at the value
-    (it range-checks ints of int and timestamp columns, and the components of vectors)."""
-    fits = set(_KIND_FITS[type_name]) | {type(None)}
-    if type_name in _INT_RANGES:
-        fits.discard(int)
-    if type_name == "vector":
-        fits.discard(list)
-    return frozenset(fits)
-
-
-def _kind_problem(item: Any, type_name: str) -> str | None:
-    """What is wrong with a JSON value for a column type, judged by its JSON kind alone.
-
-    None when the kind fits (the value may still fail to convert, e.g. an ISO string).
-    JSON decoders give exact built-in types, so the common case is one `type` test.
-    """
-    if item is None:
-        return None
-    kind = type(item)
-    if kind in _KIND_FITS[type_name]:
-        if kind is int and type_name in _INT_RANGES:
-            low, high = _INT_RANGES[type_name]
-            if not low <= item <= high:
-                return f"is {_show(item)}, outside the {_RANGE_NAMES[type_name]} range"
-        elif type_name == "vector" and not set(map(type, item)) <= _NUMBER_TYPES:
-            first = next(i for i, x in enumerate(item) if type(x) not in _NUMBER_TYPES)
-            return f"component {first} is {_described(item[first])}, expected a number"
-        return None
-    return f"is {_described(item)}, expected {_EXPECTED[type_name]}"
-
-
 def _coerce_one(item: Any, type_name: str) -> pa.Array | str:
-    """One JSON value that passed `_kind_problem` as a length-1 canonical array.
+    """One JSON value that passed `kind_problem` as a length-1 canonical array.
 
     Returns:
         The array, or what is wrong with the value when it does not convert.
@@ -1607,7 +1436,7 @@ def _coerce_one(item: Any, type_name: str) -> pa.Array | str:
         return pa.nulls(1, target)
     try:
         if type_name in {"float32", "float64"}:
-            if type_name == "float32" and (beyond := float32_beyond(item, _show)) is not None:
+            if type_name == "float32" and (beyond := float32_beyond(item, show)) is not None:
                 return beyond
             return pa.array([to_float(item)], pa.float64()).cast(target)
         if type_name == "timestamp":
@@ -1622,55 +1451,8 @@ def _coerce_one(item: Any, type_name: str) -> pa.Array | str:
         return pa.array([item], target)
     except (pa.ArrowInvalid, UnicodeEncodeError) as exc:
         if type_name == "timestamp" and isinstance(item, str):
-            return f"is {_show(item)}, not an ISO-8601 date or date-time"
-        return f"is {_show(item)}, which does not convert to {_EXPECTED[type_name]} ({exc})"
-
-
-#: How a dead-letter detail names an integer column's range.
-_RANGE_NAMES: Final = {"int32": "int32", "int64": "int64", "timestamp": "int64 milliseconds"}
-#: Longest text of a value quoted in a dead-letter detail.
-_SHOW_CHARS: Final = 40
-
-
-def _a(kind: str) -> str:
-    """A JSON kind with its article: 'an object', 'an array', 'a string', 'null'."""
-    if kind == "null":
-        return kind
-    return ("an " if kind[0] in "aeiou" else "a ") + kind
-
-
-def _show(item: Any) -> str:
-    """A JSON or key value as quoted in a dead-letter detail (long ones cut)."""
-    if isinstance(item, float):
-        text = "NaN" if math.isnan(item) else repr(item).replace("inf", "Infinity")
-    elif isinstance(item, int):
-        text = (
-            str(item)
-            if abs(item) < 10**_SHOW_CHARS
-            else f"{str(item)[:12]}... ({len(str(abs(item)))} digits)"
-        )
-    else:
-        text = repr(item)
-    return text if len(text) <= _SHOW_CHARS else text[: _SHOW_CHARS - 3] + "..."
-
-
-def _described(item: Any) -> str:
-    """A JSON value that does not fit, for a dead-letter detail: a number or string as itself
-    ("1.5", "NaN", "a string ('7')"), anything else by its kind ("an object")."""
-    if isinstance(item, float):
-        return _show(item)
-    if isinstance(item, str):
-        return f"a string ({_show(item)})"
-    return _a(_json_kind(item))
-
-
-def _utf8_error(data: bytes) -> str:
-    """Where `data` stops being UTF-8, as a suffix for a dead-letter detail."""
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return f" (byte 0x{data[exc.start]:02x} at offset {exc.start})"
-    return ""
+            return f"is {show(item)}, not an ISO-8601 date or date-time"
+        return f"is {show(item)}, which does not convert to {EXPECTED[type_name]} ({exc})"
 
 
 def _first_in_row(bad: np.ndarray, lists: pa.Array) -> list[tuple[int, int]]:
@@ -1687,7 +1469,7 @@ def _non_finite(col: _Column, component: int, payload: bytes | None) -> str:
     """Why component `component` of the vector in `payload` is not a finite float32."""
     head = f"vector {col.name!r} ({col.where}) component {component}"
     try:
-        item: Any = _loads(payload or b"")
+        item: Any = loads(payload or b"")
         for name in col.path:
             item = item[name]
         number = item[component]
@@ -1697,9 +1479,9 @@ def _non_finite(col: _Column, component: int, payload: bytes | None) -> str:
     if math.isnan(value):
         return f"{head} is NaN"
     if math.isinf(value) and isinstance(number, float):
-        return f"{head} is {_show(number)} (infinite in the JSON or beyond the double range)"
+        return f"{head} is {show(number)} (infinite in the JSON or beyond the double range)"
     return (
-        f"{head} is {_show(number)}, beyond the float32 range (largest "
+        f"{head} is {show(number)}, beyond the float32 range (largest "
         f"{FLOAT32_MAX:.7g}); it would be stored as infinity"
     )
 
@@ -1720,176 +1502,15 @@ def _check_float32(arr: pa.Array, col: _Column, rows: _Rows, meta: _Metadata) ->
     infinite = np.isinf(arr.to_numpy(zero_copy_only=False))
     for pos in np.flatnonzero(infinite).tolist():
         try:
-            item: Any = _loads(meta.value(int(rows.index[pos])) or b"")
+            item: Any = loads(meta.value(int(rows.index[pos])) or b"")
             for name in col.path:
                 item = item[name]
         except (ValueError, KeyError, TypeError, RecursionError):
             continue  # not reached: the payload parsed before
-        beyond = float32_beyond(item, _show)
+        beyond = float32_beyond(item, show)
         if beyond is not None:
             rows.fault((pos,), ("wrong_type", f"{col.name!r} ({col.where}) {beyond}"))
 
 
-#: The non-standard number literals Arrow's reader (rapidjson's) takes where a number may
-#: stand, each with what it reads as: Python's json takes only NaN, Infinity and -Infinity.
-_LITERALS: Final = {
-    b"NaN": b"NaN",
-    b"-NaN": b"NaN",  # no sign: Arrow's reader reads it as the NaN it reads for NaN
-    b"Inf": b"Infinity",
-    b"-Inf": b"-Infinity",
-    b"Infinity": b"Infinity",
-    b"-Infinity": b"-Infinity",
-}
-#: A JSON string (left as it is) or one of `_LITERALS` outside strings.
-_LITERAL_RE: Final = re.compile(rb'"(?:[^"\\]|\\.)*"|-?(?:NaN|Inf(?:inity)?)')
-
-
-def _loads(payload: bytes) -> Any:
-    """A JSON value parsed by Python's json, taking the same non-standard number literals
-    as Arrow's reader (`_LITERALS`), so that a value reads the same on the bulk path and
-    on the per-message paths whatever its neighbours (docs/formats.md).
-
-    Raises:
-        ValueError: not JSON (json's own error, for the value as sent).
-        RecursionError: nested deeper than Python's parser goes.
-    """
-    try:
-        return json.loads(payload)
-    except ValueError:
-        rewritten = payload
-        if b"NaN" in payload or b"Inf" in payload:
-            rewritten = _LITERAL_RE.sub(lambda m: _LITERALS.get(m.group(), m.group()), payload)
-        try:
-            return json.loads(rewritten, parse_int=_parse_int)
-        except ValueError:
-            pass
-        raise
-
-
-def _parse_int(text: str) -> int | float:
-    """A JSON integer; one longer than Python reads (``sys.get_int_max_str_digits``, a
-    guard against quadratic conversions) as the signed infinity, as Arrow's reader reads it
-    where a number may be a float (an integer column refuses it either way)."""
-    limit = sys.get_int_max_str_digits()
-    if limit and len(text) - text.startswith("-") > limit:
-        return -math.inf if text.startswith("-") else math.inf
-    return int(text)
-
-
-def dead_letter(message: MessageLike, reason: Reason, detail: str) -> DeadLetter:
-    """The dead letter of `message`: its coordinates, key, value and headers as consumed."""
-    return _dead_letter(message, message.topic() or "", message.partition() or 0, reason, detail)
-
-
-def _dead_letter(
-    message: MessageLike, topic: str, partition: int, reason: Reason, detail: str
-) -> DeadLetter:
-    kind, ms = message.timestamp()
-    return DeadLetter(
-        topic=topic,
-        partition=partition,
-        offset=int(message.offset() or 0),
-        timestamp_ms=None if kind == _TIMESTAMP_NOT_AVAILABLE else ms,
-        key=message.key(),
-        value=message.value(),
-        headers=list(message.headers() or ()),
-        reason=reason,
-        detail=detail,
-    )
-
-
 # ---------------------------------------------------------------------------------------
 # Totality: no message's content can make decoding raise.
-
-#: What `total` lets out of a decode: the consumer loop's signals, not a message's fault.
-_SIGNALS: Final = (RegistryUnavailable, SchemaEvolution)
-#: Longest exception text kept in a `decode_error` dead letter's detail.
-_ERROR_CHARS: Final = 1_000
-#: An exception of one type at one place is logged with its traceback at most this often
-#: (a flood of one bad kind would otherwise write a traceback per message); each is
-#: counted all the same (`lance_sink_decode_errors_total`) and dead-lettered.
-DECODE_ERROR_LOG_INTERVAL_S: Final = 60.0
-_logged_at: dict[tuple[str, str, int], float] = {}
-_logged_lock = threading.Lock()
-
-
-def total(
-    decode: Callable[[Sequence[MessageLike]], Decoded], messages: Sequence[MessageLike]
-) -> Decoded:
-    """`decode(messages)`, made total: whatever it raises for a batch (but the registry and
-    evolution signals, `_SIGNALS`), the batch is split in halves, each decoded the same
-    way, until the message that raises is alone; that message is a ``decode_error`` dead
-    letter naming the exception, the others decode as they would have.
-
-    A message's outcome stays its own: a half decodes exactly as a batch of those messages
-    would (the decoder's paths give every message the same outcome whatever its batch:
-    tests/unit/test_decode_metamorphic.py). The cost of one raising message among ``n`` is
-    about ``2n`` more messages decoded.
-
-    Args:
-        decode: decodes a non-empty batch of one topic-partition's messages.
-        messages: that batch, at least one message.
-    """
-    try:
-        return decode(messages)
-    except _SIGNALS:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a message's content must never stop the sink
-        if len(messages) == 1:
-            return Decoded(None, [decode_error_letter(messages[0], exc)], [], *_span(messages))
-        mid = len(messages) // 2
-        return joined([total(decode, messages[:mid]), total(decode, messages[mid:])])
-
-
-def decode_error_letter(message: MessageLike, exc: BaseException) -> DeadLetter:
-    """The ``decode_error`` dead letter of a message whose decoding raised `exc`; logs
-    the exception with its traceback (at most once a `DECODE_ERROR_LOG_INTERVAL_S` per
-    exception type and place)."""
-    text = f"{type(exc).__name__}: {exc}"
-    if len(text) > _ERROR_CHARS:
-        text = text[: _ERROR_CHARS - 3] + "..."
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    where = ("", 0) if tb is None else (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
-    key = (type(exc).__name__, *where)
-    now = time.monotonic()
-    with _logged_lock:
-        due = now - _logged_at.get(key, -math.inf) >= DECODE_ERROR_LOG_INTERVAL_S
-        if due:
-            _logged_at[key] = now
-    if due:
-        log.error(
-            "decode_error",
-            topic=message.topic(),
-            partition=message.partition(),
-            offset=message.offset(),
-            error=text,
-            exc_info=exc,
-        )
-    return dead_letter(
-        message,
-        "decode_error",
-        f"decoding the value raised {text} (a dead letter instead; please report it)",
-    )
-
-
-def joined(parts: Sequence[Decoded]) -> Decoded:
-    """Decoded batches of consecutive runs of one partition's messages, as one."""
-    batches = [p.batch for p in parts if p.batch is not None and p.batch.num_rows]
-    batch = None
-    if len(batches) == 1:
-        batch = batches[0]
-    elif batches:
-        batch = pa.concat_batches(batches)
-    return Decoded(
-        batch,
-        [d for p in parts for d in p.dead_letters],
-        [o for p in parts for o in p.skipped_offsets],
-        parts[0].first_offset,
-        parts[-1].last_offset,
-    )
-
-
-def _span(messages: Sequence[MessageLike]) -> tuple[int, int]:
-    return int(messages[0].offset() or 0), int(messages[-1].offset() or 0)

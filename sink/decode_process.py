@@ -47,15 +47,9 @@ import structlog
 from config.settings import SourceSettings
 from engine.malloc import set_mmap_threshold
 from engine.schema import TableSpec
-from sink.decode import (
-    Decoded,
-    Decoder,
-    MessageLike,
-    decode_error_letter,
-    freeze_gc,
-    joined,
-    value_sizes,
-)
+from sink.decode import Decoder, freeze_gc
+from sink.decode_total import decode_error_letter, joined
+from sink.decoded import Decoded, MessageLike, value_sizes
 from sink.formats import SchemaCheckMode
 from sink.log import LogConfig, configure_logging
 
@@ -368,7 +362,7 @@ class ProcessDecoder:
         or one that takes more memory than the worker may have) is split in halves, each
         decoded the same way, until the message it dies on is alone: that message is a
         ``decode_error`` dead letter, the others decode as they would have (as
-        `sink.decode.total` does with what a decoder raises).
+        `sink.decode_total.total` does with what a decoder raises).
 
         Raises:
             ValueError: `messages` is empty.

@@ -67,7 +67,7 @@ import structlog
 from confluent_kafka import KafkaError
 
 from config.settings import Settings
-from sink.decode import DeadLetter
+from sink.decoded import DeadLetter
 from sink.log import librdkafka_logger
 
 log = structlog.get_logger("lance_sink.dlq")

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from engine.errors import InvalidRecord
-from sink.decode import DeadLetter, Decoded, MessageLike, dead_letter
+from sink.decoded import DeadLetter, Decoded, MessageLike, dead_letter
 
 __all__ = ["split_refused"]
 

@@ -55,8 +55,9 @@ from engine.shard import PutResult, ShardWriter
 from engine.threads import name_os_thread
 from engine.wal import SourceRange
 from sink.base_status import BaseTableStatus
-from sink.decode import Decoded, Decoder, freeze_gc
+from sink.decode import Decoder, freeze_gc
 from sink.decode_process import ProcessDecoder
+from sink.decoded import Decoded
 from sink.dlq import DeadLetterBatch, DeadLetterProducer
 from sink.dlq import producer_conf as dlq_producer_conf
 from sink.formats import RegistryUnavailable, SchemaCheckMode, SchemaEvolution
