@@ -77,9 +77,10 @@ import pyarrow.json as pj
 
 from config.settings import SourceSettings, TableSettings
 from engine.schema import TableSpec
-from sink import decode as decode_module
+from sink import json_parse
 from sink.decode import Decoder
 from sink.decode_process import ProcessDecoder
+from sink.decoded import value_sizes
 
 TOPIC = "bench"
 DIM = 384
@@ -368,12 +369,12 @@ def run_bulk_parse(data: Dataset, batch: int) -> Callable[[], int]:
         explicit_schema=decoder._read_schemas[False], unexpected_field_behavior="ignore"
     )
     batches = _batches([m.value() for m in data.messages], batch)
-    d = decode_module  # the decoder's own chunking, wrapping and reader options
+    d = json_parse  # the decoder's own chunking, wrapping and reader options
 
     def run() -> int:
         rows = 0
         for values in batches:
-            sizes = d.value_sizes(values)
+            sizes = value_sizes(values)
             for lo, hi in d._chunks(sizes, d._PARSE_CHUNK_BYTES):
                 chunk = values[lo:hi]
                 buf, _ = d._wrap(chunk, False)  # as the decoder's first parse of a batch
@@ -521,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(7)
     header = (
         f"decode benchmark: {args.runs} runs (median), batches of {args.batch}, "
-        f"{decode_module._CORES} cores, pyarrow {pa.__version__}, "
+        f"{json_parse._CORES} cores, pyarrow {pa.__version__}, "
         f"orjson {orjson.__version__}, python {sys.version.split()[0]}"
     )
     lines = [

@@ -10,11 +10,17 @@ is durable. A bad message never raises: it becomes a dead letter and the partiti
 
 Lifecycle: the consumer loop builds one `Decoder` per table when it starts (the constructor
 checks the mapping against the table and raises `ValueError` on a configuration the data
-can never satisfy) and calls `Decoder.decode` from the poll thread for each batch. The
-decoder is stateless apart from one hint (which timestamp representation the last batch
-used) and, for registry formats, caches of schemas (the registry client's, and the writer
-schemas already checked for evolution), so it needs no `close` and may be shared by all
+can never satisfy) and calls `Decoder.decode` from the ``source.decode_workers`` threads
+for each batch. The decoder is stateless apart from its JSON parser's two hints (guesses
+about the next batch, `sink.json_parse`: their thread-safety rule is there) and, for
+registry formats, caches of schemas (the registry client's, and the writer schemas
+already checked for evolution), so it needs no `close` and may be shared by all
 partitions of the table.
+
+The stages live in modules of their own: the plan of each column (`sink.decode_plan`),
+the JSON parse paths (`sink.json_parse`), what a JSON value may hold (`sink.json_values`),
+the records decoding gives (`sink.decoded`) and its totality (`sink.decode_total`); this
+module checks the parsed columns and assembles the rows.
 
 Sources (``source.columns``; an unmapped table column reads the same-named top-level JSON
 field in the json format and is null in the raw format):
@@ -118,20 +124,15 @@ creates, so any freeze/pause belongs around the consumer loop's ``consume()``.
 from __future__ import annotations
 
 import binascii
-import contextlib
 import gc
-import itertools
 import math
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Final, Literal, TypeAlias, cast
+from typing import Any, Final, cast
 
 import numpy as np
-import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.json as pj
 import pybase64
 import structlog
 
@@ -142,8 +143,8 @@ from engine.schema import (
     OP_UPSERT,
     SOURCE_COLUMNS,
     TableSpec,
-    arrow_type,
 )
+from sink.decode_plan import ColumnPlan, Fault, Kind, Path, take, type_name_of
 from sink.decode_total import total
 from sink.decoded import (
     TIMESTAMP_NOT_AVAILABLE,
@@ -163,55 +164,21 @@ from sink.formats import (
 from sink.formats.keys import KeyDecoder
 from sink.formats.leaves import Column
 from sink.formats.records import FLOAT32_MAX, float32_beyond, to_float
+from sink.json_parse import JsonParser
 from sink.json_values import (
-    EXPECTED,
     INT_RANGES,
     RANGE_NAMES,
-    article,
     is_utf8,
-    is_utf8_buffer,
-    json_kind,
-    kind_problem,
     loads,
-    quick_fits,
     show,
     utf8_error,
 )
-from sink.vector_json import VectorJson
-from sink.vector_scan import scan, scan_base64
 
 __all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason"]
 
 log = structlog.get_logger("lance_sink.sink")
 
 
-#: Bytes of JSON parsed per Arrow call. A batch is parsed in chunks of about this size:
-#: well below glibc's 32 MiB mmap threshold, so each chunk's buffer reuses heap pages
-#: instead of faulting in fresh ones (one 44 MB buffer per batch parsed 30% slower), and it
-#: bounds the extra memory of a parse. 4-8 MiB measured best for 200-byte and vector rows.
-_PARSE_CHUNK_BYTES: Final = 4 << 20
-#: Blocks per chunk: Arrow parses blocks in parallel; four ~1 MiB blocks keep two cores
-#: busy when blocks parse at uneven speed (two left a core idle, eight added overhead).
-_BLOCKS_PER_CHUNK: Final = 4
-#: Smallest block: below this a block's fixed cost outweighs a second core.
-_MIN_BLOCK_BYTES: Final = 64 << 10
-#: Batches of base64 vector values up to this many take `sink.vector_json` (simdjson in
-#: Python, no fixed cost), larger ones `sink.vector_scan` (outside the interpreter lock,
-#: but its Arrow call on the stripped texts costs a fixed ~0.1-0.5 ms). Measured on
-#: threads, 2.3 KB values, when the large batches went to Arrow's reader whole: the sink
-#: caught up 1.1-1.5x faster than on simdjson in Python, but its freshness at 1k msg/s
-#: (batches of a few values) went from p50 47 to 55-69 ms with every batch on Arrow.
-_SIMDJSON_BASE64_MAX: Final = 64
-_CORES: Final = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
-
-_WRAP_HEAD: Final = b'{"v":'
-_WRAP_JOIN: Final = b'}\n{"v":'
-_WRAP_TAIL: Final = b"}"
-_ROOT: Final = "v"
-
-_TS_TYPE: Final = pa.timestamp("ms", tz="UTC")
-#: ISO strings are parsed at microsecond resolution, then truncated to the column's ms.
-_TS_PARSE_TYPE: Final = pa.timestamp("us", tz="UTC")
 _DECIMAL_RE: Final = r"^-?[0-9]+$"
 
 _BYTES_TARGETS: Final = frozenset({"binary", "string", "int32", "int64"})
@@ -220,78 +187,13 @@ _BYTES_TARGETS: Final = frozenset({"binary", "string", "int32", "int64"})
 # ---------------------------------------------------------------------------------------
 # The plan: what each output column is made from, fixed at construction.
 
-_Kind: TypeAlias = Literal[
-    "json", "bytes", "key", "topic", "partition", "offset", "timestamp", "none"
-]  # fmt: skip
-_Fault: TypeAlias = tuple[Reason, str]
-_Path: TypeAlias = tuple[str, ...]
 
-#: The canonical Arrow type of each column type while rows are checked (before the final
-#: cast): binary JSON columns are still base64 text, vectors are still variable lists.
-_CANONICAL: Final[dict[str, pa.DataType]] = {
-    "string": pa.string(),
-    "int32": pa.int32(),
-    "int64": pa.int64(),
-    "float32": pa.float32(),
-    "float64": pa.float64(),
-    "bool": pa.bool_(),
-    "binary": pa.string(),
-    "timestamp": _TS_TYPE,
-    "vector": pa.list_(pa.float32()),
-    "base64_f32": pa.string(),  # the vector with vector.encoding = "base64_f32"
-}
-#: The scalar column type names of `config.settings.ColumnSpec`.
-_TYPE_NAMES: Final = (
-    "string", "int32", "int64", "float32", "float64", "bool", "binary", "timestamp",
-)  # fmt: skip
 _METADATA_TARGETS: Final[dict[str, frozenset[str]]] = {
     "@topic": frozenset({"string"}),
     "@partition": frozenset({"int32", "int64"}),
     "@offset": frozenset({"int64"}),
     "@timestamp": frozenset({"timestamp", "int64"}),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class _Column:
-    """One output column (not a source column, not `_op`) and where its values come from."""
-
-    name: str
-    type_name: str  # a ColumnSpec type name, or "vector"
-    arrow_type: pa.DataType
-    kind: _Kind
-    path: _Path = ()  # json: the JSON path; bytes: ("@key",), ("@value",) or ("@headers", NAME)
-    required: bool = False  # null is a fault in a live row
-    primary_key: bool = False
-
-    @property
-    def where(self) -> str:
-        """The source as the user wrote it, for dead-letter details."""
-        if self.kind == "json":
-            return "$." + ".".join(self.path)
-        if self.kind == "bytes":
-            return ".".join(self.path)
-        if self.kind == "key":
-            return ".".join(("@key", *self.path))
-        return "" if self.kind == "none" else "@" + self.kind
-
-
-@dataclass(slots=True)
-class _Parsed:
-    """JSON leaves of a run of messages, in canonical types, aligned with `positions`.
-
-    Leaves stay lists of arrays (one per Arrow block) until all runs are joined, so the
-    values are copied into contiguous arrays once.
-    """
-
-    positions: np.ndarray  # positions in the list of values that was parsed
-    leaves: dict[_Path, list[pa.Array]]
-    is_object: list[pa.Array]  # False where the JSON value was `null`
-
-
-#: What parsing a list of JSON values gives: the positions of those that parsed, their
-#: leaves and object mask, and the faults of those that did not, by position.
-_ParseResult: TypeAlias = tuple[np.ndarray, dict[_Path, pa.Array], pa.Array, dict[int, _Fault]]
 
 
 def freeze_gc() -> None:
@@ -304,34 +206,18 @@ def freeze_gc() -> None:
     gc.set_threshold(100_000, 50, 100)
 
 
-def _shifted(parsed: _ParseResult, where: np.ndarray) -> _ParseResult:
-    """A parse result of ``values[where]`` with its positions mapped back into `values`."""
-    positions, leaves, is_object, faults = parsed
-    return where[positions], leaves, is_object, {int(where[p]): f for p, f in faults.items()}
-
-
 @dataclass(slots=True)
 class _Rows:
     """Rows under decoding: message index per row, columns, and faults by message index."""
 
     index: np.ndarray
     columns: dict[str, pa.Array] = field(default_factory=dict)
-    faults: dict[int, _Fault] = field(default_factory=dict)
+    faults: dict[int, Fault] = field(default_factory=dict)
 
-    def fault(self, positions: Iterable[int] | np.ndarray, fault: _Fault) -> None:
+    def fault(self, positions: Iterable[int] | np.ndarray, fault: Fault) -> None:
         """Record `fault` for rows at `positions` that have none yet (first fault wins)."""
         for pos in positions:
             self.faults.setdefault(int(self.index[int(pos)]), fault)
-
-
-def _type_name(type_: pa.DataType) -> str:
-    """The column type name of a table field's Arrow type ("vector" for the vector)."""
-    if pa.types.is_fixed_size_list(type_):
-        return "vector"
-    for name in _TYPE_NAMES:
-        if arrow_type(name).equals(type_):
-            return name
-    raise ValueError(f"unsupported column type {type_}")
 
 
 class Decoder:
@@ -339,7 +225,7 @@ class Decoder:
 
     Built once per table by the consumer loop; `decode` is called from the
     ``source.decode_workers`` threads, several batches at once on one decoder (its only
-    shared state, the timestamp hint, is a guess that any thread may set). `decode` does
+    shared state, the JSON parser's hints, are guesses that any thread may set). `decode` does
     not raise for bad messages: each one becomes a `DeadLetter`. There is nothing to close.
 
     Args:
@@ -373,7 +259,6 @@ class Decoder:
         scan_simd: bool = True,
     ) -> None:
         self._spec = spec
-        self._scan_simd = scan_simd
         self._source = source
         self._schema: pa.Schema = spec.batch_schema
         self._max_bytes = int(source.max_message_bytes)
@@ -405,23 +290,8 @@ class Decoder:
         # Primary key columns first: a row missing its key reports that before anything else.
         self._columns = sorted(columns, key=lambda c: not c.primary_key)
         self._source_columns = all(n in spec.table_schema.names for n in SOURCE_COLUMNS)
-        self._json_columns = [c for c in self._columns if c.kind == "json"]
-        self._json_paths = list(dict.fromkeys(c.path for c in self._json_columns))
-        self._path_types = {c.path: self._leaf_type(c) for c in self._json_columns}
-        self._path_columns = {c.path: c for c in reversed(self._json_columns)}
-        # What `_fill_one` checks per path: the column, its type, and the value types that
-        # fit without a closer look (None, and every kind but ranged ints and vectors).
-        self._screen_plan = [
-            (p, self._path_columns[p], self._path_types[p], quick_fits(self._path_types[p]))
-            for p in self._json_paths
-        ]
-        self._tree = self._json_tree()
-        self._has_timestamps = any(c.type_name == "timestamp" for c in self._json_columns)
-        self._iso_timestamps = False  # which representation the last batch's timestamps used
-        # Whether the last batch held a value with a raw newline: then the next batch is
-        # checked for them before its first parse (see `_wrap`).
-        self._newlines = False
-        self._read_schemas = {iso: self._read_schema(iso) for iso in (False, True)}
+        json_columns = [c for c in self._columns if c.kind == "json"]
+        self._path_columns = {c.path: c for c in reversed(json_columns)}
         # Derived columns: new writer schemas are checked against all columns (sink.formats).
         self._schema_check = (
             SchemaCheck(
@@ -431,44 +301,37 @@ class Decoder:
             if schema_check != "off" and self._records is not None
             else None
         )
-        # Vector tables in the JSON format: simdjson first, Arrow's reader for what it
-        # hands back (sink.vector_json). Small messages without vectors parse faster in
-        # Arrow alone (bench/results/decode.txt).
-        self._fast: VectorJson | None = None
-        if vector_fast_path and self._json and spec.vector is not None:
-            self._fast = VectorJson(list(self._path_types.items()), spec.vector.dim)
-        # The vector read by `sink.vector_scan` outside the interpreter lock, the rest of
-        # each value by Arrow's reader; what it leaves out takes the path above. Base64
-        # vectors: batches above `_SIMDJSON_BASE64_MAX` (catching up) only; smaller ones (a
-        # live stream, where latency counts) parse on the path above alone.
-        self._scan: tuple[_Path, int] | None = None
-        if self._fast is not None and spec.vector is not None:
-            vector = next(
-                p for p, kind in self._path_types.items() if kind in {"vector", "base64_f32"}
-            )
-            self._scan = vector, spec.vector.dim
-        self._tombstone_key: _Column | None = None
+        # Vector tables in the JSON format take the vector fast paths (`JsonParser`).
+        # (Its checks of overlapping paths run for every format: registry formats read
+        # record paths the same way.)
+        fast_dim = (
+            spec.vector.dim if vector_fast_path and self._json and spec.vector is not None else None
+        )
+        self._parser = JsonParser(
+            json_columns, base64=self._base64, vector_dim=fast_dim, scan_simd=scan_simd
+        )
+        self._tombstone_key: ColumnPlan | None = None
         if spec.upsert and len(spec.primary_key) == 1:
             self._tombstone_key = next(c for c in self._columns if c.primary_key)
 
-    def _plan_column(self, f: pa.Field, required: bool) -> _Column:
-        type_name = _type_name(f.type)
+    def _plan_column(self, f: pa.Field, required: bool) -> ColumnPlan:
+        type_name = type_name_of(f.type)
         pk = f.name in self._spec.primary_key
         mapped = self._source.columns.get(f.name)
         if mapped is None:
             if self._paths:
-                return _Column(f.name, type_name, f.type, "json", (f.name,), required, pk)
+                return ColumnPlan(f.name, type_name, f.type, "json", (f.name,), required, pk)
             if required:
                 raise ValueError(f"column {f.name!r} is required but has no source (raw format)")
-            return _Column(f.name, type_name, f.type, "none")
+            return ColumnPlan(f.name, type_name, f.type, "none")
         if mapped.startswith("$."):
             if not self._paths:
                 raise ValueError(f"column {f.name!r}: JSON path {mapped!r} in the raw format")
             path = tuple(mapped[2:].split("."))
-            return _Column(f.name, type_name, f.type, "json", path, required, pk)
+            return ColumnPlan(f.name, type_name, f.type, "json", path, required, pk)
         if self._keys is not None and (mapped == "@key" or mapped.startswith("@key.")):
             path = tuple(mapped.split(".")[1:])
-            return _Column(f.name, type_name, f.type, "key", path, required, pk)
+            return ColumnPlan(f.name, type_name, f.type, "key", path, required, pk)
         if mapped in {"@key", "@value"} or mapped.startswith("@headers."):
             if type_name not in _BYTES_TARGETS:
                 raise ValueError(
@@ -477,59 +340,19 @@ class Decoder:
                 )
             header = mapped.removeprefix("@headers.")
             path = (mapped,) if header == mapped else ("@headers", header)
-            return _Column(f.name, type_name, f.type, "bytes", path, required, pk)
+            return ColumnPlan(f.name, type_name, f.type, "bytes", path, required, pk)
         allowed = _METADATA_TARGETS[mapped]
         if type_name not in allowed:
             raise ValueError(
                 f"column {f.name!r} is {type_name}; {mapped} feeds {', '.join(sorted(allowed))}"
             )
-        kinds: dict[str, _Kind] = {
+        kinds: dict[str, Kind] = {
             "@topic": "topic",
             "@partition": "partition",
             "@offset": "offset",
             "@timestamp": "timestamp",
         }
-        return _Column(f.name, type_name, f.type, kinds[mapped], (), required, pk)
-
-    def _json_tree(self) -> dict[str, Any]:
-        """The nested fields the JSON paths read: {name: subtree dict | type name}."""
-        tree: dict[str, Any] = {}
-        for col in self._json_columns:
-            node = tree
-            *parents, leaf = col.path
-            for name in parents:
-                child = node.setdefault(name, {})
-                if not isinstance(child, dict):
-                    raise ValueError(f"JSON path of {col.name!r} runs through a scalar column")  # noqa: TRY004 - a configuration value, not a type
-                node = child
-            current = node.get(leaf)
-            if current is not None and current != self._leaf_type(col):
-                what = "an object" if isinstance(current, dict) else "two types"
-                raise ValueError(f"JSON path of {col.name!r} is also read as {what}")
-            node[leaf] = self._leaf_type(col)
-        return tree
-
-    def _leaf_type(self, col: _Column) -> str:
-        """How a JSON column is read: its type name, or ``base64_f32`` for a base64 vector."""
-        return "base64_f32" if col.type_name == "vector" and self._base64 else col.type_name
-
-    def _read_schema(self, iso_timestamps: bool) -> pa.Schema:
-        """The explicit schema for Arrow's JSON reader (timestamps as int or ISO text)."""
-
-        def read_type(type_name: str) -> pa.DataType:
-            if type_name == "timestamp":
-                return _TS_PARSE_TYPE if iso_timestamps else pa.int64()
-            return _CANONICAL[type_name]
-
-        def struct(node: dict[str, Any]) -> pa.DataType:
-            return pa.struct(
-                [
-                    (name, struct(sub) if isinstance(sub, dict) else read_type(sub))
-                    for name, sub in node.items()
-                ]
-            )
-
-        return pa.schema([(_ROOT, struct(self._tree))])
+        return ColumnPlan(f.name, type_name, f.type, kinds[mapped], (), required, pk)
 
     # -- decode -----------------------------------------------------------------------
 
@@ -562,7 +385,7 @@ class Decoder:
         values = [m.value() for m in messages]
         sizes = value_sizes(values)
         candidates = np.flatnonzero((sizes >= 0) & (sizes <= self._max_bytes))
-        dead: dict[int, _Fault] = {
+        dead: dict[int, Fault] = {
             int(i): (
                 "oversized",
                 (
@@ -606,30 +429,30 @@ class Decoder:
 
     def _decode_candidates(
         self, candidates: np.ndarray, payloads: list[bytes], sizes: np.ndarray, meta: _Metadata
-    ) -> tuple[_Rows, dict[int, _Fault]]:
+    ) -> tuple[_Rows, dict[int, Fault]]:
         """Decode the messages that have a value of an allowed size.
 
         Returns:
             The rows of the messages that parsed (some with row faults), and the faults of
             the messages that did not, both keyed by message index.
         """
-        early: dict[int, _Fault] = {}
+        early: dict[int, Fault] = {}
         index = candidates
-        leaves: dict[_Path, pa.Array] = {}
+        leaves: dict[Path, pa.Array] = {}
         is_object: pa.Array | None = None
-        column_faults: dict[_Path, dict[int, _Fault]] = {}
+        column_faults: dict[Path, dict[int, Fault]] = {}
         if self._records is not None:
             paths = [
                 (path, c.type_name, f"{c.name!r} ({c.where})")
                 for path, c in self._path_columns.items()
             ]
             parsed = parse_records(self._records, payloads, paths, self._schema_check)
-            early = {int(candidates[pos]): cast("_Fault", f) for pos, f in parsed.faults.items()}
+            early = {int(candidates[pos]): cast("Fault", f) for pos, f in parsed.faults.items()}
             index = index[parsed.positions]
             leaves = parsed.leaves
-            column_faults = cast("dict[_Path, dict[int, _Fault]]", parsed.column_faults)
+            column_faults = cast("dict[Path, dict[int, Fault]]", parsed.column_faults)
         elif self._json:
-            positions, leaves, is_object, faults = self._parse(payloads, sizes)
+            positions, leaves, is_object, faults = self._parser.parse(payloads, sizes)
             early = {int(candidates[pos]): fault for pos, fault in faults.items()}
             index = index[positions]
         rows = _Rows(index=np.asarray(index, dtype=np.int64))
@@ -644,7 +467,7 @@ class Decoder:
         return rows, early
 
     def _column(
-        self, col: _Column, rows: _Rows, leaves: dict[_Path, pa.Array], meta: _Metadata
+        self, col: ColumnPlan, rows: _Rows, leaves: dict[Path, pa.Array], meta: _Metadata
     ) -> pa.Array:
         """One column for `rows`, in its canonical type, faulting rows it cannot hold."""
         if col.kind == "json":
@@ -675,7 +498,7 @@ class Decoder:
             rows.fault(nulls, (reason, what))
         return arr
 
-    def _key_column(self, col: _Column, rows: _Rows, meta: _Metadata) -> pa.Array:
+    def _key_column(self, col: ColumnPlan, rows: _Rows, meta: _Metadata) -> pa.Array:
         """A column read from the decoded keys (source.key_format), faulting the rows whose
         key does not decode or does not fit."""
         assert self._keys is not None
@@ -687,10 +510,10 @@ class Decoder:
         if faults:
             hit = np.flatnonzero(np.isin(rows.index, np.fromiter(faults, np.int64)))
             for pos in hit.tolist():
-                rows.fault((pos,), cast("_Fault", faults[int(rows.index[pos])]))
+                rows.fault((pos,), cast("Fault", faults[int(rows.index[pos])]))
         return arr.take(pa.array(rows.index))
 
-    def _check_vectors(self, arr: pa.Array, col: _Column, rows: _Rows, meta: _Metadata) -> None:
+    def _check_vectors(self, arr: pa.Array, col: ColumnPlan, rows: _Rows, meta: _Metadata) -> None:
         """Fault rows whose vector has the wrong length, a null, or (unless allowed) NaN/inf.
 
         A component is non-finite in the float32 column when the JSON has NaN or an infinity
@@ -726,7 +549,7 @@ class Decoder:
                     what = _non_finite(col, first, meta.value(int(rows.index[pos])))
                 rows.fault((pos,), ("nan_in_vector", what))
 
-    def _from_base64_f32(self, arr: pa.Array, col: _Column, rows: _Rows) -> pa.Array:
+    def _from_base64_f32(self, arr: pa.Array, col: ColumnPlan, rows: _Rows) -> pa.Array:
         """Base64 text of little-endian float32 as ``list<float32>`` (null where the text is
         null or faulted: not base64, or not 4 * dim bytes)."""
         assert self._spec.vector is not None
@@ -763,329 +586,7 @@ class Decoder:
         mask = None if valid.all() else pa.array(~valid)
         return pa.ListArray.from_arrays(pa.array(offsets), values, mask=mask)
 
-    # -- JSON: one bulk parse, bisection when it fails -----------------------------------
-
-    def _parse(
-        self, payloads: list[bytes], sizes: np.ndarray
-    ) -> tuple[np.ndarray, dict[_Path, pa.Array], pa.Array, dict[int, _Fault]]:
-        """Parse JSON payloads: the vector fast path first (if on), Arrow for the rest.
-
-        Returns:
-            As `_parse_arrow`.
-        """
-        if self._fast is None:
-            return self._parse_arrow(payloads, sizes)
-        small = self._base64 and len(payloads) <= _SIMDJSON_BASE64_MAX
-        if self._scan is not None and payloads and not small:
-            return self._parse_scanned(payloads, sizes, *self._scan)
-        return self._parse_simdjson(payloads, sizes)
-
-    def _parse_scanned(
-        self, payloads: list[bytes], sizes: np.ndarray, path: _Path, dim: int
-    ) -> _ParseResult:
-        """Parse vector JSON: the vectors by `sink.vector_scan`, the rest of each value by
-        Arrow's reader from its stripped text; the values either leaves out (see
-        `sink.vector_scan`) by `_parse_simdjson`, whole.
-
-        Returns:
-            As `_parse_arrow`.
-        """
-        vectors: pa.Array
-        if self._base64:  # the base64 texts, decoded with those of the other paths
-            positions, vectors, stripped = scan_base64(payloads, path, dim)
-        else:
-            positions, matrix, stripped = scan(payloads, path, dim, simd=self._scan_simd)
-            offsets = np.arange(0, (len(positions) + 1) * dim, dim, dtype=np.int32)
-            vectors = pa.ListArray.from_arrays(
-                pa.array(offsets), pa.array(matrix.ravel()), type=_CANONICAL["vector"]
-            )
-        pieces: list[_ParseResult] = []
-        if len(positions):
-            # A stripped text Arrow refuses is parsed again whole below (its fault then
-            # names the value the producer sent).
-            parsed, leaves, is_object, _ = self._parse_arrow(stripped, value_sizes(stripped))
-            if len(parsed) < len(positions):
-                vectors = _take(vectors, np.asarray(parsed))
-                positions = positions[parsed]
-            leaves[path] = vectors
-            pieces.append((positions, leaves, is_object, {}))
-        if len(positions) < len(payloads):
-            left = np.ones(len(payloads), bool)
-            left[positions] = False
-            where = np.flatnonzero(left)
-            pieces.append(
-                _shifted(self._parse_simdjson([payloads[p] for p in where], sizes[where]), where)
-            )
-        return self._merge(pieces)
-
-    def _parse_simdjson(self, payloads: list[bytes], sizes: np.ndarray) -> _ParseResult:
-        """Parse JSON payloads of a vector table: `sink.vector_json` first, Arrow for the
-        rest.
-
-        Returns:
-            As `_parse_arrow`.
-        """
-        assert self._fast is not None
-        fast, leaves, rest = self._fast.parse(payloads)
-        ones = pa.array(np.ones(len(fast), bool))
-        pieces: list[_ParseResult] = [(fast, leaves, ones, {})]
-        if rest:
-            where = np.asarray(rest, np.int64)
-            pieces.append(
-                _shifted(self._parse_arrow([payloads[p] for p in rest], sizes[where]), where)
-            )
-        return self._merge(pieces)
-
-    def _merge(self, pieces: list[_ParseResult]) -> _ParseResult:
-        """Parse results of disjoint positions as one, in position order."""
-        faults = {pos: fault for piece in pieces for pos, fault in piece[3].items()}
-        nonempty = [p for p in pieces if len(p[0])]
-        if len(nonempty) <= 1:
-            positions, leaves, is_object, _ = nonempty[0] if nonempty else pieces[0]
-            return positions, leaves, is_object, faults
-        pieces = nonempty
-        positions = np.concatenate([p[0] for p in pieces])
-        merged = {path: pa.concat_arrays([p[1][path] for p in pieces]) for path in self._json_paths}
-        is_object = pa.concat_arrays([p[2] for p in pieces])
-        if (np.diff(positions) > 0).all():
-            return positions, merged, is_object, faults
-        order = np.argsort(positions, kind="stable")
-        merged = {path: _take(arr, order) for path, arr in merged.items()}
-        return positions[order], merged, is_object.take(pa.array(order)), faults
-
-    def _parse_arrow(
-        self, payloads: list[bytes], sizes: np.ndarray
-    ) -> tuple[np.ndarray, dict[_Path, pa.Array], pa.Array, dict[int, _Fault]]:
-        """Parse JSON payloads chunk by chunk with Arrow's reader.
-
-        Returns:
-            The positions (in `payloads`) of those that parsed, their leaves and object
-            mask, and the faults of those that did not parse, by position.
-        """
-        pieces: list[_Parsed] = []
-        faults: dict[int, _Fault] = {}
-        for lo, hi in _chunks(sizes, _PARSE_CHUNK_BYTES):
-            run = payloads if (lo, hi) == (0, len(payloads)) else payloads[lo:hi]
-            keep = np.arange(lo, hi)
-            # The wrapping is ASCII: the buffer is UTF-8 exactly when every payload is.
-            buf: bytes | None
-            buf, self._newlines = _wrap(run, self._newlines)
-            if not is_utf8_buffer(buf):
-                good = [pos for pos, p in enumerate(run) if is_utf8(p)]
-                for pos in sorted(set(range(len(run))) - set(good)):
-                    faults[lo + pos] = (
-                        "invalid_utf8",
-                        f"value is not UTF-8{utf8_error(run[pos])}",
-                    )
-                keep = keep[np.asarray(good, np.int64)]
-                run = [run[pos] for pos in good]
-                buf = None
-            run_pieces, run_faults = self._parse_run(run, buf)
-            for piece in run_pieces:
-                piece.positions = keep[piece.positions]
-                pieces.append(piece)
-            faults.update((int(keep[pos]), fault) for pos, fault in run_faults.items())
-        if not pieces:
-            empty = {p: pa.array([], _CANONICAL[self._path_types[p]]) for p in self._json_paths}
-            return np.empty(0, np.int64), empty, pa.array([], pa.bool_()), faults
-        return (
-            np.concatenate([p.positions for p in pieces]),
-            {
-                p: _concat([a for piece in pieces for a in piece.leaves[p]])
-                for p in self._json_paths
-            },
-            _concat([a for piece in pieces for a in piece.is_object]),
-            faults,
-        )
-
-    def _parse_run(
-        self, payloads: list[bytes], buf: bytes | None
-    ) -> tuple[list[_Parsed], dict[int, _Fault]]:
-        """Parse one chunk of payloads; positions and faults are relative to `payloads`.
-
-        One bulk parse normally. When it fails, every payload of the chunk is screened in
-        Python (cost linear in the chunk, whatever the number of bad messages), the screened
-        ones are parsed in bulk again, and only if Arrow still refuses some (it is stricter
-        than the rules on duplicate keys and numbers beyond the double range) is the rest
-        bisected down to single messages.
-        """
-        if not payloads:
-            return [], {}
-        parsed = self._bulk(payloads, buf)
-        if parsed is None and buf is not None and not self._newlines:
-            # Unchecked for raw newlines (see `_wrap`): if there are some, parse again
-            # with them made spaces before looking for bad values.
-            buf, self._newlines = _wrap(payloads, True)
-            if self._newlines:
-                parsed = self._bulk(payloads, buf)
-        if parsed is not None:
-            return [parsed], {}
-        faults: dict[int, _Fault] = {}
-        passed: list[int] = []
-        for pos, payload in enumerate(payloads):
-            fault = self._decode_one(payload, build=False)
-            if fault is None:
-                passed.append(pos)
-            else:
-                faults[pos] = cast("_Fault", fault)
-        pieces: list[_Parsed] = []
-        bisect_faults: dict[int, _Fault] = {}
-        screened = [payloads[pos] for pos in passed]
-        unchanged = len(passed) == len(payloads)  # then the bulk parse just failed on them
-        self._bisect(screened, 0, len(screened), pieces, bisect_faults, known_bad=unchanged)
-        mapping = np.asarray(passed, np.int64)
-        for piece in pieces:
-            piece.positions = mapping[piece.positions]
-        faults.update((int(mapping[pos]), fault) for pos, fault in bisect_faults.items())
-        return pieces, faults
-
-    def _bisect(
-        self,
-        payloads: list[bytes],
-        lo: int,
-        hi: int,
-        pieces: list[_Parsed],
-        faults: dict[int, _Fault],
-        known_bad: bool = False,
-    ) -> None:
-        """Parse payloads[lo:hi] in one go, or bisect until the failures are single messages."""
-        if lo >= hi:
-            return
-        parsed = None if known_bad else self._bulk(payloads[lo:hi])
-        if parsed is None and hi - lo == 1:
-            one = self._decode_one(payloads[lo], build=True)
-            if not isinstance(one, _Parsed):
-                faults[lo] = cast("_Fault", one)
-                return
-            parsed = one
-        if parsed is not None:
-            parsed.positions += lo
-            pieces.append(parsed)
-            return
-        mid = (lo + hi) // 2
-        self._bisect(payloads, lo, mid, pieces, faults)
-        self._bisect(payloads, mid, hi, pieces, faults)
-
-    def _bulk(self, payloads: list[bytes], buf: bytes | None = None) -> _Parsed | None:
-        """Parse all `payloads` (`buf`: them wrapped, if at hand) with one Arrow call.
-
-        Timestamps are read as the representation the last parse used first, then as the
-        other one.
-
-        Returns:
-            Their leaves, or None if any of them does not parse.
-        """
-        if buf is None:
-            buf, _ = _wrap(payloads, True)
-        read_options = _read_options(len(buf), max(map(len, payloads)))
-        first = self._iso_timestamps
-        for iso in (first, not first) if self._has_timestamps else (first,):
-            parse_options = pj.ParseOptions(
-                explicit_schema=self._read_schemas[iso], unexpected_field_behavior="ignore"
-            )
-            try:
-                table = pj.read_json(
-                    pa.BufferReader(buf), read_options=read_options, parse_options=parse_options
-                )
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-                continue
-            if table.num_rows != len(payloads):  # impossible with wrapped values; be safe
-                return None
-            self._iso_timestamps = iso
-            return self._leaves(table.column(_ROOT).chunks, len(payloads))
-        return None
-
-    def _leaves(self, chunks: list[pa.StructArray], n: int) -> _Parsed:
-        """The leaf arrays of parsed root structs (parent nulls merged), canonical types."""
-        per_path: dict[_Path, list[pa.Array]] = {p: [] for p in self._json_paths}
-        for chunk in chunks:
-            _collect(chunk, (), self._tree, per_path)
-        for path, arrays in per_path.items():
-            if self._path_types[path] == "timestamp":
-                per_path[path] = [_to_ms_timestamp(arr) for arr in arrays]
-        is_object = [chunk.is_valid() for chunk in chunks]
-        return _Parsed(np.arange(n, dtype=np.int64), per_path, is_object)
-
-    def _decode_one(self, payload: bytes, build: bool) -> _Parsed | _Fault | None:
-        """The per-message path: name the fault of one payload, or decode it.
-
-        With `build` false this only screens (orjson and kind checks, no Arrow calls) and
-        returns None for a payload that passes; with `build` true it returns the payload's
-        leaves, converted exactly as the bulk path converts them.
-        """
-        try:
-            obj = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            try:
-                # NaN, Infinity and numbers beyond the double range: Python's json takes them.
-                obj = loads(payload)
-            except ValueError as exc:
-                return ("invalid_json", f"value is not JSON: {exc}")
-            except RecursionError:
-                # Nested deeper than Python's parsers go (orjson: 1024 levels): Arrow's
-                # reader, which reads it in a clean batch, decides, so a message's fate
-                # does not depend on its neighbours.
-                alone = self._bulk([payload])
-                if alone is None:
-                    return ("invalid_json", "value is not JSON, or nests too deeply to read")
-                return alone if build else None
-        if not isinstance(obj, dict):
-            return ("not_an_object", f"value is a JSON {json_kind(obj)}, not an object")
-        return self._fill_one(payload, obj, build, exact=False)
-
-    def _fill_one(
-        self, payload: bytes, obj: dict[str, Any], build: bool, *, exact: bool
-    ) -> _Parsed | _Fault | None:
-        """`_decode_one` of a payload parsed into `obj` (`exact`: by Python's json, whose
-        integers are exact; orjson reads one beyond 64 bits as a float)."""
-        leaves: dict[_Path, list[pa.Array]] = {}
-        # Screening runs this for every value of a chunk that did not parse: per path, a
-        # walk and one type test in the common case (the rest only when something is off).
-        for path, col, type_name, quick in self._screen_plan:
-            if len(path) == 1:  # a top-level field (the usual case): no walk
-                item: Any = obj.get(path[0])
-            else:
-                item = self._walk(obj, path, col)
-                if isinstance(item, tuple):  # a fault (JSON values are never tuples)
-                    return item
-            if type(item) in quick and not build:
-                continue
-            problem = kind_problem(item, type_name)
-            if problem is not None and type(item) is float and not exact:
-                # Perhaps an integer beyond 64 bits, which the detail should show as sent.
-                with contextlib.suppress(ValueError, RecursionError):
-                    return self._fill_one(payload, loads(payload), build, exact=True)
-            if problem is None and build:
-                arr = _coerce_one(item, type_name)
-                if isinstance(arr, str):
-                    problem = arr
-                else:
-                    leaves[path] = [arr]
-            if problem is not None:
-                return ("wrong_type", f"{col.name!r} ({col.where}) {problem}")
-        return _Parsed(np.zeros(1, np.int64), leaves, [pa.array([True])]) if build else None
-
-    @staticmethod
-    def _walk(obj: dict[str, Any], path: _Path, col: _Column) -> Any:
-        """The value at `path` in `obj` (None past a null), or the ``wrong_type`` fault of
-        a value on the way that is not an object."""
-        item: Any = obj
-        for depth, name in enumerate(path):
-            if item is None:
-                break
-            if not isinstance(item, dict):
-                kind = article(json_kind(item))
-                where = "$" + "".join("." + step for step in path[:depth])
-                return (
-                    "wrong_type",
-                    f"{col.name!r} ({col.where}): {where} is {kind}, not an object",
-                )
-            item = item.get(name)
-        return item
-
-    # -- tombstones and assembly ----------------------------------------------------------
-
-    def _tombstone_key_value(self, key: bytes | None) -> tuple[Any, _Fault | None]:
+    def _tombstone_key_value(self, key: bytes | None) -> tuple[Any, Fault | None]:
         """The primary key value a tombstone deletes, or why it has none."""
         col = self._tombstone_key
         if col is None:
@@ -1108,13 +609,13 @@ class Decoder:
             return None, ("missing_primary_key", f"tombstone cannot delete: {probe.faults[0][1]}")
         return arr[0].as_py(), None
 
-    def _decoded_tombstone_key(self, col: _Column, key: bytes) -> tuple[Any, _Fault | None]:
+    def _decoded_tombstone_key(self, col: ColumnPlan, key: bytes) -> tuple[Any, Fault | None]:
         """The primary key a registry-encoded tombstone key gives: the key column's path
         (``@key.a``, or the whole key), else the record key's field of the column's name."""
         assert self._keys is not None
         records, faults = self._keys.decode([key])
         if faults:
-            return None, cast("_Fault", faults[0])
+            return None, cast("Fault", faults[0])
         path = col.path if col.kind == "key" else ()
         if col.kind != "key" and isinstance(records[0], dict):
             path = (col.name,)
@@ -1144,7 +645,7 @@ class Decoder:
         for col in self._columns:
             arr = rows.columns[col.name]
             if keep is not None:
-                arr = _take(arr, keep)
+                arr = take(arr, keep)
             if col.type_name == "vector":
                 arr = pa.FixedSizeListArray.from_arrays(pc.list_flatten(arr), type=col.arrow_type)
             elif not arr.type.equals(col.arrow_type):
@@ -1209,7 +710,7 @@ class _Metadata:
         records, faults = self._keys
         return records, dict(faults)
 
-    def bytes_source(self, path: _Path) -> pa.Array:
+    def bytes_source(self, path: Path) -> pa.Array:
         """@key, @value or @headers.NAME as a binary array over all messages."""
         if path not in self._cache:
             if path == ("@key",):
@@ -1251,94 +752,6 @@ def _last_header(headers: Sequence[tuple[str, bytes | None]] | None, name: str) 
     return found
 
 
-def _collect(
-    arr: pa.StructArray, prefix: _Path, node: dict[str, Any], out: dict[_Path, list[pa.Array]]
-) -> None:
-    """Append each leaf of `node` under `arr` to `out`, with parents' nulls merged in."""
-    for (name, sub), child in zip(node.items(), arr.flatten(), strict=True):
-        if isinstance(sub, dict):
-            _collect(child, (*prefix, name), sub, out)
-        else:
-            out[(*prefix, name)].append(child)
-
-
-def _concat(arrays: list[pa.Array]) -> pa.Array:
-    return arrays[0] if len(arrays) == 1 else pa.concat_arrays(arrays)
-
-
-#: Above this many runs of consecutive rows, `_take` leaves a list array to Arrow's take
-#: (measured on 10,000 384-dim vectors: joining runs 8 ms at 2,000 runs, as fast as Arrow's
-#: take, ~13 ms, at 4,000, slower beyond).
-_TAKE_RUNS_MAX: Final = 3_000
-
-
-def _take(arr: pa.Array, rows: np.ndarray) -> pa.Array:
-    """``arr.take(rows)``; for a list array (a vector column) with few runs of consecutive
-    rows, the runs' slices joined, one copy each: Arrow's take and filter of a list array
-    go row by row (15-20 ms per 10,000 384-dim vectors, for one row left out as for a
-    thousand), the runs joined 3-8 ms up to 2,000 runs."""
-    if not pa.types.is_list(arr.type):
-        return arr.take(pa.array(rows))
-    if len(rows) == 0:
-        return arr.slice(0, 0)
-    bounds = np.concatenate(([0], np.flatnonzero(np.diff(rows) != 1) + 1, [len(rows)]))
-    if len(bounds) - 1 > _TAKE_RUNS_MAX:
-        return arr.take(pa.array(rows))
-    runs = [
-        arr.slice(int(rows[start]), int(end - start))
-        for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)
-    ]
-    return _concat(runs)
-
-
-def _chunks(sizes: np.ndarray, target: int) -> list[tuple[int, int]]:
-    """Split positions 0..len(sizes) into runs of about `target` bytes (at least one each)."""
-    n = len(sizes)
-    if n == 0:
-        return []
-    ends = np.cumsum(sizes + len(_WRAP_JOIN))
-    if int(ends[-1]) <= target:
-        return [(0, n)]
-    cuts = np.searchsorted(ends, np.arange(target, int(ends[-1]), target), side="right")
-    bounds = sorted({0, n, *(int(c) for c in cuts if 0 < c < n)})
-    return list(itertools.pairwise(bounds))
-
-
-def _read_options(buf_bytes: int, longest_payload: int) -> pj.ReadOptions:
-    """Arrow reader options for one wrapped chunk: ~`_BLOCKS_PER_CHUNK` parallel blocks."""
-    longest_row = longest_payload + len(_WRAP_JOIN) + len(_WRAP_TAIL) + 1
-    block = max(buf_bytes // _BLOCKS_PER_CHUNK + 1, _MIN_BLOCK_BYTES, longest_row)
-    # Threads cost ~0.5 ms per call; worth it only when there are blocks to share out.
-    return pj.ReadOptions(use_threads=_CORES > 1 and buf_bytes > block, block_size=block)
-
-
-def _wrap(payloads: list[bytes], newlines: bool) -> tuple[bytes, bool]:
-    """The payloads as one newline-delimited buffer of ``{"v":<payload>}`` rows, and
-    whether a payload held a raw newline (only looked for when `newlines`).
-
-    Wrapping makes every payload one row or a parse error: an empty payload, two documents
-    in one payload or a non-object can never shift the rows after it. A raw newline in a
-    value can only be JSON whitespace; Arrow's reader cuts its blocks at newlines, so one
-    inside a value either falls inside a block (whitespace, parsed as such) or splits the
-    value between two blocks, and then the parse fails: a block then starts with the rest
-    of a value, unbalanced, and can never read as whole rows. So newlines are looked for
-    (a scan of the whole buffer, ~1 us per 2 KB value) only after a batch held some, or
-    when a parse failed; found, they are made spaces.
-    """
-
-    def joined(parts: list[bytes]) -> bytes:
-        # Head and tail go onto the end payloads so the batch is copied once, by join.
-        parts = parts.copy()
-        parts[0] = _WRAP_HEAD + parts[0]
-        parts[-1] += _WRAP_TAIL
-        return _WRAP_JOIN.join(parts)
-
-    buf = joined(payloads)
-    if not newlines or buf.count(b"\n") == len(payloads) - 1:
-        return buf, False
-    return joined([p.replace(b"\n", b" ") for p in payloads]), True
-
-
 def _base64_in_one(arr: pa.Array, expected: int) -> bytes | None:
     """All of `arr`'s base64 texts decoded with one call, when none is null, each is as
     long as `expected` bytes encode to and none needs padding (so their concatenation is
@@ -1370,7 +783,7 @@ def _constant_string(value: str, n: int) -> pa.Array:
     )
 
 
-def _from_base64(arr: pa.Array, col: _Column, rows: _Rows) -> pa.Array:
+def _from_base64(arr: pa.Array, col: ColumnPlan, rows: _Rows) -> pa.Array:
     """Decode a column of base64 text (per value: Arrow has no base64 kernel)."""
     out: list[bytes | None] = []
     for pos, text in enumerate(arr.to_pylist()):
@@ -1385,7 +798,7 @@ def _from_base64(arr: pa.Array, col: _Column, rows: _Rows) -> pa.Array:
     return pa.array(out, pa.binary())
 
 
-def _bytes_to(arr: pa.Array, col: _Column, rows: _Rows) -> pa.Array:
+def _bytes_to(arr: pa.Array, col: ColumnPlan, rows: _Rows) -> pa.Array:
     """Bytes (key, header, payload) into a binary, string or integer column."""
     if col.type_name == "binary":
         return arr
@@ -1425,36 +838,6 @@ def _bytes_to(arr: pa.Array, col: _Column, rows: _Rows) -> pa.Array:
         return pa.array(ints, col.arrow_type)
 
 
-def _coerce_one(item: Any, type_name: str) -> pa.Array | str:
-    """One JSON value that passed `kind_problem` as a length-1 canonical array.
-
-    Returns:
-        The array, or what is wrong with the value when it does not convert.
-    """
-    target = _CANONICAL[type_name]
-    if item is None:
-        return pa.nulls(1, target)
-    try:
-        if type_name in {"float32", "float64"}:
-            if type_name == "float32" and (beyond := float32_beyond(item, show)) is not None:
-                return beyond
-            return pa.array([to_float(item)], pa.float64()).cast(target)
-        if type_name == "timestamp":
-            if isinstance(item, str):
-                return _to_ms_timestamp(pa.array([item]).cast(_TS_PARSE_TYPE))
-            return pa.array([item], pa.int64()).cast(target)
-        if type_name == "base64_f32":
-            return pa.array([item], pa.string())
-        if type_name == "vector":
-            floats = [None if x is None else to_float(x) for x in item]
-            return pa.array([pa.array(floats, pa.float64()).cast(pa.float32())], target)
-        return pa.array([item], target)
-    except (pa.ArrowInvalid, UnicodeEncodeError) as exc:
-        if type_name == "timestamp" and isinstance(item, str):
-            return f"is {show(item)}, not an ISO-8601 date or date-time"
-        return f"is {show(item)}, which does not convert to {EXPECTED[type_name]} ({exc})"
-
-
 def _first_in_row(bad: np.ndarray, lists: pa.Array) -> list[tuple[int, int]]:
     """For each list of `lists` that has a `bad` element (`bad`: one flag per element of
     the flattened lists): its position and the index of its first bad element in it."""
@@ -1465,7 +848,7 @@ def _first_in_row(bad: np.ndarray, lists: pa.Array) -> list[tuple[int, int]]:
     return list(zip(rows.tolist(), components.tolist(), strict=True))
 
 
-def _non_finite(col: _Column, component: int, payload: bytes | None) -> str:
+def _non_finite(col: ColumnPlan, component: int, payload: bytes | None) -> str:
     """Why component `component` of the vector in `payload` is not a finite float32."""
     head = f"vector {col.name!r} ({col.where}) component {component}"
     try:
@@ -1486,16 +869,7 @@ def _non_finite(col: _Column, component: int, payload: bytes | None) -> str:
     )
 
 
-def _to_ms_timestamp(arr: pa.Array) -> pa.Array:
-    """Epoch-ms integers (a zero-copy view) or parsed ISO text (floored to the ms) as ms."""
-    if pa.types.is_integer(arr.type):
-        return arr.cast(_TS_TYPE)
-    # Flooring drops sub-millisecond digits the way cutting them from the text would, also
-    # before 1970 (a plain cast truncates toward zero, i.e. rounds those up).
-    return pc.floor_temporal(arr, unit="millisecond").cast(_TS_TYPE)
-
-
-def _check_float32(arr: pa.Array, col: _Column, rows: _Rows, meta: _Metadata) -> None:
+def _check_float32(arr: pa.Array, col: ColumnPlan, rows: _Rows, meta: _Metadata) -> None:
     """Fault the rows of a float32 JSON column whose number overflowed to infinity: their
     payloads are read again to tell an overflow from an infinity in the JSON (only rows
     holding an infinity pay for it)."""

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from config.settings import SourceSettings, TableSettings
 from engine.schema import OP_DELETE, OP_UPSERT, TableSpec
-from sink import decode as decode_module
+from sink import decode_plan, json_parse
 from sink.decode import Decoded, Decoder
 
 TOPIC = "orders"
@@ -443,8 +443,8 @@ def test_many_faults_in_a_large_batch_are_isolated() -> None:
 def tiny_chunks(chunk_bytes: int = 2_000, block_bytes: int = 256) -> Iterator[None]:
     """Parse in many small chunks of several blocks, so threads and chunking are exercised."""
     with (
-        mock.patch.object(decode_module, "_PARSE_CHUNK_BYTES", chunk_bytes),
-        mock.patch.object(decode_module, "_MIN_BLOCK_BYTES", block_bytes),
+        mock.patch.object(json_parse, "_PARSE_CHUNK_BYTES", chunk_bytes),
+        mock.patch.object(json_parse, "_MIN_BLOCK_BYTES", block_bytes),
     ):
         yield
 
@@ -1137,5 +1137,5 @@ def test_rows_taken_by_runs_equal_arrows_take(data: st.DataObject) -> None:
     )
     if data.draw(st.booleans()):
         rows = np.unique(rows)
-    got = decode_module._take(arr, rows)
+    got = decode_plan.take(arr, rows)
     assert got.equals(arr.take(pa.array(rows, pa.int64())))

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import structlog
 
-from sink import decode as decode_module
+from sink import json_parse
 from sink.decode import Decoder
 from sink.formats import RegistryUnavailable, SchemaEvolution
 from tests.unit.test_decode import Msg
@@ -49,9 +49,9 @@ def test_a_message_a_decode_step_raises_on_is_a_decode_error_dead_letter(
     monkeypatch: pytest.MonkeyPatch, step: str, exc: BaseException
 ) -> None:
     if step == "scan":
-        monkeypatch.setattr(decode_module, "scan", raising_on_poison(decode_module.scan, exc))
+        monkeypatch.setattr(json_parse, "scan", raising_on_poison(json_parse.scan, exc))
     else:
-        real = decode_module.pj.read_json
+        real = json_parse.pj.read_json
 
         def read_json(source: Any, *args: Any, **kwargs: Any) -> Any:
             if b"BOOM" in source.read():
@@ -59,7 +59,7 @@ def test_a_message_a_decode_step_raises_on_is_a_decode_error_dead_letter(
             source.seek(0)
             return real(source, *args, **kwargs)
 
-        monkeypatch.setattr(decode_module.pj, "read_json", read_json)
+        monkeypatch.setattr(json_parse.pj, "read_json", read_json)
     messages = batch(300, {0, 137, 299})
     with structlog.testing.capture_logs() as logs:
         out = Decoder(spec(), source()).decode(messages)
@@ -84,9 +84,7 @@ def test_a_message_a_decode_step_raises_on_is_a_decode_error_dead_letter(
 def test_every_message_raising_is_every_message_a_dead_letter(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(
-        decode_module, "scan", raising_on_poison(decode_module.scan, ValueError("bug"))
-    )
+    monkeypatch.setattr(json_parse, "scan", raising_on_poison(json_parse.scan, ValueError("bug")))
     messages = batch(64, set(range(64)))
     out = Decoder(spec(), source()).decode(messages)
     assert out.batch is None
@@ -102,14 +100,14 @@ def test_every_message_raising_is_every_message_a_dead_letter(
 def test_the_registry_and_evolution_signals_still_leave_decode(
     monkeypatch: pytest.MonkeyPatch, signal: Exception
 ) -> None:
-    monkeypatch.setattr(decode_module, "scan", raising_on_poison(decode_module.scan, signal))
+    monkeypatch.setattr(json_parse, "scan", raising_on_poison(json_parse.scan, signal))
     with pytest.raises(type(signal)):
         Decoder(spec(), source()).decode(batch(10, {4}))
 
 
 def test_a_long_exception_text_is_cut_in_the_detail(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
-        decode_module, "scan", raising_on_poison(decode_module.scan, ValueError("x" * 10_000))
+        json_parse, "scan", raising_on_poison(json_parse.scan, ValueError("x" * 10_000))
     )
     (letter,) = Decoder(spec(), source()).decode(batch(1, {0})).dead_letters
     assert letter.reason == "decode_error"

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from config.settings import SourceSettings, TableSettings
 from engine.schema import TableSpec
-from sink import decode as decode_module
+from sink import json_parse
 from sink.decode import Decoded, Decoder
 from sink.vector_json import VectorJson, float32_ties
 from tests.unit.test_decode import Msg
@@ -428,7 +428,7 @@ def b64(*floats: float, dtype: str = "<f4") -> str:
 def base64_route(scanned: bool) -> Iterator[None]:
     """Base64 vectors of every batch through the scan (`scanned`) or none."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(decode_module, "_SIMDJSON_BASE64_MAX", -1 if scanned else 1 << 30)
+        patch.setattr(json_parse, "_SIMDJSON_BASE64_MAX", -1 if scanned else 1 << 30)
         yield
 
 

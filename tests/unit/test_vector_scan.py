@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sink import decode as decode_module
+from sink import json_parse
 from sink.decode import Decoder
 from sink.vector_json import float32_ties
 from sink.vector_scan import scan, scan_base64
@@ -245,13 +245,13 @@ def test_the_decoder_scans_clean_values_and_parses_the_others_whole(
     """Clean values never reach the decoder's other path; a value the scan leaves out, or
     whose stripped text Arrow refuses, does, whole (its dead letter names what was sent)."""
     whole: list[list[bytes]] = []
-    parse_whole = Decoder._parse_simdjson
+    parse_whole = json_parse.JsonParser._parse_simdjson
 
-    def spy(self: Decoder, payloads: list[bytes], sizes: np.ndarray) -> Any:
+    def spy(self: json_parse.JsonParser, payloads: list[bytes], sizes: np.ndarray) -> Any:
         whole.append(payloads)
         return parse_whole(self, payloads, sizes)
 
-    monkeypatch.setattr(Decoder, "_parse_simdjson", spy)
+    monkeypatch.setattr(json_parse.JsonParser, "_parse_simdjson", spy)
     decoder = Decoder(spec(), source())
     clean = [Msg(CLEAN, i) for i in range(50)]
     out = decoder.decode(clean)
@@ -365,21 +365,21 @@ def test_the_decoder_scans_large_batches_of_base64_vectors(
     rows and dead letters are those of Arrow's reader alone. A small batch is not scanned."""
     scanned: list[int] = []
     whole: list[list[bytes]] = []
-    scan_b64 = decode_module.scan_base64
-    parse_whole = Decoder._parse_simdjson
+    scan_b64 = json_parse.scan_base64
+    parse_whole = json_parse.JsonParser._parse_simdjson
 
     def spy_scan(payloads: list[bytes], path: tuple[str, ...], dim: int) -> Any:
         result = scan_b64(payloads, path, dim)
         scanned.append(len(result[0]))
         return result
 
-    def spy_whole(self: Decoder, payloads: list[bytes], sizes: np.ndarray) -> Any:
+    def spy_whole(self: json_parse.JsonParser, payloads: list[bytes], sizes: np.ndarray) -> Any:
         whole.append(payloads)
         return parse_whole(self, payloads, sizes)
 
-    monkeypatch.setattr(decode_module, "scan_base64", spy_scan)
-    monkeypatch.setattr(Decoder, "_parse_simdjson", spy_whole)
-    n = decode_module._SIMDJSON_BASE64_MAX + 1
+    monkeypatch.setattr(json_parse, "scan_base64", spy_scan)
+    monkeypatch.setattr(json_parse.JsonParser, "_parse_simdjson", spy_whole)
+    n = json_parse._SIMDJSON_BASE64_MAX + 1
     values = [f'{{"id": "{i}", "vec": "{_b64([i, 2, 3, 4])}"}}'.encode() for i in range(n)]
     slash = '{"id": "s", "vec": "' + _b64([47.75, 2, 3, 4]).replace("/", "\\/") + '"}'
     assert "\\/" in slash
