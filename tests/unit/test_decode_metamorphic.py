@@ -25,6 +25,7 @@ import re
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,10 +38,12 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from config.loader import load_settings
 from config.settings import SchemaRegistrySettings, SourceSettings, TableSettings
 from engine.schema import TableSpec
 from sink.decode import Decoded, Decoder
 from sink.decode_process import ProcessDecoder
+from sink.demo import Embedder, review
 from sink.formats.registry import build_client
 from tests.support.registry import FakeRegistry
 from tests.unit.test_decode import Msg
@@ -329,6 +332,37 @@ def test_json_base64_vector_messages(
     spec = table("base64_f32")
     decoders: list[Decode] = [Decoder(spec, json_source()).decode, processes["base64_f32"].decode]
     check_fates(decoders, values, JSON_BAD, cuts, bad_at)
+
+
+#: The quickstart's (and the demo's) table: product reviews with a 384-dim embedding.
+QUICKSTART = load_settings(Path(__file__).resolve().parents[2] / "config/examples/quickstart.toml")
+_EMBED = Embedder()
+
+
+@st.composite
+def review_message(draw: st.DrawFn) -> bytes:
+    """A review as `lance-sink demo` produces it."""
+    return json.dumps(review(draw(st.integers(0, 10**6)), _EMBED)).encode()
+
+
+#: The message of the crash loop: a review whose first component is a 400-digit integer.
+_REVIEW = json.dumps(review(1, _EMBED)).encode()
+POISON_REVIEW = re.sub(rb'"embedding": \[[^,]+', b'"embedding": [' + _BIG, _REVIEW)
+
+
+@fuzz_settings(20)
+@example(([_REVIEW, POISON_REVIEW, _REVIEW], [1], [2]))
+@given(batches_of(mutations_of(review_message())))
+def test_demo_review_messages(case: tuple[list[bytes], list[int], list[int]]) -> None:
+    """The quickstart's table and the demo's messages (a 384-dim vector), as a new user
+    runs them: the decoder with the default settings, SSSE3 and portable scans."""
+    values, cuts, bad_at = case
+    spec = TableSpec.from_settings(QUICKSTART.table)
+    decoders: list[Decode] = [
+        Decoder(spec, QUICKSTART.source).decode,
+        Decoder(spec, QUICKSTART.source, scan_simd=False).decode,
+    ]
+    check_fates(decoders, list(values), JSON_BAD, cuts, bad_at)
 
 
 @st.composite
