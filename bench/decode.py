@@ -366,7 +366,7 @@ def run_naive(data: Dataset, batch: int) -> Callable[[], int]:
 def run_bulk_parse(data: Dataset, batch: int) -> Callable[[], int]:
     decoder = Decoder(data.spec, SourceSettings())
     parse_options = pj.ParseOptions(
-        explicit_schema=decoder._read_schemas[False], unexpected_field_behavior="ignore"
+        explicit_schema=decoder._parser._read_schemas[False], unexpected_field_behavior="ignore"
     )
     batches = _batches([m.value() for m in data.messages], batch)
     d = json_parse  # the decoder's own chunking, wrapping and reader options

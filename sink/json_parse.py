@@ -158,12 +158,15 @@ def _wrap(payloads: list[bytes], newlines: bool) -> tuple[bytes, bool]:
 
     Wrapping makes every payload one row or a parse error: an empty payload, two documents
     in one payload or a non-object can never shift the rows after it. A raw newline in a
-    value can only be JSON whitespace; Arrow's reader cuts its blocks at newlines, so one
-    inside a value either falls inside a block (whitespace, parsed as such) or splits the
-    value between two blocks, and then the parse fails: a block then starts with the rest
-    of a value, unbalanced, and can never read as whole rows. So newlines are looked for
-    (a scan of the whole buffer, ~1 us per 2 KB value) only after a batch held some, or
-    when a parse failed; found, they are made spaces.
+    value is JSON whitespace between tokens, or (invalid) a control character inside a
+    string; Arrow's reader cuts its blocks at newlines, so one inside a value either falls
+    inside a block (parsed as what it is) or splits the value between two blocks, and then
+    the parse fails: a block then starts with the rest of a value, unbalanced, and can
+    never read as whole rows. So newlines are looked for (a scan of the whole buffer, ~1 us
+    per 2 KB value) only after a batch held some, or when a parse failed; found, they are
+    made tabs: whitespace where the newline was whitespace, and a control character Arrow's
+    reader refuses where it stood inside a string, as every other path refuses the newline
+    itself (a space there made an invalid value valid, its string altered).
     """
 
     def joined(parts: list[bytes]) -> bytes:
@@ -176,7 +179,7 @@ def _wrap(payloads: list[bytes], newlines: bool) -> tuple[bytes, bool]:
     buf = joined(payloads)
     if not newlines or buf.count(b"\n") == len(payloads) - 1:
         return buf, False
-    return joined([p.replace(b"\n", b" ") for p in payloads]), True
+    return joined([p.replace(b"\n", b"\t") for p in payloads]), True
 
 
 def _coerce_one(item: Any, type_name: str) -> pa.Array | str:

@@ -256,6 +256,9 @@ EXAMPLES: list[bytes] = [
     # nested 990 deep and not JSON: Python's parser read it or ran out of stack depending
     # on the caller's stack (a test's thread or a decode thread)
     b'{"id": "x", "vec": [1, %s%s], "a\\u-0": 1}' % (b"[" * 990, b"]" * 990),
+    # a raw newline inside a string (not JSON): the bulk path made it a space, and so a
+    # value, when another raw newline had it look for them; the other paths refuse it
+    b'{"id": "a\nb", "vec": [1, 2, 3, 4], "text": "\n"}',
     # longer than Python reads integers (4,300 digits): Arrow's reader reads infinity
     b'{"id": "x", "vec": [%s, 2, 3, 4]}' % (b"9" * 5000),
     b'{"id": "x", "n": -%s, "f": %s, "vec": [1, 2, 3, 4]}' % (b"9" * 5000, b"9" * 5000),
@@ -318,7 +321,17 @@ def test_json_messages_without_a_vector(
     check_fates(json_decoders("plain", processes), list(values), JSON_BAD, cuts, bad_at)
 
 
+#: A base64 text with a raw newline inside (not JSON), beside a value that is not JSON.
+NEWLINE_BASE64 = [
+    b'{"id": "x", "vec": "AAAAAAAAAAAAAAAAAAAAAA=="}',
+    b'{"id": "x", "vec": "AAAAAAAAAAAAAAAAAAD\nQQ=="}',
+    b'{"id": "x", "vec": "AAAAAAAAAAAAAAAAI{"a":1}AqWg=="}',
+]
+
+
 @fuzz_settings(15)
+@example((NEWLINE_BASE64, [], []), 0)
+@example((NEWLINE_BASE64[:2], [], [0]), 0)
 @given(batches_of(mutations_of(base64_message())), st.integers(0, 3))
 def test_json_base64_vector_messages(
     processes: dict[str, ProcessDecoder],
