@@ -32,21 +32,16 @@ __all__ = [
 
 TS_TYPE: Final = pa.timestamp("ms", tz="UTC")
 
-
 #: ISO strings are parsed at microsecond resolution, then truncated to the column's ms.
 TS_PARSE_TYPE: Final = pa.timestamp("us", tz="UTC")
-
 
 Kind: TypeAlias = Literal[
     "json", "bytes", "key", "topic", "partition", "offset", "timestamp", "none"
 ]  # fmt: skip
 
-
 Fault: TypeAlias = tuple[Reason, str]
 
-
 Path: TypeAlias = tuple[str, ...]
-
 
 #: The canonical Arrow type of each column type while rows are checked (before the final
 #: cast): binary JSON columns are still base64 text, vectors are still variable lists.
@@ -62,7 +57,6 @@ CANONICAL: Final[dict[str, pa.DataType]] = {
     "vector": pa.list_(pa.float32()),
     "base64_f32": pa.string(),  # the vector with vector.encoding = "base64_f32"
 }
-
 
 #: The scalar column type names of `config.settings.ColumnSpec`.
 TYPE_NAMES: Final = (

@@ -28,19 +28,15 @@ log = structlog.get_logger("lance_sink.sink")
 #: What `total` lets out of a decode: the consumer loop's signals, not a message's fault.
 _SIGNALS: Final = (RegistryUnavailable, SchemaEvolution)
 
-
 #: Longest exception text kept in a `decode_error` dead letter's detail.
 _ERROR_CHARS: Final = 1_000
-
 
 #: An exception of one type at one place is logged with its traceback at most this often
 #: (a flood of one bad kind would otherwise write a traceback per message); each is
 #: counted all the same (`lance_sink_decode_errors_total`) and dead-lettered.
 DECODE_ERROR_LOG_INTERVAL_S: Final = 60.0
 
-
 _logged_at: dict[tuple[str, str, int], float] = {}
-
 
 _logged_lock = threading.Lock()
 

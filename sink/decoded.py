@@ -41,7 +41,6 @@ Reason: TypeAlias = Literal[
     "not_matching_schema",  # the value does not decode with its schema
 ]
 
-
 #: Kafka's TIMESTAMP_NOT_AVAILABLE timestamp type: the message carries no timestamp.
 TIMESTAMP_NOT_AVAILABLE: Final = 0
 

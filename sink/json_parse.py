@@ -62,15 +62,12 @@ __all__ = ["JsonParser", "ParseResult"]
 #: bounds the extra memory of a parse. 4-8 MiB measured best for 200-byte and vector rows.
 _PARSE_CHUNK_BYTES: Final = 4 << 20
 
-
 #: Blocks per chunk: Arrow parses blocks in parallel; four ~1 MiB blocks keep two cores
 #: busy when blocks parse at uneven speed (two left a core idle, eight added overhead).
 _BLOCKS_PER_CHUNK: Final = 4
 
-
 #: Smallest block: below this a block's fixed cost outweighs a second core.
 _MIN_BLOCK_BYTES: Final = 64 << 10
-
 
 #: Batches of base64 vector values up to this many take `sink.vector_json` (simdjson in
 #: Python, no fixed cost), larger ones `sink.vector_scan` (outside the interpreter lock,
@@ -80,18 +77,13 @@ _MIN_BLOCK_BYTES: Final = 64 << 10
 #: (batches of a few values) went from p50 47 to 55-69 ms with every batch on Arrow.
 _SIMDJSON_BASE64_MAX: Final = 64
 
-
 _CORES: Final = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
-
 
 _WRAP_HEAD: Final = b'{"v":'
 
-
 _WRAP_JOIN: Final = b'}\n{"v":'
 
-
 _WRAP_TAIL: Final = b"}"
-
 
 _ROOT: Final = "v"
 

@@ -88,9 +88,7 @@ EXPECTED: Final = {
     "base64_f32": "a base64 string of little-endian float32",
 }
 
-
 _NUMBER_TYPES: Final = frozenset({int, float, type(None)})
-
 
 #: The Python types (as JSON decoders make them) each column type accepts before conversion;
 #: timestamps are range-checked as int64 like int64 columns.
@@ -142,7 +140,6 @@ def kind_problem(item: Any, type_name: str) -> str | None:
 
 #: How a dead-letter detail names an integer column's range.
 RANGE_NAMES: Final = {"int32": "int32", "int64": "int64", "timestamp": "int64 milliseconds"}
-
 
 #: Longest text of a value quoted in a dead-letter detail.
 _SHOW_CHARS: Final = 40
@@ -199,7 +196,6 @@ _LITERALS: Final = {
     b"Infinity": b"Infinity",
     b"-Infinity": b"-Infinity",
 }
-
 
 #: A JSON string (left as it is) or one of `_LITERALS` outside strings.
 _LITERAL_RE: Final = re.compile(rb'"(?:[^"\\]|\\.)*"|-?(?:NaN|Inf(?:inity)?)')
