@@ -100,6 +100,7 @@ class _DynamicDeserializer(ProtobufDeserializer):
         super().__init__(empty_pb2.Empty, {}, client)
         self._classes: dict[tuple[int | str, tuple[int, ...]], type[Message]] = {}
         self._classes_lock = threading.Lock()
+        self._known_ids: set[bytes] = set()  # framed ids whose writer schema was fetched
 
     def message(self, data: bytes) -> Message:
         cls, payload = self._message_class(data)
@@ -113,6 +114,15 @@ class _DynamicDeserializer(ProtobufDeserializer):
         return desc
 
     def _message_class(self, data: bytes) -> tuple[type[Message], Any]:
+        framed_id = data[1:5] if data[:1] == b"\x00" else None
+        if framed_id is not None and framed_id not in self._known_ids:
+            # The writer schema first, by its id, as the other formats read it: an unknown
+            # id is `unknown_schema_id` whatever the message indexes after it hold. (Read
+            # after them, a bad index made a message `not_matching_schema` alone but
+            # `unknown_schema_id` after another message naming that id, which
+            # `decode_framed` asks the registry about once per batch.)
+            self._registry.get_schema(int.from_bytes(framed_id, "big"), None, "serialized")
+            self._known_ids.add(framed_id)
         schema_id = SchemaId("PROTOBUF")
         payload = self._schema_id_deserializer(data, None, schema_id)
         indexes = tuple(schema_id.message_indexes or (0,))
@@ -169,10 +179,12 @@ class ProtobufFormat:
         unused)."""
         if self._cls is None:
             assert self._deserializer is not None
-            positions, messages, faults = decode_framed(
-                payloads, self._deserializer.message, self.name
+            deserializer = self._deserializer
+            # Converted inside the per-message decode: a value Python cannot hold (a
+            # Timestamp beyond the years 1-9999) is that message's fault.
+            return decode_framed(
+                payloads, lambda data: message_record(deserializer.message(data)), self.name
             )
-            return positions, [message_record(msg) for msg in messages], faults
         positions = []
         records: list[Any] = []
         faults = {}
@@ -180,18 +192,21 @@ class ProtobufFormat:
             msg = self._cls()
             try:
                 msg.ParseFromString(payload)
+                record = message_record(msg)
             except Exception as exc:  # noqa: BLE001 - every failure is sorted by _plain_fault
                 faults[pos] = _plain_fault(exc, self._cls)
                 continue
             positions.append(pos)
-            records.append(message_record(msg))
+            records.append(record)
         return positions, records, faults
 
 
 def _plain_fault(exc: Exception, cls: type[Message]) -> Fault:
+    name = cls.DESCRIPTOR.full_name
     if isinstance(exc, DecodeError):
-        name = cls.DESCRIPTOR.full_name
         return ("not_matching_schema", f"value is not a {name} message: {exc}")
+    if isinstance(exc, ValueError | OverflowError):  # a Timestamp beyond the years 1-9999
+        return ("not_matching_schema", f"value is a {name} message Python cannot read: {exc}")
     raise exc
 
 

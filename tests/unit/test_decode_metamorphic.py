@@ -580,3 +580,42 @@ def test_registry_format_messages_in_decode_processes(
     spec, source = registry_case(fmt, url)
     decoders = [Decoder(spec, source).decode, processes[fmt].decode]
     check_fates(decoders, list(values_), REGISTRY_BAD, cuts, bad_at)
+
+
+def protobuf_examples(serialize: dict[str, Callable[[Any], bytes]]) -> list[bytes]:
+    """Protobuf messages whose fate a decode path or a neighbour decided (each was found by
+    the long fuzz run): a Timestamp beyond the years 1-9999 (its conversion raised out of
+    the decoder), and an unknown schema id with good and with bad message indexes (read
+    before the schema, the bad ones were `not_matching_schema` alone and
+    `unknown_schema_id` after a message naming the same id)."""
+    cls = order_class()
+    late = make_order(cls, 3)
+    late.at.seconds = 7_941_538_679_338_565_632
+    good = serialize["protobuf"](make_order(cls, 1))
+    unknown = b"\x00" + (99_999).to_bytes(4, "big")
+    return [
+        serialize["protobuf"](late),
+        unknown + good[5:],
+        unknown + b"\xff" * 9 + b"\x01" + good[6:],
+        good,
+    ]
+
+
+@pytest.mark.parametrize("where", ["threads", "processes"])
+def test_protobuf_messages_whose_fate_depended_on_a_path_or_a_neighbour(
+    http_registry: tuple[str, dict[str, ProcessDecoder]], where: str
+) -> None:
+    url, processes = http_registry
+    values: list[bytes | None] = list(protobuf_examples(HTTP_SERIALIZERS))
+    spec, source = registry_case("protobuf", url)
+    decoders: list[Decode] = [Decoder(spec, source).decode]
+    if where == "processes":
+        decoders.append(processes["protobuf"].decode)
+    out = Decoder(spec, source).decode([Msg(v, i) for i, v in enumerate(values)])
+    assert [(d.offset, d.reason) for d in out.dead_letters] == [
+        (0, "not_matching_schema"),
+        (1, "unknown_schema_id"),
+        (2, "unknown_schema_id"),
+    ]
+    assert "Timestamp is not valid" in out.dead_letters[0].detail
+    check_fates(decoders, values + values, REGISTRY_BAD, [3], [0, 2])
