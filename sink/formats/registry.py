@@ -40,6 +40,8 @@ __all__ = ["RegistryUnavailable", "build_client", "classify", "framing_fault"]
 _MAGIC: Final = (0, 1)
 #: Shortest framed payload: the magic byte and a 4-byte schema id.
 _HEADER_BYTES: Final = 5
+#: The header of a value that names its schema by GUID (magic byte 1, then 16 bytes).
+_GUID_HEADER_BYTES: Final = 17
 _NOT_FOUND: Final = 404
 
 
@@ -115,7 +117,7 @@ def schema_id(payload: bytes) -> str:
     """The schema id (or GUID) a framed payload names, for details."""
     if payload[0] == 0:
         return str(int.from_bytes(payload[1:_HEADER_BYTES], "big"))
-    return payload[1:17].hex()
+    return payload[1:_GUID_HEADER_BYTES].hex()
 
 
 def decode_framed(
@@ -142,20 +144,27 @@ def decode_framed(
     faults: dict[int, Fault] = {}
     unknown: dict[bytes, Fault] = {}  # schema ids the registry said it does not know
     for pos, payload in enumerate(payloads):
-        fault = framing_fault(payload) or unknown.get(payload[:_HEADER_BYTES])
+        fault = framing_fault(payload) or unknown.get(_schema_ref(payload))
         if fault is None:
             try:
                 record = decode(payload)
             except Exception as exc:  # noqa: BLE001 - every failure is sorted below
                 fault = fault_of(exc) or classify(exc, payload, what)
                 if fault[0] == "unknown_schema_id":
-                    unknown[payload[:_HEADER_BYTES]] = fault
+                    unknown[_schema_ref(payload)] = fault
             else:
                 positions.append(pos)
                 records.append(record)
                 continue
         faults[pos] = fault
     return positions, records, faults
+
+
+def _schema_ref(payload: bytes) -> bytes:
+    """The bytes of a framed payload that name its schema: the id, or the whole GUID (two
+    GUIDs may share their first bytes: keyed by those, one message's unknown GUID was
+    another's fault, its detail naming the other GUID)."""
+    return payload[: _HEADER_BYTES if payload[:1] == b"\x00" else _GUID_HEADER_BYTES]
 
 
 def writer_schema_text(client: SchemaRegistryClient, payload: bytes) -> str | None:

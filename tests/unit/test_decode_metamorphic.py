@@ -619,3 +619,26 @@ def test_protobuf_messages_whose_fate_depended_on_a_path_or_a_neighbour(
     ]
     assert "Timestamp is not valid" in out.dead_letters[0].detail
     check_fates(decoders, values + values, REGISTRY_BAD, [3], [0, 2])
+
+
+@pytest.mark.parametrize("fmt", sorted(REGISTRY_VALUES))
+def test_unknown_schema_guids_are_each_their_own(fmt: str) -> None:
+    """Two values naming unknown schemas by GUIDs that share their first bytes (found by
+    the long fuzz run: keyed by those, the second got the first's dead letter, its detail
+    naming the first GUID)."""
+    good = MOCK_SERIALIZERS[fmt](
+        make_order(order_class(), 1)
+        if fmt == "protobuf"
+        else {"id": "a", "vec": [0.5] * DIM}
+        | ({} if fmt == "json_schema" else dict.fromkeys(("n", "f", "g", "ok", "at", "b", "meta")))
+    )
+    values: list[bytes | None] = [
+        b"\x01" + b"\x00\x00\x00\x03" + guid + good[5:] for guid in (b"\x02" * 12, b"\x07" * 12)
+    ]
+    spec, source = registry_case(fmt, REGISTRY["url"])
+    decoder = Decoder(spec, source)
+    out = decoder.decode([Msg(v, i) for i, v in enumerate(values)])
+    assert [d.reason for d in out.dead_letters] == ["unknown_schema_id"] * 2
+    assert ("02" * 12) in out.dead_letters[0].detail
+    assert ("07" * 12) in out.dead_letters[1].detail
+    check_fates([decoder.decode], values, REGISTRY_BAD, [], [0])
