@@ -40,7 +40,7 @@ Coercions, JSON values (anything else is ``wrong_type`` naming the column and JS
     string     JSON strings only
     int32/64   JSON integers only (no fractions, no exponents, no strings), in range
     float32/64 JSON numbers; the non-standard literals Arrow's reader takes (NaN, -NaN,
-               Inf, -Inf, Infinity, -Infinity: `_LITERALS`, read alike on every path), and
+               Inf, -Inf, Infinity, -Infinity: `sink.json_values`, read alike on every path), and
                numbers beyond the double range (as +-inf);
                a finite number beyond the float32 range in a float32 column is
                ``wrong_type`` (it would be stored as infinity)
@@ -134,7 +134,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pybase64
-import structlog
 
 from config.settings import SourceSettings
 from engine.schema import (
@@ -175,8 +174,6 @@ from sink.json_values import (
 )
 
 __all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason"]
-
-log = structlog.get_logger("lance_sink.sink")
 
 
 _DECIMAL_RE: Final = r"^-?[0-9]+$"
@@ -884,7 +881,3 @@ def _check_float32(arr: pa.Array, col: ColumnPlan, rows: _Rows, meta: _Metadata)
         beyond = float32_beyond(item, show)
         if beyond is not None:
             rows.fault((pos,), ("wrong_type", f"{col.name!r} ({col.where}) {beyond}"))
-
-
-# ---------------------------------------------------------------------------------------
-# Totality: no message's content can make decoding raise.

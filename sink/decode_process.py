@@ -48,7 +48,7 @@ from config.settings import SourceSettings
 from engine.malloc import set_mmap_threshold
 from engine.schema import TableSpec
 from sink.decode import Decoder, freeze_gc
-from sink.decode_total import decode_error_letter, joined
+from sink.decode_total import total
 from sink.decoded import Decoded, MessageLike, value_sizes
 from sink.formats import SchemaCheckMode
 from sink.log import LogConfig, configure_logging
@@ -361,8 +361,8 @@ class ProcessDecoder:
         A batch a worker dies on twice (a message that crashes the decoder's native code,
         or one that takes more memory than the worker may have) is split in halves, each
         decoded the same way, until the message it dies on is alone: that message is a
-        ``decode_error`` dead letter, the others decode as they would have (as
-        `sink.decode_total.total` does with what a decoder raises).
+        ``decode_error`` dead letter, the others decode as they would have
+        (`sink.decode_total.total`, as for what a decoder raises).
 
         Raises:
             ValueError: `messages` is empty.
@@ -370,15 +370,7 @@ class ProcessDecoder:
         """
         if not messages:
             raise ValueError("decode needs at least one message")
-        try:
-            return self._decode_once(messages)
-        except _WorkerDied as exc:
-            if len(messages) == 1:
-                letter = decode_error_letter(messages[0], exc)
-                offset = int(messages[0].offset() or 0)
-                return Decoded(None, [letter], [], offset, offset)
-            mid = len(messages) // 2
-            return joined([self.decode(messages[:mid]), self.decode(messages[mid:])])
+        return total(self._decode_once, messages, catch=_WorkerDied)
 
     def _decode_once(self, messages: Sequence[MessageLike]) -> Decoded:
         """`messages` decoded by this thread's worker, or by a new one if it dies.

@@ -42,12 +42,15 @@ _logged_lock = threading.Lock()
 
 
 def total(
-    decode: Callable[[Sequence[MessageLike]], Decoded], messages: Sequence[MessageLike]
+    decode: Callable[[Sequence[MessageLike]], Decoded],
+    messages: Sequence[MessageLike],
+    catch: type[Exception] = Exception,
 ) -> Decoded:
-    """`decode(messages)`, made total: whatever it raises for a batch (but the registry and
-    evolution signals, `_SIGNALS`), the batch is split in halves, each decoded the same
-    way, until the message that raises is alone; that message is a ``decode_error`` dead
-    letter naming the exception, the others decode as they would have.
+    """`decode(messages)`, made total: whatever it raises for a batch (of `catch`, but the
+    registry and evolution signals, `_SIGNALS`), the batch is split in halves, each decoded
+    the same way, until the message that raises is alone; that message is a
+    ``decode_error`` dead letter naming the exception, the others decode as they would
+    have.
 
     A message's outcome stays its own: a half decodes exactly as a batch of those messages
     would (the decoder's paths give every message the same outcome whatever its batch:
@@ -57,16 +60,19 @@ def total(
     Args:
         decode: decodes a non-empty batch of one topic-partition's messages.
         messages: that batch, at least one message.
+        catch: what a message may make `decode` raise (`ProcessDecoder`: a worker dying
+            on the batch; anything else it raises is raised).
     """
     try:
         return decode(messages)
     except _SIGNALS:
         raise
-    except Exception as exc:  # noqa: BLE001 - a message's content must never stop the sink
+    except catch as exc:
         if len(messages) == 1:
-            return Decoded(None, [decode_error_letter(messages[0], exc)], [], *_span(messages))
+            offset = int(messages[0].offset() or 0)
+            return Decoded(None, [decode_error_letter(messages[0], exc)], [], offset, offset)
         mid = len(messages) // 2
-        return joined([total(decode, messages[:mid]), total(decode, messages[mid:])])
+        return joined([total(decode, messages[:mid], catch), total(decode, messages[mid:], catch)])
 
 
 def decode_error_letter(message: MessageLike, exc: BaseException) -> DeadLetter:
@@ -117,7 +123,3 @@ def joined(parts: Sequence[Decoded]) -> Decoded:
         parts[0].first_offset,
         parts[-1].last_offset,
     )
-
-
-def _span(messages: Sequence[MessageLike]) -> tuple[int, int]:
-    return int(messages[0].offset() or 0), int(messages[-1].offset() or 0)

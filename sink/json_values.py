@@ -234,15 +234,15 @@ MAX_DEPTH: Final = 512
 _STRING_RE: Final = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
+_OPENS: Final = np.frombuffer(b"[{", np.uint8)
+_CLOSES: Final = np.frombuffer(b"]}", np.uint8)
+
+
 def _depth(payload: bytes) -> int:
     """How deep arrays and objects nest in `payload` (outside its strings)."""
     data = np.frombuffer(_STRING_RE.sub(b'""', payload), np.uint8)
     steps = np.isin(data, _OPENS).astype(np.int32) - np.isin(data, _CLOSES)
     return int(np.cumsum(steps).max(initial=0))
-
-
-_OPENS: Final = np.frombuffer(b"[{", np.uint8)
-_CLOSES: Final = np.frombuffer(b"]}", np.uint8)
 
 
 def _parse_int(text: str) -> int | float:

@@ -45,8 +45,8 @@ def split_refused(
     """
     batch = decoded.batch
     assert batch is not None
-    written = {d.offset for d in decoded.dead_letters} | set(decoded.skipped_offsets)
-    sources = [m for m in messages if int(m.offset() or 0) not in written]
+    rowless = {d.offset for d in decoded.dead_letters} | set(decoded.skipped_offsets)
+    sources = [m for m in messages if int(m.offset() or 0) not in rowless]
     letters: list[DeadLetter] = []
     keep = np.ones(batch.num_rows, bool)
     error: InvalidRecord | None = refusal
