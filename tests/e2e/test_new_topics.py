@@ -3,7 +3,7 @@
 librdkafka learns of a topic created after the start (and of partitions added to a topic)
 only when it reads the subscribed topics' metadata again: every
 `topic.metadata.refresh.interval.ms`, 300 s by default, which left such a topic unconsumed
-for about five minutes. The sink reads it every 10 s (`sink.service.METADATA_REFRESH_MS`).
+for about five minutes. The sink reads it every 10 s (`sink.consumer.conf.METADATA_REFRESH_MS`).
 On tansu: librdkafka's mock cluster answers no CreateTopics (neither broker answers
 CreatePartitions, so the added-partition case rests on the same refresh, untested here).
 Small consume batches and memtables: the sink flushes several times, and maintenance (on,

@@ -199,13 +199,13 @@ def test_an_assignment_while_draining_opens_no_shard(
     try:
         service.stop()
         started = time.monotonic()
-        service._on_assign(service.consumer, [TopicPartition(topic, 0)])
+        service.lifecycle.assign([TopicPartition(topic, 0)])
         assert time.monotonic() - started < 1.0
-        assert service.partitions == {}
+        assert dict(service.partitions) == {}
         shard = service.engine.shard_id(topic, 0)
         assert ManifestStore(service.engine.storage, shard).latest().epoch == 0  # not claimed
     finally:
-        service._drain()
+        service.drain()
 
 
 def test_stop_during_start_up(kafka_broker: Broker, topic: str, group: str, tmp_path: Path) -> None:

@@ -169,13 +169,13 @@ def test_status_counts_unindexed_rows_now(
             )
 
         lance.write_dataset(rows(0, 300), table, mode="append")
-        status = service.status()
+        status = service.board.status()
         assert status["base"]["unindexed_rows"] == 0  # no index: nothing to lag behind
         assert "no index yet" in render_status(status)
         lance.dataset(table).create_scalar_index("id", "BTREE")
         lance.write_dataset(rows(300, 120), table, mode="append")
         lance.write_dataset(rows(420, 80), table, mode="append")
-        status = service.status()
+        status = service.board.status()
         assert status["base"]["unindexed_rows"] == 200
         assert status["base"]["rows"] == 500
         assert status["base"]["unindexed_rows_at_last_maintenance"] == 0

@@ -41,4 +41,4 @@ def service(kafka_broker: Broker, topic: str, group: str, tmp_path: Path) -> Ite
     try:
         yield service
     finally:
-        service._drain()
+        service.drain()

@@ -1,6 +1,7 @@
-"""When the loop commits what became durable (`SinkService._tick`, `_wait_decoded`), in a
-real `SinkService` (real broker client, real Lance table) whose partitions the tests set by
-hand: the commit delay (durable -> committed) is the loop's own, not an interval's."""
+"""When the loop commits what became durable (`Commits.maybe_commit` after
+`Pipeline.advance`, `Pipeline.wait_decoded`), in a real `SinkService` (real broker client,
+real Lance table) whose partitions the tests set by hand: the commit delay (durable ->
+committed) is the loop's own, not an interval's."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from engine.shard import PutResult
+from sink.consumer.partition import Decoding, InFlight, PartitionState
 from sink.decode import Decoded
-from sink.service import PartitionState, SinkService, _Decoding, _InFlight
+from sink.service import SinkService
 from tests.integration.conftest import unstarted_service
 from tests.support.brokers import Broker
 from tests.support.kafka import committed_offsets, produce
@@ -36,7 +38,7 @@ def rare_commits(
     try:
         yield service
     finally:
-        service._drain()
+        service.drain()
 
 
 def committed_at(bootstrap: str, group: str, topic: str, offset: int, within_s: float) -> bool:
@@ -55,9 +57,15 @@ def partition_0(
     """Partition 0 of `topic`, holding `messages` messages, set in `service` as read and
     durable up to `done` and committed up to `committed`."""
     produce(bootstrap, topic, [(None, b"{}")] * messages, partition=0)
-    state = PartitionState(topic, 0, None, done, done, committed, assigned=False)
-    service.partitions[(topic, 0)] = state
+    state = PartitionState(topic, 0, committed, position=done, done=done)
+    service.partitions.add(state)
     return state
+
+
+def loop_commits(service: SinkService) -> None:
+    """What a loop iteration does about commits: advance `done`, then commit if due."""
+    service.pipeline.advance()
+    service.commits.maybe_commit(time.monotonic())
 
 
 def test_an_offset_durable_after_a_quiet_interval_is_committed_at_once(
@@ -65,9 +73,9 @@ def test_an_offset_durable_after_a_quiet_interval_is_committed_at_once(
 ) -> None:
     service = rare_commits
     state = partition_0(service, kafka_broker.bootstrap, topic, 5, done=3, committed=3)
-    service._tick()  # nothing to commit: no commit was sent, so none holds the next back
-    state.inflight.append(_InFlight(4, None, 0, 0, None))  # offsets 3-4, durable
-    service._tick()
+    loop_commits(service)  # nothing to commit: no commit was sent, so none holds the next back
+    state.inflight.append(InFlight(4, None, 0, 0, None))  # offsets 3-4, durable
+    loop_commits(service)
     assert state.done == 5
     assert committed_at(kafka_broker.bootstrap, group, topic, 5, within_s=15)
 
@@ -77,10 +85,10 @@ def test_a_commit_waits_the_interval_after_the_last_one_sent(
 ) -> None:
     service = rare_commits
     state = partition_0(service, kafka_broker.bootstrap, topic, 8, done=3, committed=0)
-    service._tick()  # commits 3
+    loop_commits(service)  # commits 3
     assert committed_at(kafka_broker.bootstrap, group, topic, 3, within_s=15)
-    state.inflight.append(_InFlight(7, None, 0, 0, None))
-    service._tick()
+    state.inflight.append(InFlight(7, None, 0, 0, None))
+    loop_commits(service)
     assert state.done == 8
     assert not committed_at(kafka_broker.bootstrap, group, topic, 8, within_s=2)
 
@@ -91,15 +99,15 @@ def test_waiting_for_decoding_ends_when_a_put_becomes_durable(
     # The decode queue is full and the oldest batch still decoding; a put made earlier
     # becomes durable 0.1 s later: the loop goes on to commit it rather than wait for the
     # decoding (up to kafka.consume_timeout_ms).
-    state = PartitionState(topic, 0, None, 10, 3, 3, assigned=False)
-    state.decoding.append(_Decoding([], Future[Decoded]()))
+    state = PartitionState(topic, 0, 3, position=10, done=3)
+    state.decoding.append(Decoding([], Future[Decoded]()))
     put: Future[PutResult] = Future()
-    state.inflight.append(_InFlight(9, put, 7, 700, None))
-    service.partitions[(topic, 0)] = state
+    state.inflight.append(InFlight(9, put, 7, 700, None))
+    service.partitions.add(state)
     timer = threading.Timer(0.1, put.set_result, (PutResult(7, 7, time.monotonic()),))
     timer.start()
     started = time.monotonic()
-    service._wait_decoded(5.0)
+    service.pipeline.wait_decoded(5.0)
     elapsed = time.monotonic() - started
     timer.join()
     assert elapsed < 2.0, f"waited {elapsed:.1f} s for the decoding"

@@ -81,14 +81,14 @@ def test_status_answers_while_table_storage_is_stalled(
             schema=service.engine.spec.table_schema,
         )
         lance.write_dataset(rows, table, mode="append", storage_options=s3_storage_options)
-        base = service.status()["base"]
+        base = service.board.status()["base"]
         assert (base["rows"], base["unindexed_rows"]) == (40, 0)
 
         os.kill(s3_server.process.pid, signal.SIGSTOP)
         try:
             for _ in range(4):
                 started = time.monotonic()
-                status = answered_within(service.status, ANSWER_WITHIN_S)
+                status = answered_within(service.board.status, ANSWER_WITHIN_S)
                 assert time.monotonic() - started < ANSWER_WITHIN_S
                 base = status["base"]
                 assert base["unindexed_rows"] is None
@@ -105,10 +105,10 @@ def test_status_answers_while_table_storage_is_stalled(
 
         # Storage answers again: the stalled read ends and the figures are current again.
         deadline = time.monotonic() + 60
-        while (base := service.status()["base"]).get("unindexed_rows") is None:
+        while (base := service.board.status()["base"]).get("unindexed_rows") is None:
             assert time.monotonic() < deadline, base
             time.sleep(0.2)
         assert base["rows"] == 40
         assert "last_known" not in base
     finally:
-        service._drain()
+        service.drain()

@@ -780,7 +780,7 @@ def test_the_consumer_reads_its_topics_metadata_every_10_s(tmp_path: Path) -> No
     """A topic created after the start (or a partition added) is seen at the next metadata
     refresh: 10 s, not librdkafka's 300 s; `kafka.librdkafka` may still set it (not owned).
     tests/e2e/test_new_topics.py shows the effect on a broker."""
-    from sink.service import consumer_conf  # noqa: PLC0415 - the service is heavy to import
+    from sink.consumer.conf import consumer_conf  # noqa: PLC0415 - the service is heavy to import
 
     settings = load_settings(write(tmp_path, MINIMAL))
     assert consumer_conf(settings)["topic.metadata.refresh.interval.ms"] == 10_000

@@ -1,0 +1,369 @@
+"""Lifecycle: a partition from its assignment to its release.
+
+- **assign** (`on_assign`, inside consume() on the loop thread): a `PartitionState` in
+  OPENING per partition, its shard claimed and replayed on the open pool (a replay from
+  object storage can take minutes: the loop keeps serving its other partitions). Nothing
+  is handed to the consumer yet.
+- **open** (`service`, every loop iteration): an open that ended installs its writer
+  (OPENING/RECOVERING -> ACTIVE) and hands the partition to the consumer at its resume
+  offset: max(committed offset, durable offset + 1), I3; one that failed is retried with
+  a doubling backoff (RECOVERING), never fatal: a cause that goes away (a store outage, a
+  bug in reading a table version) must not become a crash loop.
+- **writer failed** (`writer_failed`): a poisoned writer is closed, the partition taken
+  out of the consumer's assignment and its shard reopened (RECOVERING); a fenced one waits
+  to lose the partition to its new owner (FENCED).
+- **revoke** (`on_revoke`): let in-flight puts finish (bounded), commit synchronously,
+  close the writer leaving its WAL to the next owner (who replays it). **lost**
+  (`on_lost`): close without committing. Both release the state (RELEASED), with every
+  metric series of the partition and its shard.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Final, Protocol
+
+import confluent_kafka
+import structlog
+from confluent_kafka import TopicPartition
+
+from config.settings import Settings
+from engine.engine import Engine
+from engine.errors import Fenced
+from engine.shard import ShardWriter
+from engine.threads import name_os_thread
+from sink.consumer import partition
+from sink.consumer.flow import Flow
+from sink.consumer.partition import PartitionState, PartitionTable, Phase
+from sink.consumer.pipeline import RECOVERY_BACKOFF_MAX_S, backoff
+from sink.metrics import Metrics
+
+log = structlog.get_logger("lance_sink.sink")
+
+# Where a partition with neither a committed offset nor WAL state starts
+# (`kafka.auto_offset_reset`): the sink assigns it there itself, as librdkafka's own
+# auto.offset.reset is "error" (see `sink.consumer.out_of_range`).
+START_AT: Final = {
+    "earliest": confluent_kafka.OFFSET_BEGINNING,
+    "latest": confluent_kafka.OFFSET_END,
+}
+# Committed-offset look-ups on assign (a broker round trip; bounded by the drain deadline
+# while stopping).
+COMMITTED_TIMEOUT_S: Final = 30.0
+#: Longest error text a partition's /readyz reason and status entry carry (`brief`).
+BRIEF_ERROR_CHARS: Final = 300
+
+
+class Settle(Protocol):
+    """What a revoke asks of the rest of the loop before it closes the writers: let the
+    in-flight puts of `states` finish (bounded by `timeout`) and commit them."""
+
+    def settle(self, states: list[PartitionState], timeout: float) -> None: ...
+
+
+class Draining(Protocol):
+    """Whether the service drains, and the seconds left until its deadline."""
+
+    def drain_left(self) -> float | None: ...
+
+
+class Lifecycle:
+    """Opens, recovers and releases the partitions (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Engine,
+        consumer: confluent_kafka.Consumer,
+        partitions: PartitionTable,
+        flow: Flow,
+        metrics: Metrics,
+        *,
+        draining: Draining,
+        forget: Callable[[tuple[str, int]], None],
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.consumer = consumer
+        self.partitions = partitions
+        self.flow = flow
+        self.metrics = metrics
+        self.draining = draining
+        self.ready = threading.Event()  # the first assignment was taken
+        self.pool = ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix="open", initializer=name_os_thread
+        )
+        self.forget = forget  # what else keeps per-partition figures (end offsets)
+
+    # ------------------------------------------------------------------ assign
+
+    def assign(self, partitions: list[TopicPartition]) -> None:
+        """The group assigned `partitions`: open their shards on the open pool."""
+        if not partitions:
+            self.flow.assign_none()
+            self.ready.set()
+            return
+        left = self.draining.drain_left()
+        if left is not None:
+            # Draining: a shard opened now would be claimed and replayed only to be closed
+            # again, holding the drain up. The group takes the partitions back on close.
+            self.flow.accept_unopened(partitions)
+            log.info("assignment_ignored_while_draining", count=len(partitions))
+            return
+        committed, known = self._committed_offsets(partitions, left)
+        # A failed look-up of the committed offsets is made again by each open.
+        for tp in partitions:
+            key = (tp.topic, tp.partition)
+            state = PartitionState(tp.topic, tp.partition, committed.get(key, -1))
+            state.committed_known = known
+            state.opening = self.pool.submit(self._open, tp.topic, tp.partition, not known)
+            self.partitions.add(state)
+        # Nothing is handed to the consumer yet (see `flow.Flow.assign_none`).
+        self.flow.assign_none()
+        self.metrics.rebalance("assigned", len(partitions))
+        self.ready.set()
+        log.info("partitions_opening", count=len(partitions))
+
+    def _committed_offsets(
+        self, partitions: list[TopicPartition], left: float | None
+    ) -> tuple[dict[tuple[str, int], int], bool]:
+        """The group's committed offsets of `partitions`, and whether the look-up
+        succeeded."""
+        timeout = COMMITTED_TIMEOUT_S if left is None else min(COMMITTED_TIMEOUT_S, left)
+        try:
+            found = self.consumer.committed(partitions, timeout=max(timeout, 0.1))
+        except confluent_kafka.KafkaException as exc:
+            log.error("committed_offsets_failed", partitions=len(partitions), error=str(exc))
+            return {}, False
+        return {(tp.topic, tp.partition): tp.offset for tp in found if tp.offset >= 0}, True
+
+    def _open(
+        self, topic: str, partition: int, look_up_committed: bool
+    ) -> tuple[ShardWriter, int | None]:
+        """Open pool: claim and replay the shard; with `look_up_committed`, also fetch the
+        group's committed offset (-1: none), which a failed look-up on assign left unknown."""
+        writer = self.engine.open_shard(topic, partition)
+        if not look_up_committed:
+            return writer, None
+        try:
+            found = self.consumer.committed(
+                [TopicPartition(topic, partition)], timeout=COMMITTED_TIMEOUT_S
+            )
+        except BaseException:
+            self.engine.close_shard(writer, flush=False, timeout=5)
+            raise
+        return writer, max(found[0].offset, -1)
+
+    # ------------------------------------------------------------------ open, recover
+
+    def service(self) -> None:
+        """Install the writers whose opens ended, and start the reopens whose backoff has
+        passed (OPENING and RECOVERING partitions)."""
+        for state in self.partitions.states():
+            if state.phase is Phase.OPENING or state.phase is Phase.RECOVERING:
+                self._maybe_open(state)
+
+    def _maybe_open(self, state: PartitionState) -> None:
+        if state.opening is not None:
+            if state.opening.done():
+                self._take_opened(state)
+            return
+        if time.monotonic() < state.recover_at or self.draining.drain_left() is not None:
+            return
+        state.opening = self.pool.submit(
+            self._open, state.topic, state.partition, not state.committed_known
+        )
+
+    def _take_opened(self, state: PartitionState) -> None:
+        """Install the writer `state.opening` opened and hand the partition to the consumer
+        at the resume offset, or record why the open failed (retried)."""
+        future, state.opening = state.opening, None
+        assert future is not None
+        try:
+            writer, committed = future.result()
+        except Exception as exc:  # noqa: BLE001 - any failure is retried, none is fatal
+            self.open_failed(state, exc, event="partition_open_failed")
+            return
+        if committed is not None:
+            state.committed, state.committed_known = committed, True
+        durable = writer.durable_offsets.get(state.key)
+        # Resume after the last durable offset, or at the committed one if later (I3).
+        start = state.done
+        if start is None and state.committed >= 0:
+            start = state.committed
+        if durable is not None:
+            start = max(start or 0, durable + 1)
+        recovered = state.phase is Phase.RECOVERING
+        partition.opened(state, writer, start)
+        if recovered:
+            log.info(
+                "partition_recovered",
+                topic=state.topic,
+                partition=state.partition,
+                attempts=state.open_failures,
+            )
+        self.metrics.partition_poisoned(state.topic, state.partition, False)
+        log.info(
+            "partition_assigned",
+            topic=state.topic,
+            partition=state.partition,
+            shard=writer.shard,
+            epoch=writer.epoch,
+            committed=state.committed if state.committed >= 0 else None,
+            durable=durable,
+            start=start,
+        )
+        if not state.assigned:
+            kafka = self.settings.kafka
+            self.flow.assign_at(
+                state, START_AT[kafka.auto_offset_reset] if start is None else start
+            )
+
+    def open_failed(self, state: PartitionState, exc: BaseException, event: str | None) -> None:
+        """Opening (or keeping) the partition's shard writer failed: retried with backoff,
+        visible meanwhile in /readyz, /v1/status, the writer-poisoned gauge, a counter and
+        a log event (`event`; None: the caller logged it)."""
+        delay = backoff(state.open_failures, RECOVERY_BACKOFF_MAX_S)
+        partition.open_failed(state, brief(exc), time.monotonic() + delay)
+        self.metrics.partition_poisoned(state.topic, state.partition, True)
+        if event is not None:
+            self.metrics.shard_open_failed(state.topic, state.partition)
+            log.error(
+                event,
+                topic=state.topic,
+                partition=state.partition,
+                error=f"{type(exc).__name__}: {exc}",
+                attempt=state.open_failures,
+                retry_in_s=delay,
+            )
+
+    # ------------------------------------------------------------------ writer failures
+
+    def writer_failed(self, state: PartitionState, exc: BaseException) -> None:
+        """A fenced or poisoned writer: drop what it did not acknowledge, and either
+        recover (close, reopen, replay, seek back) or, when fenced, wait to lose the
+        partition to its new owner. A STOPPED partition's writer is closed, not reopened."""
+        writer = state.writer
+        if writer is None:
+            return
+        self.metrics.partition_poisoned(state.topic, state.partition, True)
+        keep_writer_offsets(state, writer)
+        writer.close(flush=False, timeout=5)
+        fenced = isinstance(exc, Fenced)
+        partition.writer_dropped(state, fenced=fenced, now=time.monotonic())
+        if state.phase is Phase.FENCED:
+            self.flow.pause(state)
+            log.error(
+                "partition_fenced", topic=state.topic, partition=state.partition, error=str(exc)
+            )
+            return
+        log.error(
+            "partition_poisoned", topic=state.topic, partition=state.partition, error=str(exc)
+        )
+        if state.phase is Phase.RECOVERING:
+            # Nothing is fetched while the shard reopens (replay); assigned again at the
+            # resume offset once it has.
+            self.flow.unassign(state)
+            self.open_failed(state, exc, event=None)
+
+    def check_writers(self) -> None:
+        """Notice writers poisoned or fenced between puts (a fence found by the writer's
+        own manifest probe, a flush that kept failing)."""
+        for state in self.partitions.states():
+            writer = state.writer
+            if writer is not None and writer.poisoned is not None:
+                self.writer_failed(state, writer.poisoned)
+
+    def fenced_everywhere(self, now: float) -> bool:
+        """Every assigned partition fenced by newer writers for longer than the group
+        needs to take them away: this process is a zombie (its session expired while it
+        was alive)."""
+        states = self.partitions.states()
+        grace = 2 * self.settings.kafka.session_timeout_ms / 1000
+        return bool(states) and all(
+            s.fenced_at is not None and now - s.fenced_at > grace for s in states
+        )
+
+    # ------------------------------------------------------------------ revoke, lost
+
+    def revoke(self, partitions: list[TopicPartition], settle: Settle) -> None:
+        """The group takes `partitions` back: settle what is in flight, commit, close the
+        writers (their WAL stays for the next owner)."""
+        states = [s for tp in partitions if (s := self.partitions.get((tp.topic, tp.partition)))]
+        if states:
+            left = self.draining.drain_left()
+            deadline = self.settings.shutdown.drain_deadline_s if left is None else left
+            settle.settle(states, deadline)
+            for state in states:
+                self.release(state, flush=False)
+        self.flow.give_back(partitions, states)
+        self.metrics.rebalance("revoked", len(partitions))
+        for tp in partitions:
+            log.info("partition_revoked", topic=tp.topic, partition=tp.partition)
+
+    def lose(self, partitions: list[TopicPartition]) -> None:
+        """The group reassigned `partitions` already: close without committing."""
+        states = []
+        for tp in partitions:
+            state = self.partitions.get((tp.topic, tp.partition))
+            if state is not None:
+                states.append(state)
+                self.release(state, flush=False)
+            log.warning("partition_lost", topic=tp.topic, partition=tp.partition)
+        self.flow.give_back(partitions, states)
+        self.metrics.rebalance("lost", len(partitions))
+
+    def release(self, state: PartitionState, *, flush: bool, timeout: float = 30.0) -> None:
+        """Forget the partition (RELEASED): close its writer (flushing with `flush`), close
+        an open still running once it ends, and remove every series of the partition and
+        of its shard."""
+        self.partitions.remove(state)
+        writer, opening = state.writer, state.opening
+        partition.release(state)
+        if opening is not None:  # an open (or reopen) still running: close it after
+            if not opening.done():
+                log.warning(
+                    "partition_open_abandoned", topic=state.topic, partition=state.partition
+                )
+            opening.add_done_callback(self._close_abandoned)
+        if writer is not None:
+            self.engine.close_shard(writer, flush=flush, timeout=timeout)
+        # Every series of the partition, and of its shard even when its writer was dropped
+        # (poisoned, fenced) before: none is left behind at its last value.
+        self.metrics.forget_partition(state.topic, state.partition, state.shard)
+        self.forget(state.key)
+
+    def _close_abandoned(self, future: Future[tuple[ShardWriter, int | None]]) -> None:
+        """A shard open abandoned (its partition revoked or lost, or the sink draining):
+        close its writer when it ends (its rows stay in the WAL for the next owner)."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        writer, _ = future.result()
+        self.engine.close_shard(writer, flush=False, timeout=5)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def keep_writer_offsets(state: PartitionState, writer: ShardWriter) -> None:
+    """Remember what `writer` reports as durable and flushed for the partition (1 +
+    offset), before it is dropped: the offsets shown until a new writer opens."""
+    stats = writer.stats()
+    state.writer_durable = max(state.writer_durable, stats.durable_offsets.get(state.key, -1) + 1)
+    state.writer_flushed = max(state.writer_flushed, stats.flushed_offsets.get(state.key, -1) + 1)
+
+
+def brief(exc: BaseException) -> str:
+    """An error for /readyz and /v1/status: its type and first line, at most
+    `BRIEF_ERROR_CHARS` characters. Lance's errors carry a multi-line Rust Debug dump (~1.5 KB
+    per partition, repeated in every reason); the log event keeps the whole text."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip()
+    if len(text) > BRIEF_ERROR_CHARS:
+        text = text[: BRIEF_ERROR_CHARS - 3] + "..."
+    if len(lines) > 1 or text.endswith("..."):
+        text += " (the whole error is in the log)"
+    return text

@@ -1,0 +1,473 @@
+"""Status: what the HTTP threads say about the loop, from snapshots the loop publishes.
+
+The loop publishes one `PartitionView` per held partition (`StatusBoard.publish`: at most
+every `PUBLISH_INTERVAL_S`, and at once after a rebalance), built on the loop thread from
+its `PartitionState`s; /metrics, /readyz and /v1/status (`exposition`, `readiness`,
+`status`, any thread) read the latest views and never the loop's own state. What changes
+off the loop is read live beside a view: each shard writer's statistics (thread-safe), the
+consumer's cached high watermark and the paused partitions' probe (`sink.lag.PausedEnds`),
+so a scrape is current even while the loop is busy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import confluent_kafka
+import pyarrow as pa
+
+from config.settings import Settings
+from engine.backpressure import BudgetController
+from engine.engine import Engine
+from engine.maintenance import Maintenance, MaintenanceProcess
+from engine.reader import Reader
+from engine.shard import ShardWriter
+from sink.base_status import BaseTableStatus
+from sink.consumer.broker_stats import BrokerStats
+from sink.consumer.partition import PartitionState, PartitionTable, Phase
+from sink.dlq import DeadLetterBatch
+from sink.lag import PartitionOffsets, PausedEnds, unindexed_rows
+from sink.maintenance_role import MaintenanceRole
+from sink.metrics import Metrics, memory_limit_bytes, resident_bytes
+
+# How stale the published views may be while the loop iterates: below any probe's or
+# scrape's resolution, and cheap (a view per partition) at a thousand partitions.
+PUBLISH_INTERVAL_S: Final = 0.02
+# The status's ingest rate averages this many metrics refreshes (10 s at 1 s): long enough
+# to smooth consume batches, short enough to show a stall within seconds.
+INGEST_WINDOW_SAMPLES: Final = 11
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionView:
+    """One partition as the loop last published it (see `PartitionState` for the
+    fields); `source` is compared by identity only (was the partition released since?)."""
+
+    topic: str
+    partition: int
+    phase: Phase
+    paused: bool
+    fetched: bool
+    stopped: str | None
+    position: int | None
+    done: int | None
+    committed: int
+    decoding_batches: int
+    inflight_puts: int
+    held: bool
+    letters: DeadLetterBatch | None
+    pending_timestamp_ms: int | None
+    registry_failures: int
+    registry_error: str | None
+    registry_retry_at: float | None
+    open_error: str | None
+    open_failures: int
+    recover_at: float
+    writer: ShardWriter | None
+    writer_durable: int
+    writer_flushed: int
+    writer_unusable: bool
+    source: PartitionState = field(compare=False, repr=False)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.topic, self.partition)
+
+    @classmethod
+    def of(cls, s: PartitionState) -> PartitionView:
+        """The view of `s` now (the loop thread)."""
+        return cls(
+            s.topic,
+            s.partition,
+            s.phase,
+            s.paused,
+            s.fetched,
+            s.stopped,
+            s.position,
+            s.done,
+            s.committed,
+            len(s.decoding),
+            len(s.inflight),
+            s.held is not None,
+            s.unacked_dead_letters(),
+            s.oldest_pending_timestamp_ms(),
+            s.registry_failures,
+            s.registry_error,
+            s.registry_retry_at,
+            s.open_error,
+            s.open_failures,
+            s.recover_at,
+            s.writer,
+            s.writer_durable,
+            s.writer_flushed,
+            s.writer_unusable,
+            s,
+        )
+
+
+class StatusBoard:
+    """Metrics, liveness, readiness and status from the published views."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        partitions: PartitionTable,
+        *,
+        engine: Engine,
+        consumer: confluent_kafka.Consumer,
+        paused_ends: PausedEnds,
+        broker: BrokerStats,
+        metrics: Metrics,
+        reader: Reader,
+        maintenance: Maintenance | MaintenanceProcess,
+        role: MaintenanceRole,
+        assigned_once: threading.Event,
+        fatal: Callable[[], str | None],
+    ) -> None:
+        self.settings = settings
+        self.partitions = partitions
+        self.engine = engine
+        self.consumer = consumer
+        self.paused_ends = paused_ends
+        self.broker = broker
+        self.metrics = metrics
+        self.reader = reader
+        self.maintenance = maintenance
+        self.role = role
+        self.assigned_once = assigned_once
+        self.fatal = fatal
+        self.views: tuple[PartitionView, ...] = ()
+        self.published_at = 0.0
+        self.last_tick = time.monotonic()
+        # One snapshot's gauges are set (and exposed) together; watermarks are read under it.
+        self._offsets_lock = threading.RLock()
+        self._consumer_closed = False
+        # The base table figures, read at most one at a time and waited for briefly.
+        self._base_figures = BaseTableStatus(self._read_base_figures)
+        # (monotonic time, rows ingested) once a second: the ingest rate over the last 10 s
+        self._ingest_window: deque[tuple[float, int]] = deque(maxlen=INGEST_WINDOW_SAMPLES)
+
+    # ------------------------------------------------------------------ the loop's side
+
+    def ticked(self, now: float) -> None:
+        """The loop iterates (liveness); publish the views if they are older than
+        `PUBLISH_INTERVAL_S`."""
+        self.last_tick = now
+        if now - self.published_at >= PUBLISH_INTERVAL_S:
+            self.publish()
+
+    def publish(self) -> None:
+        """Publish a view of every held partition (the loop thread)."""
+        self.published_at = time.monotonic()
+        self.views = tuple(
+            PartitionView.of(s) for s in sorted(self.partitions.states(), key=lambda s: s.key)
+        )
+
+    def consumer_closing(self) -> None:
+        """No scrape reads a watermark from the consumer once it closes."""
+        with self._offsets_lock:
+            self._consumer_closed = True
+
+    def refresh_metrics(self) -> None:
+        """Refresh every gauge (the loop, once a second)."""
+        self.publish()
+        # End offsets of the partitions the consumer does not fetch come from the probe.
+        self.paused_ends.track(v.key for v in self.views if not v.fetched)
+        self.refresh_offsets()
+        self._ingest_window.append((time.monotonic(), self.metrics.rows_total))
+        for view in self.views:
+            letters = view.letters
+            self.metrics.dlq_waiting(
+                view.topic, view.partition, letters.waiting_s() if letters else 0.0
+            )
+            if view.writer is None:
+                continue
+            stats = view.writer.stats()
+            self.metrics.shard_memory(
+                stats.shard,
+                unflushed=stats.bytes + stats.frozen_bytes,
+                frozen_count=stats.frozen_count,
+                active=stats.bytes,
+                index=stats.index_bytes,
+            )
+        bp = self.engine.controller.stats.snapshot()
+        self.metrics.backpressure(
+            waits=bp.waits_total,
+            wait_seconds=bp.wait_seconds_total,
+            active=bp.active_waits,
+            rejections=bp.rejections_total,
+        )
+        controller = self.engine.controller
+        if isinstance(controller, BudgetController):
+            self.metrics.budget_usage(controller.used_bytes(), controller.budget)
+        self.metrics.base_unindexed(self.maintenance.unindexed_rows())
+        self.metrics.lance_cache(self.reader.lance_cache_bytes)
+        self.metrics.arrow_pool(pa.total_allocated_bytes())
+        vector, text = self.reader.unindexed, self.reader.flushed_text
+        self.metrics.unindexed_cache(
+            self.reader.unindexed_bytes,
+            0 if vector is None else vector.fallbacks,
+            0 if text is None else text.fallbacks,
+        )
+
+    # ------------------------------------------------------------------ any thread
+
+    def partition_offsets(self, view: PartitionView) -> PartitionOffsets:
+        """One consistent snapshot of a partition's offsets (any thread; see `sink.lag`):
+        read from the slowest-moving to the fastest, the end offset last and from the
+        newest fetch response, so no lag clamps to 0 on an end offset older than what is
+        subtracted from it.
+
+        Every held partition has one, with a shard writer or without (its open or reopen
+        under way or failing, poisoned, fenced): without, durable and flushed are what its
+        last writer reported when it was dropped (0 if none opened since the assignment:
+        the flush lag then counts from the log start, as `lance-sink lag`'s does without a
+        recorded flush), never below `done` and the committed offset; the end offset of a
+        partition the consumer does not fetch is the probe's (`sink.lag.PausedEnds`)."""
+        key = view.key
+        committed = max(view.committed, 0)
+        if view.writer is not None:
+            stats = view.writer.stats()
+            writer_durable = stats.durable_offsets.get(key, -1) + 1
+            writer_flushed = stats.flushed_offsets.get(key, -1) + 1
+        else:
+            writer_durable, writer_flushed = view.writer_durable, view.writer_flushed
+        durable, flushed = durable_and_flushed(view.done, writer_durable, writer_flushed)
+        durable, flushed = max(durable, committed), max(flushed, 0)
+        consumed = max(view.position or 0, durable)
+        high = -1
+        with self._offsets_lock:
+            if not self._consumer_closed:
+                with contextlib.suppress(RuntimeError, confluent_kafka.KafkaException):
+                    high = self.consumer.get_watermark_offsets(view.source.tp, cached=True)[1]
+        # A partition the consumer does not fetch (paused, unassigned while its writer
+        # opens): the probe's newer end, once it has one.
+        high = max(high, self.paused_ends.end(key))
+        end = high if high >= 0 else self.broker.end(key)
+        return PartitionOffsets(
+            end, consumed, durable, committed, flushed, view.pending_timestamp_ms
+        )
+
+    def refresh_offsets(self) -> None:
+        """Set every partition's offset, lag, paused and writer-poisoned gauges, the
+        offsets from one snapshot each (the loop once a second, and each scrape just
+        before the exposition)."""
+        with self._offsets_lock:
+            self._set_offsets()
+
+    def _set_offsets(self) -> None:
+        for view in self.views:
+            key = view.key
+            self.metrics.partition_offsets(*key, self.partition_offsets(view))
+            self.metrics.partition_paused(*key, view.paused)
+            self.metrics.partition_poisoned(*key, view.writer_unusable)
+            if self.partitions.get(key) is not view.source:  # released meanwhile
+                self.metrics.forget_partition(*key)
+
+    def exposition(self) -> bytes:
+        """Prometheus text of every metric, with the offset and lag gauges of this instant."""
+        with self._offsets_lock:  # a refresh by the loop cannot interleave
+            self._set_offsets()
+            return self.metrics.exposition()
+
+    def liveness(self) -> tuple[bool, str]:
+        """Alive while the consumer loop iterates (a loop stuck for longer than
+        max.poll.interval.ms would be evicted from the group anyway)."""
+        stuck = time.monotonic() - self.last_tick
+        limit = self.settings.kafka.max_poll_interval_ms / 1000
+        if stuck > limit:
+            return False, f"consumer loop has not polled for {stuck:.0f} s"
+        return True, "consumer loop polling"
+
+    def readiness(self) -> tuple[bool, list[str]]:
+        """Ready = joined the group with every assigned partition opened and replayed, a
+        broker reachable, and no shard writer poisoned or fenced."""
+        reasons = []
+        if not self.assigned_once.is_set():
+            reasons.append("waiting for the first partition assignment")
+        received = self.broker.received_at
+        stale = 3 * self.settings.observability.kafka_statistics_interval_ms / 1000 + 1
+        if received == 0.0 or time.monotonic() - received > stale:
+            reasons.append("no broker statistics yet")
+        elif self.broker.brokers_up == 0:
+            reasons.append("no broker reachable")
+        reasons.extend(
+            f"{view.topic}[{view.partition}]: {reason}"
+            for view in self.views
+            if (reason := self._not_ready(view)) is not None
+        )
+        if (fatal := self.fatal()) is not None:
+            reasons.append(fatal)
+        return not reasons, reasons
+
+    def _not_ready(self, view: PartitionView) -> str | None:
+        """Why the partition keeps the sink from being ready, if it does (by its phase)."""
+        if view.phase is Phase.FENCED:
+            return "fenced by a newer writer"
+        if view.phase is Phase.STOPPED:
+            return f"stopped, {view.stopped}"
+        if view.phase is Phase.OPENING:
+            return "opening and replaying its shard"
+        if view.phase is Phase.RECOVERING:
+            why = view.open_error or "shard writer poisoned"
+            return f"no shard writer ({why}), retrying (attempt {view.open_failures + 1})"
+        letters = view.letters
+        if letters is not None and letters.waiting_s() > self.settings.dlq.stalled_after_s:
+            return (
+                f"held {letters.waiting_s():.0f} s by {letters.pending} undelivered dead "
+                f"letter(s), last error: {letters.last_error}"
+            )
+        return None
+
+    def status(self) -> dict[str, Any]:
+        """One JSON-able summary of the running sink (`lance-sink status`)."""
+        partitions = [self._partition_status(view) for view in self.views]
+        bp = self.engine.controller.stats.snapshot()
+        controller = self.engine.controller
+        budget = controller if isinstance(controller, BudgetController) else None
+        ready, reasons = self.readiness()
+        return {
+            "group": self.settings.kafka.group_id,
+            "topics": list(self.settings.kafka.topics),
+            "table": self.settings.table.uri,
+            "ready": ready,
+            "not_ready_reasons": reasons,
+            "partitions": partitions,
+            "backpressure": {
+                "controller": type(controller).__name__,
+                "budget_bytes": budget.budget if budget else None,
+                "used_bytes": budget.used_bytes() if budget else None,
+                "waits_total": bp.waits_total,
+                "wait_seconds_total": round(bp.wait_seconds_total, 3),
+                "active_waits": bp.active_waits,
+                "rejections_total": bp.rejections_total,
+            },
+            "ingest": self._ingest_status(),
+            "memory": {
+                "resident_bytes": resident_bytes(),
+                "budget_bytes": budget.budget if budget else None,
+                "limit_bytes": memory_limit_bytes(),
+            },
+            "base": self._base_status(),
+            "maintenance": self.role.status(),
+        }
+
+    def _ingest_status(self) -> dict[str, Any]:
+        """Rows made durable per second over the last `INGEST_WINDOW_SAMPLES` refreshes."""
+        now, total = time.monotonic(), self.metrics.rows_total
+        window = list(self._ingest_window)
+        since, before = window[0] if window else (now, total)
+        seconds = now - since
+        rate = (total - before) / seconds if seconds > 0 else 0.0
+        return {"rows_per_second": round(rate, 1), "window_seconds": round(seconds, 1)}
+
+    def _base_status(self) -> dict[str, Any]:
+        """The base table's index lag as it is now (`sink.lag.unindexed_rows`), beside the
+        figure of the last maintenance run. Bounded in time whatever table storage does
+        (`sink.base_status`): a stalled store makes it unknown, with the reason and the
+        last figures read."""
+        return {
+            "unindexed_rows_at_last_maintenance": self.maintenance.unindexed_rows(),
+            **self._base_figures.get(),
+        }
+
+    def _read_base_figures(self) -> dict[str, Any]:
+        """`BaseTableStatus`'s read (on its own thread): the base table's rows and index lag
+        from table storage (manifest metadata only)."""
+        ds = self.engine.table.dataset()
+        per_index = unindexed_rows(ds)
+        rows = int(ds.count_rows())
+        # The least complete index: what queries wait on (0 without indexes).
+        return {
+            "rows": rows,
+            "unindexed_rows": max(per_index.values(), default=0),
+            "unindexed_by_index": per_index,
+        }
+
+    def _partition_status(self, view: PartitionView) -> dict[str, Any]:
+        snap = self.partition_offsets(view)
+        entry: dict[str, Any] = {
+            "topic": view.topic,
+            "partition": view.partition,
+            "phase": view.phase.value,
+            "paused": view.paused,
+            "fenced": view.phase is Phase.FENCED,
+            "stopped": view.stopped,
+            "decoding_batches": view.decoding_batches,
+            "inflight_puts": view.inflight_puts,
+            "held": view.held,
+        }
+        if view.registry_failures:
+            retry_at = view.registry_retry_at
+            entry["schema_registry"] = {
+                "error": view.registry_error,
+                "failures": view.registry_failures,
+                "retry_in_s": None
+                if retry_at is None
+                else round(max(retry_at - time.monotonic(), 0.0), 1),
+            }
+        if view.writer is None and view.phase is not Phase.FENCED:
+            entry["open"] = {
+                "error": view.open_error,
+                "failures": view.open_failures,
+                "retry_in_s": round(max(view.recover_at - time.monotonic(), 0.0), 1),
+            }
+        if (letters := view.letters) is not None:
+            entry["dead_letters"] = {
+                "pending": letters.pending,
+                "waiting_s": round(letters.waiting_s(), 1),
+                "stalled": letters.waiting_s() > self.settings.dlq.stalled_after_s,
+                "last_error": letters.last_error,
+            }
+        # One snapshot (see `partition_offsets`), with a shard writer or without.
+        entry.update(
+            consumed=snap.consumed,
+            committed=snap.committed,
+            durable=snap.durable,
+            flushed=snap.flushed,
+            end=snap.end,
+        )
+        lags = snap.lags()
+        if lags is not None:
+            entry["lag"] = {**lags, "seconds": round(snap.lag_seconds(), 3)}
+        writer = view.writer
+        if writer is not None:
+            st = writer.stats()
+            entry.update(
+                shard=st.shard,
+                epoch=st.epoch,
+                memtable={
+                    "generation": st.generation,
+                    "rows": st.rows,
+                    "bytes": st.bytes,
+                    "index_bytes": st.index_bytes,
+                    "frozen_count": st.frozen_count,
+                    "frozen_bytes": st.frozen_bytes,
+                },
+                flush={
+                    "flushes": st.flushes_total,
+                    "failures": st.flush_failures_total,
+                    "rows": st.flushed_rows_total,
+                    "position": st.flushed_position,
+                },
+                poisoned=st.poisoned,
+            )
+        return entry
+
+
+def durable_and_flushed(done: int | None, durable: int, flushed: int) -> tuple[int, int]:
+    """A partition's durable and flushed offsets (next-offset style) as the gauges show them:
+    offsets without rows below `done` (control records, aborted transactions, tombstones,
+    acknowledged dead letters) count as durable, and as flushed once every durable row is,
+    so a caught-up partition shows no durable or flush lag."""
+    if done is None:
+        return durable, flushed
+    if flushed >= durable:
+        flushed = max(flushed, done)
+    return max(durable, done), flushed
