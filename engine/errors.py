@@ -9,7 +9,7 @@
     ├── FatalError                      stop: operator action needed
     │   ├── SchemaMismatch              the table's schema is incompatible with the settings
     │   ├── Poisoned                    the shard writer failed to persist; close and reopen
-    │   └── ListenError (sink/http.py)  a server cannot listen on its port (in use, ...)
+    │   └── ListenError (sink/http/serving.py)  a server cannot listen on its port (in use, ...)
     ├── InvalidRecord                   poison message: this input can never be written
     │                                   (→ dead-letter destination with the raw bytes)
     ├── QueryError (engine/filters.py)  a query that cannot succeed as written (→ HTTP 400)
