@@ -19,11 +19,10 @@ import numpy as np
 import pytest
 
 from config.settings import MaintenanceSettings
-from engine.maintenance import (
+from engine.maintenance import Maintenance, MaintenanceProcess
+from engine.maintenance.runner import (
     MAX_INDEX_SEGMENTS,
     MAX_TRAINING_BYTES,
-    Maintenance,
-    MaintenanceProcess,
     derived_partitions,
     derived_sub_vectors,
     is_conflict,

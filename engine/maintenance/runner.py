@@ -1,4 +1,4 @@
-"""Background upkeep of the base Lance table: indexes, compaction, old versions.
+"""`Maintenance`: background upkeep of the base Lance table: indexes, compaction, old versions.
 
 `Maintenance.start()` runs `run_once()` every `interval_s` on its own daemon thread until
 `stop()`, and in between runs the ``optimize_indices`` task alone every
@@ -79,16 +79,11 @@ are read one by one).
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import math
-import multiprocessing
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 import lance
@@ -98,7 +93,7 @@ from config.settings import MaintenanceSettings
 from engine.malloc import release_free_memory
 from engine.manifest import ManifestStore
 from engine.schema import TableSpec
-from engine.storage import Storage, open_storage
+from engine.storage import Storage
 from engine.table import PROP_SHARD, BaseTable, index_on, transaction_properties
 
 log = structlog.get_logger("lance_sink.maintenance")
@@ -538,255 +533,3 @@ class Maintenance:
             through=versions[-1],
             bytes_removed=stats.bytes_removed,
         )
-
-
-# ---------------------------------------------------------------------- in a child process
-
-#: A maintenance process that exits on its own is restarted after this long, doubled after
-#: each exit up to the maximum (reset once a process has lived longer than the maximum).
-RESTART_BACKOFF_S = 1.0
-RESTART_BACKOFF_MAX_S = 60.0
-
-
-class MaintenanceProcess:
-    """Runs `Maintenance` (its two loops: the same tasks at the same cadence) in a child
-    process, the sink's default (`maintenance.process`).
-
-    Why: Lance runs a process's dataset operations on one shared runtime. While the vector
-    index was optimised in the sink process, queries of every kind (Lance's own searches
-    too) waited inside Lance for over a second, in bursts (bench/query, docs/reads.md). A
-    child process has a runtime of its own, and runs at a lower CPU priority
-    (`maintenance.nice`), so the kernel gives ingestion and queries the CPU first.
-
-    The child is started with the ``spawn`` method (a fork would copy the locks of Lance's
-    and librdkafka's threads in whatever state they are), opens the table and the WAL storage
-    itself, and sends each task's outcome and the unindexed row count over a pipe; a
-    supervisor thread here forwards them to `events` and `unindexed_rows()`. The child exits
-    when `stop()` asks it to, or when the pipe closes because the sink died (even by
-    SIGKILL). A child that exits on its own (a crash inside Lance, the OOM killer) is logged
-    (``maintenance_process_exited``) and restarted with backoff. `set_active` reaches the
-    child over the same pipe (a restarted child starts in the last state set); a standby
-    child keeps its runtimes (~200 MiB) so that taking over costs no start.
-
-    Killing the child in the middle of a task loses only that task's work: each task is one
-    or a few Lance commits, each atomic; files written by an interrupted task are removed by
-    a later cleanup.
-
-    Lifecycle: `start()` once, `set_active()` any time, `stop()` during shutdown (safe,
-    idempotent).
-    """
-
-    def __init__(
-        self,
-        spec: TableSpec,
-        storage_uri: str,
-        settings: MaintenanceSettings,
-        events: MaintenanceEvents | None = None,
-        *,
-        init: Callable[[], None] | None = None,
-        active: bool = True,
-    ) -> None:
-        """`init` runs first in the child (e.g. to configure logging); it must be picklable
-        (a module-level function or a `functools.partial` of one). `active` False: the
-        child stands by until `set_active(True)`."""
-        self.spec = spec
-        self.storage_uri = storage_uri
-        self.settings = settings
-        self.events: MaintenanceEvents = events or NoMaintenanceEvents()
-        self.init = init
-        self.restarts = 0
-        self._ctx = multiprocessing.get_context("spawn")
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._process: multiprocessing.process.BaseProcess | None = None
-        self._conn: Connection | None = None
-        self._supervisor: threading.Thread | None = None
-        self._stop_sent = False
-        self._active = active
-        self._unindexed = 0
-
-    def start(self) -> None:
-        """Start the child and its supervisor thread (no-op if running)."""
-        if self._supervisor is not None and self._supervisor.is_alive():
-            return
-        self._stop.clear()
-        self._supervisor = threading.Thread(
-            target=self._supervise, name="maintenance-supervisor", daemon=True
-        )
-        self._supervisor.start()
-
-    def set_active(self, active: bool) -> None:
-        """Have the child run the tasks (True) or stand by after its current one (False);
-        returns at once. The message is a few bytes on the pipe, which never fills."""
-        with self._lock:
-            if active == self._active:
-                return
-            self._active = active
-            conn = None if self._stop_sent else self._conn
-            if conn is not None:  # sent under the lock: the child sees the changes in order
-                with contextlib.suppress(OSError, ValueError):  # gone: a new child reads it
-                    conn.send(("active", active))
-
-    @property
-    def active(self) -> bool:
-        return self._active
-
-    def request_stop(self, timeout: float) -> None:
-        """Ask the child to stop after its current task, which it may finish within
-        `timeout` seconds; returns at once (`stop` waits, and kills)."""
-        self._stop.set()
-        with self._lock:
-            conn = None if self._stop_sent else self._conn
-            self._stop_sent = True
-            if conn is not None:
-                with contextlib.suppress(OSError, ValueError):  # the child is gone already
-                    conn.send(("stop", timeout))
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Ask the child to stop after its current task (unless `request_stop` did); kill
-        it if it has not stopped within `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        self.request_stop(timeout)
-        with self._lock:
-            process, conn = self._process, self._conn
-        if process is not None and conn is not None:
-            process.join(max(deadline - time.monotonic(), 0.01))
-            if process.is_alive():
-                log.warning("maintenance_process_killed", pid=process.pid, after_s=timeout)
-                process.kill()
-                process.join(5)
-        if self._supervisor is not None:
-            self._supervisor.join(5)
-
-    def unindexed_rows(self) -> int:
-        """As `Maintenance.unindexed_rows`, as the child last reported it."""
-        return self._unindexed
-
-    def pid(self) -> int | None:
-        """The running child's process id (None before `start` or between restarts)."""
-        process = self._process
-        return process.pid if process is not None and process.is_alive() else None
-
-    def _supervise(self) -> None:
-        backoff = RESTART_BACKOFF_S
-        while True:
-            with self._lock:
-                if self._stop.is_set():
-                    return
-                parent, child = self._ctx.Pipe()
-                process = self._ctx.Process(
-                    target=run_child,
-                    args=(
-                        child,
-                        self.spec,
-                        self.storage_uri,
-                        self.settings,
-                        self.init,
-                        self._active,
-                    ),
-                    name="lance-sink-maintenance",
-                    daemon=True,
-                )
-                process.start()
-                child.close()
-                self._process, self._conn = process, parent
-                self._stop_sent = False
-            started = time.monotonic()
-            log.info("maintenance_process_started", pid=process.pid)
-            self._forward(parent)
-            process.join(5)
-            parent.close()
-            if self._stop.is_set():
-                return
-            self.restarts += 1
-            self._report(self.events.process_exited, process.exitcode)
-            if time.monotonic() - started > RESTART_BACKOFF_MAX_S:
-                backoff = RESTART_BACKOFF_S
-            log.warning(
-                "maintenance_process_exited",
-                pid=process.pid,
-                exitcode=process.exitcode,
-                restart_in_s=backoff,
-            )
-            if self._stop.wait(backoff):
-                return
-            backoff = min(backoff * 2, RESTART_BACKOFF_MAX_S)
-
-    def _forward(self, conn: Connection) -> None:
-        """Forward the child's reports until its end of the pipe closes."""
-        while True:
-            try:
-                task, outcome, seconds, unindexed = conn.recv()
-            except (EOFError, OSError):
-                return
-            self._unindexed = unindexed
-            self._report(self.events.ran, task, outcome, seconds)
-
-    @staticmethod
-    def _report(event: Callable[..., None], *args: Any) -> None:
-        try:
-            event(*args)
-        except Exception as exc:  # noqa: BLE001 - a metrics failure must not stop upkeep
-            log.warning("maintenance_event_failed", event=event.__name__, error=str(exc))
-
-
-class _PipeEvents:
-    """MaintenanceEvents of the child: each report goes to the parent with the unindexed row
-    count (both loops report; one lock keeps their messages whole)."""
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self.maintenance: Maintenance | None = None
-        self._lock = threading.Lock()
-
-    def ran(self, task: str, outcome: str, seconds: float) -> None:
-        unindexed = self.maintenance.unindexed_rows() if self.maintenance is not None else 0
-        with self._lock, contextlib.suppress(OSError, ValueError):
-            self.conn.send((task, outcome, seconds, unindexed))
-
-    def process_exited(self, exitcode: int | None) -> None:
-        return None  # the parent's supervisor reports its child's exits
-
-
-def run_child(
-    conn: Connection,
-    spec: TableSpec,
-    storage_uri: str,
-    settings: MaintenanceSettings,
-    init: Callable[[], None] | None,
-    active: bool = True,
-) -> None:
-    """The maintenance child's main (see `MaintenanceProcess`): runs the loops (active or
-    standing by, as the parent says) until the parent says stop or its end of the pipe
-    closes, then exits without waiting for a task still inside Lance."""
-    # Ctrl-C reaches the whole process group; the parent drains and then stops this child.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if init is not None:
-        init()
-    if settings.nice:
-        os.nice(settings.nice)
-    events = _PipeEvents(conn)
-    maintenance = Maintenance(
-        spec,
-        BaseTable(spec),
-        open_storage(storage_uri, spec.storage_options),
-        settings,
-        events,
-        active=active,
-    )
-    events.maintenance = maintenance
-    maintenance.start()
-    timeout = 0.0
-    while True:
-        try:
-            kind, value = conn.recv()
-        except (EOFError, OSError):
-            log.warning("maintenance_parent_gone")
-            break
-        if kind == "active":
-            maintenance.set_active(bool(value))
-            continue
-        timeout = float(value)  # "stop"
-        break
-    maintenance.stop(timeout=timeout)
-    os._exit(0)
