@@ -1,6 +1,7 @@
-"""The decoder's plan: what each output column is made from (`ColumnPlan`), fixed when a
-`sink.decode.Decoder` is built, and the canonical Arrow types its columns are checked in
-before the final cast; with the Arrow helpers the decoding stages share.
+"""The decoder's plan: what each output column is made from (`ColumnPlan`, made by
+`plan_column` from the column's configured source), fixed when a `sink.decode.Decoder` is
+built, and the canonical Arrow types its columns are checked in before the final cast; with
+the Arrow helpers the decoding stages share.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "Kind",
     "Path",
     "concat",
+    "plan_column",
     "take",
     "to_ms_timestamp",
     "type_name_of",
@@ -96,6 +98,88 @@ def type_name_of(type_: pa.DataType) -> str:
         if arrow_type(name).equals(type_):
             return name
     raise ValueError(f"unsupported column type {type_}")
+
+
+#: The column types a byte source (``@key``, ``@value``, ``@headers.NAME``) can fill.
+_BYTES_TARGETS: Final = frozenset({"binary", "string", "int32", "int64"})
+
+#: The column types each Kafka metadata source can fill.
+_METADATA_TARGETS: Final[dict[str, frozenset[str]]] = {
+    "@topic": frozenset({"string"}),
+    "@partition": frozenset({"int32", "int64"}),
+    "@offset": frozenset({"int64"}),
+    "@timestamp": frozenset({"timestamp", "int64"}),
+}
+
+_METADATA_KINDS: Final[dict[str, Kind]] = {
+    "@topic": "topic",
+    "@partition": "partition",
+    "@offset": "offset",
+    "@timestamp": "timestamp",
+}
+
+
+def plan_column(
+    f: pa.Field,
+    mapped: str | None,
+    *,
+    required: bool,
+    primary_key: bool,
+    paths: bool,
+    decoded_keys: bool,
+) -> ColumnPlan:
+    """The plan of one table column: where its values come from and what it must hold.
+
+    Args:
+        f: the table column (not a source column, not `_op`).
+        mapped: its source as configured in ``source.columns`` (``$.a.b``, ``@key``,
+            ``@key.a``, ``@value``, ``@headers.NAME``, ``@topic``, ...), None if unmapped.
+        required: a null is a fault (a non-nullable or primary key column).
+        primary_key: the column is part of the table's primary key.
+        paths: the format reads paths (json and the registry formats): an unmapped column
+            reads the same-named top-level field.
+        decoded_keys: keys are registry-encoded (``source.key_format``): ``@key`` and
+            ``@key.a`` read the decoded key.
+
+    Returns:
+        The column's plan.
+
+    Raises:
+        ValueError: the source cannot fill the column: a JSON path in the raw format, a
+            source feeding a column type it cannot produce, or (raw format) a required
+            column without a source.
+    """
+    type_name = type_name_of(f.type)
+    pk = primary_key
+    if mapped is None:
+        if paths:
+            return ColumnPlan(f.name, type_name, f.type, "json", (f.name,), required, pk)
+        if required:
+            raise ValueError(f"column {f.name!r} is required but has no source (raw format)")
+        return ColumnPlan(f.name, type_name, f.type, "none")
+    if mapped.startswith("$."):
+        if not paths:
+            raise ValueError(f"column {f.name!r}: JSON path {mapped!r} in the raw format")
+        path = tuple(mapped[2:].split("."))
+        return ColumnPlan(f.name, type_name, f.type, "json", path, required, pk)
+    if decoded_keys and (mapped == "@key" or mapped.startswith("@key.")):
+        path = tuple(mapped.split(".")[1:])
+        return ColumnPlan(f.name, type_name, f.type, "key", path, required, pk)
+    if mapped in {"@key", "@value"} or mapped.startswith("@headers."):
+        if type_name not in _BYTES_TARGETS:
+            raise ValueError(
+                f"column {f.name!r} is {type_name}; {mapped} gives bytes, which feed "
+                "binary, string, int32 or int64 columns only"
+            )
+        header = mapped.removeprefix("@headers.")
+        path = (mapped,) if header == mapped else ("@headers", header)
+        return ColumnPlan(f.name, type_name, f.type, "bytes", path, required, pk)
+    allowed = _METADATA_TARGETS[mapped]
+    if type_name not in allowed:
+        raise ValueError(
+            f"column {f.name!r} is {type_name}; {mapped} feeds {', '.join(sorted(allowed))}"
+        )
+    return ColumnPlan(f.name, type_name, f.type, _METADATA_KINDS[mapped], (), required, pk)
 
 
 def concat(arrays: list[pa.Array]) -> pa.Array:
