@@ -23,7 +23,8 @@ exactly those of one process holding every shard, in one round trip per owner po
    term frequency and shrinks with the length, so the frontier's best score under the
    exact statistics bounds every row not returned (`frontier_best`); an owner whose bound
    beats the k-th score is asked again with the exact statistics (a second round trip,
-   for that owner only, when the estimate was far off).
+   for that owner only, when the estimate was far off). `frontier`, `rescore` and
+   `frontier_best` are pure math over term frequencies (`engine.reads.bm25`).
 
 Lifecycle: one `TextSearch` per reader. The first query starts the background tokenizer
 (a daemon thread that tokenises new memtable batches every `TOKENIZE_INTERVAL_S`); `close`
@@ -48,6 +49,7 @@ from engine import fts
 from engine.errors import LanceSinkError
 from engine.filters import Predicate, QueryError, UnknownColumn
 from engine.periodic import PeriodicThread
+from engine.reads import bm25
 from engine.reads.context import ReadContext
 from engine.reads.merge import SCORE, Candidates, materialise, select, top
 from engine.reads.remote import Asked, FanoutReport, RemoteAnswer, RemoteTier, Started
@@ -86,19 +88,12 @@ MAX_TOKEN_CHARS = 40
 #: An owner pod answers a fan-out text query with this many times k rows, ranked by the
 #: coordinator's estimate of the corpus statistics (`TextSearch._hint`): the coordinator
 #: scores them with the exact statistics and asks again only when a row not returned
-#: might beat its k-th (`frontier_best`). The estimate is off by the memtables' change
+#: might beat its k-th (`bm25.frontier_best`). The estimate is off by the memtables' change
 #: since the last query, so the exact top k is almost always among the first 2k.
 REMOTE_CANDIDATES = 2
 #: Terms whose memtable document frequency `_hint` remembers per column (then it starts
 #: over): a few hundred KiB at most.
 HINT_TERMS = 10_000
-#: Columns of an owner pod's text answer besides `_score`: each row's frequency of every
-#: query term (in the request's `terms` order) and its length in tokens.
-TERM_FREQUENCIES = "_bm25_tf"
-DOC_LENGTH = "_bm25_dl"
-#: `frontier` compares its points pairwise only up to this many (a few MB of booleans);
-#: past it, the points are sent as they are (still a valid bound, only longer).
-FRONTIER_PAIRWISE_MAX = 1_024
 
 
 @dataclass
@@ -361,9 +356,9 @@ class TextSearch:
     ) -> tuple[pa.Table, list[list[int]]]:
         """An owner pod's answer to a fan-out text query (`engine.reads.fresh`): its k best
         visible rows by BM25 with the given statistics (the coordinator's estimate or its
-        exact statistics), each with its term frequencies (`TERM_FREQUENCIES`, in `terms`
-        order) and length (`DOC_LENGTH`), so the coordinator scores them with the exact
-        statistics; and the frontier of the rows not returned (`frontier`), so it knows the
+        exact statistics), each with its term frequencies (`bm25.TERM_FREQUENCIES`, in `terms`
+        order) and length (`bm25.DOC_LENGTH`), so the coordinator scores them with the exact
+        statistics; and the frontier of the rows not returned (`bm25.frontier`), so it knows the
         best score any of them can have."""
         candidates: list[Candidates] = []
         qualifying: list[tuple[Candidates | None, np.ndarray, fts.BatchTerms, dict[str, Any]]] = []
@@ -383,8 +378,8 @@ class TextSearch:
             [
                 *fields,
                 pa.field(SCORE, pa.float32()),
-                pa.field(TERM_FREQUENCIES, pa.list_(pa.int32(), len(terms))),
-                pa.field(DOC_LENGTH, pa.int32()),
+                pa.field(bm25.TERM_FREQUENCIES, pa.list_(pa.int32(), len(terms))),
+                pa.field(bm25.DOC_LENGTH, pa.int32()),
             ]
         )
         tables = []
@@ -394,14 +389,14 @@ class TextSearch:
             rows = cand.rows[mine]
             returned[id(cand)] = rows
             bt, tfs = terms_of[id(cand)]
-            tf = _tf_matrix(tfs, terms, rows, len(bt.doc_len))
+            tf = bm25.tf_matrix(tfs, terms, rows, len(bt.doc_len))
             table = cand.tier.take(cand.batch, rows, fetch)
             table = table.append_column(SCORE, pa.array(cand.values[mine], pa.float32()))
             flat = pa.array(tf.reshape(-1), pa.int32())
             table = table.append_column(
-                TERM_FREQUENCIES, pa.FixedSizeListArray.from_arrays(flat, len(terms))
+                bm25.TERM_FREQUENCIES, pa.FixedSizeListArray.from_arrays(flat, len(terms))
             )
-            table = table.append_column(DOC_LENGTH, pa.array(bt.doc_len[rows], pa.int32()))
+            table = table.append_column(bm25.DOC_LENGTH, pa.array(bt.doc_len[rows], pa.int32()))
             tables.append(table)  # `take` gives the table schema's fields: `schema` already
         signatures = []
         for found, mask, bt, tfs in qualifying:
@@ -409,10 +404,10 @@ class TextSearch:
                 mask[returned[id(found)]] = False
             rows = np.flatnonzero(mask)
             if len(rows):
-                tf = _tf_matrix(tfs, terms, rows, len(bt.doc_len))
+                tf = bm25.tf_matrix(tfs, terms, rows, len(bt.doc_len))
                 signatures.append(np.column_stack([tf, bt.doc_len[rows]]))
         table = pa.concat_tables(tables) if tables else schema.empty_table()
-        best = frontier(np.concatenate(signatures)) if signatures else np.empty((0, 0))
+        best = bm25.frontier(np.concatenate(signatures)) if signatures else np.empty((0, 0))
         return table, best.astype(np.int64).tolist()
 
     def _merge_remote(
@@ -434,7 +429,8 @@ class TextSearch:
 
         def merged(by_owner: dict[str, RemoteAnswer]) -> pa.Table:
             rescored = [
-                replace(a, table=rescore(a.table, terms, idf, avgdl)) for a in by_owner.values()
+                replace(a, table=bm25.rescore(a.table, terms, idf, avgdl))
+                for a in by_owner.values()
             ]
             return top([*parts, *snap.remote_rows(rescored)], SCORE, k, ascending=False)
 
@@ -444,7 +440,7 @@ class TextSearch:
         again = {
             a.owner
             for a in answers
-            if frontier_best(a.meta.get("frontier", []), terms, idf, avgdl) > kth
+            if bm25.frontier_best(a.meta.get("frontier", []), terms, idf, avgdl) > kth
         }
         if not again:
             return result
@@ -649,78 +645,3 @@ class TextSearch:
             base, ("text_index_coverage", column), compute, reuse=False
         )
         return result
-
-
-def _tf_matrix(
-    tfs: dict[str, np.ndarray], terms: list[str], rows: np.ndarray, n: int
-) -> np.ndarray:
-    """Frequencies of `terms` (columns, 0 for a term the batch lacks) for `rows`."""
-    zeros = np.zeros(n, dtype=np.int32)
-    return np.column_stack([tfs.get(t, zeros)[rows] for t in terms]).astype(np.int32)
-
-
-def frontier(signatures: np.ndarray) -> np.ndarray:
-    """The rows of `signatures` (term frequencies..., length) no other row dominates.
-
-    A BM25 score grows with every term frequency and shrinks with the length, whatever the
-    corpus statistics; so the best score any of the rows can have, under any statistics,
-    is the best of these (`frontier_best`). Rows of the same frequencies keep the shortest
-    only (one sort), then dominated rows are dropped pairwise (up to
-    `FRONTIER_PAIRWISE_MAX`; a query's terms make few distinct frequency vectors)."""
-    if not len(signatures):
-        return signatures
-    freqs, lengths = signatures[:, :-1], signatures[:, -1]
-    order = np.lexsort((lengths, *freqs.T[::-1]))  # by frequencies, then shortest first
-    ordered = signatures[order]
-    first = np.ones(len(ordered), dtype=bool)
-    first[1:] = (ordered[1:, :-1] != ordered[:-1, :-1]).any(axis=1)
-    unique = ordered[first]
-    if len(unique) > FRONTIER_PAIRWISE_MAX:
-        return unique
-    dominates = (unique[:, None, :-1] >= unique[None, :, :-1]).all(axis=2) & (
-        unique[:, None, -1] <= unique[None, :, -1]
-    )
-    np.fill_diagonal(dominates, False)
-    kept: np.ndarray = unique[~dominates.any(axis=0)]
-    return kept
-
-
-def bm25_rows(
-    tf: np.ndarray, doc_len: np.ndarray, terms: list[str], term_idf: dict[str, float], avgdl: float
-) -> np.ndarray:
-    """BM25 of rows given their term frequencies (one column per term of `terms`), float32:
-    the same sums in the same order as a memtable batch's, so the same values."""
-    score = np.zeros(len(doc_len), dtype=np.float64)
-    for j, term in enumerate(terms):  # a term a row lacks adds exactly 0.0
-        score += fts.bm25(tf[:, j], doc_len, term_idf[term], avgdl)
-    out: np.ndarray = score.astype(np.float32)
-    return out
-
-
-def rescore(
-    table: pa.Table, terms: list[str], term_idf: dict[str, float], avgdl: float
-) -> pa.Table:
-    """An owner pod's text answer (`TextSearch.owner_part`) scored with `term_idf` and
-    `avgdl`, without the frequency and length columns."""
-    rows = table.num_rows
-    tf = (
-        table.column(TERM_FREQUENCIES).combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        if rows
-        else np.zeros(0, dtype=np.int32)
-    ).reshape(rows, len(terms))
-    doc_len = table.column(DOC_LENGTH).to_numpy(zero_copy_only=False)
-    score = bm25_rows(tf, doc_len, terms, term_idf, avgdl)
-    table = table.drop_columns([TERM_FREQUENCIES, DOC_LENGTH])
-    return table.set_column(
-        table.schema.get_field_index(SCORE), SCORE, pa.array(score, pa.float32())
-    )
-
-
-def frontier_best(
-    points: list[list[int]], terms: list[str], term_idf: dict[str, float], avgdl: float
-) -> float:
-    """The best score any row of a `frontier` can have with these statistics (-inf: none)."""
-    if not points:
-        return float("-inf")
-    signatures = np.asarray(points, dtype=np.int64)
-    return float(bm25_rows(signatures[:, :-1], signatures[:, -1], terms, term_idf, avgdl).max())

@@ -28,6 +28,7 @@ from engine.backpressure import BlockingValve
 from engine.errors import FreshRowsUnavailable
 from engine.manifest import ManifestStore
 from engine.reader import Fanout, FanoutReport, NoReaderEvents, Reader
+from engine.reads import bm25
 from engine.reads import text as text_module
 from engine.reads.owners import ShardOwners
 from engine.reads.remote import pack, unpack
@@ -423,10 +424,10 @@ def test_the_frontier_bounds_every_row_under_any_statistics(
     signatures = np.array(rows, dtype=np.int64)
     terms = ["x", "y", "z"]
     term_idf = dict(zip(terms, idf, strict=True))
-    points = text_module.frontier(signatures)
+    points = bm25.frontier(signatures)
     assert len(points) <= len({tuple(r[:-1]) for r in rows})
-    every = text_module.bm25_rows(signatures[:, :-1], signatures[:, -1], terms, term_idf, avgdl)
-    best = text_module.frontier_best(points.tolist(), terms, term_idf, avgdl)
+    every = bm25.bm25_rows(signatures[:, :-1], signatures[:, -1], terms, term_idf, avgdl)
+    best = bm25.frontier_best(points.tolist(), terms, term_idf, avgdl)
     assert best == float(every.max())
 
 
