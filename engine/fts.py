@@ -98,7 +98,7 @@ def tokenize_batch(texts: list[str | None]) -> tuple[list[list[str]], list[list[
     if not any(_SEPARATOR in d.lower() for d in docs):
         joined = f" {_SEPARATOR} ".join(docs)
         tokens = lance.tokenize(joined)
-        marker = _separator_token()
+        marker = separator_token()
         terms: list[list[str]] = [[]]
         positions: list[list[int]] = [[]]
         start = 0
@@ -116,7 +116,9 @@ def tokenize_batch(texts: list[str | None]) -> tuple[list[list[str]], list[list[
     return [[t for t, _ in p] for p in pairs], [[q for _, q in p] for p in pairs]
 
 
-def _separator_token() -> str:
+def separator_token() -> str:
+    """The token Lance's tokenizer makes of the separator word (computed once): it marks
+    where one document ends in a batch's joined text, and is no term of any document."""
     global _SEPARATOR_TOKEN  # noqa: PLW0603 - computed once, then read-only
     if _SEPARATOR_TOKEN is None:
         _SEPARATOR_TOKEN = lance.tokenize(_SEPARATOR)[0].text
@@ -154,7 +156,7 @@ class MemtableTermCache:
         with entry.lock:
             for batch in batches[len(entry.batches) :]:
                 words = len(entry.vocab)
-                terms = _batch_terms(batch.column(column).to_pylist(), entry.vocab)
+                terms = batch_terms(batch.column(column).to_pylist(), entry.vocab)
                 entry.batches.append(terms)
                 # Token arrays plus the new vocabulary entries (str key, int value, slot).
                 memtable.account_cache(
@@ -192,7 +194,7 @@ class MemtableTermCache:
         return sum(b.nbytes for e in entries for b in e.batches)
 
 
-def _batch_terms(texts: list[str | None], vocab: dict[str, int]) -> BatchTerms:
+def batch_terms(texts: list[str | None], vocab: dict[str, int]) -> BatchTerms:
     """The tokens of one batch as term ids of `vocab` (extended with the batch's new words).
 
     One tokenizer call over the joined documents; the tokens' words and positions are read
@@ -206,7 +208,7 @@ def _batch_terms(texts: list[str | None], vocab: dict[str, int]) -> BatchTerms:
         tokens = lance.tokenize(f" {_SEPARATOR} ".join(docs))
         words = list(map(_TEXT, tokens))
         positions = np.fromiter(map(_POSITION, tokens), dtype=np.int64, count=len(tokens))
-        marker = vocab.setdefault(_separator_token(), len(vocab))
+        marker = vocab.setdefault(separator_token(), len(vocab))
         ids = np.fromiter(
             (vocab.setdefault(w, len(vocab)) for w in words), dtype=np.int64, count=len(words)
         )

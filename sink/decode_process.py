@@ -62,7 +62,7 @@ WORKER_MMAP_THRESHOLD = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
-class _Batch:
+class Batch:
     """One topic-partition's messages as columns, but for their values (what crosses to a
     worker pickled; the values cross in a shared memory segment)."""
 
@@ -76,7 +76,7 @@ class _Batch:
     lengths: np.ndarray
 
     @classmethod
-    def of(cls, messages: Sequence[MessageLike]) -> tuple[_Batch, list[bytes]]:
+    def of(cls, messages: Sequence[MessageLike]) -> tuple[Batch, list[bytes]]:
         """The batch of `messages`, and their values (tombstones left out) in order."""
         first = messages[0]
         values = [m.value() for m in messages]
@@ -164,7 +164,7 @@ def _serve(
     """A worker: decode every batch that arrives until the pipe closes. It logs as the
     sink's process does (`log_config`: level and format), to the same standard error.
 
-    A request is the pickled `_Batch` with the names of the request segment (holding its
+    A request is the pickled `Batch` with the names of the request segment (holding its
     values) and of the response segment, and the values' size. The answer is the pickled
     outcome (`Decoded` without its record batch, or the exception raised) with the size of
     the record batch's Arrow IPC stream, written into the response segment, or sent
@@ -178,26 +178,28 @@ def _serve(
         configure_logging(*log_config)
     decoder = Decoder(spec, source, schema_check=schema_check)
     freeze_gc()  # as the sink's loop does
-    segments = _Attached()
+    segments = Attached()
     try:
         conn.send(("ready", None))
         while True:
             batch, request, size, response = conn.recv()
-            conn.send(_answer(decoder, segments, batch, request, size, response))
+            conn.send(answer(decoder, segments, batch, request, size, response))
     except (EOFError, OSError):  # the sink is gone (or closed us)
         pass
     finally:
         segments.close()
 
 
-class _Attached:
+class Attached:
     """A worker's view of the sink's two segments, by role: attached once, and again only
-    when the sink replaced one (a new name: it grew)."""
+    when the sink replaced one (a new name: it grew). Made by the worker when it starts;
+    `close` when it exits."""
 
     def __init__(self) -> None:
         self._segments: dict[str, shared_memory.SharedMemory] = {}
 
     def buf(self, role: str, name: str) -> memoryview:
+        """The buffer of the segment called `name` in `role` ("request" or "response")."""
         segment = self._segments.get(role)
         if segment is None or segment.name != name:
             if segment is not None:
@@ -210,21 +212,37 @@ class _Attached:
         return buf
 
     def close(self) -> None:
+        """Let go of the segments (the sink's process unlinks them)."""
         for segment in self._segments.values():
             segment.close()
         self._segments.clear()
 
 
-def _answer(
+def answer(
     decoder: Decoder,
-    segments: _Attached,
-    batch: _Batch,
+    segments: Attached,
+    batch: Batch,
     request: str,
     size: int,
     response: str,
 ) -> tuple[tuple[str, Any], int, bytes | pa.Buffer | None]:
-    """One batch decoded: the outcome, the size of its rows' IPC stream, and that stream
-    itself when it does not fit in the response segment (None when it was written there)."""
+    """The worker's side of one batch: decoded by `decoder` from its values in the request
+    segment, its rows written into the response segment.
+
+    Args:
+        decoder: the worker's decoder.
+        segments: the worker's view of the sink's segments.
+        batch: the batch but for its values.
+        request: the name of the request segment, holding the values joined.
+        size: the values' size in it.
+        response: the name of the response segment.
+
+    Returns:
+        The outcome (``("ok", Decoded without its batch)`` or ``("error", the exception)``:
+        one that pickle refuses is a `RuntimeError` naming it, so it can cross), the size
+        of the rows' Arrow IPC stream, and that stream itself when it does not fit in the
+        response segment (None when it was written there).
+    """
     rows: bytes | pa.Buffer = b""
     try:
         decoded = decoder.decode(batch.messages(segments.buf("request", request)[:size]))
@@ -264,7 +282,7 @@ class _Worker:
         self.request = shared_memory.SharedMemory(create=True, size=SEGMENT_BYTES)
         self.response = shared_memory.SharedMemory(create=True, size=SEGMENT_BYTES)
 
-    def call(self, batch: _Batch, values: list[bytes]) -> Decoded:
+    def call(self, batch: Batch, values: list[bytes]) -> Decoded:
         if not self.ready:
             kind, error = self.conn.recv()
             if kind != "ready":
@@ -380,7 +398,7 @@ class ProcessDecoder:
         """
         if self._closed:
             raise RuntimeError("the decoder is closed")
-        batch, values = _Batch.of(messages)
+        batch, values = Batch.of(messages)
         worker = self._worker()
         try:
             return worker.call(batch, values)

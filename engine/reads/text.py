@@ -13,7 +13,7 @@ unindexed).
 Across pods (fan-out) the statistics include the other pods' memtables, and the scores are
 exactly those of one process holding every shard, in one round trip per owner pod:
 
-1. the coordinator sends each owner an estimate of the statistics (`TextSearch._hint`:
+1. the coordinator sends each owner an estimate of the statistics (`TextSearch.hint`:
    the base's, plus the memtables' totals as its last fan-out text query found them);
 2. the owner answers with its memtables' statistics and its `REMOTE_CANDIDATES` * k best
    rows ranked by the estimate, each with its term frequencies and length, and the
@@ -86,12 +86,12 @@ MAX_TEXT_TERMS = 128
 #: Lance's tokenizer leaves out longer words (its INVERTED index's `max_token_length`).
 MAX_TOKEN_CHARS = 40
 #: An owner pod answers a fan-out text query with this many times k rows, ranked by the
-#: coordinator's estimate of the corpus statistics (`TextSearch._hint`): the coordinator
+#: coordinator's estimate of the corpus statistics (`TextSearch.hint`): the coordinator
 #: scores them with the exact statistics and asks again only when a row not returned
 #: might beat its k-th (`bm25.frontier_best`). The estimate is off by the memtables' change
 #: since the last query, so the exact top k is almost always among the first 2k.
 REMOTE_CANDIDATES = 2
-#: Terms whose memtable document frequency `_hint` remembers per column (then it starts
+#: Terms whose memtable document frequency `hint` remembers per column (then it starts
 #: over): a few hundred KiB at most.
 HINT_TERMS = 10_000
 
@@ -130,7 +130,7 @@ class TextSearch:
             "reader-tokenizer", TOKENIZE_INTERVAL_S, self._tokenize_once, "reader_tokenize_failed"
         )
         #: Memtable totals (documents, tokens, df per term) per column, as the last
-        #: fan-out text query found them: its estimate for the next (`_hint`).
+        #: fan-out text query found them: its estimate for the next (`hint`).
         self._mem_totals: dict[str, tuple[int, int, dict[str, int]]] = {}
         self.flushed_text: FlushedText | None = None
         if self.spec.fts_columns and room is not None:
@@ -251,7 +251,7 @@ class TextSearch:
             first = None
             if remote is not None:  # one round trip, ranked by an estimate (module docstring)
                 estimate = {t: self.base_df_estimate(snap.base, column, t) for t in terms}
-                hint_idf, hint_avgdl = self._hint(column, terms, n_base, avgdl_base, estimate)
+                hint_idf, hint_avgdl = self.hint(column, terms, n_base, avgdl_base, estimate)
                 first = {
                     **request,
                     "idf": hint_idf,
@@ -449,7 +449,7 @@ class TextSearch:
             by_owner[answer.owner] = answer
         return merged(by_owner)
 
-    def _hint(
+    def hint(
         self,
         column: str,
         terms: list[str],
@@ -468,7 +468,7 @@ class TextSearch:
         return idf, avgdl
 
     def _remember(self, column: str, documents: int, length: int, df: dict[str, int]) -> None:
-        """Keep a fan-out text query's memtable totals for the next query's `_hint`."""
+        """Keep a fan-out text query's memtable totals for the next query's `hint`."""
         _, _, known = self._mem_totals.get(column, (0, 0, {}))
         known = {} if len(known) >= HINT_TERMS else dict(known)
         known.update(df)

@@ -31,6 +31,7 @@ __all__ = [
     "SchemaCheck",
     "SchemaCheckMode",
     "SchemaEvolution",
+    "epoch_ms_paths",
     "parse_records",
     "record_format",
 ]
@@ -174,7 +175,7 @@ def parse_records(
         SchemaEvolution: (with a `check` that evolves) a decoded payload's writer schema
             has fields the table lacks or widens one.
     """
-    epoch_ms = _epoch_ms_paths(paths)
+    epoch_ms = epoch_ms_paths(paths)
     if len(payloads) <= _CHUNK:
         return _parse_chunk(fmt, payloads, paths, check, epoch_ms)
     parts = [
@@ -197,10 +198,14 @@ def parse_records(
     )
 
 
-def _epoch_ms_paths(paths: Sequence[tuple[Path, str, str]]) -> frozenset[Path]:
+def epoch_ms_paths(paths: Sequence[tuple[Path, str, str]]) -> frozenset[Path]:
     """The paths of timestamp columns that no other path reads through or into: there a
     format may give epoch milliseconds instead of a datetime (`RecordFormat.records`), and
-    no other column sees the difference."""
+    no other column sees the difference.
+
+    Args:
+        paths: ``(path, column type name, describe)`` per column, as `parse_records` takes.
+    """
     every = [path for path, _, _ in paths]
     return frozenset(
         path

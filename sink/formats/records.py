@@ -47,6 +47,7 @@ __all__ = [
     "FLOAT32_MAX",
     "Fault",
     "column_values",
+    "convert",
     "float32_beyond",
     "lookup",
     "to_column",
@@ -184,7 +185,7 @@ def to_column(
     faults: dict[int, Fault] = {}
     out: list[Any] = []
     for pos, value in enumerate(values):
-        converted, problem = _convert(value, type_name)
+        converted, problem = convert(value, type_name)
         if problem is not None:
             faults[pos] = ("wrong_type", f"{describe} {problem}")
             converted = None
@@ -228,7 +229,7 @@ def _bulk(values: list[Any], type_name: str) -> pa.Array:
 
 def _epoch_millis(values: list[int | None]) -> pa.Array | None:
     """Epoch milliseconds as a timestamp column in one call, when every one is within the
-    timestamp range (then each is exactly what `_convert` makes of it); else None."""
+    timestamp range (then each is exactly what `convert` makes of it); else None."""
     try:
         arr = pa.array(values, pa.int64())
     except (pa.ArrowInvalid, OverflowError):
@@ -278,8 +279,18 @@ def _vector_list(values: list[list[float] | None]) -> pa.Array:
     return pa.array(values, pa.list_(pa.float32()))
 
 
-def _convert(value: Any, type_name: str) -> tuple[Any, str | None]:
-    """One value converted for `type_name`, or what is wrong with it."""
+def convert(value: Any, type_name: str) -> tuple[Any, str | None]:
+    """One record value converted for a column of `type_name`, or what is wrong with it:
+    the value by value reference `to_column` falls back to (its bulk paths give the same).
+
+    Args:
+        value: a value of a decoded record (None = null).
+        type_name: a column type name of `config.settings.ColumnSpec`, or "vector".
+
+    Returns:
+        ``(converted, None)``, or ``(None, problem)`` where problem completes a detail
+        after the column's description (``is 3000000000, outside the int32 range``).
+    """
     if value is None:
         return None, None
     kind = type(value)

@@ -29,7 +29,6 @@ from engine.errors import FreshRowsUnavailable
 from engine.manifest import ManifestStore
 from engine.reader import Fanout, FanoutReport, NoReaderEvents, Reader
 from engine.reads import bm25
-from engine.reads import text as text_module
 from engine.reads.owners import ShardOwners
 from engine.reads.remote import pack, unpack
 from engine.schema import TableSpec
@@ -309,12 +308,13 @@ def test_a_text_estimate_far_off_asks_the_owners_again(
     put_varied(c, wc, list(range(2000, 2300)), 2)
     single = Reader(a.spec, a.table, lambda: [wa, wb, wc])
     text_search = a.reader.text
+    real_hint = text_search.hint
 
     def inverted(*args: Any) -> tuple[dict[str, float], float]:
-        idf, avgdl = text_module.TextSearch._hint(text_search, *args)
+        idf, avgdl = real_hint(*args)
         return {t: 1 / v for t, v in idf.items()}, avgdl * 50  # rare terms look common
 
-    monkeypatch.setattr(text_search, "_hint", inverted)
+    monkeypatch.setattr(text_search, "hint", inverted)
     posts: list[str] = []
     real_post = a.fanout.post
     monkeypatch.setattr(

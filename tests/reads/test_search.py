@@ -302,7 +302,7 @@ def test_new_memtable_batches_are_tokenised_off_the_query_path(
     def no_tokenising(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a text query tokenised a batch")
 
-    monkeypatch.setattr(fts, "_batch_terms", no_tokenising)
+    monkeypatch.setattr(fts, "batch_terms", no_tokenising)
     got = h.reader.search_text("row1049", k=5, columns=["_offset"])
     assert got.column("_offset").to_pylist() == [1049]
     h.reader.close()
@@ -412,7 +412,7 @@ def test_a_batch_is_tokenised_as_its_documents_are_one_by_one() -> None:
         "dogs dogs dogs",
     ]
     vocab: dict[str, int] = {}
-    batch = fts._batch_terms(texts, vocab)
+    batch = fts.batch_terms(texts, vocab)
     words = {i: w for w, i in vocab.items()}
     for row, text in enumerate(texts):
         mine = batch.doc == row
@@ -421,7 +421,7 @@ def test_a_batch_is_tokenised_as_its_documents_are_one_by_one() -> None:
         assert batch.pos[mine].tolist() == [p for _, p in alone]
         assert batch.doc_len[row] == len(alone)
     assert batch.valid.tolist() == [t is not None for t in texts]
-    assert fts._separator_token() not in {words[int(t)] for t in batch.term}
+    assert fts.separator_token() not in {words[int(t)] for t in batch.term}
 
 
 def test_a_selective_filter_on_an_indexed_base_still_finds_k_rows(

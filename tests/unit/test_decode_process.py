@@ -28,9 +28,10 @@ from engine.errors import PersistenceError
 from engine.schema import TableSpec
 from sink import decode_process
 from sink.decode import Decoded, Decoder
-from sink.decode_process import ProcessDecoder, _Message
+from sink.decode_process import ProcessDecoder
 from sink.formats import RegistryUnavailable, SchemaEvolution
 from tests.support.procs import running
+from tests.unit.test_decode import Msg
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,7 +55,7 @@ def spec(tmp_path: Path, mode: str = "append") -> TableSpec:
     return TableSpec.from_settings(TableSettings.model_validate(raw))
 
 
-def corpus(n: int, text: int = 40) -> list[_Message]:
+def corpus(n: int, text: int = 40) -> list[Msg]:
     """Good rows with every kind of fault and a tombstone among them."""
     rng = np.random.default_rng(7)
     out = []
@@ -80,8 +81,14 @@ def corpus(n: int, text: int = 40) -> list[_Message]:
             value = b"x" * 2_000_000  # beyond source.max_message_bytes (1 MiB)
         headers = [("h", str(i).encode()), ("none", None)] if i % 3 else None
         out.append(
-            _Message(
-                "t", 2, 1000 + i, (1, 1_700_000_000_000 + i), f"k-{i}".encode(), value, headers
+            Msg(
+                value,
+                offset_=1000 + i,
+                key_=f"k-{i}".encode(),
+                timestamp_=(1, 1_700_000_000_000 + i),
+                headers_=headers,
+                topic_="t",
+                partition_=2,
             )
         )
     return out
@@ -163,9 +170,11 @@ def test_an_unreachable_registry_is_raised_in_the_callers_thread(tmp_path: Path)
     try:
         framed = b"\x00" + (42).to_bytes(4, "big") + b"\x02"
         with pytest.raises(RegistryUnavailable) as caught:
-            processes.decode([_Message("t", 0, 0, (1, 1), None, framed, None)])
+            processes.decode([Msg(framed, timestamp_=(1, 1), topic_="t", partition_=0)])
         with pytest.raises(RegistryUnavailable) as local:
-            Decoder(table, source).decode([_Message("t", 0, 0, (1, 1), None, framed, None)])
+            Decoder(table, source).decode(
+                [Msg(framed, timestamp_=(1, 1), topic_="t", partition_=0)]
+            )
         assert str(caught.value) == str(local.value)
     finally:
         processes.close()
@@ -304,17 +313,17 @@ class _Failing:
 
 
 def test_an_error_that_cannot_be_pickled_arrives_by_its_text() -> None:
-    """The worker's side of a batch (`_answer`, in this process): an exception pickle
+    """The worker's side of a batch (`answer`, in this process): an exception pickle
     refuses would kill the worker when sent; it is sent as a RuntimeError naming it."""
     request = shared_memory.SharedMemory(create=True, size=1 << 20)
     response = shared_memory.SharedMemory(create=True, size=1 << 20)
-    segments = decode_process._Attached()
+    segments = decode_process.Attached()
     try:
-        batch, values = decode_process._Batch.of(corpus(3))
+        batch, values = decode_process.Batch.of(corpus(3))
         blob = b"".join(values)
         assert request.buf is not None
         request.buf[: len(blob)] = blob
-        (kind, error), size, inline = decode_process._answer(
+        (kind, error), size, inline = decode_process.answer(
             _Failing(),  # type: ignore[arg-type]
             segments,
             batch,

@@ -269,7 +269,7 @@ def test_float32_ties_finds_exact_halfway_doubles_only() -> None:
 # -- generated messages -------------------------------------------------------------
 
 
-def _number_text() -> st.SearchStrategy[str]:
+def number_text() -> st.SearchStrategy[str]:
     digits = st.text("0123456789", min_size=1, max_size=30)
     decimal = st.builds(
         lambda sign, whole, frac, exp: f"{sign}{whole.lstrip('0') or '0'}{frac}{exp}",
@@ -341,7 +341,7 @@ def _string_text() -> st.SearchStrategy[str]:
 @st.composite
 def _vector_text(draw: st.DrawFn) -> str:
     size = draw(st.sampled_from([DIM] * 12 + [0, DIM - 1, DIM + 1]))
-    items = [draw(_number_text()) for _ in range(size)]
+    items = [draw(number_text()) for _ in range(size)]
     if items and draw(st.integers(0, 19)) == 0:
         items[draw(st.integers(0, size - 1))] = draw(
             st.sampled_from(["null", '"1"', "[1]", "true"])
@@ -355,7 +355,7 @@ def _scalar_text(kind: str) -> st.SearchStrategy[str]:
     good: dict[str, st.SearchStrategy[str]] = {
         "string": _string_text(),
         "int32": st.integers(-(2**31), 2**31 - 1).map(str),
-        "float": _number_text(),
+        "float": number_text(),
         "bool": st.sampled_from(["true", "false"]),
         "timestamp": st.one_of(
             st.integers(0, 2**45).map(str),
@@ -384,7 +384,7 @@ def json_message(draw: st.DrawFn) -> bytes:
     if draw(st.integers(0, 9)) > 0:
         parts.append((draw(_key("vec")), draw(_vector_text())))
     if draw(st.booleans()):
-        score = draw(st.one_of(_number_text(), st.just('"x"')))
+        score = draw(st.one_of(number_text(), st.just('"x"')))
         parts.append(("meta", draw(st.sampled_from(["{", "{ "])) + f'"score":{score}}}'))
     if draw(st.integers(0, 4)) == 0:
         parts.append(("tags", '[[1], "["]'))

@@ -254,14 +254,14 @@ def test_timestamp_millis_read_as_epoch_milliseconds_give_the_same_rows_and_dead
     columns = {"inner_t": "$.inner.t", "again_t": "$.again.t", "seen_t": "$.seen.t"}
     messages = [Msg(v, 10 + i) for i, v in enumerate(payloads)]
     read: dict[str, Any] = {}
-    real = formats._epoch_ms_paths
+    real = formats.epoch_ms_paths
     # Only timestamp columns, and none that another path reads through or into.
     assert real(
         [(("at",), "timestamp", ""), (("n",), "int64", ""), (("a",), "timestamp", ""),
          (("a", "b"), "timestamp", ""), (("c", "d"), "timestamp", ""), (("c",), "string", "")]
     ) == {("at",)}  # fmt: skip
     for name, paths in (("datetimes", lambda _: frozenset()), ("epoch ms", real)):
-        monkeypatch.setattr(formats, "_epoch_ms_paths", paths)
+        monkeypatch.setattr(formats, "epoch_ms_paths", paths)
         out, rows = decode(
             spec, messages, format="avro", schema_registry={"url": url}, columns=columns
         )
@@ -292,7 +292,7 @@ def test_epoch_milliseconds_fill_a_timestamp_column_as_they_do_one_by_one() -> N
     values = [0, -1, 1_700_000_000_123, lowest, highest, None]
     arr, faults = record_columns.to_column(values, "timestamp", "'t' ($.t)")
     assert faults == {}
-    assert arr.to_pylist() == [record_columns._convert(v, "timestamp")[0] for v in values]
+    assert arr.to_pylist() == [record_columns.convert(v, "timestamp")[0] for v in values]
     beyond: list[int | None] = [1, highest + 1, None, lowest - 1, 2**64]
     arr, faults = record_columns.to_column(beyond, "timestamp", "'t' ($.t)")
     assert arr.to_pylist() == [datetime(1970, 1, 1, 0, 0, 0, 1000, tzinfo=UTC)] + [None] * 4

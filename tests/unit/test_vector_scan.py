@@ -27,8 +27,8 @@ from tests.unit.test_decode import Msg
 from tests.unit.test_decode_vector_json import (
     CLEAN,
     DIM,
-    _number_text,
     assert_same,
+    number_text,
     source,
     spec,
 )
@@ -174,7 +174,7 @@ def test_short_decimals_of_every_length_and_point_read_as_arrow_does() -> None:
     st.lists(
         st.lists(
             st.one_of(
-                _number_text(),
+                number_text(),
                 st.builds(
                     lambda sign, whole, frac: f"{sign}{whole}.{frac}",
                     st.sampled_from(["", "-"]),
