@@ -127,7 +127,6 @@ class OutOfRange:
             log.error("offsets_deleted_before_read", **where, log_start=low, skipped=low - offset)
             self.metrics.offsets_skipped(state.topic, state.partition, low - offset)
             self.pipeline.skip_offsets(state, offset, low - 1)
-            state.position = low
             self._fetch_from(state, low)
         else:
             now = time.monotonic()

@@ -152,8 +152,9 @@ class PartitionState:
     dead letters were acknowledged, or that carry no rows: tombstones, and the control
     records and aborted messages the consumer skips, see
     `sink.consumer.commits.Commits.skip_records_without_data`), so committing `done` keeps
-    I1. `position` is where fetching resumes: it moves when messages are parked (the
-    pipeline), and is set back by the transitions that drop what was consumed.
+    I1. `position` is where fetching resumes: it moves forward as messages are parked or
+    offsets skipped (`sink.consumer.pipeline`) and as records without data are passed
+    (`sink.consumer.commits`), and only the transitions below set it anywhere else.
     """
 
     topic: str
@@ -309,8 +310,7 @@ def _move(state: PartitionState, event: Event) -> None:
     to = TRANSITIONS[event].get(state.phase)
     if to is None:
         raise IllegalTransition(
-            f"{state.topic}[{state.partition}]: no {event.value} transition from "
-            f"{state.phase.name}"
+            f"{state.topic}[{state.partition}]: no {event.value} transition from {state.phase.name}"
         )
     state.phase = to
 

@@ -185,12 +185,14 @@ class Pipeline:
     def skip_offsets(self, state: PartitionState, first: int, last: int) -> None:
         """Offsets `first`..`last` can never become durable (deleted before they were
         read): `done` steps over them as over offsets without rows, after the messages
-        consumed before them (still parked or decoding), as one more decoded batch."""
+        consumed before them (still parked or decoding), as one more decoded batch; the
+        partition is fetched on from `last + 1`."""
         if state.parked:
             self.submit_parked(state)
         none: Future[Decoded] = Future()
         none.set_result(Decoded(None, [], [], first, last))
         state.decoding.append(Decoding([], none))
+        state.position = last + 1
 
     def wait_decoded(self, timeout: float) -> None:
         """The decode queue is full: wait (bounded) until some partition's oldest batch is
