@@ -6,7 +6,9 @@ instead of being replaced silently. `refused` looks the partition's log range up
 open pool (a round trip to the broker); `service` (every loop iteration) acts on it as
 `out_of_range_action` says, and fetches again the offsets whose wait is over. It is a
 sub-state of ACTIVE (`PartitionState.out_of_range`, `.out_of_range_retry`,
-`.out_of_range_since`), dropped with the writer, and may end the partition in STOPPED.
+`.out_of_range_since`), forgotten by every transition out of ACTIVE (fetching then
+resumes from `position`, where a refusal that stands comes back), and may end the
+partition in STOPPED.
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ class OutOfRange:
         librdkafka stopped fetching it: look its log range up on the open pool and act on
         it in `service`."""
         state = self.partitions.get((topic, partition))
-        if state is None or state.out_of_range is not None or state.phase is Phase.STOPPED:
-            return
+        if state is None or state.out_of_range is not None or state.phase is not Phase.ACTIVE:
+            return  # not fetched from there: a refusal that stands comes back on resume
         if state.out_of_range_since is None:  # the first refusal in a row (see below)
             log.warning(
                 "offset_out_of_range",
@@ -95,8 +97,7 @@ class OutOfRange:
             retry = state.out_of_range_retry
             if retry is not None and now >= retry[1]:
                 state.out_of_range_retry = None
-                if state.phase is not Phase.STOPPED:
-                    self._fetch_from(state, retry[0])
+                self._fetch_from(state, retry[0])
             pending = state.out_of_range
             if pending is None or not pending[1].done():
                 continue

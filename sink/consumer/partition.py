@@ -304,6 +304,13 @@ class PartitionState:
         self.rewind_to(first.offset(), timestamp_ms(first))
 
 
+def _forget_refused_offset(state: PartitionState) -> None:
+    """Leave ACTIVE's out-of-range sub-state: fetching resumes (if ever) from `position`,
+    where a refusal that stands is met again; a look-up of an older fetch offset would
+    move `position` past messages that were dropped to be fetched again."""
+    state.out_of_range = state.out_of_range_retry = state.out_of_range_since = None
+
+
 def _move(state: PartitionState, event: Event) -> None:
     """Take `event`'s transition, before any field changes: a forbidden one raises and
     leaves the state as it was."""
@@ -358,7 +365,7 @@ def writer_dropped(state: PartitionState, *, fenced: bool, now: float) -> None:
     state.inflight.clear()
     state.held = None
     state.registry_retry_at = None
-    state.out_of_range = state.out_of_range_retry = state.out_of_range_since = None
+    _forget_refused_offset(state)
 
 
 def hold(state: PartitionState, held: Held) -> None:
@@ -368,6 +375,7 @@ def hold(state: PartitionState, held: Held) -> None:
     state.held = held
     state.position = held.decoded.last_offset + 1
     state.drop_queued()
+    _forget_refused_offset(state)
 
 
 def put_held(state: PartitionState) -> None:
@@ -387,6 +395,7 @@ def registry_wait(state: PartitionState, first: Any, error: str, retry_at: float
     state.position = first.offset()
     state.rewind(first)
     state.drop_queued()
+    _forget_refused_offset(state)
 
 
 def registry_retry(state: PartitionState) -> None:
@@ -402,13 +411,24 @@ def evolving(state: PartitionState, first: Any) -> None:
     state.position = first.offset()
     state.rewind(first)
     state.drop_queued()
+    _forget_refused_offset(state)
 
 
 def stop(state: PartitionState, why: str) -> None:
     """ACTIVE / HELD / REGISTRY_WAIT / EVOLVING -> STOPPED, for good (until assigned
-    again): `why` shows in /readyz and /v1/status."""
+    again): `why` shows in /readyz and /v1/status. Nothing more is fed: batches parked or
+    decoding are dropped (not durable, not committed: the partition's next owner fetches
+    them, and the lag in seconds counts from the oldest); a held batch stays, to show.
+    Puts in flight still become durable."""
     _move(state, Event.STOP)
     state.stopped = why
+    if state.decoding and state.decoding[0].messages:
+        state.rewind(state.decoding[0].messages[0])
+    elif state.parked:
+        state.rewind(state.parked[0])
+    state.drop_queued()
+    state.registry_retry_at = None
+    _forget_refused_offset(state)
 
 
 def release(state: PartitionState) -> None:

@@ -215,7 +215,10 @@ class Pipeline:
         """Feed each partition's decoded batches to its writer, oldest first, as far as
         their decoding has ended (a held batch stops the rest)."""
         for state in self.partitions.states():
-            while state.decoding and state.decoding[0].future.done():
+            # Only an ACTIVE partition has batches decoding: every other phase dropped them.
+            while (
+                state.phase is Phase.ACTIVE and state.decoding and state.decoding[0].future.done()
+            ):
                 job = state.decoding.popleft()
                 try:
                     decoded = job.future.result()

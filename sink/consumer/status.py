@@ -3,8 +3,9 @@
 The loop publishes one `PartitionView` per held partition (`StatusBoard.publish`: at most
 every `PUBLISH_INTERVAL_S`, and at once after a rebalance), built on the loop thread from
 its `PartitionState`s; /metrics, /readyz and /v1/status (`exposition`, `readiness`,
-`status`, any thread) read the latest views and never the loop's own state. What changes
-off the loop is read live beside a view: each shard writer's statistics (thread-safe), the
+`status`, any thread) read the latest views, and of the loop's own state only the three
+offsets it assigns whole (`StatusBoard.partition_offsets`). What changes off the loop is
+read live beside a view: each shard writer's statistics (thread-safe), the
 consumer's cached high watermark and the paused partitions' probe (`sink.lag.PausedEnds`),
 so a scrape is current even while the loop is busy.
 """
@@ -47,7 +48,8 @@ INGEST_WINDOW_SAMPLES: Final = 11
 @dataclass(frozen=True, slots=True)
 class PartitionView:
     """One partition as the loop last published it (see `PartitionState` for the
-    fields); `source` is compared by identity only (was the partition released since?)."""
+    fields). `source` is the state itself: compared by identity (was the partition
+    released since?) and read for its three offsets alone (`StatusBoard.partition_offsets`)."""
 
     topic: str
     partition: int
@@ -55,9 +57,6 @@ class PartitionView:
     paused: bool
     fetched: bool
     stopped: str | None
-    position: int | None
-    done: int | None
-    committed: int
     decoding_batches: int
     inflight_puts: int
     held: bool
@@ -89,9 +88,6 @@ class PartitionView:
             s.paused,
             s.fetched,
             s.stopped,
-            s.position,
-            s.done,
-            s.committed,
             len(s.decoding),
             len(s.inflight),
             s.held is not None,
@@ -229,23 +225,29 @@ class StatusBoard:
         last writer reported when it was dropped (0 if none opened since the assignment:
         the flush lag then counts from the log start, as `lance-sink lag`'s does without a
         recorded flush), never below `done` and the committed offset; the end offset of a
-        partition the consumer does not fetch is the probe's (`sink.lag.PausedEnds`)."""
-        key = view.key
-        committed = max(view.committed, 0)
+        partition the consumer does not fetch is the probe's (`sink.lag.PausedEnds`).
+
+        The loop's three offsets (`position`, `committed`, `done`) are read from the
+        partition's state as it is now, not from the view: each is one int the loop assigns
+        whole, and a view can be a consume wait old, which would overstate the lags by
+        what was committed since (everything else the loop owns comes from the view)."""
+        key, live = view.key, view.source
+        position = live.position
+        committed = max(live.committed, 0)
         if view.writer is not None:
             stats = view.writer.stats()
             writer_durable = stats.durable_offsets.get(key, -1) + 1
             writer_flushed = stats.flushed_offsets.get(key, -1) + 1
         else:
             writer_durable, writer_flushed = view.writer_durable, view.writer_flushed
-        durable, flushed = durable_and_flushed(view.done, writer_durable, writer_flushed)
+        durable, flushed = durable_and_flushed(live.done, writer_durable, writer_flushed)
         durable, flushed = max(durable, committed), max(flushed, 0)
-        consumed = max(view.position or 0, durable)
+        consumed = max(position or 0, durable)
         high = -1
         with self._offsets_lock:
             if not self._consumer_closed:
                 with contextlib.suppress(RuntimeError, confluent_kafka.KafkaException):
-                    high = self.consumer.get_watermark_offsets(view.source.tp, cached=True)[1]
+                    high = self.consumer.get_watermark_offsets(live.tp, cached=True)[1]
         # A partition the consumer does not fetch (paused, unassigned while its writer
         # opens): the probe's newer end, once it has one.
         high = max(high, self.paused_ends.end(key))

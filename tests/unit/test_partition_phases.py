@@ -207,3 +207,39 @@ def test_release_drops_everything_queued() -> None:
     assert decoding.cancelled()
     with pytest.raises(IllegalTransition):
         partition.release(state)
+
+
+@pytest.mark.parametrize(
+    "event",
+    [Event.HOLD, Event.REGISTRY_WAIT, Event.EVOLVE, Event.STOP, Event.WRITER_POISONED],
+    ids=lambda e: e.name,
+)
+def test_leaving_active_forgets_a_refused_fetch_offset(event: Event) -> None:
+    # A look-up of a refused fetch offset made while ACTIVE is stale once the partition
+    # left it: acting on it (a skip to the log start) would move `position` past
+    # messages dropped to be fetched again. Fetching resumes from `position`, where a
+    # refusal that stands comes back.
+    state = state_in(Phase.ACTIVE)
+    state.out_of_range = (12, Future())
+    state.out_of_range_retry = (12, 1.0)
+    state.out_of_range_since = 0.5
+    FUNCTIONS[event](state)
+    assert (state.out_of_range, state.out_of_range_retry, state.out_of_range_since) == (
+        None,
+        None,
+        None,
+    )
+
+
+def test_stop_drops_what_is_queued_and_keeps_the_held_batch() -> None:
+    state = state_in(Phase.ACTIVE)
+    decoding = pending_decode(state)
+    partition.stop(state, "offset 12 is past the log end 9")
+    assert decoding.cancelled()
+    assert not state.parked
+    assert state.rewound == (12, 1_000)  # the lag in seconds counts from the dropped batch
+    assert state.stopped == "offset 12 is past the log end 9"
+    held = state_in(Phase.HELD)
+    kept = held.held
+    partition.stop(held, "bad message at offset 10: invalid_json")
+    assert held.held is kept
