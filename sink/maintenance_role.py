@@ -24,11 +24,11 @@ maintains while the first topic does not exist (nothing has been assigned from i
 
 Lifecycle: `SinkService` builds it with the maintenance runner (created standing by) and
 calls `update(held)` from its consumer loop on every iteration, with the partitions it holds
-now (`SinkService.partitions`: assigned, whether or not the shard is open yet; a fenced
-partition is the newer writer's); `update` tells the runner to run or to stand by when that
-changes, logs it (``maintenance_role``) and sets the gauge. `status()` may be called from
-any thread. With `maintenance.enabled` off nothing runs anywhere and the role stays
-``off``.
+now (`SinkService.partitions`, a `sink.consumer.partition.PartitionTable`: assigned,
+whether or not the shard is open yet; a fenced partition is the newer writer's); `update`
+tells the runner to run or to stand by when that changes, logs it (``maintenance_role``)
+and sets the gauge. `status()` may be called from any thread. With `maintenance.enabled`
+off nothing runs anywhere and the role stays ``off``.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class MaintenanceRunner(Protocol):
 
 
 class Held(Protocol):
-    """What the role reads of a held partition (`sink.service.PartitionState`)."""
+    """What the role reads of a held partition (`sink.consumer.partition.PartitionState`)."""
 
     @property
     def fenced(self) -> bool: ...

@@ -2,13 +2,13 @@
 
 The decoder checks every row as the table does (`engine.schema.TableSpec.validate`), so
 `ShardWriter.put` refusing a decoded batch (`InvalidRecord`) means the two disagree on a
-value: a bug, but one message's, not the partition's. The consumer loop
-(`SinkService._submit`) calls `split_refused` with the refusal: the refused rows are found
-by validating what is left again, row by row as the table names them (one validation per
-refused row, none per good one), and each becomes a ``rejected_by_table`` dead letter of
-the message it was decoded from; the other rows are put as they were, once the dead
-letters are acknowledged. A refusal that names no row (the batch's schema) refuses every
-row.
+value: a bug, but one message's, not the partition's. The consumer loop's pipeline
+(`sink.consumer.pipeline.Pipeline._put`) calls `split_refused` with the refusal: the refused
+rows are found by validating what is left again, row by row as the table names them (one
+validation per refused row, none per good one), and each becomes a ``rejected_by_table``
+dead letter of the message it was decoded from; the other rows are put as they were, once
+the dead letters are acknowledged. A refusal that names no row (the batch's schema) refuses
+every row.
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ them reads the owners again first (`engine.reads.remote.Fanout`, DESIGN.md I18).
 Lifecycle: `start` begins a daemon thread that lists the partitions at once and then every
 `refresh_s` (every `RETRY_S` after a failure, keeping the last list), and at once after
 `refresh_soon`; `current` is None until the first list arrives, which makes queries read
-the owners every time until then; `close` stops the thread. A partition added to a topic
-is routed from the next list on: the sink asks for one at every rebalance of its group
-(`SinkService._on_assign`, which runs on every member, with no partition when it gets none
-new), and a new partition reaches a pod of the group (which then claims its shard) only
-through a rebalance, so the list is mostly there first.
+the owners every time until then; `close` stops the thread. A partition added to a topic is
+routed from the next list on: the sink asks for one at every rebalance of its group
+(`SinkService._on_assign`, the rebalance callback, which runs on every member, with no
+partition when it gets none new), and a new partition reaches a pod of the group (which then
+claims its shard) only through a rebalance, so the list is mostly there first.
 """
 
 from __future__ import annotations
