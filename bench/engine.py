@@ -36,9 +36,10 @@ import pyarrow as pa
 
 from config.settings import TableSettings
 from engine.backpressure import BlockingValve
+from engine.flusher import Flusher
 from engine.memtable import Memtable, SealLimits
 from engine.schema import TableSpec
-from engine.shard import Flusher, ShardWriter, WriterConfig
+from engine.shard import ShardWriter, WriterConfig
 from engine.storage import open_storage, sync_filesystem
 from engine.table import BaseTable
 from engine.wal import SourceRange

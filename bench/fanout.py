@@ -48,12 +48,13 @@ import urllib3
 from bench.query_data import SCALAR_INDEXES, Data, build_base, put_rows, spec_for
 from config.settings import BackpressureSettings, MaintenanceSettings, QuerySettings
 from engine.backpressure import BlockingValve
+from engine.flusher import Flusher
 from engine.maintenance import MaintenanceProcess
 from engine.memtable import SealLimits
 from engine.reader import Fanout, Reader, ReaderSettings
 from engine.reads.owners import ShardOwners
 from engine.reads.remote import unpack
-from engine.shard import Flusher, ShardWriter, WriterConfig
+from engine.shard import ShardWriter, WriterConfig
 from engine.storage import open_storage
 from engine.table import BaseTable
 from sink.cli import tune_process

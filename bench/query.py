@@ -57,11 +57,12 @@ from bench.query_data import (
 )
 from config.settings import BackpressureSettings, MaintenanceSettings
 from engine.backpressure import BlockingValve
+from engine.flusher import Flusher
 from engine.maintenance import Maintenance, MaintenanceProcess
 from engine.memtable import SealLimits
 from engine.reader import Reader, ReaderSettings, recall
 from engine.schema import TableSpec
-from engine.shard import Flusher, ShardWriter, WriterConfig
+from engine.shard import ShardWriter, WriterConfig
 from engine.storage import Storage, open_storage
 from engine.table import BaseTable
 from engine.wal import SourceRange

@@ -14,16 +14,12 @@ import structlog
 
 from config.settings import Settings
 from engine.backpressure import BackpressureController, build_controller
+from engine.flusher import Flusher
 from engine.memtable import SealLimits
 from engine.schema import TableSpec
-from engine.shard import (
-    EngineEvents,
-    Flusher,
-    ShardWriter,
-    WriterConfig,
-    legacy_shard_ids,
-    shard_id,
-)
+from engine.shard import ShardWriter, WriterConfig
+from engine.shard_ids import legacy_shard_ids, shard_id
+from engine.shard_stats import EngineEvents
 from engine.storage import Storage, open_storage
 from engine.table import BaseTable
 

@@ -4,10 +4,11 @@ Lifecycle (who calls what, and when):
 
 - `ShardWriter.open(...)` (the sink, on assign; tests directly) claims a new epoch in the
   shard manifest (I5), finds the flushed watermark (manifest, and for the crash window the
-  newest Lance commits), replays the WAL entries after it into memtables with the live
-  seal predicate, flushing as it goes (I4), and writes a fence entry at the next WAL
-  position. It returns a writer whose `durable_offsets` say where the source must resume:
-  **resume after the last durable offset**, i.e. at `durable_offsets[(topic, p)] + 1`.
+  newest Lance commits: `engine.flusher.ShardFlush.claim`), replays the WAL entries after
+  it into memtables with the live seal predicate, flushing as it goes (I4), and writes a
+  fence entry at the next WAL position (`engine.replay`). It returns a writer whose
+  `durable_offsets` say where the source must resume: **resume after the last durable
+  offset**, i.e. at `durable_offsets[(topic, p)] + 1`.
   If open raises, nothing was acknowledged by this writer and it holds no threads.
 - `put(batch, source_range)` (the consumer loop) validates the batch, asks the
   backpressure controller for admission, and buffers it for the next WAL entry; it returns
@@ -22,7 +23,8 @@ Lifecycle (who calls what, and when):
   the futures in put order.
 - Flushes run on the shared `Flusher` pool, oldest frozen memtable first, one at a time per
   shard. A failed flush keeps its memtable frozen and counted (I8) and is retried with
-  backoff; after `max_attempts` the writer is poisoned (I6).
+  backoff; after `max_attempts` the writer is poisoned (I6). `engine.flusher` tells the
+  flush's own steps and what close waits for.
 - `view()` (readers) returns the visible memtables; fails with the poison error. With
   `fence_check_interval_s` = 0 it first probes the manifest for a fence (storage I/O on
   every read); otherwise it does no I/O and relies on the WAL thread, which probes at most
@@ -33,20 +35,20 @@ Lifecycle (who calls what, and when):
   replayed by the next owner. `stats()` stays readable after close and poisoning.
 
 A fence (a newer epoch appended at our next WAL position, or wrote our next manifest
-version) or a persistence failure poisons the writer: every later put and read raises
-`Fenced` or `Poisoned`, and nothing more is acknowledged.
+version) or a persistence failure poisons the writer (`poison`): every later put and read
+raises `Fenced` or `Poisoned`, and nothing more is acknowledged.
+
+Shard ids live in `engine.shard_ids`; the events the writer reports and its stats snapshot
+in `engine.shard_stats`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import lance
 import pyarrow as pa
@@ -60,7 +62,8 @@ from engine.errors import (
     PersistenceError,
     Poisoned,
 )
-from engine.manifest import ManifestStore, ShardManifest
+from engine.flusher import Flusher, ShardFlush
+from engine.manifest import ManifestStore
 from engine.memtable import (
     Memtable,
     MemtableView,
@@ -69,9 +72,11 @@ from engine.memtable import (
     is_full,
     should_seal,
 )
+from engine.replay import replay_wal
 from engine.schema import TableSpec
-from engine.storage import AlreadyExists, Storage, canonical_uri, uri_spellings
-from engine.table import BaseTable, flush_properties, holds_generation
+from engine.shard_stats import EngineEvents, NoEvents, ShardStats
+from engine.storage import AlreadyExists, Storage
+from engine.table import BaseTable, holds_generation
 from engine.threads import name_os_thread
 from engine.wal import EntryEncoder, SourceRange, Wal, WalEntry, merge_ranges
 
@@ -79,48 +84,6 @@ log = structlog.get_logger("lance_sink.engine")
 
 #: How often an idle WAL thread wakes to probe for a fence (when the interval allows).
 IDLE_WAKE_S = 0.5
-
-
-def shard_id(table_uri: str, topic: str, partition: int) -> str:
-    """The shard of a topic-partition feeding a table: deterministic and readable.
-
-    The table is identified by its location, `canonical_uri(table_uri)`, so every spelling
-    of it (relative or absolute, trailing slash, file://, doubled slashes in an object-store
-    key) names the same shard. For a URI already canonical (an absolute path without a
-    trailing slash, ``s3://bucket/key`` without empty segments) the id is the one older
-    versions gave it; for others see `legacy_shard_ids`.
-    """
-    return _digest_id(canonical_uri(table_uri), topic, partition)
-
-
-def legacy_shard_ids(
-    table_uri: str, topic: str, partition: int, *, spellings: bool = False
-) -> list[str]:
-    """Ids older versions gave this shard (they hashed `table.uri` exactly as written), in
-    the order to look for their state: the URI as written, then, with `spellings`, every
-    other common spelling of the same location (`uri_spellings`). Only ids that differ
-    from `shard_id` are listed.
-
-    `spellings` is safe only where the WAL storage is the table's own (the default
-    `<table.uri>/_lance_sink`): shard state found there belongs to this table whatever
-    spelling named it, while a WAL storage shared by several tables could hold another
-    table's shard under a relative spelling that happens to match.
-    """
-    canonical = canonical_uri(table_uri)
-    current = _digest_id(canonical, topic, partition)
-    candidates = [table_uri, *(uri_spellings(canonical) if spellings else [])]
-    out: list[str] = []
-    for uri in candidates:
-        legacy = _digest_id(uri, topic, partition)
-        if legacy != current and legacy not in out:
-            out.append(legacy)
-    return out
-
-
-def _digest_id(uri: str, topic: str, partition: int) -> str:
-    digest = hashlib.sha256(f"{uri}\0{topic}\0{partition}".encode()).hexdigest()[:12]
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in topic)[:80]
-    return f"{safe}-{partition}-{digest}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,39 +104,6 @@ class WriterConfig:
     advertised_url: str = ""
 
 
-class EngineEvents(Protocol):
-    """Domain events the engine reports (the sink's metrics facade implements this)."""
-
-    def wal_appended(self, shard: str, seconds: float, nbytes: int, rows: int) -> None: ...
-    def memtable_sealed(self, shard: str, generation: int, rows: int, nbytes: int) -> None: ...
-    def flushed(self, shard: str, seconds: float, rows: int) -> None: ...
-    def flush_failed(self, shard: str, error: BaseException) -> None: ...
-    def replayed(self, shard: str, seconds: float, rows: int, nbytes: int) -> None: ...
-    def poisoned(self, shard: str, error: BaseException) -> None: ...
-
-
-class NoEvents:
-    """EngineEvents that records nothing."""
-
-    def wal_appended(self, shard: str, seconds: float, nbytes: int, rows: int) -> None:
-        return None
-
-    def memtable_sealed(self, shard: str, generation: int, rows: int, nbytes: int) -> None:
-        return None
-
-    def flushed(self, shard: str, seconds: float, rows: int) -> None:
-        return None
-
-    def flush_failed(self, shard: str, error: BaseException) -> None:
-        return None
-
-    def replayed(self, shard: str, seconds: float, rows: int, nbytes: int) -> None:
-        return None
-
-    def poisoned(self, shard: str, error: BaseException) -> None:
-        return None
-
-
 @dataclass(frozen=True, slots=True)
 class PutResult:
     """What a resolved put future carries: the WAL entry position, the rows, and when
@@ -182,33 +112,6 @@ class PutResult:
     position: int
     rows: int
     durable_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class ShardStats:
-    """A snapshot of one shard writer's state (readable after close and poisoning)."""
-
-    shard: str
-    epoch: int
-    generation: int
-    rows: int
-    bytes: int
-    index_bytes: int
-    frozen_count: int
-    frozen_bytes: int
-    durable_position: int
-    visible_position: int
-    flushed_position: int
-    durable_offsets: dict[tuple[str, int], int]
-    flushed_offsets: dict[tuple[str, int], int]
-    wal_entries_total: int
-    wal_bytes_total: int
-    flushes_total: int
-    flush_failures_total: int
-    flushed_rows_total: int
-    replayed_rows: int
-    replay_seconds: float
-    poisoned: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,39 +160,6 @@ class _Put:
     arrived: float = field(default_factory=time.monotonic)
 
 
-class Flusher:
-    """The shared pool that runs flushes (one loop at a time per shard), and one thread that
-    trims flushed WAL entries so deleting files (slow on a discard-mounted disk, a round
-    trip per entry on S3) never delays the next flush."""
-
-    def __init__(self, workers: int = 1) -> None:
-        self._pool = ThreadPoolExecutor(
-            max_workers=workers, thread_name_prefix="flush", initializer=name_os_thread
-        )
-        self._trimmer = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="wal-trim", initializer=name_os_thread
-        )
-
-    def submit(self, fn: Callable[[], None]) -> None:
-        self._pool.submit(fn)
-
-    def trim(self, fn: Callable[[], None]) -> Future[None]:
-        return self._trimmer.submit(fn)
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
-        self._trimmer.shutdown(wait=True)
-
-
-def _key(topic: str, partition: int) -> str:
-    return f"{topic}:{partition}"
-
-
-def _unkey(key: str) -> tuple[str, int]:
-    topic, _, partition = key.rpartition(":")
-    return topic, int(partition)
-
-
 class ShardWriter:
     """See the module docstring for the lifecycle; construct with `ShardWriter.open`."""
 
@@ -319,16 +189,9 @@ class ShardWriter:
         self._wake = threading.Condition(self._lock)
         self._schema = spec.batch_schema
         self._encoder = EntryEncoder()
-        self._manifest = ShardManifest()
-        # Held while writing a manifest version and assigning it, and while probing for a
-        # newer one: a probe must never see our own write before we know of it.
-        self._manifest_lock = threading.Lock()
-        self._epoch = 0
         self._next_position = 1
         self._durable_position = 0
-        self._flushed_position = 0
         self._durable_offsets: dict[tuple[str, int], int] = {}
-        self._flushed_offsets: dict[tuple[str, int], int] = {}
         self._pending: list[_Put] = []
         self._pending_bytes = 0
         self._pending_rows = 0
@@ -337,25 +200,27 @@ class ShardWriter:
         self._poison: LanceSinkError | None = None
         self._closing = False
         self._closed = False
-        self._flush_running = False
-        self._abandon_flushes = False
-        self._flush_idle = threading.Event()
-        self._trimmed: Future[None] = Future()
-        self._trimmed.set_result(None)
-        self._flush_idle.set()
-        self._checked_lance_version = 0
-        self._dropped_through = 0
         self._last_fence_check = 0.0
         self._wal_thread: threading.Thread | None = None
-        self._counters = {
-            "wal_entries": 0,
-            "wal_bytes": 0,
-            "flushes": 0,
-            "flush_failures": 0,
-            "flushed_rows": 0,
-            "replayed_rows": 0,
-        }
+        self._counters = {"wal_entries": 0, "wal_bytes": 0, "replayed_rows": 0}
         self._replay_seconds = 0.0
+        self._flush = ShardFlush(
+            shard,
+            table,
+            self.wal,
+            self.manifests,
+            flusher,
+            self.events,
+            self.memory,
+            lock=self._lock,
+            frozen=self._frozen,
+            poisoned=lambda: self._poison,
+            poison=self.poison,
+            account=self._set_memory,
+            retry_initial_s=config.flush_retry_initial_s,
+            retry_max_s=config.flush_retry_max_s,
+            max_attempts=config.flush_max_attempts,
+        )
 
     # ------------------------------------------------------------------ open / replay
 
@@ -389,64 +254,37 @@ class ShardWriter:
 
     def _claim_and_replay(self) -> None:
         started = time.monotonic()
-        manifest = self.manifests.claim(self.config.advertised_url)
-        self._epoch = manifest.epoch
-        mark = self.table.find_flush(self.shard, manifest.lance_version)
-        if mark is not None and mark.wal_end > manifest.flushed_position:
-            # Crash window: the Lance commit landed, the manifest update did not.
-            manifest = self.manifests.advance(
-                manifest,
-                flushed_position=mark.wal_end,
-                flushed_offsets={**manifest.flushed_offsets, **mark.offsets},
-                lance_version=mark.version,
-                generation=max(manifest.generation, mark.generation + 1),
-            )
-        self._manifest = manifest
-        self._checked_lance_version = max(manifest.lance_version, mark.version if mark else 0)
-        self._dropped_through = self._checked_lance_version
-        self._flushed_position = manifest.flushed_position
+        manifest = self._flush.claim(self.config.advertised_url)
         self._durable_position = manifest.flushed_position
-        self._flushed_offsets = {_unkey(k): v for k, v in manifest.flushed_offsets.items()}
-        self._durable_offsets = dict(self._flushed_offsets)
+        self._durable_offsets = dict(self._flush.flushed_offsets)
         self._active = Memtable(self.spec, manifest.generation)
-        self.log.info("shard_claimed", epoch=self._epoch, flushed_position=self._flushed_position)
-
-        rows = nbytes = 0
-        position = self._flushed_position + 1
-        present = set(self.wal.positions())
-        while True:
-            while position in present:
-                entry = self.wal.read(position)
-                self._apply_replayed(entry)
-                rows += entry.num_rows
-                nbytes += entry.nbytes
-                position += 1
-            # Fence: take the next position with an empty entry of our epoch. If an older
-            # writer got there first, replay its entry too and try the next position.
-            try:
-                fence = self._encoder.encode(
-                    position, self._epoch, self.shard, self._schema, [], []
-                )
-                self.wal.append(position, fence)
-            except AlreadyExists:
-                present.add(position)
-                continue
-            break
+        self.log.info("shard_claimed", epoch=self.epoch, flushed_position=manifest.flushed_position)
+        replayed = replay_wal(
+            self.wal,
+            self._encoder,
+            self.shard,
+            self.epoch,
+            self._schema,
+            manifest.flushed_position,
+            self._apply_replayed,
+        )
+        position = replayed.fence_position
         self._next_position = position + 1
         self._durable_position = position
         self._active.insert([], position, [])
         self._set_memory()
-        stale = [p for p in present if p <= self._flushed_position]
+        # Entries flushed before the claim, or while replaying, are trimmed now.
+        stale = [p for p in replayed.positions if p <= self._flush.flushed_position]
         if stale:
             self.wal.delete_through(max(stale))
         self._replay_seconds = time.monotonic() - started
-        self._counters["replayed_rows"] = rows
-        self.events.replayed(self.shard, self._replay_seconds, rows, nbytes)
+        self._counters["replayed_rows"] = replayed.rows
+        self.events.replayed(self.shard, self._replay_seconds, replayed.rows, replayed.nbytes)
         self.log.info(
             "shard_replayed",
-            epoch=self._epoch,
-            rows=rows,
-            bytes=nbytes,
+            epoch=self.epoch,
+            rows=replayed.rows,
+            bytes=replayed.nbytes,
             seconds=round(self._replay_seconds, 3),
             next_position=self._next_position,
         )
@@ -463,14 +301,7 @@ class ShardWriter:
             sealed = self._insert_locked(batches, entry.position, entry.sources, replay=True)
         if sealed:
             # Bounded replay (I4): flush each sealed memtable before reading further.
-            self._drain_flushes_inline()
-
-    def _drain_flushes_inline(self) -> None:
-        while self._frozen:
-            memtable = self._frozen[0]
-            self._flush_with_retries(memtable)
-            if self._poison is not None:
-                raise self._poison
+            self._flush.drain_inline()
 
     # ------------------------------------------------------------------ put
 
@@ -609,7 +440,7 @@ class ShardWriter:
         error: LanceSinkError
         try:
             payload = self._encoder.encode(
-                position, self._epoch, self.shard, self._schema, batches, sources
+                position, self.epoch, self.shard, self._schema, batches, sources
             )
             self.wal.append(position, payload)
         except AlreadyExists as exc:
@@ -617,13 +448,13 @@ class ShardWriter:
                 "a newer writer took the next WAL position", shard=self.shard, position=position
             )
             error.__cause__ = exc
-            self._poison_with(error)
+            self.poison(error)
             self._fail(puts, error)
             return
         except Exception as exc:  # noqa: BLE001 - any storage failure poisons (I6)
             error = Poisoned(f"WAL append failed: {exc}", shard=self.shard, position=position)
             error.__cause__ = exc
-            self._poison_with(error)
+            self.poison(error)
             self._fail(puts, error)
             return
         seconds = time.monotonic() - started
@@ -695,140 +526,25 @@ class ShardWriter:
             bytes=old.memory_size,
             reason=reason,
         )
-        if self._wal_thread is not None and not self._flush_running:
-            self._flush_running = True
-            self._flush_idle.clear()
-            self.flusher.submit(self._flush_loop)
+        if self._wal_thread is not None:
+            self._flush.schedule()
 
     def _set_memory(self) -> None:
         self.memory.active_bytes = self._active.memory_size + self._pending_bytes
         self.memory.frozen_bytes = sum(m.memory_size for m in self._frozen)
 
-    # ------------------------------------------------------------------ flush
-
-    def _flush_loop(self) -> None:
-        """Flush frozen memtables oldest-first until none is left (runs on the Flusher)."""
-        try:
-            while True:
-                with self._lock:
-                    if not self._frozen or self._poison is not None or self._abandon_flushes:
-                        self._flush_running = False
-                        self._flush_idle.set()
-                        return
-                    memtable = self._frozen[0]
-                self._flush_with_retries(memtable)
-        except BaseException:
-            with self._lock:
-                self._flush_running = False
-                self._flush_idle.set()
-            raise
-
-    def _flush_with_retries(self, memtable: Memtable) -> None:
-        delay = self.config.flush_retry_initial_s
-        attempts = 0
-        while self._poison is None and not self._abandon_flushes:
-            try:
-                self._flush_one(memtable)
-            except Fenced as exc:
-                self._poison_with(exc)
-                return
-            except Exception as exc:  # noqa: BLE001 - retried, then poisons (I6)
-                attempts += 1
-                self._counters["flush_failures"] += 1
-                self.events.flush_failed(self.shard, exc)
-                self.log.warning(
-                    "flush_failed",
-                    generation=memtable.generation,
-                    attempt=attempts,
-                    error=str(exc),
-                )
-                if attempts >= self.config.flush_max_attempts:
-                    error = Poisoned(
-                        f"flush failed {attempts} times: {exc}",
-                        shard=self.shard,
-                        generation=memtable.generation,
-                    )
-                    error.__cause__ = exc
-                    self._poison_with(error)
-                    return
-                time.sleep(delay)
-                delay = min(delay * 2, self.config.flush_retry_max_s)
-                continue
-            with self._lock:
-                self._frozen.popleft()
-                self._dropped_through = max(self._dropped_through, memtable.committed_version or 0)
-                self._set_memory()
-            self.memory.notify()
-            return
-
-    def _flush_one(self, memtable: Memtable) -> None:
-        """Commit one frozen memtable to Lance, then advance the manifest and trim the WAL."""
-        started = time.monotonic()
-        already = self._flushed_position
-        # A stale writer may have flushed part of this memtable after we replayed it.
-        ds = self.table.dataset()
-        with self._lock:
-            memtable.commit_floor = int(ds.version)
-        mark = self.table.find_flush(self.shard, self._checked_lance_version, ds)
-        if mark is not None:
-            if mark.epoch > self._epoch:
-                raise Fenced("a newer writer flushed this shard", shard=self.shard)
-            self._checked_lance_version = mark.version
-            already = max(already, mark.wal_end)
-        with self._manifest_lock:
-            if self.manifests.superseded(self._manifest):
-                raise Fenced("a newer writer claimed the shard", shard=self.shard)
-        offsets = {_key(s.topic, s.partition): s.last for s in memtable.sources}
-        rows = 0
-        version = self._manifest.lance_version
-        if memtable.last_position > already:
-            upserts, deletes = memtable.flush_data(after_position=already)
-            rows = sum(b.num_rows for b in upserts) + (deletes.num_rows if deletes else 0)
-            if rows:
-                props = flush_properties(
-                    self.shard, self._epoch, memtable.generation, memtable.last_position, offsets
-                )
-                version = self.table.commit_flush(upserts, deletes, props, memtable)
-                self._checked_lance_version = version
-        with self._lock:
-            # Readers that open the base at `version` or later must skip this memtable.
-            memtable.committed_version = version
-        flushed_offsets = {**self._manifest.flushed_offsets, **offsets}
-        with self._manifest_lock:
-            self._manifest = self.manifests.advance(
-                self._manifest,
-                flushed_position=memtable.last_position,
-                flushed_offsets=flushed_offsets,
-                lance_version=version,
-                generation=memtable.generation + 1,
-            )
-        with self._lock:
-            self._flushed_position = memtable.last_position
-            self._flushed_offsets = {_unkey(k): v for k, v in flushed_offsets.items()}
-        self._trimmed = self.flusher.trim(lambda: self._trim_wal(memtable.last_position))
-        seconds = time.monotonic() - started
-        self._counters["flushes"] += 1
-        self._counters["flushed_rows"] += rows
-        self.events.flushed(self.shard, seconds, rows)
-        self.log.info(
-            "memtable_flushed",
-            generation=memtable.generation,
-            rows=rows,
-            wal_end=memtable.last_position,
-            lance_version=version,
-            seconds=round(seconds, 3),
-        )
-
-    def _trim_wal(self, position: int) -> None:
-        """Delete WAL entries the manifest says are flushed (at or below `position`)."""
-        try:
-            self.wal.delete_through(position)
-        except Exception as exc:  # noqa: BLE001 - trimming is retried by the next flush
-            self.log.warning("wal_trim_failed", error=str(exc))
-
     # ------------------------------------------------------------------ poison / fence
 
-    def _poison_with(self, error: LanceSinkError) -> None:
+    def poison(self, error: LanceSinkError) -> None:
+        """Make `error` terminal for this writer (I6): fail every buffered put with it; every
+        later put and read raises it, and nothing more is acknowledged or flushed (a flush
+        already running finishes). The first error stays; later calls do nothing.
+
+        Called by the WAL thread (an append failed, or found its position taken), the
+        flushes (a fence, or `flush_max_attempts` failures) and the fence probe; a caller
+        may poison a writer to stop it at an instant as a crash would (nothing buffered is
+        written), then `close` it: recovery is close-and-reopen.
+        """
         with self._lock:
             if self._poison is not None:
                 return
@@ -841,7 +557,7 @@ class ShardWriter:
         self.memory.notify()
         self.events.poisoned(self.shard, error)
         event = "shard_fenced" if isinstance(error, Fenced) else "shard_poisoned"
-        self.log.error(event, epoch=self._epoch, error=str(error))
+        self.log.error(event, epoch=self.epoch, error=str(error))
 
     @staticmethod
     def _fail(puts: list[_Put], error: BaseException) -> None:
@@ -858,13 +574,12 @@ class ShardWriter:
             return
         self._last_fence_check = now
         try:
-            with self._manifest_lock:
-                superseded = self.manifests.superseded(self._manifest)
+            superseded = self._flush.superseded()
         except Exception as exc:  # noqa: BLE001 - a failed probe is retried, not fatal
             self.log.warning("fence_check_failed", error=str(exc))
             return
         if superseded:
-            self._poison_with(Fenced("a newer writer claimed the shard", shard=self.shard))
+            self.poison(Fenced("a newer writer claimed the shard", shard=self.shard))
 
     def check_fence(self) -> None:
         """Raise `Fenced` (and poison) if a newer writer claimed the shard."""
@@ -883,7 +598,7 @@ class ShardWriter:
         with self._lock:
             memtables = [self._active, *reversed(self._frozen)]
             views = tuple(m.view() for m in memtables)
-            dropped = self._dropped_through
+            dropped = self._flush.dropped_through
         return ShardView(self.shard, views, dropped)
 
     # ------------------------------------------------------------------ close / stats
@@ -901,7 +616,7 @@ class ShardWriter:
             with self._lock:
                 if not self._frozen or self._poison is not None:
                     return not self._frozen
-            self._flush_idle.wait(min(0.05, max(deadline - time.monotonic(), 0)))
+            self._flush.wait_idle(min(0.05, max(deadline - time.monotonic(), 0)))
             time.sleep(0.001)
         with self._lock:
             return not self._frozen
@@ -929,20 +644,21 @@ class ShardWriter:
                 self.log.warning("close_flush_incomplete", frozen=len(self._frozen))
         # Whatever is still frozen is left to the next owner's replay; a flush already
         # running finishes first, so two owners never flush the same memtable.
-        with self._lock:
-            self._abandon_flushes = True
-        if not self._flush_idle.wait(timeout):
+        self._flush.abandon()
+        if not self._flush.wait_idle(timeout):
             self.log.warning("close_flush_still_running")
         if flush:
             try:
-                self._trimmed.result(timeout)
+                self._flush.wait_trimmed(timeout)
             except TimeoutError:
                 self.log.warning("close_wal_trim_still_running")
         self.controller.unregister(self.memory)
         self.memory.closed = True
         self.memory.notify()
         self._closed = True
-        self.log.info("shard_closed", epoch=self._epoch, flushed_position=self._flushed_position)
+        self.log.info(
+            "shard_closed", epoch=self.epoch, flushed_position=self._flush.flushed_position
+        )
 
     @property
     def durable_offsets(self) -> dict[tuple[str, int], int]:
@@ -952,7 +668,8 @@ class ShardWriter:
 
     @property
     def epoch(self) -> int:
-        return self._epoch
+        """The epoch this writer claimed in the shard manifest."""
+        return self._flush.epoch
 
     @property
     def poisoned(self) -> LanceSinkError | None:
@@ -960,12 +677,13 @@ class ShardWriter:
 
     def stats(self) -> ShardStats:
         """Counters and cursors; never raises (readable when poisoned or closed)."""
+        flush = self._flush
         with self._lock:
             frozen = list(self._frozen)
             active = self._active
             return ShardStats(
                 shard=self.shard,
-                epoch=self._epoch,
+                epoch=self.epoch,
                 generation=active.generation,
                 rows=active.rows,
                 bytes=active.memory_size,
@@ -974,14 +692,14 @@ class ShardWriter:
                 frozen_bytes=sum(m.memory_size for m in frozen),
                 durable_position=self._durable_position,
                 visible_position=self._durable_position,
-                flushed_position=self._flushed_position,
+                flushed_position=flush.flushed_position,
                 durable_offsets=dict(self._durable_offsets),
-                flushed_offsets=dict(self._flushed_offsets),
+                flushed_offsets=dict(flush.flushed_offsets),
                 wal_entries_total=self._counters["wal_entries"],
                 wal_bytes_total=self._counters["wal_bytes"],
-                flushes_total=self._counters["flushes"],
-                flush_failures_total=self._counters["flush_failures"],
-                flushed_rows_total=self._counters["flushed_rows"],
+                flushes_total=flush.flushes_total,
+                flush_failures_total=flush.flush_failures_total,
+                flushed_rows_total=flush.flushed_rows_total,
                 replayed_rows=self._counters["replayed_rows"],
                 replay_seconds=self._replay_seconds,
                 poisoned=None if self._poison is None else str(self._poison),

@@ -433,7 +433,7 @@ class FlushedReader:
 
         from engine.manifest import ManifestStore, ShardManifest  # noqa: PLC0415
         from engine.schema import TableSpec  # noqa: PLC0415
-        from engine.shard import shard_id  # noqa: PLC0415
+        from engine.shard_ids import shard_id  # noqa: PLC0415
         from engine.storage import is_local, local_path, open_storage  # noqa: PLC0415
         from engine.table import BaseTable  # noqa: PLC0415
 

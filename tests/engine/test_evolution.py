@@ -13,9 +13,10 @@ import pytest
 
 from engine.backpressure import BlockingValve
 from engine.errors import SchemaMismatch
+from engine.flusher import Flusher
 from engine.reader import Reader
 from engine.schema import TableSpec
-from engine.shard import Flusher, ShardWriter
+from engine.shard import ShardWriter
 from engine.storage import open_storage
 from engine.table import BaseTable
 from tests.support.engine import DIM, make_spec, source, vectors_for, writer_config

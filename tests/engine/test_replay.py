@@ -9,7 +9,7 @@ import tracemalloc
 import pyarrow as pa
 import pytest
 
-from engine.shard import NoEvents
+from engine.shard_stats import NoEvents
 from tests.engine.conftest import MakeHarness
 from tests.support.engine import make_batch, source, writer_config
 

@@ -14,7 +14,8 @@ import pytest
 
 from config.settings import Settings
 from engine.engine import Engine
-from engine.shard import ShardWriter, legacy_shard_ids, shard_id
+from engine.shard import ShardWriter
+from engine.shard_ids import legacy_shard_ids, shard_id
 from engine.storage import canonical_uri, open_storage
 from tests.support.engine import make_batch, source, table_settings
 

@@ -14,7 +14,7 @@ import pytest
 from engine.backpressure import BlockingValve, ShardMemory
 from engine.errors import Backpressure, InvalidRecord, SchemaMismatch
 from engine.schema import OP_DELETE
-from engine.shard import NoEvents
+from engine.shard_stats import NoEvents
 from engine.table import PROP_SHARD, PROP_WAL_END, flush_properties
 from tests.engine.conftest import MakeHarness
 from tests.support.engine import Harness, make_batch, source, visible_rows, writer_config

@@ -74,7 +74,7 @@ class WriterMachine(RuleBasedStateMachine):
     @rule()
     def crash(self) -> None:
         """Die at this instant: nothing buffered is written, nothing frozen is flushed."""
-        self.writer._poison_with(Poisoned("simulated crash", shard=self.writer.shard))
+        self.writer.poison(Poisoned("simulated crash", shard=self.writer.shard))
         self.settle()
         self.writer.close(flush=False, timeout=30)
         self.reopen()

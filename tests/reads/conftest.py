@@ -20,10 +20,11 @@ import pytest
 
 from config.settings import TableSettings
 from engine.backpressure import BlockingValve
+from engine.flusher import Flusher
 from engine.reader import Reader, ReaderSettings
 from engine.reads import text as text_module
 from engine.schema import OP_DELETE, OP_UPSERT, TableSpec
-from engine.shard import Flusher, ShardWriter
+from engine.shard import ShardWriter
 from engine.storage import open_storage
 from engine.table import BaseTable
 from tests.support.engine import source, writer_config

@@ -26,13 +26,14 @@ from pydantic import SecretStr
 from config.settings import QuerySettings
 from engine.backpressure import BlockingValve
 from engine.errors import FreshRowsUnavailable
+from engine.flusher import Flusher
 from engine.manifest import ManifestStore
 from engine.reader import Fanout, FanoutReport, NoReaderEvents, Reader
 from engine.reads import bm25
 from engine.reads.owners import ShardOwners
 from engine.reads.remote import pack, unpack
 from engine.schema import TableSpec
-from engine.shard import Flusher, ShardWriter
+from engine.shard import ShardWriter
 from engine.storage import Storage, open_storage
 from engine.table import BaseTable
 from sink.http import create_query_app, run_server

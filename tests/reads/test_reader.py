@@ -274,7 +274,7 @@ def test_poisoned_shard_is_skipped(make_harness: MakeHarness) -> None:
     w1, w2 = h.open(0), h.open(1)
     h.put(w1, range(5))
     h.put(w2, range(5), partition=1)
-    w2._poison_with(Poisoned("test", shard=w2.shard))
+    w2.poison(Poisoned("test", shard=w2.shard))
     got = h.reader.scan(columns=["_partition"]).column("_partition").to_pylist()
     assert got == [0] * 5
 

@@ -10,9 +10,10 @@ import pyarrow as pa
 
 from config.settings import TableSettings
 from engine.backpressure import BackpressureController, BlockingValve
+from engine.flusher import Flusher
 from engine.memtable import SealLimits
 from engine.schema import OP_DELETE, OP_UPSERT, TableSpec
-from engine.shard import Flusher, ShardView, ShardWriter, WriterConfig
+from engine.shard import ShardView, ShardWriter, WriterConfig
 from engine.storage import Storage, open_storage
 from engine.table import BaseTable
 from engine.wal import SourceRange

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from config import load_settings
-from engine.shard import shard_id
+from engine.shard_ids import shard_id
 from engine.table import flush_properties
 from sink.cli import lag_report, render_lag
 from sink.kafka_conf import lag_confs

@@ -1,0 +1,334 @@
+"""Flushes: the pool shared by every shard writer of a process (`Flusher`), and one shard's
+flushes with what they have flushed (`ShardFlush`: the shard manifest, the flushed position
+and offsets, the Lance version checked for other writers' flushes).
+
+Lifecycle (who calls what, and when):
+
+- `ShardFlush.claim(...)` (`ShardWriter.open`, once, before replay) claims a new epoch in the
+  shard manifest (I5) and finds the flushed watermark: the manifest's, or for the crash
+  window (the Lance commit landed, the manifest update did not) the newest Lance commit of
+  the shard, which it writes into the manifest. A storage failure raises out of it, and the
+  writer's open with it.
+- `schedule()` (the writer, under its lock, when it seals a memtable) starts the flush loop
+  on the `Flusher` pool unless it runs already: frozen memtables flush oldest first, one at
+  a time per shard. `drain_inline()` (replay, I4) flushes them on the caller's thread.
+- A flush commits the memtable's rows to Lance (those after what a stale writer flushed of
+  it meanwhile) with the flush properties, advances the manifest (flushed position and
+  offsets, Lance version, next generation), and hands the WAL trim to the `Flusher`'s trim
+  thread; only then does the memtable leave the frozen queue, so its rows never leave the
+  writer's view before the base holds them.
+- A failed flush keeps its memtable frozen and counted (I8) and is retried with backoff
+  (`retry_initial_s`, doubling up to `retry_max_s`); after `max_attempts` failures, or at
+  once on a fence (`Fenced`: a newer epoch flushed the shard, or claimed it first, or wrote
+  our next manifest version), the writer is poisoned (I6) and the loop stops.
+- `abandon()` (the writer's close) stops the loop before its next memtable; a flush already
+  running finishes first (`wait_idle`), so two owners never flush the same memtable, and
+  what is left frozen is replayed by the next owner. A WAL trim may outlive the writer
+  (`wait_trimmed` bounds the wait for it): it deletes only flushed entries, which no replay
+  reads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import structlog
+
+from engine.backpressure import ShardMemory
+from engine.errors import Fenced, LanceSinkError, Poisoned
+from engine.manifest import ManifestStore, ShardManifest
+from engine.memtable import Memtable
+from engine.shard_stats import EngineEvents
+from engine.table import BaseTable, flush_properties
+from engine.threads import name_os_thread
+from engine.wal import Wal
+
+log = structlog.get_logger("lance_sink.engine")
+
+
+class Flusher:
+    """The shared pool that runs flushes (one loop at a time per shard), and one thread that
+    trims flushed WAL entries so deleting files (slow on a discard-mounted disk, a round
+    trip per entry on S3) never delays the next flush."""
+
+    def __init__(self, workers: int = 1) -> None:
+        self._pool = ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="flush", initializer=name_os_thread
+        )
+        self._trimmer = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="wal-trim", initializer=name_os_thread
+        )
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self._pool.submit(fn)
+
+    def trim(self, fn: Callable[[], None]) -> Future[None]:
+        return self._trimmer.submit(fn)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._trimmer.shutdown(wait=True)
+
+
+def _key(topic: str, partition: int) -> str:
+    return f"{topic}:{partition}"
+
+
+def _unkey(key: str) -> tuple[str, int]:
+    topic, _, partition = key.rpartition(":")
+    return topic, int(partition)
+
+
+class ShardFlush:
+    """One shard's flushes (see the module docstring), owned by its `ShardWriter`.
+
+    It shares the writer's lock and frozen queue: `flushed_position`, `flushed_offsets`,
+    `dropped_through` and the memtables' flush state change under that lock, and the writer
+    reads them under it. The writer's poison is asked through `poisoned` and set through
+    `poison`; `account` recomputes the writer's memory accounting (called under the lock
+    when a flushed memtable leaves the queue).
+    """
+
+    def __init__(
+        self,
+        shard: str,
+        table: BaseTable,
+        wal: Wal,
+        manifests: ManifestStore,
+        flusher: Flusher,
+        events: EngineEvents,
+        memory: ShardMemory,
+        *,
+        lock: threading.RLock,
+        frozen: deque[Memtable],
+        poisoned: Callable[[], LanceSinkError | None],
+        poison: Callable[[LanceSinkError], None],
+        account: Callable[[], None],
+        retry_initial_s: float,
+        retry_max_s: float,
+        max_attempts: int,
+    ) -> None:
+        self.shard = shard
+        self.table = table
+        self.wal = wal
+        self.manifests = manifests
+        self.flusher = flusher
+        self.events = events
+        self.memory = memory
+        self.log = log.bind(shard=shard)
+        self._lock = lock
+        self._frozen = frozen
+        self._poisoned = poisoned
+        self._poison = poison
+        self._account = account
+        self._retry_initial_s = retry_initial_s
+        self._retry_max_s = retry_max_s
+        self._max_attempts = max_attempts
+        #: The epoch this writer claimed (0 until `claim`).
+        self.epoch = 0
+        self.manifest = ShardManifest()
+        # Held while writing a manifest version and assigning it, and while probing for a
+        # newer one: a probe must never see our own write before we know of it.
+        self._manifest_lock = threading.Lock()
+        self.flushed_position = 0
+        self.flushed_offsets: dict[tuple[str, int], int] = {}
+        #: The newest table version holding a memtable no longer in the writer's view (see
+        #: `ShardView.dropped_through`).
+        self.dropped_through = 0
+        self._checked_lance_version = 0
+        self._running = False
+        self._abandoned = False
+        self._idle = threading.Event()
+        self._idle.set()
+        self._trimmed: Future[None] = Future()
+        self._trimmed.set_result(None)
+        self.flushes_total = 0
+        self.flush_failures_total = 0
+        self.flushed_rows_total = 0
+
+    # ------------------------------------------------------------------ claim / fence
+
+    def claim(self, advertised_url: str) -> ShardManifest:
+        """Claim the shard with a new epoch and find the flushed watermark (see the module
+        docstring); returns the manifest the writer starts from."""
+        manifest = self.manifests.claim(advertised_url)
+        self.epoch = manifest.epoch
+        mark = self.table.find_flush(self.shard, manifest.lance_version)
+        if mark is not None and mark.wal_end > manifest.flushed_position:
+            # Crash window: the Lance commit landed, the manifest update did not.
+            manifest = self.manifests.advance(
+                manifest,
+                flushed_position=mark.wal_end,
+                flushed_offsets={**manifest.flushed_offsets, **mark.offsets},
+                lance_version=mark.version,
+                generation=max(manifest.generation, mark.generation + 1),
+            )
+        self.manifest = manifest
+        self._checked_lance_version = max(manifest.lance_version, mark.version if mark else 0)
+        self.dropped_through = self._checked_lance_version
+        self.flushed_position = manifest.flushed_position
+        self.flushed_offsets = {_unkey(k): v for k, v in manifest.flushed_offsets.items()}
+        return manifest
+
+    def superseded(self) -> bool:
+        """True if a newer writer claimed the shard (probes the manifest: storage I/O)."""
+        with self._manifest_lock:
+            return self.manifests.superseded(self.manifest)
+
+    # ------------------------------------------------------------------ the loop
+
+    def schedule(self) -> None:
+        """Start the flush loop on the pool unless it runs (the caller holds the lock)."""
+        if not self._running:
+            self._running = True
+            self._idle.clear()
+            self.flusher.submit(self._loop)
+
+    def drain_inline(self) -> None:
+        """Flush every frozen memtable on this thread (replay); raises the poison error."""
+        while self._frozen:
+            memtable = self._frozen[0]
+            self._flush_with_retries(memtable)
+            error = self._poisoned()
+            if error is not None:
+                raise error
+
+    def abandon(self) -> None:
+        """Start no further flush: what is frozen is left to the next owner's replay."""
+        with self._lock:
+            self._abandoned = True
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no flush loop runs; False if one still did after `timeout`."""
+        return self._idle.wait(timeout)
+
+    def wait_trimmed(self, timeout: float) -> None:
+        """Wait for the last WAL trim handed to the trim thread.
+
+        Raises:
+            TimeoutError: it was still queued or running after `timeout`.
+        """
+        self._trimmed.result(timeout)
+
+    def _loop(self) -> None:
+        """Flush frozen memtables oldest-first until none is left (runs on the Flusher)."""
+        try:
+            while True:
+                with self._lock:
+                    if not self._frozen or self._poisoned() is not None or self._abandoned:
+                        self._running = False
+                        self._idle.set()
+                        return
+                    memtable = self._frozen[0]
+                self._flush_with_retries(memtable)
+        except BaseException:
+            with self._lock:
+                self._running = False
+                self._idle.set()
+            raise
+
+    def _flush_with_retries(self, memtable: Memtable) -> None:
+        delay = self._retry_initial_s
+        attempts = 0
+        while self._poisoned() is None and not self._abandoned:
+            try:
+                self._flush_one(memtable)
+            except Fenced as exc:
+                self._poison(exc)
+                return
+            except Exception as exc:  # noqa: BLE001 - retried, then poisons (I6)
+                attempts += 1
+                self.flush_failures_total += 1
+                self.events.flush_failed(self.shard, exc)
+                self.log.warning(
+                    "flush_failed",
+                    generation=memtable.generation,
+                    attempt=attempts,
+                    error=str(exc),
+                )
+                if attempts >= self._max_attempts:
+                    error = Poisoned(
+                        f"flush failed {attempts} times: {exc}",
+                        shard=self.shard,
+                        generation=memtable.generation,
+                    )
+                    error.__cause__ = exc
+                    self._poison(error)
+                    return
+                time.sleep(delay)
+                delay = min(delay * 2, self._retry_max_s)
+                continue
+            with self._lock:
+                self._frozen.popleft()
+                self.dropped_through = max(self.dropped_through, memtable.committed_version or 0)
+                self._account()
+            self.memory.notify()
+            return
+
+    def _flush_one(self, memtable: Memtable) -> None:
+        """Commit one frozen memtable to Lance, then advance the manifest and trim the WAL."""
+        started = time.monotonic()
+        already = self.flushed_position
+        # A stale writer may have flushed part of this memtable after we replayed it.
+        ds = self.table.dataset()
+        with self._lock:
+            memtable.commit_floor = int(ds.version)
+        mark = self.table.find_flush(self.shard, self._checked_lance_version, ds)
+        if mark is not None:
+            if mark.epoch > self.epoch:
+                raise Fenced("a newer writer flushed this shard", shard=self.shard)
+            self._checked_lance_version = mark.version
+            already = max(already, mark.wal_end)
+        if self.superseded():
+            raise Fenced("a newer writer claimed the shard", shard=self.shard)
+        offsets = {_key(s.topic, s.partition): s.last for s in memtable.sources}
+        rows = 0
+        version = self.manifest.lance_version
+        if memtable.last_position > already:
+            upserts, deletes = memtable.flush_data(after_position=already)
+            rows = sum(b.num_rows for b in upserts) + (deletes.num_rows if deletes else 0)
+            if rows:
+                props = flush_properties(
+                    self.shard, self.epoch, memtable.generation, memtable.last_position, offsets
+                )
+                version = self.table.commit_flush(upserts, deletes, props, memtable)
+                self._checked_lance_version = version
+        with self._lock:
+            # Readers that open the base at `version` or later must skip this memtable.
+            memtable.committed_version = version
+        flushed_offsets = {**self.manifest.flushed_offsets, **offsets}
+        with self._manifest_lock:
+            self.manifest = self.manifests.advance(
+                self.manifest,
+                flushed_position=memtable.last_position,
+                flushed_offsets=flushed_offsets,
+                lance_version=version,
+                generation=memtable.generation + 1,
+            )
+        with self._lock:
+            self.flushed_position = memtable.last_position
+            self.flushed_offsets = {_unkey(k): v for k, v in flushed_offsets.items()}
+        self._trimmed = self.flusher.trim(lambda: self._trim_wal(memtable.last_position))
+        seconds = time.monotonic() - started
+        self.flushes_total += 1
+        self.flushed_rows_total += rows
+        self.events.flushed(self.shard, seconds, rows)
+        self.log.info(
+            "memtable_flushed",
+            generation=memtable.generation,
+            rows=rows,
+            wal_end=memtable.last_position,
+            lance_version=version,
+            seconds=round(seconds, 3),
+        )
+
+    def _trim_wal(self, position: int) -> None:
+        """Delete WAL entries the manifest says are flushed (at or below `position`)."""
+        try:
+            self.wal.delete_through(position)
+        except Exception as exc:  # noqa: BLE001 - trimming is retried by the next flush
+            self.log.warning("wal_trim_failed", error=str(exc))

@@ -1,0 +1,56 @@
+"""Shard ids: the name of the shard a topic-partition feeds into a table, and the names older
+versions gave it.
+
+A shard id names the shard's WAL and manifest in the WAL storage, so it must be stable across
+processes and versions: a new owner finds its predecessor's state only under the same id.
+`Engine.shard_id` picks the id a writer opens with (the current one, or a legacy id whose
+state is still in the WAL).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from engine.storage import canonical_uri, uri_spellings
+
+
+def shard_id(table_uri: str, topic: str, partition: int) -> str:
+    """The shard of a topic-partition feeding a table: deterministic and readable.
+
+    The table is identified by its location, `canonical_uri(table_uri)`, so every spelling
+    of it (relative or absolute, trailing slash, file://, doubled slashes in an object-store
+    key) names the same shard. For a URI already canonical (an absolute path without a
+    trailing slash, ``s3://bucket/key`` without empty segments) the id is the one older
+    versions gave it; for others see `legacy_shard_ids`.
+    """
+    return _digest_id(canonical_uri(table_uri), topic, partition)
+
+
+def legacy_shard_ids(
+    table_uri: str, topic: str, partition: int, *, spellings: bool = False
+) -> list[str]:
+    """Ids older versions gave this shard (they hashed `table.uri` exactly as written), in
+    the order to look for their state: the URI as written, then, with `spellings`, every
+    other common spelling of the same location (`uri_spellings`). Only ids that differ
+    from `shard_id` are listed.
+
+    `spellings` is safe only where the WAL storage is the table's own (the default
+    `<table.uri>/_lance_sink`): shard state found there belongs to this table whatever
+    spelling named it, while a WAL storage shared by several tables could hold another
+    table's shard under a relative spelling that happens to match.
+    """
+    canonical = canonical_uri(table_uri)
+    current = _digest_id(canonical, topic, partition)
+    candidates = [table_uri, *(uri_spellings(canonical) if spellings else [])]
+    out: list[str] = []
+    for uri in candidates:
+        legacy = _digest_id(uri, topic, partition)
+        if legacy != current and legacy not in out:
+            out.append(legacy)
+    return out
+
+
+def _digest_id(uri: str, topic: str, partition: int) -> str:
+    digest = hashlib.sha256(f"{uri}\0{topic}\0{partition}".encode()).hexdigest()[:12]
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in topic)[:80]
+    return f"{safe}-{partition}-{digest}"
