@@ -46,11 +46,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import lance
 import pyarrow as pa
 import structlog
 
@@ -65,18 +63,16 @@ from engine.errors import (
 from engine.flusher import Flusher, ShardFlush
 from engine.manifest import ManifestStore
 from engine.memtable import (
-    Memtable,
-    MemtableView,
     SealLimits,
     entry_batches,
-    is_full,
     should_seal,
 )
 from engine.replay import replay_wal
 from engine.schema import TableSpec
+from engine.shard_memtables import ShardMemtables, ShardView
 from engine.shard_stats import EngineEvents, NoEvents, ShardStats
 from engine.storage import AlreadyExists, Storage
-from engine.table import BaseTable, holds_generation
+from engine.table import BaseTable
 from engine.threads import name_os_thread
 from engine.wal import EntryEncoder, SourceRange, Wal, WalEntry, merge_ranges
 
@@ -112,42 +108,6 @@ class PutResult:
     position: int
     rows: int
     durable_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class ShardView:
-    """The visible memtables of a shard, newest first (active, then frozen newest-first)."""
-
-    shard: str
-    memtables: tuple[MemtableView, ...]
-    #: The newest table version holding a memtable that is no longer in the view (flushed
-    #: and dropped, or flushed by an earlier writer before this one replayed). A base
-    #: version below it lacks rows the view lacks too: `fresh` is only exact for a base at
-    #: or above it, which a view taken before the base always is (fan-out reads, whose owner
-    #: takes its view after the coordinator opened the base, check it).
-    dropped_through: int = 0
-
-    def fresh(self, base: lance.LanceDataset) -> list[MemtableView]:
-        """The memtables whose rows the base table version `base` does not hold.
-
-        Order matters: take the view first, then open `base`, then call this. A memtable
-        flushed meanwhile stays in the view (so its rows cannot vanish between the tiers),
-        and its live flush state says whether `base` holds it: committed at or below
-        `base.version` → skipped; committing right now → the transactions above its floor
-        decide; not committing → `base` cannot hold it.
-        """
-        out = []
-        version = int(base.version)
-        for view in self.memtables:
-            m = view.memtable
-            committed, floor = m.committed_version, m.commit_floor  # this order (see above)
-            if committed is not None:
-                if committed <= version:
-                    continue
-            elif floor is not None and holds_generation(base, self.shard, m.generation, floor):
-                continue
-            out.append(view)
-        return out
 
 
 @dataclass
@@ -190,13 +150,9 @@ class ShardWriter:
         self._schema = spec.batch_schema
         self._encoder = EntryEncoder()
         self._next_position = 1
-        self._durable_position = 0
-        self._durable_offsets: dict[tuple[str, int], int] = {}
         self._pending: list[_Put] = []
         self._pending_bytes = 0
         self._pending_rows = 0
-        self._active = Memtable(spec, 1)
-        self._frozen: deque[Memtable] = deque()
         self._poison: LanceSinkError | None = None
         self._closing = False
         self._closed = False
@@ -204,6 +160,18 @@ class ShardWriter:
         self._wal_thread: threading.Thread | None = None
         self._counters = {"wal_entries": 0, "wal_bytes": 0, "replayed_rows": 0}
         self._replay_seconds = 0.0
+        self._memtables = ShardMemtables(
+            shard,
+            spec,
+            config.limits,
+            config.max_age_s,
+            controller,
+            self.memory,
+            self.events,
+            poisoned=lambda: self._poison,
+            pending_bytes=lambda: self._pending_bytes,
+            sealed=self._schedule_flush,
+        )
         self._flush = ShardFlush(
             shard,
             table,
@@ -213,10 +181,10 @@ class ShardWriter:
             self.events,
             self.memory,
             lock=self._lock,
-            frozen=self._frozen,
+            frozen=self._memtables.frozen,
             poisoned=lambda: self._poison,
             poison=self.poison,
-            account=self._set_memory,
+            account=self._memtables.account,
             retry_initial_s=config.flush_retry_initial_s,
             retry_max_s=config.flush_retry_max_s,
             max_attempts=config.flush_max_attempts,
@@ -255,9 +223,9 @@ class ShardWriter:
     def _claim_and_replay(self) -> None:
         started = time.monotonic()
         manifest = self._flush.claim(self.config.advertised_url)
-        self._durable_position = manifest.flushed_position
-        self._durable_offsets = dict(self._flush.flushed_offsets)
-        self._active = Memtable(self.spec, manifest.generation)
+        self._memtables.start(
+            manifest.generation, manifest.flushed_position, self._flush.flushed_offsets
+        )
         self.log.info("shard_claimed", epoch=self.epoch, flushed_position=manifest.flushed_position)
         replayed = replay_wal(
             self.wal,
@@ -270,9 +238,7 @@ class ShardWriter:
         )
         position = replayed.fence_position
         self._next_position = position + 1
-        self._durable_position = position
-        self._active.insert([], position, [])
-        self._set_memory()
+        self._memtables.insert_fence(position)
         # Entries flushed before the claim, or while replaying, are trimmed now.
         stale = [p for p in replayed.positions if p <= self._flush.flushed_position]
         if stale:
@@ -298,7 +264,7 @@ class ShardWriter:
         # An entry written before the table evolved lacks its new columns: they read null.
         batches = [self.spec.conform(b) for b in entry.batches]
         with self._lock:
-            sealed = self._insert_locked(batches, entry.position, entry.sources, replay=True)
+            sealed = self._memtables.insert(batches, entry.position, entry.sources, replay=True)
         if sealed:
             # Bounded replay (I4): flush each sealed memtable before reading further.
             self._flush.drain_inline()
@@ -319,7 +285,7 @@ class ShardWriter:
         self.controller.maybe_apply_backpressure(nbytes, self.memory)
         with self._lock:
             self._raise_if_unusable()
-            active = self._active
+            active = self._memtables.active
             if should_seal(
                 active.rows + self._pending_rows,
                 active.memory_size + self._pending_bytes,
@@ -333,7 +299,7 @@ class ShardWriter:
             self._pending.append(put)
             self._pending_bytes += nbytes
             self._pending_rows += batch.num_rows
-            self._set_memory()
+            self._memtables.account()
             if len(self._pending) == 1 or self._pending_bytes >= self.config.max_wal_buffer_bytes:
                 self._wake.notify_all()
         return put.future
@@ -358,7 +324,7 @@ class ShardWriter:
         interval = self.config.max_wal_flush_interval_s
         while True:
             with self._lock:
-                self._seal_if_due_locked()
+                self._memtables.seal_if_due()
                 if self._idle():
                     self._wake.wait(timeout=IDLE_WAKE_S)
                     idle = self._idle()
@@ -375,7 +341,7 @@ class ShardWriter:
                             self._wake.wait(timeout=remaining)
                     taken = self._take_group_locked()
                     if not taken:
-                        self._honour_seal_request_locked()
+                        self._memtables.honour_seal_request()
                         if self._closing:
                             return
             if idle:
@@ -396,36 +362,6 @@ class ShardWriter:
             nbytes += put.nbytes
         taken, self._pending = self._pending[:count], self._pending[count:]
         return taken
-
-    def _seal_if_due_locked(self) -> bool:
-        """Seal the active memtable if it is full (`is_full`: it reached a seal limit) or
-        its first row is `max_age_s` old, so a quiet partition's rows reach the Lance table
-        (and other pods' queries) without waiting for another put: a full one at once, a
-        slow one within about `max_age_s` plus one flush. Checked after every live insert
-        and on every WAL-thread wake (at least every `IDLE_WAKE_S`); a seal the controller
-        refuses now is asked again at the next. Returns True if it sealed."""
-        active = self._active
-        if not active.rows or self._poison is not None:
-            return False
-        if is_full(active.rows, active.memory_size, len(active.batches), self.config.limits):
-            reason = "threshold"
-        else:
-            age = self.config.max_age_s
-            first = active.first_insert_at
-            if age <= 0 or first is None or time.monotonic() - first < age:
-                return False
-            reason = "age"
-        if not self.controller.may_seal(self.memory):
-            return False
-        self._seal_locked(reason=reason)
-        return True
-
-    def _honour_seal_request_locked(self) -> None:
-        """Seal the active memtable if a controller asked (ShardMemory.request_seal)."""
-        if self.memory.seal_required:
-            self.memory.seal_required = False
-            if self._active.rows and self._poison is None:
-                self._seal_locked(reason="requested")
 
     def _commit_group(self, puts: list[_Put]) -> None:
         """Write one WAL entry for `puts`, make it visible, resolve the futures in order."""
@@ -462,8 +398,8 @@ class ShardWriter:
             self._pending_bytes -= sum(p.nbytes for p in puts)
             self._pending_rows -= sum(p.rows for p in puts)
             self._next_position = position + 1
-            self._insert_locked(batches, position, sources, replay=False)
-            self._honour_seal_request_locked()
+            self._memtables.insert(batches, position, sources, replay=False)
+            self._memtables.honour_seal_request()
         self._counters["wal_entries"] += 1
         self._counters["wal_bytes"] += payload.size
         self.events.wal_appended(self.shard, seconds, payload.size, rows)
@@ -471,67 +407,10 @@ class ShardWriter:
         for put in puts:
             put.future.set_result(PutResult(position, put.rows, durable_at))
 
-    def _insert_locked(
-        self,
-        batches: list[pa.RecordBatch] | tuple[pa.RecordBatch, ...],
-        position: int,
-        sources: list[SourceRange] | tuple[SourceRange, ...],
-        *,
-        replay: bool,
-    ) -> bool:
-        """Insert a durable entry into the active memtable: sealing first if `should_seal`
-        says so, and after if the memtable is then full (`is_full`), so a quiet partition's
-        full memtable flushes without waiting for the next put. Shared by the live path and
-        replay (I4). Before an insert the seal is unconditional (the live put that needed it
-        asked `may_seal`); after it, replay seals outright as before an insert, the live path
-        asks the controller (`_seal_if_due_locked`). Returns True if a seal happened."""
-        active = self._active
-        sealed = False
-        if should_seal(
-            active.rows,
-            active.memory_size,
-            len(active.batches),
-            sum(b.num_rows for b in batches),
-            sum(b.nbytes for b in batches),
-            self.config.limits,
-        ):
-            self._seal_locked(reason="threshold")
-            sealed = True
-        self._active.insert(batches, position, sources)
-        self._durable_position = position
-        for s in sources:
-            key = (s.topic, s.partition)
-            self._durable_offsets[key] = max(self._durable_offsets.get(key, -1), s.last)
-        self._set_memory()
-        if not replay:
-            return self._seal_if_due_locked() or sealed
-        active = self._active
-        if is_full(active.rows, active.memory_size, len(active.batches), self.config.limits):
-            self._seal_locked(reason="threshold")
-            sealed = True
-        return sealed
-
-    def _seal_locked(self, reason: str) -> None:
-        """Freeze the active memtable and open the next generation; schedule its flush."""
-        old = self._active
-        old.frozen = True
-        self._frozen.append(old)
-        self._active = Memtable(self.spec, old.generation + 1)
-        self._set_memory()
-        self.events.memtable_sealed(self.shard, old.generation, old.rows, old.memory_size)
-        self.log.info(
-            "memtable_sealed",
-            generation=old.generation,
-            rows=old.rows,
-            bytes=old.memory_size,
-            reason=reason,
-        )
+    def _schedule_flush(self) -> None:
+        """After a seal: flush on the pool once the WAL thread runs (replay flushes inline)."""
         if self._wal_thread is not None:
             self._flush.schedule()
-
-    def _set_memory(self) -> None:
-        self.memory.active_bytes = self._active.memory_size + self._pending_bytes
-        self.memory.frozen_bytes = sum(m.memory_size for m in self._frozen)
 
     # ------------------------------------------------------------------ poison / fence
 
@@ -551,7 +430,7 @@ class ShardWriter:
             self._poison = error
             pending, self._pending = self._pending, []
             self._pending_bytes = self._pending_rows = 0
-            self._set_memory()
+            self._memtables.account()
             self._wake.notify_all()
         self._fail(pending, error)
         self.memory.notify()
@@ -596,30 +475,27 @@ class ShardWriter:
         if self._poison is not None:
             raise self._poison
         with self._lock:
-            memtables = [self._active, *reversed(self._frozen)]
-            views = tuple(m.view() for m in memtables)
-            dropped = self._flush.dropped_through
-        return ShardView(self.shard, views, dropped)
+            return self._memtables.view(self._flush.dropped_through)
 
     # ------------------------------------------------------------------ close / stats
 
     def seal(self) -> None:
         """Force-seal the active memtable (drain/close/revoke ignore `may_seal`)."""
         with self._lock:
-            if self._active.rows and self._poison is None:
-                self._seal_locked(reason="forced")
+            if self._memtables.active.rows and self._poison is None:
+                self._memtables.seal(reason="forced")
 
     def wait_flushed(self, timeout: float) -> bool:
         """Wait until no frozen memtable is left (or the writer is poisoned)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                if not self._frozen or self._poison is not None:
-                    return not self._frozen
+                if not self._memtables.frozen or self._poison is not None:
+                    return not self._memtables.frozen
             self._flush.wait_idle(min(0.05, max(deadline - time.monotonic(), 0)))
             time.sleep(0.001)
         with self._lock:
-            return not self._frozen
+            return not self._memtables.frozen
 
     def close(self, *, flush: bool = True, timeout: float = 30.0) -> None:
         """Stop accepting puts, write what is buffered, seal, and optionally flush (bounded).
@@ -641,7 +517,7 @@ class ShardWriter:
         if flush and self._poison is None:
             self.seal()
             if not self.wait_flushed(timeout):
-                self.log.warning("close_flush_incomplete", frozen=len(self._frozen))
+                self.log.warning("close_flush_incomplete", frozen=len(self._memtables.frozen))
         # Whatever is still frozen is left to the next owner's replay; a flush already
         # running finishes first, so two owners never flush the same memtable.
         self._flush.abandon()
@@ -664,7 +540,7 @@ class ShardWriter:
     def durable_offsets(self) -> dict[tuple[str, int], int]:
         """Last durable source offset per (topic, partition): resume at value + 1."""
         with self._lock:
-            return dict(self._durable_offsets)
+            return dict(self._memtables.durable_offsets)
 
     @property
     def epoch(self) -> int:
@@ -677,10 +553,10 @@ class ShardWriter:
 
     def stats(self) -> ShardStats:
         """Counters and cursors; never raises (readable when poisoned or closed)."""
-        flush = self._flush
+        flush, memtables = self._flush, self._memtables
         with self._lock:
-            frozen = list(self._frozen)
-            active = self._active
+            frozen = list(memtables.frozen)
+            active = memtables.active
             return ShardStats(
                 shard=self.shard,
                 epoch=self.epoch,
@@ -690,10 +566,10 @@ class ShardWriter:
                 index_bytes=sum(m.index_bytes + m.cache_bytes for m in [active, *frozen]),
                 frozen_count=len(frozen),
                 frozen_bytes=sum(m.memory_size for m in frozen),
-                durable_position=self._durable_position,
-                visible_position=self._durable_position,
+                durable_position=memtables.durable_position,
+                visible_position=memtables.durable_position,
                 flushed_position=flush.flushed_position,
-                durable_offsets=dict(self._durable_offsets),
+                durable_offsets=dict(memtables.durable_offsets),
                 flushed_offsets=dict(flush.flushed_offsets),
                 wal_entries_total=self._counters["wal_entries"],
                 wal_bytes_total=self._counters["wal_bytes"],

@@ -13,7 +13,8 @@ from engine.backpressure import BackpressureController, BlockingValve
 from engine.flusher import Flusher
 from engine.memtable import SealLimits
 from engine.schema import OP_DELETE, OP_UPSERT, TableSpec
-from engine.shard import ShardView, ShardWriter, WriterConfig
+from engine.shard import ShardWriter, WriterConfig
+from engine.shard_memtables import ShardView
 from engine.storage import Storage, open_storage
 from engine.table import BaseTable
 from engine.wal import SourceRange
