@@ -38,8 +38,10 @@ A fence (a newer epoch appended at our next WAL position, or wrote our next mani
 version) or a persistence failure poisons the writer (`poison`): every later put and read
 raises `Fenced` or `Poisoned`, and nothing more is acknowledged.
 
-Shard ids live in `engine.shard_ids`; the events the writer reports and its stats snapshot
-in `engine.shard_stats`.
+The writer's parts, each with its own lifecycle notes: `engine.shard_memtables` (the active
+and frozen memtables, the seal rules, the view readers take), `engine.flusher` (flushes and
+what is flushed), `engine.replay` (the WAL walk and fence of open), `engine.shard_stats`
+(events and the stats snapshot); shard ids are `engine.shard_ids`.
 """
 
 from __future__ import annotations
@@ -53,20 +55,10 @@ import pyarrow as pa
 import structlog
 
 from engine.backpressure import BackpressureController, ShardMemory
-from engine.errors import (
-    Backpressure,
-    Fenced,
-    LanceSinkError,
-    PersistenceError,
-    Poisoned,
-)
+from engine.errors import Backpressure, Fenced, LanceSinkError, PersistenceError, Poisoned
 from engine.flusher import Flusher, ShardFlush
 from engine.manifest import ManifestStore
-from engine.memtable import (
-    SealLimits,
-    entry_batches,
-    should_seal,
-)
+from engine.memtable import SealLimits, entry_batches, should_seal
 from engine.replay import replay_wal
 from engine.schema import TableSpec
 from engine.shard_memtables import ShardMemtables, ShardView

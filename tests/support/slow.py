@@ -95,13 +95,13 @@ def controller(*, process_budget_bytes: int, max_unflushed_memtable_bytes: int) 
 
         Engine.open_shard = slow_open  # type: ignore[method-assign]
     elif replay_delay:
-        replay = ShardWriter._claim_and_replay
+        open_writer = ShardWriter.open  # bound to the class: called as ShardWriter.open(...)
 
-        def slow_replay(self: ShardWriter) -> None:
+        def slow_open_writer(*args: Any, **kwargs: Any) -> ShardWriter:
             time.sleep(replay_delay)
-            replay(self)
+            return open_writer(*args, **kwargs)
 
-        ShardWriter._claim_and_replay = slow_replay  # type: ignore[method-assign]
+        ShardWriter.open = slow_open_writer  # type: ignore[method-assign]
     if flush_delay:
         commit = BaseTable.commit_flush
 
