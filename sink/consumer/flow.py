@@ -47,7 +47,7 @@ class Flow:
         self.consumer.pause([state.tp])
         state.paused = True
         self.events.partition_paused(state.topic, state.partition, True)
-        log.info("partition_paused", topic=state.topic, partition=state.partition)
+        state.log.info("partition_paused")
 
     def resume(self, state: PartitionState) -> None:
         """Fetch the partition again from its `position` (messages fetched while it was
@@ -57,10 +57,8 @@ class Flow:
         self.consumer.resume([state.tp])
         state.paused = False
         self.events.partition_paused(state.topic, state.partition, False)
-        log.info(
+        state.log.info(
             "partition_resumed",
-            topic=state.topic,
-            partition=state.partition,
             position=state.position,
         )
 
@@ -92,9 +90,7 @@ class Flow:
         try:
             self.consumer.incremental_unassign([state.tp])
         except confluent_kafka.KafkaException as exc:
-            log.warning(
-                "unassign_failed", topic=state.topic, partition=state.partition, error=str(exc)
-            )
+            state.log.warning("unassign_failed", error=str(exc))
         state.assigned = False
 
     def refetch(self, state: PartitionState, offset: int) -> bool:
@@ -112,10 +108,8 @@ class Flow:
             if state.paused:
                 self.consumer.pause([tp])  # an assignment starts unpaused
         except confluent_kafka.KafkaException as exc:
-            log.warning(
+            state.log.warning(
                 "fetch_restart_failed",
-                topic=state.topic,
-                partition=state.partition,
                 offset=offset,
                 error=str(exc),
             )

@@ -199,17 +199,13 @@ class Lifecycle:
         recovered = state.phase is Phase.RECOVERING
         partition.opened(state, writer, start)
         if recovered:
-            log.info(
+            state.log.info(
                 "partition_recovered",
-                topic=state.topic,
-                partition=state.partition,
                 attempts=state.open_failures,
             )
         self.metrics.partition_poisoned(state.topic, state.partition, False)
-        log.info(
+        state.log.info(
             "partition_assigned",
-            topic=state.topic,
-            partition=state.partition,
             shard=writer.shard,
             epoch=writer.epoch,
             committed=state.committed if state.committed >= 0 else None,
@@ -231,10 +227,8 @@ class Lifecycle:
         self.metrics.partition_poisoned(state.topic, state.partition, True)
         if event is not None:
             self.metrics.shard_open_failed(state.topic, state.partition)
-            log.error(
+            state.log.error(
                 event,
-                topic=state.topic,
-                partition=state.partition,
                 error=f"{type(exc).__name__}: {exc}",
                 attempt=state.open_failures,
                 retry_in_s=delay,
@@ -256,13 +250,9 @@ class Lifecycle:
         partition.writer_dropped(state, fenced=fenced, now=time.monotonic())
         if state.phase is Phase.FENCED:
             self.flow.pause(state)
-            log.error(
-                "partition_fenced", topic=state.topic, partition=state.partition, error=str(exc)
-            )
+            state.log.error("partition_fenced", error=str(exc))
             return
-        log.error(
-            "partition_poisoned", topic=state.topic, partition=state.partition, error=str(exc)
-        )
+        state.log.error("partition_poisoned", error=str(exc))
         if state.phase is Phase.RECOVERING:
             # Nothing is fetched while the shard reopens (replay); assigned again at the
             # resume offset once it has.
@@ -325,9 +315,7 @@ class Lifecycle:
         partition.release(state)
         if opening is not None:  # an open (or reopen) still running: close it after
             if not opening.done():
-                log.warning(
-                    "partition_open_abandoned", topic=state.topic, partition=state.partition
-                )
+                state.log.warning("partition_open_abandoned")
             opening.add_done_callback(self._close_abandoned)
         if writer is not None:
             self.engine.close_shard(writer, flush=flush, timeout=timeout)

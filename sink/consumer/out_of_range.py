@@ -107,10 +107,8 @@ class OutOfRange:
                 low, high = lookup.result()
             except confluent_kafka.KafkaException as exc:
                 # Fetching again asks the broker again; a refusal that stands comes back.
-                log.warning(
+                state.log.warning(
                     "log_range_lookup_failed",
-                    topic=state.topic,
-                    partition=state.partition,
                     error=str(exc),
                 )
                 state.out_of_range_retry = (offset, now + OUT_OF_RANGE_RETRY_S)

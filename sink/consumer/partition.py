@@ -48,12 +48,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import confluent_kafka
+import structlog
 from confluent_kafka import TopicPartition
 
 from engine.errors import LanceSinkError
 from engine.shard import PutResult, ShardWriter
 from sink.decoded import Decoded
 from sink.dlq import DeadLetterBatch
+
+_log = structlog.get_logger("lance_sink.sink")
 
 
 class Phase(enum.Enum):
@@ -209,6 +212,11 @@ class PartitionState:
     @property
     def key(self) -> tuple[str, int]:
         return (self.topic, self.partition)
+
+    @property
+    def log(self) -> Any:
+        """The sink's logger bound to the partition (topic, partition)."""
+        return _log.bind(topic=self.topic, partition=self.partition)
 
     @property
     def tp(self) -> TopicPartition:

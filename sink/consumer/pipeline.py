@@ -247,10 +247,8 @@ class Pipeline:
         partition.registry_wait(state, messages[0], str(exc), time.monotonic() + delay)
         self.flow.pause(state)
         self.metrics.registry_paused(state.topic, state.partition, True)
-        log.warning(
+        state.log.warning(
             "registry_unavailable",
-            topic=state.topic,
-            partition=state.partition,
             offset=state.position,
             error=state.registry_error,
             attempt=state.registry_failures,
@@ -267,10 +265,8 @@ class Pipeline:
         self.flow.pause(state)
         if self.evolution is None:
             self.evolution = exc
-            log.warning(
+            state.log.warning(
                 "schema_evolution_restart",
-                topic=state.topic,
-                partition=state.partition,
                 offset=state.position,
                 reason=exc.message,
                 schema_ids=list(exc.schema_ids),
@@ -285,10 +281,8 @@ class Pipeline:
                 # Without a dead-letter destination a bad message stops its partition:
                 # nothing is dropped silently.
                 first = decoded.dead_letters[0]
-                log.error(
+                state.log.error(
                     "partition_stopped_on_bad_message",
-                    topic=state.topic,
-                    partition=state.partition,
                     offset=first.offset,
                     reason=first.reason,
                     detail=first.detail,
@@ -326,10 +320,8 @@ class Pipeline:
         except InvalidRecord as exc:
             # The table refused a batch the decoder accepted: dead-letter the refused
             # rows' messages with the reason, rather than stop the partition.
-            log.error(
+            state.log.error(
                 "batch_rejected_by_table",
-                topic=state.topic,
-                partition=state.partition,
                 first_offset=decoded.first_offset,
                 error=str(exc),
             )
