@@ -525,29 +525,21 @@ def render_status(status: dict[str, Any]) -> str:
         (
             f"{'PARTITION':24} {'END':>10} {'CONS LAG':>9} {'COMMIT LAG':>10} "
             f"{'FLUSH LAG':>10} {'LAG S':>7} {'MEMTABLE':>12} {'FROZEN':>6} {'FLUSHES':>8} "
-            f"{'STATE':>8}"
+            f"{'STATE':>13}"
         ),
     ]
     for p in status["partitions"]:
         lag = p.get("lag") or {}
         mem = p.get("memtable") or {}
         flush = p.get("flush") or {}
-        state = (
-            "fenced"
-            if p["fenced"]
-            else "stopped"
-            if p.get("stopped")
-            else "paused"
-            if p["paused"]
-            else "running"
-        )
+        state = partition_state(p)
         name = f"{p['topic']}[{p['partition']}]"
         seconds = lag.get("seconds")
         lines.append(
             f"{name:24} {p.get('end') or '-':>10} {lag.get('consumer', '-'):>9} "
             f"{lag.get('commit', '-'):>10} {lag.get('flush', '-'):>10} "
             f"{'-' if seconds is None else f'{seconds:.1f}':>7} {_size(mem.get('bytes', 0)):>12} "
-            f"{mem.get('frozen_count', 0):>6} {flush.get('flushes', 0):>8} {state:>8}"
+            f"{mem.get('frozen_count', 0):>6} {flush.get('flushes', 0):>8} {state:>13}"
         )
         lines += [f"  {note}" for note in partition_notes(p)]
     bp = status["backpressure"]
@@ -610,6 +602,20 @@ def render_status(status: dict[str, Any]) -> str:
             "(least complete index, now)"
         )
     return "\n".join(lines)
+
+
+def partition_state(p: dict[str, Any]) -> str:
+    """A partition's STATE column: its phase (`sink.consumer.partition.Phase`), an ACTIVE
+    one as ``running`` (or ``paused`` while the drain pauses it); a document without a
+    phase says what its flags say."""
+    phase = p.get("phase")
+    if phase is not None and phase != "active":
+        return str(phase)
+    if phase is None and p.get("fenced"):
+        return "fenced"
+    if phase is None and p.get("stopped"):
+        return "stopped"
+    return "paused" if p.get("paused") else "running"
 
 
 def partition_notes(p: dict[str, Any]) -> list[str]:

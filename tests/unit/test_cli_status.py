@@ -81,6 +81,21 @@ def test_a_partition_waiting_for_its_dead_letters_says_so() -> None:
 def test_a_running_partition_has_one_line() -> None:
     [row] = partition_lines(render_status(status()))
     assert row.endswith("running")
+    [row] = partition_lines(render_status(status(phase="active")))
+    assert row.endswith(" running")
+
+
+def test_the_state_column_is_the_partitions_phase() -> None:
+    """/v1/status names each partition's phase (`sink.consumer.partition.Phase`): the
+    summary shows it, where the flags alone said ``paused`` for a held batch, a registry
+    wait and an evolution restart alike, and nothing for a shard still opening."""
+    for phase in ("opening", "held", "registry_wait", "evolving", "recovering", "fenced"):
+        [row] = partition_lines(render_status(status(phase=phase, paused=True)))
+        assert row.endswith(f" {phase}"), row
+    [row] = partition_lines(
+        render_status(status(phase="stopped", stopped="bad message at offset 3: invalid_json"))
+    )
+    assert row.endswith(" stopped")
 
 
 def test_base_figures_storage_did_not_answer_for_show_the_last_read() -> None:
