@@ -14,13 +14,15 @@ import structlog
 
 from config.settings import Settings
 from engine.backpressure import BackpressureController, build_controller
+from engine.errors import AmbiguousShard
 from engine.flusher import Flusher
+from engine.manifest import ShardOrigin
 from engine.memtable import SealLimits
 from engine.schema import TableSpec
 from engine.shard import ShardWriter, WriterConfig
-from engine.shard_ids import legacy_shard_ids, shard_id
+from engine.shard_ids import legacy_shard_ids, moved_shard_ids, shard_id
 from engine.shard_stats import EngineEvents
-from engine.storage import Storage, open_storage
+from engine.storage import Storage, canonical_uri, open_storage
 from engine.table import BaseTable
 
 log = structlog.get_logger("lance_sink.engine")
@@ -110,6 +112,16 @@ class Engine:
         storage while a legacy id has (an older lance-sink hashed `table.uri` as written,
         see `legacy_shard_ids`): the shard then keeps its legacy id, so its WAL is replayed
         and its flushes are found in the table (WAL entries and Lance commits carry the id).
+
+        With the table's own WAL storage, a shard with neither is looked for under the ids
+        of the table's earlier locations (`moved_shard_ids`: the table was moved or copied
+        with its `_lance_sink` folder) and keeps that id for the same reason; a shared WAL
+        storage is not searched (its other shards are other tables').
+
+        Raises:
+            AmbiguousShard: the table's own WAL storage holds this topic-partition's state
+                under several earlier ids (moved more than once without draining).
+            PersistenceError: listing or reading the WAL storage failed.
         """
         current = shard_id(self.spec.uri, topic, partition)
         if self._has_state(current):
@@ -126,6 +138,28 @@ class Engine:
                     canonical=current,
                 )
                 return legacy
+        if not self.own_wal_storage:
+            return current
+        moved = moved_shard_ids(self.storage, topic, partition, current)
+        if len(moved) > 1:
+            raise AmbiguousShard(
+                "this table's WAL storage holds the topic-partition's state under several "
+                "shard ids of earlier table locations: delete the folders of all but one "
+                "(README, Moving a table)",
+                topic=topic,
+                partition=partition,
+                shards=",".join(moved),
+                wal=self.storage.uri,
+            )
+        if moved:
+            log.warning(
+                "shard_moved_id_kept",
+                topic=topic,
+                partition=partition,
+                shard=moved[0],
+                canonical=current,
+            )
+            return moved[0]
         return current
 
     def _has_state(self, shard: str) -> bool:
@@ -144,6 +178,7 @@ class Engine:
             self.controller,
             self.flusher,
             self.events,
+            origin=ShardOrigin(canonical_uri(self.spec.uri), topic, partition),
         )
         with self._lock:
             self._writers[shard] = writer

@@ -9,6 +9,8 @@
     ├── FatalError                      stop: operator action needed
     │   ├── SchemaMismatch              the table's schema is incompatible with the settings
     │   ├── Poisoned                    the shard writer failed to persist; close and reopen
+    │   ├── AmbiguousShard              a moved table's topic-partition has state under
+    │   │                               several old shard ids; the operator picks one
     │   └── ListenError (sink/http/serving.py)  a server cannot listen on its port (in use, ...)
     ├── InvalidRecord                   poison message: this input can never be written
     │                                   (→ dead-letter destination with the raw bytes)
@@ -82,6 +84,12 @@ class SchemaMismatch(FatalError):
 
 class Poisoned(FatalError):
     """The shard writer can no longer persist; it refuses puts and reads until reopened (I6)."""
+
+
+class AmbiguousShard(FatalError):
+    """A table moved with its WAL storage has state of one topic-partition under several
+    shard ids of earlier locations; adopting either could lose the other's WAL entries, so
+    the shard is not opened until the operator removes all but one (`Engine.shard_id`)."""
 
 
 class InvalidRecord(LanceSinkError):

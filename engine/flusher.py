@@ -40,7 +40,7 @@ import structlog
 
 from engine.backpressure import ShardMemory
 from engine.errors import Fenced, LanceSinkError, Poisoned
-from engine.manifest import ManifestStore, ShardManifest
+from engine.manifest import ManifestStore, ShardManifest, ShardOrigin
 from engine.memtable import Memtable
 from engine.shard_stats import EngineEvents
 from engine.table import BaseTable, flush_properties
@@ -152,10 +152,11 @@ class ShardFlush:
 
     # ------------------------------------------------------------------ claim / fence
 
-    def claim(self, advertised_url: str) -> ShardManifest:
-        """Claim the shard with a new epoch and find the flushed watermark (see the module
-        docstring); returns the manifest the writer starts from."""
-        manifest = self.manifests.claim(advertised_url)
+    def claim(self, advertised_url: str, origin: ShardOrigin | None = None) -> ShardManifest:
+        """Claim the shard with a new epoch (recording `origin`, see `ManifestStore.claim`)
+        and find the flushed watermark (see the module docstring); returns the manifest the
+        writer starts from."""
+        manifest = self.manifests.claim(advertised_url, origin)
         self.epoch = manifest.epoch
         mark = self.table.find_flush(self.shard, manifest.lance_version)
         if mark is not None and mark.wal_end > manifest.flushed_position:

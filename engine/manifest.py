@@ -2,7 +2,12 @@
 
     <shard>/manifest/<version:020d>.json
 
-Each version is immutable. A writer claims the shard by writing version v+1 with epoch+1;
+Each version is immutable. Since 2026-12 every version also records its shard's origin (the
+table's canonical location, the topic and the partition: `ShardOrigin`), so a table moved
+with its WAL storage finds the shards it had under its old location (`engine.shard_ids`);
+versions written by earlier builds lack it and load with `origin=None`.
+
+ A writer claims the shard by writing version v+1 with epoch+1;
 it records a flush by writing version v+1 with the same epoch. Because every write is
 create-only at the next version, two writers can never both succeed from the same
 version: the loser learns it was fenced (`Fenced`). Older versions are deleted once two
@@ -21,6 +26,22 @@ CLAIM_ATTEMPTS = 16
 
 
 @dataclass(frozen=True, slots=True)
+class ShardOrigin:
+    """Which topic-partition feeds which table through a shard.
+
+    Attributes:
+        table: the table's canonical location (`engine.storage.canonical_uri`) when the
+            writer claimed the shard; after a move it is the new location.
+        topic: the Kafka topic.
+        partition: the Kafka partition.
+    """
+
+    table: str
+    topic: str
+    partition: int
+
+
+@dataclass(frozen=True, slots=True)
 class ShardManifest:
     """One version of a shard's manifest.
 
@@ -34,6 +55,9 @@ class ShardManifest:
         generation: the next memtable generation number.
         owner_url: where the writer of `epoch` serves its memtables to other pods (its
             `query.advertised_url`); empty when it advertised none.
+        origin: the table, topic and partition of the shard, as the claiming writer knew
+            them; None in versions written by earlier builds (or by a writer opened without
+            one, as some tests do).
     """
 
     version: int = 0
@@ -43,6 +67,7 @@ class ShardManifest:
     lance_version: int = 0
     generation: int = 1
     owner_url: str = ""
+    origin: ShardOrigin | None = None
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -58,7 +83,16 @@ class ShardManifest:
             lance_version=int(raw["lance_version"]),
             generation=int(raw["generation"]),
             owner_url=str(raw.get("owner_url", "")),  # absent before fan-out reads
+            origin=_decode_origin(raw.get("origin")),  # absent before 2026-12
         )
+
+
+def _decode_origin(raw: object) -> ShardOrigin | None:
+    if not isinstance(raw, dict):
+        return None
+    return ShardOrigin(
+        table=str(raw["table"]), topic=str(raw["topic"]), partition=int(raw["partition"])
+    )
 
 
 class ManifestStore:
@@ -93,9 +127,11 @@ class ManifestStore:
                 out.append(int(name[:-5]))
         return sorted(out)
 
-    def claim(self, owner_url: str = "") -> ShardManifest:
+    def claim(self, owner_url: str = "", origin: ShardOrigin | None = None) -> ShardManifest:
         """Claim the shard with a new epoch (create-only write of the next version),
-        recording where the new writer serves queries (`owner_url`).
+        recording where the new writer serves queries (`owner_url`) and, if given, the
+        shard's `origin` (else the previous version's is kept); later versions of the epoch
+        carry both.
 
         Raises:
             PersistenceError: lost the race `CLAIM_ATTEMPTS` times in a row.
@@ -103,7 +139,11 @@ class ManifestStore:
         for _ in range(CLAIM_ATTEMPTS):
             current = self.latest()
             claimed = replace(
-                current, version=current.version + 1, epoch=current.epoch + 1, owner_url=owner_url
+                current,
+                version=current.version + 1,
+                epoch=current.epoch + 1,
+                owner_url=owner_url,
+                origin=origin or current.origin,
             )
             try:
                 self.storage.put_if_absent(self.key(claimed.version), claimed.encode())

@@ -57,7 +57,7 @@ import structlog
 from engine.backpressure import BackpressureController, ShardMemory
 from engine.errors import Backpressure, Fenced, LanceSinkError, PersistenceError, Poisoned
 from engine.flusher import Flusher, ShardFlush
-from engine.manifest import ManifestStore
+from engine.manifest import ManifestStore, ShardOrigin
 from engine.memtable import SealLimits, entry_batches, should_seal
 from engine.replay import replay_wal
 from engine.schema import TableSpec
@@ -195,15 +195,20 @@ class ShardWriter:
         controller: BackpressureController,
         flusher: Flusher,
         events: EngineEvents | None = None,
+        *,
+        origin: ShardOrigin | None = None,
     ) -> ShardWriter:
         """Claim the shard, replay its WAL, fence older writers; see the module docstring.
+
+        `origin` (the table, topic and partition; `Engine.open_shard` passes it) is recorded
+        in the manifest; without it the previous version's is kept.
 
         Raises:
             PersistenceError: storage failed during claim or replay (nothing acknowledged).
             Fenced: an even newer writer claimed the shard while this one replayed.
         """
         writer = cls(shard, spec, table, storage, config, controller, flusher, events)
-        writer._claim_and_replay()
+        writer._claim_and_replay(origin)
         writer.memory.on_seal_request(writer._wake_wal_thread)
         controller.register(writer.memory)
         writer._wal_thread = threading.Thread(
@@ -212,9 +217,9 @@ class ShardWriter:
         writer._wal_thread.start()
         return writer
 
-    def _claim_and_replay(self) -> None:
+    def _claim_and_replay(self, origin: ShardOrigin | None) -> None:
         started = time.monotonic()
-        manifest = self._flush.claim(self.config.advertised_url)
+        manifest = self._flush.claim(self.config.advertised_url, origin)
         self._memtables.start(
             manifest.generation, manifest.flushed_position, self._flush.flushed_offsets
         )

@@ -3,15 +3,17 @@ versions gave it.
 
 A shard id names the shard's WAL and manifest in the WAL storage, so it must be stable across
 processes and versions: a new owner finds its predecessor's state only under the same id.
-`Engine.shard_id` picks the id a writer opens with (the current one, or a legacy id whose
-state is still in the WAL).
+`Engine.shard_id` picks the id a writer opens with (the current one, a legacy id whose
+state is still in the WAL, or the id the table had at its old location: `moved_shard_ids`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 
-from engine.storage import canonical_uri, uri_spellings
+from engine.manifest import ManifestStore
+from engine.storage import Storage, canonical_uri, uri_spellings
 
 
 def shard_id(table_uri: str, topic: str, partition: int) -> str:
@@ -50,7 +52,36 @@ def legacy_shard_ids(
     return out
 
 
+def moved_shard_ids(storage: Storage, topic: str, partition: int, current: str) -> list[str]:
+    """Shards of this topic-partition in `storage` under another id than `current`: what a
+    table moved (or copied) with its WAL storage left under the ids of its old location.
+
+    A candidate's folder is named like an id of the topic-partition (`<topic>-<partition>-`
+    and 12 hex digits, whatever the table) and has a manifest whose recorded origin names the
+    same topic and partition; a manifest of an earlier build, which records no origin, is
+    taken on its folder name alone. Safe only where the WAL storage is the table's own (see
+    `legacy_shard_ids`): in a shared one these are other tables' shards.
+
+    Costs one listing of the storage root, and a listing and a read per candidate folder.
+    """
+    pattern = re.compile(re.escape(_safe_topic(topic)) + f"-{partition}-[0-9a-f]{{12}}")
+    out = []
+    for folder in storage.folders(""):
+        if folder == current or not pattern.fullmatch(folder):
+            continue
+        manifest = ManifestStore(storage, folder).latest()
+        origin = manifest.origin
+        if manifest.version and (
+            origin is None or (origin.topic, origin.partition) == (topic, partition)
+        ):
+            out.append(folder)
+    return out
+
+
+def _safe_topic(topic: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in topic)[:80]
+
+
 def _digest_id(uri: str, topic: str, partition: int) -> str:
     digest = hashlib.sha256(f"{uri}\0{topic}\0{partition}".encode()).hexdigest()[:12]
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in topic)[:80]
-    return f"{safe}-{partition}-{digest}"
+    return f"{_safe_topic(topic)}-{partition}-{digest}"

@@ -1,11 +1,16 @@
 """One table, one set of shard ids: every spelling of `table.uri` names the same shards, a
 table reopened under another spelling replays its WAL, and shards an older lance-sink wrote
-under a non-canonical spelling keep their id (real Lance and real files on tmp_path)."""
+under a non-canonical spelling keep their id; a table moved or copied with its WAL storage
+keeps the ids of its old location, which its manifests record (real Lance and real files on
+tmp_path)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +19,8 @@ import pytest
 
 from config.settings import Settings
 from engine.engine import Engine
+from engine.errors import AmbiguousShard
+from engine.manifest import ManifestStore, ShardManifest, ShardOrigin
 from engine.shard import ShardWriter
 from engine.shard_ids import legacy_shard_ids, shard_id
 from engine.storage import canonical_uri, open_storage
@@ -193,3 +200,102 @@ def test_shared_wal_storage_adopts_only_the_spelling_as_written(
         other.close(flush=False)
     assert reopen_and_flush("./t.lance", wal) == old
     assert table_offsets(tmp_path / "t.lance") == list(range(90))
+
+
+def test_a_manifest_records_the_origin_of_its_shard_and_old_ones_still_load(
+    tmp_path: Path,
+) -> None:
+    table = tmp_path / "t.lance"
+    engine = Engine.from_settings(settings(str(table)))
+    try:
+        writer = engine.open_shard(TOPIC, 0)
+        write_some(writer, engine)
+        # The claim and every later version (the flush) carry it.
+        manifest = ManifestStore(engine.storage, writer.shard).latest()
+        assert manifest.version >= 2
+        assert manifest.origin == ShardOrigin(str(table), TOPIC, 0)
+    finally:
+        engine.close(flush=False)
+    # A version written by an earlier build has no "origin" key: it loads without one.
+    raw = json.loads(manifest.encode())
+    del raw["origin"]
+    old = ShardManifest.decode(json.dumps(raw).encode())
+    assert old.origin is None
+    assert old == replace(manifest, origin=None)
+
+
+@pytest.mark.parametrize("how", ["moved", "copied"])
+def test_a_table_moved_with_its_wal_keeps_its_old_shard_ids(tmp_path: Path, how: str) -> None:
+    # Before: the moved table started new shards and replayed nothing of the old ones, so
+    # rows 60..89 (WAL only, their offsets committed) were lost.
+    before, after = tmp_path / "a" / "t.lance", tmp_path / "b" / "t.lance"
+    before.parent.mkdir()
+    old = shard_id(str(before), TOPIC, 0)
+    engine = Engine.from_settings(settings(str(before)))
+    try:
+        write_some(engine.open_shard(TOPIC, 0), engine)
+    finally:
+        engine.close(flush=False)
+    (shutil.move if how == "moved" else shutil.copytree)(before.parent, after.parent)
+    assert old != shard_id(str(after), TOPIC, 0)
+    # The flush markers in the table's commits name the old id: 0..59 are not flushed twice.
+    assert reopen_and_flush(str(after)) == old
+    assert reopen_and_flush(str(after)) == old  # and keeps it
+    assert table_offsets(after) == list(range(90))
+    manifest = ManifestStore(open_storage(str(after / "_lance_sink")), old).latest()
+    assert manifest.origin == ShardOrigin(str(after), TOPIC, 0)
+    if how == "copied":  # the original is untouched and still replays its own WAL
+        assert table_offsets(before) == list(range(60))
+        assert reopen_and_flush(str(before)) == old
+        assert table_offsets(before) == list(range(90))
+
+
+def test_a_moved_table_with_state_under_several_old_ids_refuses_to_open(tmp_path: Path) -> None:
+    table = tmp_path / "t.lance"
+    engine = Engine.from_settings(settings(str(table)))
+    earlier = [shard_id(str(tmp_path / where), TOPIC, 0) for where in ("x.lance", "y.lance")]
+    # A shard of another topic whose id looks alike ("events_v1" spelled as "events.v1")
+    # and a shard of another partition are not candidates.
+    others = [
+        (shard_id(str(tmp_path / "z.lance"), "events_v1", 0), "events_v1", 0),
+        (shard_id(str(tmp_path / "z.lance"), TOPIC, 1), TOPIC, 1),
+    ]
+    try:
+        for shard, topic, partition in [*((s, TOPIC, 0) for s in earlier), *others]:
+            ShardWriter.open(
+                shard,
+                engine.spec,
+                engine.table,
+                engine.storage,
+                engine.config,
+                engine.controller,
+                engine.flusher,
+                origin=ShardOrigin(str(tmp_path / "elsewhere"), topic, partition),
+            ).close(flush=False)
+        with pytest.raises(AmbiguousShard) as refused:
+            engine.open_shard(TOPIC, 0)
+        for shard in earlier:
+            assert shard in str(refused.value)
+        assert all(shard not in str(refused.value) for shard, _, _ in others)
+        assert engine.writers() == []
+        # The other topic's and partition's shards are adopted by their own.
+        assert engine.shard_id("events_v1", 0) == others[0][0]
+        assert engine.shard_id(TOPIC, 1) == others[1][0]
+    finally:
+        engine.close(flush=False)
+
+
+def test_a_shared_wal_storage_is_not_searched_for_a_moved_table(tmp_path: Path) -> None:
+    # With an explicit wal.uri the WAL storage stays where it was and may serve other tables
+    # of the same topic: their shards must not be taken for the moved table's.
+    wal = str(tmp_path / "shared-wal")
+    first = Engine.from_settings(settings(str(tmp_path / "t.lance"), wal))
+    try:
+        first.open_shard(TOPIC, 0)
+    finally:
+        first.close(flush=False)
+    second = Engine.from_settings(settings(str(tmp_path / "u.lance"), wal))
+    try:
+        assert second.shard_id(TOPIC, 0) == shard_id(str(tmp_path / "u.lance"), TOPIC, 0)
+    finally:
+        second.close(flush=False)
