@@ -9,10 +9,11 @@ commit races: in a trial with 3 pods, 168 conflicts and 9 failed tasks in 20 min
 cleanup that failed on a version another pod's cleanup had just removed. Kafka's group
 protocol already gives each partition one holder at a time, so no election of our own is
 needed: the pod that holds the maintenance partition runs maintenance, every other pod
-stands by (its maintenance runner started, starting no task). When the partition moves
-(a rebalance, a pod stopped or gone), the role moves with it: the pod that lost it finishes
-the task it is in and starts no other, the pod that gained it starts its next run. A single
-pod holds every partition, so it maintains the table as soon as its first assignment
+stands by (its maintenance runner started, starting no task; with `maintenance.process` no
+child process runs until the role is gained, see `MaintenanceProcess`). When the partition
+moves (a rebalance, a pod stopped or gone), the role moves with it: the pod that lost it
+finishes the task it is in and starts no other, the pod that gained it starts its next run.
+A single pod holds every partition, so it maintains the table as soon as its first assignment
 arrives.
 
 Two pods can run a task at the same time only briefly: the task the previous holder is

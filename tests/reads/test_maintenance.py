@@ -4,6 +4,7 @@ what a shard's crash-window search needs, and the reader's answers never change.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import signal
@@ -636,7 +637,8 @@ def test_the_child_stands_by_as_told_and_a_restarted_child_keeps_it(
     make_harness: MakeHarness,
 ) -> None:
     """`MaintenanceProcess.set_active` reaches the child over its pipe, and a child
-    restarted after a crash starts in the last state set (standby: it indexes nothing)."""
+    restarted after a crash starts in the last state set (standby: it indexes nothing).
+    Created standing by, no child runs until the role is gained."""
     h = make_harness()
     w = h.open()
     h.put(w, range(700))
@@ -646,10 +648,11 @@ def test_the_child_stands_by_as_told_and_a_restarted_child_keeps_it(
     m = MaintenanceProcess(h.spec, h.storage.uri, settings, events, active=False)
     m.start()
     try:
-        wait_for(lambda: m.pid() is not None, "the child did not start", 30)
         time.sleep(3)
         assert events.events == []
+        assert m.pid() is None
         m.set_active(True)
+        wait_for(lambda: m.pid() is not None, "the child did not start", 30)
         wait_for(lambda: ("fts_index", "done") in events.events, events.events, 60)
         m.set_active(False)
         first = m.pid()
@@ -667,6 +670,57 @@ def test_the_child_stands_by_as_told_and_a_restarted_child_keeps_it(
         wait_for(lambda: indexed(h) == {800}, events.events, 60)
     finally:
         m.stop(timeout=30)
+
+
+def maintenance_children() -> list[int]:
+    """This process's running maintenance children, as the OS has them."""
+    return [
+        p.pid
+        for p in multiprocessing.active_children()
+        if p.name == "lance-sink-maintenance" and p.pid is not None and not exited(p.pid)
+    ]
+
+
+@pytest.mark.slow
+def test_a_standby_child_starts_when_the_role_is_gained_and_retires_on_standby(
+    make_harness: MakeHarness,
+) -> None:
+    """A standby child held ~120 MiB resident doing nothing: none runs until the role is
+    gained, and one standing by for `standby_retire_s` stops (not a crash: no restart) and
+    starts again when the role comes back."""
+    h = make_harness()
+    w = h.open()
+    h.put(w, range(700))
+    h.flush(w)
+    events = Recorder()
+    settings = maintenance_settings(interval_s=1, optimize_interval_s=1)
+    m = MaintenanceProcess(
+        h.spec, h.storage.uri, settings, events, active=False, standby_retire_s=1.0
+    )
+    m.start()
+    try:
+        time.sleep(2)
+        assert m.pid() is None
+        assert maintenance_children() == []
+        m.set_active(True)
+        wait_for(lambda: m.pid() is not None, "the child did not start", 30)
+        first = m.pid()
+        assert maintenance_children() == [first]
+        wait_for(lambda: ("fts_index", "done") in events.events, events.events, 60)
+        m.set_active(False)
+        assert first is not None
+        wait_for(lambda: exited(first), "the standby child was not retired", 30)
+        wait_for(lambda: m.pid() is None, "the retired child is still listed", 5)
+        assert maintenance_children() == []
+        assert m.restarts == 0
+        assert ("process_exited", "0") not in events.events
+        m.set_active(True)
+        wait_for(lambda: m.pid() not in (None, first), "no child when the role came back", 30)
+        assert maintenance_children() == [m.pid()]
+    finally:
+        m.stop(timeout=30)
+    assert maintenance_children() == []
+    assert m.restarts == 0
 
 
 PARENT = """
