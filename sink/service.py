@@ -46,7 +46,6 @@ from engine.malloc import release_free_memory
 from engine.periodic import PeriodicThread
 from engine.reader import Fanout, Reader, ReaderSettings
 from engine.reads.owners import ShardOwners
-from engine.shard import ShardWriter
 from sink.consumer.broker_stats import BrokerStats
 from sink.consumer.commits import Commits
 from sink.consumer.conf import consumer_conf
@@ -275,10 +274,6 @@ class SinkService:
         """Set when a writer schema needs the table evolved: `run` drains and returns
         EXIT_RESTART_TO_EVOLVE."""
         return self.pipeline.evolution
-
-    def writers(self) -> list[ShardWriter]:
-        """The open shard writers (readers and the query layer use these)."""
-        return self.partitions.writers()
 
     # ------------------------------------------------------------------ main loop
 
