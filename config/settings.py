@@ -186,10 +186,14 @@ def check_librdkafka_keys(
     """Check pass-through keys against librdkafka itself.
 
     Builds (and immediately discards) a client of the given role with the properties, so
-    unknown keys and invalid values are rejected by the same code that would use them.
+    unknown keys and invalid values are rejected by the same code that would use them. The
+    keys are checked together, as the clients get them: some are valid only with a companion
+    (``ssl.keystore.location`` needs ``ssl.keystore.password``), and each checked alone
+    refused a right pair. When the set is refused, further probes find the key to name.
 
     Raises:
-        ValueError: naming the first offending key and librdkafka's reason.
+        ValueError: naming the offending key (all of them when none can be singled out)
+            and librdkafka's reason.
     """
     for key in conf:
         if key in owned:
@@ -197,20 +201,35 @@ def check_librdkafka_keys(
             hint = owner if owner.startswith("(") else f"(set {owner} instead)"
             raise ValueError(f"librdkafka property {key!r} cannot be passed through {hint}")
     ck = importlib.import_module("confluent_kafka")
-    for key, value in conf.items():
-        # One probe per key so the error names the key librdkafka objects to.
-        probe: dict[str, Any] = {key: value}
+
+    def refusal(probe: Mapping[str, object]) -> str | None:
+        """librdkafka's reason for refusing a client with `probe`; None if it builds."""
         try:
             if role == "producer":
-                ck.Producer(probe)
+                ck.Producer(dict(probe))
             else:
-                probe["group.id"] = "lance-sink-config-check"
-                ck.Consumer(probe).close()
+                ck.Consumer({**probe, "group.id": "lance-sink-config-check"}).close()
         except ck.KafkaException as exc:
-            reason = exc.args[0].str()
-            if is_secret_librdkafka_key(key) and str(value):
-                reason = reason.replace(str(value), MASK)  # the reason may quote the value
-            raise ValueError(f"{key!r}: librdkafka says {reason}") from exc
+            reason = str(exc.args[0].str())
+            for key, value in probe.items():
+                if is_secret_librdkafka_key(key) and str(value):
+                    reason = reason.replace(str(value), MASK)  # the reason may quote it
+            return reason
+        return None
+
+    together = refusal(conf) if conf else None
+    if together is None:
+        return
+    # The offender: the key without which the rest builds (a bad value, or a key missing its
+    # companion), else the first key refused on its own (several bad keys), else the set.
+    for key in conf:
+        if refusal({k: v for k, v in conf.items() if k != key}) is None:
+            raise ValueError(f"{key!r}: librdkafka says {together}")
+    for key, value in conf.items():
+        reason = refusal({key: value})
+        if reason is not None:
+            raise ValueError(f"{key!r}: librdkafka says {reason}")
+    raise ValueError(f"{', '.join(map(repr, conf))} together: librdkafka says {together}")
 
 
 class KafkaSettings(_Section):

@@ -8,6 +8,7 @@ tenth of one).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from config.settings import Settings
@@ -53,17 +54,34 @@ def lag_confs(settings: Settings) -> tuple[dict[str, Any], dict[str, Any]]:
     """
     shared = kafka_security_conf(settings)
     passthrough = dict(settings.kafka.librdkafka)
-    admin = {k: v for k, v in passthrough.items() if not _consumer_only(k, v)}
+    ignored = consumer_only_keys(passthrough)
+    admin = {k: v for k, v in passthrough.items() if k not in ignored}
     return {**shared, **admin}, {**shared, **passthrough}
 
 
-def _consumer_only(key: str, value: object) -> bool:
-    """Whether librdkafka ignores `key` on a producer-type handle (it says so, per key, in a
-    configuration warning: its own table of which client a property applies to)."""
+#: How librdkafka words the configuration warning of a consumer property set on a
+#: producer-type handle ("Configuration property fetch.min.bytes is a consumer property and
+#: will be ignored by this producer instance").
+_CONSUMER_PROPERTY = re.compile(r"Configuration property (\S+) is a consumer property")
+
+
+def consumer_only_keys(conf: dict[str, Any]) -> set[str]:
+    """The keys of `conf` that librdkafka ignores on a producer-type handle (it says so, per
+    key, in a configuration warning: its own table of which client a property applies to).
+
+    One handle with all the keys, as the admin client gets them: some keys are valid only
+    with a companion (``ssl.keystore.location`` needs ``ssl.keystore.password``), and a
+    handle with one of them alone is refused. A set librdkafka refuses (the settings check
+    accepted it, so only a changed librdkafka could) is left whole to the admin client,
+    whose construction then reports librdkafka's reason.
+    """
     import logging  # noqa: PLC0415
     import uuid  # noqa: PLC0415
 
     import confluent_kafka  # noqa: PLC0415
+
+    if not conf:
+        return set()
 
     class _Warnings(logging.Handler):
         def __init__(self) -> None:
@@ -78,9 +96,12 @@ def _consumer_only(key: str, value: object) -> bool:
     warnings = _Warnings()
     logger.addHandler(warnings)
     try:
-        producer = confluent_kafka.Producer({key: value, "logger": logger})
+        producer = confluent_kafka.Producer({**conf, "logger": logger})
         producer.poll(0)  # delivers the queued log lines to the logger
+    except confluent_kafka.KafkaException:
+        return set()
     finally:
         logger.removeHandler(warnings)
         logging.Logger.manager.loggerDict.pop(logger.name, None)
-    return any("is a consumer property" in line and key in line for line in warnings.lines)
+    named = {m.group(1) for line in warnings.lines if (m := _CONSUMER_PROPERTY.search(line))}
+    return named & set(conf)

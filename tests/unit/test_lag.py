@@ -9,7 +9,7 @@ from config import load_settings
 from engine.shard_ids import shard_id
 from engine.table import flush_properties
 from sink.cli import lag_report, render_lag
-from sink.kafka_conf import lag_confs
+from sink.kafka_conf import consumer_only_keys, lag_confs
 from sink.lag import FlushedReader, PartitionLag, PartitionOffsets
 from tests.support.engine import Harness, make_batch, source
 from tests.support.sink import write_config
@@ -122,3 +122,32 @@ def test_lag_clients_take_the_pass_through_properties(tmp_path: Path) -> None:
     assert "queued.max.messages.kbytes" not in admin
     assert probe["fetch.min.bytes"] == 7
     assert probe["queued.max.messages.kbytes"] == 4096
+
+
+def test_lag_clients_take_keys_valid_only_with_their_companions(tmp_path: Path) -> None:
+    """An SSL cluster's keystore pair reaches both of `lag`'s clients: the admin client's
+    consumer-only keys are found with the pass-through keys together (a probe of
+    ``ssl.keystore.location`` alone is refused by librdkafka: the password is mandatory)."""
+    keystore = {"ssl.keystore.location": "client.p12", "ssl.keystore.password": "ks-s3cr3t"}
+    settings = load_settings(
+        write_config(
+            tmp_path / "sink.toml",
+            bootstrap="127.0.0.1:9",
+            topics=["t"],
+            group="g",
+            table_uri=str(tmp_path / "table.lance"),
+            extra={
+                "kafka": {
+                    "security_protocol": "SSL",
+                    "librdkafka": {**keystore, "fetch.min.bytes": 7},
+                }
+            },
+        )
+    )
+    admin, probe = lag_confs(settings)
+    for conf in (admin, probe):
+        assert conf["security.protocol"] == "SSL"
+        assert {k: conf[k] for k in keystore} == keystore
+    assert "fetch.min.bytes" not in admin
+    assert probe["fetch.min.bytes"] == 7
+    assert consumer_only_keys({**keystore, "fetch.min.bytes": 7}) == {"fetch.min.bytes"}

@@ -181,6 +181,36 @@ def test_invalid_librdkafka_value(tmp_path: Path) -> None:
     assert "Invalid value" in reason
 
 
+#: A PKCS#12 keystore (SSL clusters): librdkafka refuses the location without the password.
+KEYSTORE = '"ssl.keystore.location" = "client.p12"\n"ssl.keystore.password" = "ks-s3cr3t"\n'
+
+
+@pytest.mark.parametrize("section", ["kafka.librdkafka", "dlq.librdkafka"])
+def test_librdkafka_keys_are_checked_with_their_companions(tmp_path: Path, section: str) -> None:
+    """A key valid only with a companion passes when the pair is given: the keys are checked
+    together, as the clients get them (each alone, the location was refused, so an SSL
+    cluster with a keystore could not be configured)."""
+    settings = load_settings(write(tmp_path, MINIMAL + f"\n[{section}]\n{KEYSTORE}"))
+    passed = settings.kafka.librdkafka if section == "kafka.librdkafka" else settings.dlq.librdkafka
+    assert passed == {"ssl.keystore.location": "client.p12", "ssl.keystore.password": "ks-s3cr3t"}
+
+
+def test_a_refused_set_of_librdkafka_keys_names_the_offender(tmp_path: Path) -> None:
+    """Checked together, a refused set still names the key at fault: the one missing its
+    companion, or the one with a bad value beside a right pair; never a secret's value."""
+    alone = write(tmp_path, MINIMAL + '\n[kafka.librdkafka]\n"ssl.keystore.location" = "c.p12"\n')
+    [(key, origin, reason)] = problems(alone)
+    assert (key, origin) == ("kafka.librdkafka", f"file {alone}")
+    assert reason.startswith("'ssl.keystore.location': librdkafka says")
+    assert "ssl.keystore.password" in reason
+    text = MINIMAL + f'\n[kafka.librdkafka]\n{KEYSTORE}"fetch.max.bytes" = "many"\n'
+    [(key, _origin, reason)] = problems(write(tmp_path, text, "bad.toml"))
+    assert key == "kafka.librdkafka"
+    assert reason.startswith("'fetch.max.bytes': librdkafka says")
+    assert "Invalid value" in reason
+    assert "ks-s3cr3t" not in reason
+
+
 @pytest.mark.parametrize("owned", ["enable.auto.commit", "group.id", "enable.auto.offset.store"])
 def test_sink_owned_librdkafka_key(tmp_path: Path, owned: str) -> None:
     path = write(tmp_path, MINIMAL + f'\n[kafka.librdkafka]\n"{owned}" = "false"\n')
