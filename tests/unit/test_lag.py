@@ -4,8 +4,10 @@ real shard manifests on tmp_path), and the arithmetic and rendering of `lance-si
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from config import load_settings
+from config.settings import Settings
 from engine.shard_ids import shard_id
 from engine.table import flush_properties
 from sink.cli import lag_report, render_lag
@@ -93,29 +95,30 @@ def test_offsets_snapshot_lags() -> None:
     assert PartitionOffsets(10, 10, 10, 10, 10).lag_seconds() == 0.0
 
 
-def test_lag_clients_take_the_pass_through_properties(tmp_path: Path) -> None:
-    """Connection keys of `kafka.librdkafka` go to both of `lag`'s clients; consumer-only
-    keys (which librdkafka would ignore on the admin client with a warning) only to the
-    probe consumer."""
-    settings = load_settings(
+def kafka_settings(tmp_path: Path, kafka: dict[str, Any]) -> Settings:
+    """Settings of a sink on t with these `kafka` section values."""
+    return load_settings(
         write_config(
             tmp_path / "sink.toml",
             bootstrap="127.0.0.1:9",
             topics=["t"],
             group="g",
             table_uri=str(tmp_path / "table.lance"),
-            extra={
-                "kafka": {
-                    "librdkafka": {
-                        "socket.timeout.ms": 12345,
-                        "fetch.min.bytes": 7,
-                        "queued.max.messages.kbytes": 4096,
-                    }
-                }
-            },
+            extra={"kafka": kafka},
         )
     )
-    admin, probe = lag_confs(settings)
+
+
+def test_lag_clients_take_the_pass_through_properties(tmp_path: Path) -> None:
+    """Connection keys of `kafka.librdkafka` go to both of `lag`'s clients; consumer-only
+    keys (which librdkafka would ignore on the admin client with a warning) only to the
+    probe consumer."""
+    passthrough = {
+        "socket.timeout.ms": 12345,
+        "fetch.min.bytes": 7,
+        "queued.max.messages.kbytes": 4096,
+    }
+    admin, probe = lag_confs(kafka_settings(tmp_path, {"librdkafka": passthrough}))
     assert admin["bootstrap.servers"] == probe["bootstrap.servers"] == "127.0.0.1:9"
     assert admin["socket.timeout.ms"] == probe["socket.timeout.ms"] == 12345
     assert "fetch.min.bytes" not in admin
@@ -129,22 +132,8 @@ def test_lag_clients_take_keys_valid_only_with_their_companions(tmp_path: Path) 
     consumer-only keys are found with the pass-through keys together (a probe of
     ``ssl.keystore.location`` alone is refused by librdkafka: the password is mandatory)."""
     keystore = {"ssl.keystore.location": "client.p12", "ssl.keystore.password": "ks-s3cr3t"}
-    settings = load_settings(
-        write_config(
-            tmp_path / "sink.toml",
-            bootstrap="127.0.0.1:9",
-            topics=["t"],
-            group="g",
-            table_uri=str(tmp_path / "table.lance"),
-            extra={
-                "kafka": {
-                    "security_protocol": "SSL",
-                    "librdkafka": {**keystore, "fetch.min.bytes": 7},
-                }
-            },
-        )
-    )
-    admin, probe = lag_confs(settings)
+    kafka = {"security_protocol": "SSL", "librdkafka": {**keystore, "fetch.min.bytes": 7}}
+    admin, probe = lag_confs(kafka_settings(tmp_path, kafka))
     for conf in (admin, probe):
         assert conf["security.protocol"] == "SSL"
         assert {k: conf[k] for k in keystore} == keystore
