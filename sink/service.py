@@ -52,7 +52,7 @@ from sink.consumer.conf import consumer_conf
 from sink.consumer.flow import Flow
 from sink.consumer.lifecycle import Lifecycle
 from sink.consumer.out_of_range import OutOfRange
-from sink.consumer.partition import PartitionState, PartitionTable
+from sink.consumer.partition import PartitionState, PartitionTable, QueueCounts
 from sink.consumer.pipeline import Pipeline
 from sink.consumer.status import StatusBoard
 from sink.decode import Decoder, freeze_gc
@@ -213,6 +213,7 @@ class SinkService:
             self.metrics,
             self.engine.spec.validate,
             failures=self,
+            counts=QueueCounts(),
         )
         self.lifecycle = Lifecycle(
             settings,
@@ -223,6 +224,7 @@ class SinkService:
             self.metrics,
             draining=self,
             forget=self.broker.forget,
+            counts=self.pipeline.counts,
         )
         self.out_of_range = OutOfRange(
             self.partitions,

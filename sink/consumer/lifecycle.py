@@ -37,7 +37,7 @@ from engine.shard import ShardWriter
 from engine.threads import name_os_thread
 from sink.consumer import partition
 from sink.consumer.flow import Flow
-from sink.consumer.partition import PartitionState, PartitionTable, Phase
+from sink.consumer.partition import PartitionState, PartitionTable, Phase, QueueCounts
 from sink.consumer.pipeline import RECOVERY_BACKOFF_MAX_S, backoff
 from sink.metrics import Metrics
 
@@ -84,6 +84,7 @@ class Lifecycle:
         *,
         draining: Draining,
         forget: Callable[[tuple[str, int]], None],
+        counts: QueueCounts,
     ) -> None:
         self.settings = settings
         self.engine = engine
@@ -97,6 +98,7 @@ class Lifecycle:
             max_workers=4, thread_name_prefix="open", initializer=name_os_thread
         )
         self.forget = forget  # what else keeps per-partition figures (end offsets)
+        self.counts = counts  # the pipeline's, shared by every partition's queues
 
     # ------------------------------------------------------------------ assign
 
@@ -117,7 +119,9 @@ class Lifecycle:
         # A failed look-up of the committed offsets is made again by each open.
         for tp in partitions:
             key = (tp.topic, tp.partition)
-            state = PartitionState(tp.topic, tp.partition, committed.get(key, -1))
+            state = PartitionState(
+                tp.topic, tp.partition, committed.get(key, -1), counts=self.counts
+            )
             state.committed_known = known
             state.opening = self.pool.submit(self._open, tp.topic, tp.partition, not known)
             self.partitions.add(state)

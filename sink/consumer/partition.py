@@ -147,6 +147,17 @@ class Held:
 
 
 @dataclass
+class QueueCounts:
+    """Messages parked and decoding over every partition that shares it: the pipeline's
+    bound on what the loop takes from librdkafka, read every loop iteration. Kept by
+    `PartitionState`'s queue methods alone (`park`, `take_parked`, `add_decoding`,
+    `pop_decoded`, `drop_queued`), so it always equals the sum of the queues."""
+
+    parked: int = 0
+    decoding: int = 0
+
+
+@dataclass
 class PartitionState:
     """One assigned topic-partition and its shard writer (see the module docstring).
 
@@ -167,8 +178,12 @@ class PartitionState:
     writer: ShardWriter | None = None
     position: int | None = None
     done: int | None = None
-    decoding: deque[Decoding] = field(default_factory=deque)  # offset order
-    parked: list[Any] = field(default_factory=list)  # consumed while the decoders were full
+    # Consumed messages on their way to decoding, in offset order: handed to a decode
+    # worker, and parked while the decoders were full. Changed only through the queue
+    # methods below, which keep `counts` (shared by the pipeline's partitions).
+    decoding: deque[Decoding] = field(default_factory=deque)
+    parked: list[Any] = field(default_factory=list)
+    counts: QueueCounts = field(default_factory=QueueCounts, repr=False)
     inflight: deque[InFlight] = field(default_factory=deque)
     durable_at: deque[tuple[int, float]] = field(default_factory=deque)  # (done, when)
     held: Held | None = None
@@ -299,12 +314,36 @@ class PartitionState:
         if rewound is None or stale or offset < rewound[0]:
             self.rewound = (offset, timestamp_ms)
 
+    def park(self, messages: list[Any]) -> None:
+        """Queue consumed messages for decoding."""
+        self.parked.extend(messages)
+        self.counts.parked += len(messages)
+
+    def take_parked(self) -> list[Any]:
+        """The parked messages, to be handed to a decode worker (`add_decoding`)."""
+        messages, self.parked = self.parked, []
+        self.counts.parked -= len(messages)
+        return messages
+
+    def add_decoding(self, job: Decoding) -> None:
+        """A batch handed to a decode worker (or decoded already), after those before it."""
+        self.decoding.append(job)
+        self.counts.decoding += len(job.messages)
+
+    def pop_decoded(self) -> Decoding:
+        """The oldest batch, its decoding ended: to be fed."""
+        job = self.decoding.popleft()
+        self.counts.decoding -= len(job.messages)
+        return job
+
     def drop_queued(self) -> None:
         """Forget batches not yet fed (nothing of them is durable or committed): they are
         fetched again from `position` (or by the partition's next owner)."""
         for job in self.decoding:
             job.future.cancel()
+            self.counts.decoding -= len(job.messages)
         self.decoding.clear()
+        self.counts.parked -= len(self.parked)
         self.parked = []
 
     def rewind(self, first: Any) -> None:

@@ -42,6 +42,7 @@ from sink.consumer.partition import (
     PartitionState,
     PartitionTable,
     Phase,
+    QueueCounts,
     timestamp_ms,
 )
 from sink.decode import Decoder
@@ -95,6 +96,7 @@ class Pipeline:
         metrics: Metrics,
         validate: Any,
         failures: WriterFailures,
+        counts: QueueCounts,
     ) -> None:
         self.settings = settings
         self.partitions = partitions
@@ -115,25 +117,21 @@ class Pipeline:
         self.registry_backoff_max_s = (
             registry.unreachable_backoff_max_s if registry is not None else RECOVERY_BACKOFF_MAX_S
         )
+        # Messages parked and decoding over the partitions: read every loop iteration, so
+        # kept by the partitions' queue methods rather than summed (`PartitionState.counts`).
+        self.counts = counts
         # Set when a writer schema needs the table evolved (see `_evolution_needed`).
         self.evolution: SchemaEvolution | None = None
 
     # ------------------------------------------------------------------ queue sizes
 
-    def decoding_messages(self) -> int:
-        """Messages handed to the decode workers and not fed yet."""
-        return sum(len(job.messages) for s in self.partitions.states() for job in s.decoding)
-
-    def parked_messages(self) -> int:
-        """Messages consumed while the decode queue was full."""
-        return sum(len(s.parked) for s in self.partitions.states())
-
     def decoders_behind(self) -> bool:
         """Whether the decode queue is full (the loop then takes at most one message)."""
-        return self.decoding_messages() >= self.queue_limit
+        return self.counts.decoding >= self.queue_limit
 
     def parking_full(self) -> bool:
-        return self.parked_messages() >= self.queue_limit
+        """Whether as many messages as the decode queue holds wait for it already."""
+        return self.counts.parked >= self.queue_limit
 
     # ------------------------------------------------------------------ park, decode
 
@@ -147,7 +145,6 @@ class Pipeline:
                 errors(m)
                 continue
             groups.setdefault((m.topic(), m.partition()), []).append(m)
-        decoding = self.decoding_messages()
         for key, batch in groups.items():
             state = self.partitions.get(key)
             if state is None or not state.feeds:
@@ -163,9 +160,8 @@ class Pipeline:
             if fresh:
                 state.out_of_range_since = None
                 state.position = fresh[-1].offset() + 1
-                state.parked.extend(fresh)
-                if decoding < self.queue_limit:
-                    decoding += len(state.parked)
+                state.park(fresh)
+                if not self.decoders_behind():
                     self.submit_parked(state)
 
     def _size_next_consume(self, messages: list[Any]) -> None:
@@ -178,9 +174,8 @@ class Pipeline:
 
     def submit_parked(self, state: PartitionState) -> None:
         """Hand a partition's parked messages to a decode worker as one batch."""
-        messages, state.parked = state.parked, []
-        future = self.pool.submit(self.decoder.decode, messages)
-        state.decoding.append(Decoding(messages, future))
+        messages = state.take_parked()
+        state.add_decoding(Decoding(messages, self.pool.submit(self.decoder.decode, messages)))
 
     def skip_offsets(self, state: PartitionState, first: int, last: int) -> None:
         """Offsets `first`..`last` can never become durable (deleted before they were
@@ -191,7 +186,7 @@ class Pipeline:
             self.submit_parked(state)
         none: Future[Decoded] = Future()
         none.set_result(Decoded(None, [], [], first, last))
-        state.decoding.append(Decoding([], none))
+        state.add_decoding(Decoding([], none))
         state.position = last + 1
 
     def wait_decoded(self, timeout: float) -> None:
@@ -219,7 +214,7 @@ class Pipeline:
             while (
                 state.phase is Phase.ACTIVE and state.decoding and state.decoding[0].future.done()
             ):
-                job = state.decoding.popleft()
+                job = state.pop_decoded()
                 try:
                     decoded = job.future.result()
                 except RegistryUnavailable as exc:

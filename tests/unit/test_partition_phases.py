@@ -22,6 +22,7 @@ from sink.consumer.partition import (
     InFlight,
     PartitionState,
     Phase,
+    QueueCounts,
 )
 from sink.decoded import Decoded
 
@@ -124,8 +125,9 @@ def test_every_event_in_every_phase_moves_as_the_table_says_or_raises(
 
 def pending_decode(state: PartitionState) -> Future[Decoded]:
     future: Future[Decoded] = Future()
-    state.decoding.append(Decoding([Message(12)], future))
-    state.parked.append(Message(13))
+    state.add_decoding(Decoding([Message(12)], future))
+    state.park([Message(13)])
+    assert state.counts == QueueCounts(parked=1, decoding=1)
     return future
 
 
@@ -162,6 +164,7 @@ def test_a_dropped_writer_drops_what_it_did_not_acknowledge_and_rewinds_to_done(
     assert not state.decoding
     assert not state.parked
     assert decoding.cancelled()
+    assert state.counts == QueueCounts()  # the shared counts follow the queues
     assert state.held is None
     assert state.rewound == (10, 500)  # the oldest message dropped: the lag counts from it
     assert (state.registry_retry_at, state.out_of_range_retry) == (None, None)
@@ -195,6 +198,23 @@ def test_registry_wait_and_evolving_refetch_from_the_batch_start() -> None:
     assert state.registry_failures == 1  # until a batch decodes
     partition.evolving(state, Message(11, 800))
     assert (state.position, state.rewound) == (11, (10, 700))  # the older rewind stays
+
+
+def test_the_queue_counts_are_the_sum_of_the_partitions_queues() -> None:
+    counts = QueueCounts()
+    one = PartitionState("t", 0, -1, phase=Phase.ACTIVE, counts=counts)
+    two = PartitionState("t", 1, -1, phase=Phase.ACTIVE, counts=counts)
+    one.park([Message(0), Message(1)])
+    two.park([Message(5)])
+    one.add_decoding(Decoding(one.take_parked(), Future()))
+    assert counts == QueueCounts(parked=1, decoding=2)
+    one.park([Message(2)])
+    job = one.pop_decoded()
+    assert len(job.messages) == 2
+    assert counts == QueueCounts(parked=2, decoding=0)
+    partition.release(two)
+    partition.hold(one, held_batch(2, 2))
+    assert counts == QueueCounts()
 
 
 def test_release_drops_everything_queued() -> None:
