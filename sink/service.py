@@ -32,6 +32,7 @@ import functools
 import gc
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Final
 
 import confluent_kafka
@@ -370,7 +371,7 @@ class SinkService:
         """The pipeline found a writer fenced or poisoned (`pipeline.WriterFailures`)."""
         self.lifecycle.writer_failed(state, exc)
 
-    def settle(self, states: list[PartitionState], timeout: float) -> None:
+    def settle(self, states: Sequence[PartitionState], timeout: float) -> None:
         """Let in-flight puts of `states` finish (bounded), advancing `done` as they
         complete, then commit synchronously (`lifecycle.Settle`: revoke and drain)."""
         deadline = time.monotonic() + timeout

@@ -12,7 +12,7 @@ thread; the commit latency (durable -> committed) is measured from `durable_at`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import confluent_kafka
 import structlog
@@ -50,7 +50,7 @@ class Commits:
         if now - self.last_sent >= self.interval_s and self.commit(asynchronous=True):
             self.last_sent = now
 
-    def commit(self, *, asynchronous: bool, states: list[PartitionState] | None = None) -> bool:
+    def commit(self, *, asynchronous: bool, states: Sequence[PartitionState] | None = None) -> bool:
         """Commit each partition's `done` offset:
 
         1. Step `done` past offsets that carry no data (`skip_records_without_data`).
@@ -83,7 +83,7 @@ class Commits:
             self.committed(tp)
         return True
 
-    def skip_records_without_data(self, states: list[PartitionState]) -> None:
+    def skip_records_without_data(self, states: Sequence[PartitionState]) -> None:
         """Move `done` (and `position`) of idle partitions up to the consumer's position.
 
         librdkafka never hands out a transaction's commit or abort marker (a control record)

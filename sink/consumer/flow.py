@@ -16,6 +16,7 @@ librdkafka rules it follows:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import confluent_kafka
@@ -62,7 +63,7 @@ class Flow:
             position=state.position,
         )
 
-    def pause_all(self, states: list[PartitionState]) -> None:
+    def pause_all(self, states: Sequence[PartitionState]) -> None:
         """Stop fetching every partition in one call (the drain)."""
         if not states:
             return
@@ -125,7 +126,7 @@ class Flow:
         partitions back when the consumer closes."""
         self.consumer.incremental_assign(partitions)
 
-    def give_back(self, partitions: list[TopicPartition], states: list[PartitionState]) -> None:
+    def give_back(self, partitions: list[TopicPartition], states: Sequence[PartitionState]) -> None:
         """Take revoked or lost `partitions` out of the consumer's assignment: those it
         holds (a partition whose shard has not opened, yet or again, was never handed to
         it, or was taken back)."""

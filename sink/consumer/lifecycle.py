@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final, Protocol
 
@@ -61,7 +61,7 @@ class Settle(Protocol):
     """What a revoke asks of the rest of the loop before it closes the writers: let the
     in-flight puts of `states` finish (bounded by `timeout`) and commit them."""
 
-    def settle(self, states: list[PartitionState], timeout: float) -> None: ...
+    def settle(self, states: Sequence[PartitionState], timeout: float) -> None: ...
 
 
 class Draining(Protocol):

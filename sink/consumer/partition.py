@@ -491,38 +491,49 @@ def release(state: PartitionState) -> None:
 
 class PartitionTable(Mapping[tuple[str, int], PartitionState]):
     """The partitions this process holds, by (topic, partition): written by the loop,
-    read by any thread (a lock guards the mapping; the states are the loop's)."""
+    read by any thread. Copy on write: `add` and `remove` (rebalances) build a new mapping
+    and tuple of states under a lock and publish them with one assignment each, so reads
+    (every loop iteration, queries asking for the writers) take no lock and see one
+    consistent set; the states themselves are the loop's."""
 
     def __init__(self) -> None:
         self._states: dict[tuple[str, int], PartitionState] = {}
+        self._all: tuple[PartitionState, ...] = ()
         self._lock = threading.Lock()
 
     def add(self, state: PartitionState) -> None:
         with self._lock:
-            self._states[state.key] = state
+            self._publish({**self._states, state.key: state})
 
     def remove(self, state: PartitionState) -> None:
         with self._lock:
             if self._states.get(state.key) is state:
-                del self._states[state.key]
+                self._publish({k: s for k, s in self._states.items() if s is not state})
 
-    def states(self) -> list[PartitionState]:
-        """A copy, safe to iterate while the loop adds or removes partitions."""
-        with self._lock:
-            return list(self._states.values())
+    def _publish(self, states: dict[tuple[str, int], PartitionState]) -> None:
+        self._all = tuple(states.values())
+        self._states = states
+
+    def states(self) -> tuple[PartitionState, ...]:
+        """Every state, as of the last `add` or `remove`: safe to iterate while the loop
+        adds or removes partitions."""
+        return self._all
 
     def writers(self) -> list[ShardWriter]:
         """The open shard writers (readers and the query layer use these)."""
-        with self._lock:
-            return [s.writer for s in self._states.values() if s.writer is not None]
+        return [s.writer for s in self._all if s.writer is not None]
+
+    def get(self, key: tuple[str, int], default: Any = None) -> Any:
+        return self._states.get(key, default)
 
     def __getitem__(self, key: tuple[str, int]) -> PartitionState:
-        with self._lock:
-            return self._states[key]
+        return self._states[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._states
 
     def __iter__(self) -> Iterator[tuple[str, int]]:
-        with self._lock:
-            return iter(list(self._states))
+        return iter(self._states)
 
     def __len__(self) -> int:
         return len(self._states)
