@@ -83,11 +83,20 @@ class Compare(Node):
             ">": lambda: field > value,
             ">=": lambda: field >= value,
         }
+        if self.op in {">", ">="} and pa.types.is_floating(self.value.type):
+            return ops[self.op]() | pc.is_nan(field)  # NaN is above every number
         return ops[self.op]()
 
     def evaluate(self, batch: pa.RecordBatch) -> Mask:
-        kernel = self._KERNELS[self.op]
-        return kernel(batch.column(self.column), self.value)
+        column = batch.column(self.column)
+        result = self._KERNELS[self.op](column, self.value)
+        if self.op in {">", ">="} and pa.types.is_floating(column.type):
+            # NaN is above every number (Lance's order): IEEE's `NaN > x` is false. The
+            # other operators already agree: `=`, `<`, `<=` are false and `!=` true for NaN.
+            nan = pc.is_nan(column)
+            if pc.any(nan).as_py():
+                result = pc.or_kleene(result, nan)
+        return result
 
     def sql(self) -> str:
         return f"{_sql_ident(self.column)} {self.op} {_sql_literal(self.value)}"
@@ -107,12 +116,19 @@ class In(Node):
     def expression(self) -> pc.Expression:
         # A NULL value is neither IN nor NOT IN: unknown, like SQL (`is_in` alone says false).
         field = pc.field(self.column)
-        hit = pc.if_else(field.is_valid(), field.isin(self.values), _UNKNOWN)
+        values = self.values
+        if pa.types.is_floating(values.type):
+            field, values = _signless(field, values.type), _signless(values, values.type)
+        hit = pc.if_else(field.is_valid(), field.isin(values), _UNKNOWN)
         return ~hit if self.negated else hit
 
     def evaluate(self, batch: pa.RecordBatch) -> Mask:
         column = batch.column(self.column)
-        hit = pc.is_in(column, value_set=self.values)
+        values = self.values
+        if pa.types.is_floating(values.type):
+            # -0.0 = 0.0 (as `=` says): is_in hashes the bits, which differ.
+            column, values = _signless(column, values.type), _signless(values, values.type)
+        hit = pc.is_in(column, value_set=values)
         if column.null_count:
             hit = pc.if_else(pc.is_valid(column), hit, _UNKNOWN)
         return pc.invert(hit) if self.negated else hit
@@ -302,6 +318,12 @@ def _junction(children: list[Node], kind: type[_And | _Or], *, negated: bool) ->
         out[first[column]] = node
     nodes = [n for n in out if n is not None]
     return nodes[0] if len(nodes) == 1 else kind(tuple(nodes))
+
+
+def _signless(values: Any, ftype: pa.DataType) -> Any:
+    """Floats of type `ftype` (an array or an Expression) with -0.0 made 0.0: `x + 0.0`
+    (IEEE: -0.0 + 0.0 = 0.0; NaN stays NaN, null stays null)."""
+    return pc.add(values, pa.scalar(0.0, ftype))
 
 
 def shape(node: Node) -> tuple[int, int]:

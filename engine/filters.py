@@ -248,6 +248,11 @@ def parse_filter(text: str, schema: pa.Schema) -> Predicate:
     return Predicate(text, frozenset(parser.columns), root)
 
 
+#: Microseconds per unit of a timestamp column, and the digits of a second it holds: a
+#: literal finer than its column is refused, not truncated.
+_MICROS = {"s": 1_000_000, "ms": 1_000, "us": 1, "ns": 1}
+_DIGITS = {"s": 0, "ms": 3, "us": 6, "ns": 9}
+
 _FILTERABLE = (
     pa.types.is_integer,
     pa.types.is_floating,
@@ -434,12 +439,27 @@ class _Parser:
         self.i += 1
         try:
             value = self.literal_value(tok, column, ctype)
-            return pa.scalar(value, type=ctype)
+            scalar = pa.scalar(value, type=ctype)
         except (pa.ArrowInvalid, OverflowError, ValueError) as exc:
             raise QueryError(
                 f"literal {tok.text!r} at position {tok.pos} does not fit column "
                 f"{column!r} ({ctype}): {exc}"
             ) from exc
+        if pa.types.is_floating(ctype) and not math.isfinite(scalar.as_py()):
+            # 1e39 is finite as a float64 and inf as a float32: SQL has no infinity.
+            raise QueryError(
+                f"literal {tok.text!r} at position {tok.pos} does not fit column "
+                f"{column!r} ({ctype}): beyond its range"
+            )
+        if pa.types.is_timestamp(ctype) and value.microsecond % _MICROS[ctype.unit]:
+            # Arrow would truncate it to the column's unit, and `ts >= '...00.0005'` would
+            # then keep a row at .000.
+            raise QueryError(
+                f"timestamp {tok.text!r} at position {tok.pos} is finer than column "
+                f"{column!r} ({ctype}) holds: give at most {_DIGITS[ctype.unit]} digits "
+                "of a second"
+            )
+        return scalar
 
     def literal_value(self, tok: _Tok, column: str, ctype: pa.DataType) -> Any:
         def mismatch(what: str) -> QueryError:
