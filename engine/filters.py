@@ -26,7 +26,11 @@ refused with `FilterTooComplex`. This module holds the language's face (`parse_f
 Both follow SQL three-valued logic: a comparison with a NULL value is unknown, `NOT`
 of unknown is unknown, and a row is kept only when the predicate is true. Literals are
 converted to the column's Arrow type at parse time, so no cast runs at query time in either
-tier (an integer column compared with `3.5` is an error, not a silent cast).
+tier (an integer column compared with `3.5` is an error, not a silent cast; so are a
+`float32` literal beyond its range and a timestamp finer than its column's unit). Floats
+order as Lance orders them: NaN above every number (+inf too), -0.0 equal to 0.0
+(`engine.filter_tree.Compare` and `In` make the Arrow kernels agree). docs/reads.md "What a
+filter means" states the rules; `tests/reads/test_read_oracle.py` holds every tier to them.
 
 Grammar (keywords are case-insensitive; identifiers may be back-quoted)::
 
