@@ -2,12 +2,14 @@
 
 Hypothesis generates a table (a key column and scalar columns of every filterable type the
 settings offer: int32, int64, float32, float64, string, bool, timestamp; each nullable or
-not), rows full of edge values (NaN, +-inf, -0.0, the integer and timestamp extremes,
-empty strings, `%`, `_`, quotes, backslashes, NUL and non-ASCII text, nulls everywhere),
-and filters from the whole grammar (every comparison operator, `[NOT] IN`,
-`[NOT] BETWEEN`, each `LIKE` form, `IS [NOT] NULL`, bare bool columns, `AND`/`OR`/`NOT`
-nested). The same rows are then read through the real engine (`ShardWriter` and `Reader`
-over real Lance tables on disk):
+not; an append table, or an upsert table whose keys are written several times, some
+versions deletes: the newest version of a key decides it, in whichever tier it is), rows
+full of edge values (NaN, +-inf, -0.0, the integer and timestamp extremes, empty strings,
+`%`, `_`, quotes, backslashes, NUL and non-ASCII text, nulls everywhere), and filters from
+the whole grammar (every comparison operator, `[NOT] IN`, `[NOT] BETWEEN`, each `LIKE`
+form, `IS [NOT] NULL`, bare bool columns, `AND`/`OR`/`NOT` nested). The same rows are
+then read through the real engine (`ShardWriter` and `Reader` over real Lance tables on
+disk):
 
 - (a) all in the memtables of a shard writer (`Predicate.mask`, Arrow kernels);
 - (b) all flushed to the Lance base, first without an index, then with a scalar index
@@ -15,7 +17,8 @@ over real Lance tables on disk):
   changes Lance's execution path);
 - (c) split at a drawn row: the first part flushed, the rest in the memtables.
 
-Each filter-only scan must return exactly the rows a reference model selects (Python
+Each filter-only scan, and each kNN query pre-filtered by it with k = every row (a vector
+column of two dimensions), must return exactly the rows a reference model selects (Python
 values under the read semantics of docs/reads.md "What a filter means": SQL's
 three-valued logic, NaN above every number and equal to itself, -0.0 = 0.0, strings in
 code point order, literals converted to the column's type and refused when they do not
@@ -150,6 +153,17 @@ class Table:
     key: Column
     columns: tuple[Column, ...]
     rows: tuple[dict[str, Any], ...]  # by column name; a row's `_offset` is its index
+    #: upsert: rows are versions of their key, the newest wins; `deletes` are tombstones.
+    upsert: bool = False
+    deletes: frozenset[int] = frozenset()
+
+    def visible(self) -> list[int]:
+        """The rows a query may return: every row (append), or the newest row of each key
+        unless it is a delete (upsert)."""
+        if not self.upsert:
+            return list(range(len(self.rows)))
+        newest = {r["id"]: i for i, r in enumerate(self.rows)}
+        return sorted(i for i in newest.values() if i not in self.deletes)
 
     @property
     def all_columns(self) -> tuple[Column, ...]:
@@ -158,11 +172,12 @@ class Table:
     def spec(self, uri: str) -> TableSpec:
         raw = {
             "uri": uri,
-            "mode": "append",
+            "mode": "upsert" if self.upsert else "append",
             "columns": [
                 {"name": c.name, "type": c.kind, "nullable": c.nullable} for c in self.all_columns
             ],
             "primary_key": [self.key.name],
+            "vector": {"column": "vec", "dim": 2, "metric": "l2"},
         }
         return TableSpec.from_settings(TableSettings.model_validate(raw))
 
@@ -177,9 +192,13 @@ class Table:
                 arrays[c.name] = pa.array(data, pa.int64()).cast(ftype)
             else:
                 arrays[c.name] = pa.array(data, ftype)
+        flat = [float(x) for i in range(first, last) for x in (i, 1.0)]
+        arrays["vec"] = pa.FixedSizeListArray.from_arrays(pa.array(flat, pa.float32()), 2)
         arrays["_topic"] = pa.array(["t"] * len(rows), pa.string())
         arrays["_partition"] = pa.array([0] * len(rows), pa.int32())
         arrays["_offset"] = pa.array(range(first, last), pa.int64())
+        ops = [1 if i in self.deletes else 0 for i in range(first, last)]
+        arrays["_op"] = pa.array(ops, pa.int8())
         schema = spec.batch_schema
         return pa.RecordBatch.from_arrays([arrays[f.name] for f in schema], schema=schema)
 
@@ -197,7 +216,12 @@ def tables(draw: st.DrawFn) -> Table:
     columns = tuple(
         Column(name, kind, draw(st.booleans())) for name, kind in zip(names, kinds, strict=True)
     )
-    keys = draw(st.lists(values(key_kind), min_size=1, max_size=24, unique=True))
+    upsert = draw(st.booleans())
+    if upsert:  # a few keys, each written a few times, some deleted
+        pool = draw(st.lists(values(key_kind), min_size=1, max_size=6, unique=True))
+        keys = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=24))
+    else:
+        keys = draw(st.lists(values(key_kind), min_size=1, max_size=24, unique=True))
     rows = []
     for k in keys:
         row: dict[str, Any] = {"id": k}
@@ -205,7 +229,8 @@ def tables(draw: st.DrawFn) -> Table:
             gen = values(c.kind)
             row[c.name] = draw(st.one_of(st.none(), gen) if c.nullable else gen)
         rows.append(row)
-    return Table(key, columns, tuple(rows))
+    deletes = draw(st.sets(st.integers(0, len(rows) - 1))) if upsert else set()
+    return Table(key, columns, tuple(rows), upsert, frozenset(deletes))
 
 
 # -- the filters: an expression, its text, and its meaning -------------------------------
@@ -602,6 +627,7 @@ def run_case(case: Case) -> None:
     table = case.table
     n = len(table.rows)
     tell(f"columns: {[(c.name, c.nullable) for c in table.all_columns]}; split {case.split}")
+    tell(f"upsert: {table.upsert}; deletes: {sorted(table.deletes)}")
     with tempfile.TemporaryDirectory(prefix="lance-sink-oracle-") as folder:
         tiers = Tiers(Path(folder), table)
         try:
@@ -635,13 +661,17 @@ def check_queries(case: Case, readers: dict[str, Reader]) -> None:
             with pytest.raises(QueryError, match=refused):
                 parse_filter(text, spec.table_schema)
             continue
-        want = [i for i, row in enumerate(table.rows) if expr.truth(row) is True]
+        want = [i for i in table.visible() if expr.truth(table.rows[i]) is True]
         tell(f"sql: {parse_filter(text, spec.table_schema).sql}")
         for tier, reader in readers.items():
             got = offsets(reader.scan(filter=text, columns=["_offset"], limit=1000))
             assert got == want, f"{tier}: {text!r}"
+            # A pre-filtered kNN with k = every row: the same rows, ranked.
+            near = reader.search_vector([0.0, 0.0], k=len(table.rows), filter=text,
+                                        columns=["_offset"])  # fmt: skip
+            assert offsets(near) == want, f"{tier}: kNN with {text!r}"
     if case.keys:
-        want = sorted(i for i, row in enumerate(table.rows) if row["id"] in set(case.keys))
+        want = [i for i in table.visible() if table.rows[i]["id"] in set(case.keys)]
         for tier, reader in readers.items():
             got = offsets(reader.lookup(list(case.keys), columns=["_offset"]))
             assert got == want, f"{tier}: lookup {case.keys!r}"
