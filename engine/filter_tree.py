@@ -317,7 +317,43 @@ def _junction(children: list[Node], kind: type[_And | _Or], *, negated: bool) ->
             node = In(column, pa.array(distinct, type=ctype), negated)
         out[first[column]] = node
     nodes = [n for n in out if n is not None]
+    if kind is _Or:
+        nodes = _exclusions_in_or(nodes)
     return nodes[0] if len(nodes) == 1 else kind(tuple(nodes))
+
+
+def _exclusions_in_or(nodes: list[Node]) -> list[Node]:
+    """`col NOT IN A OR col NOT IN B` (or `!=`) as one `col NOT IN (A ∩ B)`, and as
+    `col IS NOT NULL` when A and B share no value: equal under three-valued logic, and
+    Lance (DataFusion's simplifier) took the disjoint form for TRUE, keeping NULL rows."""
+    sets: dict[str, list[pa.Scalar]] = {}
+    first: dict[str, int] = {}
+    out: list[Node | None] = []
+    for node in nodes:
+        column: str | None = None
+        if isinstance(node, Compare) and node.op == "!=":
+            column, values = node.column, [node.value]
+        elif isinstance(node, In) and node.negated:
+            column, values = node.column, list(node.values)
+        if column is None:
+            out.append(node)
+            continue
+        if column not in sets:
+            sets[column], first[column] = values, len(out)
+            out.append(None)
+        else:
+            kept = {v.as_py() for v in values}
+            sets[column] = [v for v in sets[column] if v.as_py() in kept]
+    for column, values in sets.items():
+        merged: Node
+        if not values:
+            merged = IsNull(column, negated=True)
+        elif len(values) == 1:
+            merged = Compare(column, "!=", values[0])
+        else:
+            merged = In(column, pa.array([v.as_py() for v in values], type=values[0].type), True)
+        out[first[column]] = merged
+    return [n for n in out if n is not None]
 
 
 def _signless(values: Any, ftype: pa.DataType) -> Any:
@@ -332,6 +368,12 @@ def shape(node: Node) -> tuple[int, int]:
         shapes = [shape(c) for c in node.children]
         return sum(s[0] for s in shapes), 1 + max(s[1] for s in shapes)
     return 1, 0
+
+
+def sql_integer(value: int) -> str:
+    """An integer as SQL text Lance's parser (DataFusion) reads back as that int64: -2**63
+    written out would be read as the negation of 2**63, which is not an int64, and fail."""
+    return "(-9223372036854775807 - 1)" if value == -(2**63) else str(value)
 
 
 def _sql_ident(name: str) -> str:
@@ -349,8 +391,7 @@ def _sql_literal(value: pa.Scalar) -> str:
     if pa.types.is_boolean(t):
         return "TRUE" if v else "FALSE"
     if pa.types.is_integer(t):
-        # -2**63 alone would be read as the negation of 2**63, which is not an int64.
-        return "(-9223372036854775807 - 1)" if v == -(2**63) else str(int(v))
+        return sql_integer(int(v))
     if pa.types.is_floating(t):
         return repr(float(v))
     if pa.types.is_timestamp(t):

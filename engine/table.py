@@ -23,6 +23,7 @@ import pyarrow as pa
 import structlog
 
 from engine.errors import PersistenceError
+from engine.filter_tree import sql_integer
 from engine.schema import TableSpec
 from engine.storage import is_local, local_path, sync_filesystem
 
@@ -322,7 +323,7 @@ def sql_literal(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
-        return str(value)
+        return sql_integer(value)  # a tombstone of key -2**63 failed every flush
     if isinstance(value, bytes):
         return f"X'{value.hex()}'"
     text = str(value).replace("'", "''")

@@ -33,6 +33,7 @@ kept as `@example`s of `test_one_answer_whatever_the_tier` and as named tests be
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import itertools
 import math
@@ -756,7 +757,37 @@ FOUND: dict[str, Case] = {
         lambda c: Cmp(c["ts"], ">=", Literal(c["ts"], (MS_2026, 500, False))),
         lambda c: Cmp(c["ts"], ">=", Literal(c["ts"], (MS_2026, 0, True))),
     ),
+    # Lance (DataFusion's simplifier) read `c NOT IN A OR c NOT IN B`, A and B disjoint, as
+    # TRUE, keeping rows where c is NULL: the tree now sends `c NOT IN (A ∩ B)`, here
+    # `c IS NOT NULL`.
+    "disjoint-exclusions-in-an-or-keep-no-null": found(
+        {"c": "int32"},
+        [{"c": None}, {"c": 1}, {"c": 5}, {"c": None}],
+        lambda c: Junction(
+            "OR",
+            (
+                InList(c["c"], (Literal(c["c"], 1), Literal(c["c"], 3)), negated=True),
+                InList(c["c"], (Literal(c["c"], 2), Literal(c["c"], 4)), negated=True),
+            ),
+        ),
+    ),
 }
+# A tombstone of key -2**63 failed every flush of an upsert table (the delete's SQL wrote
+# the integer out, which Lance reads as the negation of 2**63, not an int64).
+_low = found({"c": "int32"}, [{"c": None}], lambda c: IsNull(c["c"], negated=True)).table
+FOUND["a-tombstone-of-the-smallest-int64-key-flushes"] = Case(
+    dataclasses.replace(
+        _low,
+        rows=({"id": -(2**63), "c": 1}, {"id": 0, "c": 7}, {"id": -(2**63), "c": None}),
+        upsert=True,
+        deletes=frozenset({2}),
+    ),
+    1,
+    (3,),
+    {"id": "BTREE"},
+    (IsNull(_low.columns[0], negated=True),),
+    (-(2**63), 0),
+)
 
 
 @pytest.mark.parametrize("name", list(FOUND))
