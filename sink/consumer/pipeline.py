@@ -24,6 +24,7 @@ writer through the `WriterFailures` protocol the service injects.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Final, Protocol
 
@@ -63,13 +64,15 @@ DECODE_QUEUE_BATCHES: Final = 2
 # vector messages kept it from noticing durable puts and committing for tens of ms.
 CONSUME_TARGET_BYTES: Final = 8 << 20
 RECOVERY_BACKOFF_S: Final = 1.0  # first wait before a retry (doubles per failure)
-# Longest wait between two attempts when the registry keeps failing, without a registry
-# setting for it: long enough not to hammer it, short enough to notice a fix quickly.
+# Longest wait between two attempts to open a shard that keeps failing (and between two
+# registry retries when no registry setting says otherwise): long enough not to hammer a
+# failing store, short enough that a fixed cause is noticed within half a minute.
 RECOVERY_BACKOFF_MAX_S: Final = 30.0
 
 
 class FatalSinkError(LanceSinkError):
-    """The service cannot continue (fatal Kafka error, authentication failure, ...)."""
+    """A put failed in a way the loop has no answer for (neither fenced nor poisoned): the
+    service stops with exit code 1."""
 
 
 class WriterFailures(Protocol):
@@ -135,7 +138,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------ park, decode
 
-    def handle(self, messages: list[Any], errors: Any) -> None:
+    def handle(self, messages: list[Any], errors: Callable[[Any], None]) -> None:
         """Park a consume() batch's messages per partition and hand them to decoding;
         `errors(message)` takes the messages that carry an error."""
         self._size_next_consume(messages)
