@@ -48,6 +48,20 @@ def settings(table_uri: str, wal_uri: str | None = None) -> Settings:
     return Settings.model_validate(raw)
 
 
+def open_writer(engine: Engine, shard: str, origin: ShardOrigin | None = None) -> ShardWriter:
+    """Open (claim and replay) `shard` of `engine`'s table and WAL storage."""
+    return ShardWriter.open(
+        shard,
+        engine.spec,
+        engine.table,
+        engine.storage,
+        engine.config,
+        engine.controller,
+        engine.flusher,
+        origin=origin,
+    )
+
+
 def write_some(writer: ShardWriter, engine: Engine) -> None:
     """Rows 0..59 flushed (the next put seals their memtable, past 50 rows), 60..89 left in
     the WAL only; the writer is closed without flushing, as a crash would leave it."""
@@ -152,15 +166,7 @@ def test_shard_of_an_older_version_keeps_its_legacy_id(
     engine = Engine.from_settings(settings(written))
     try:
         assert engine.storage.uri == str(tmp_path / "t.lance" / "_lance_sink")
-        writer = ShardWriter.open(
-            old,
-            engine.spec,
-            engine.table,
-            engine.storage,
-            engine.config,
-            engine.controller,
-            engine.flusher,
-        )
+        writer = open_writer(engine, old)
         write_some(writer, engine)
     finally:
         engine.close(flush=False)
@@ -262,15 +268,8 @@ def test_a_moved_table_with_state_under_several_old_ids_refuses_to_open(tmp_path
     ]
     try:
         for shard, topic, partition in [*((s, TOPIC, 0) for s in earlier), *others]:
-            ShardWriter.open(
-                shard,
-                engine.spec,
-                engine.table,
-                engine.storage,
-                engine.config,
-                engine.controller,
-                engine.flusher,
-                origin=ShardOrigin(str(tmp_path / "elsewhere"), topic, partition),
+            open_writer(
+                engine, shard, ShardOrigin(str(tmp_path / "elsewhere"), topic, partition)
             ).close(flush=False)
         with pytest.raises(AmbiguousShard) as refused:
             engine.open_shard(TOPIC, 0)

@@ -31,6 +31,7 @@ from engine.maintenance.runner import (
 )
 from engine.manifest import ManifestStore
 from engine.reader import ReaderSettings
+from engine.shard import ShardWriter
 from engine.table import flush_properties
 from tests.reads.conftest import ReadHarness, rows_batch, vectors, wait_for
 
@@ -671,6 +672,23 @@ def test_a_standby_runner_starts_no_task_until_it_is_active(make_harness: MakeHa
         m.stop()
 
 
+def standby_process(
+    make_harness: MakeHarness, **kwargs: Any
+) -> tuple[ReadHarness, ShardWriter, MaintenanceProcess, Recorder]:
+    """A started `MaintenanceProcess` standing by over a table with 700 flushed rows (one
+    maintenance pass a second): the harness, its writer, the process and the recorder of
+    its events; `kwargs` go to the process."""
+    h = make_harness()
+    w = h.open()
+    h.put(w, range(700))
+    h.flush(w)
+    events = Recorder()
+    settings = maintenance_settings(interval_s=1, optimize_interval_s=1)
+    m = MaintenanceProcess(h.spec, h.storage.uri, settings, events, active=False, **kwargs)
+    m.start()
+    return h, w, m, events
+
+
 @pytest.mark.slow
 def test_the_child_stands_by_as_told_and_a_restarted_child_keeps_it(
     make_harness: MakeHarness,
@@ -678,14 +696,7 @@ def test_the_child_stands_by_as_told_and_a_restarted_child_keeps_it(
     """`MaintenanceProcess.set_active` reaches the child over its pipe, and a child
     restarted after a crash starts in the last state set (standby: it indexes nothing).
     Created standing by, no child runs until the role is gained."""
-    h = make_harness()
-    w = h.open()
-    h.put(w, range(700))
-    h.flush(w)
-    events = Recorder()
-    settings = maintenance_settings(interval_s=1, optimize_interval_s=1)
-    m = MaintenanceProcess(h.spec, h.storage.uri, settings, events, active=False)
-    m.start()
+    h, w, m, events = standby_process(make_harness)
     try:
         time.sleep(3)
         assert events.events == []
@@ -727,16 +738,7 @@ def test_a_standby_child_starts_when_the_role_is_gained_and_retires_on_standby(
     """A standby child held ~120 MiB resident doing nothing: none runs until the role is
     gained, and one standing by for `standby_retire_s` stops (not a crash: no restart) and
     starts again when the role comes back."""
-    h = make_harness()
-    w = h.open()
-    h.put(w, range(700))
-    h.flush(w)
-    events = Recorder()
-    settings = maintenance_settings(interval_s=1, optimize_interval_s=1)
-    m = MaintenanceProcess(
-        h.spec, h.storage.uri, settings, events, active=False, standby_retire_s=1.0
-    )
-    m.start()
+    _h, _w, m, events = standby_process(make_harness, standby_retire_s=1.0)
     try:
         time.sleep(2)
         assert m.pid() is None
