@@ -5,10 +5,10 @@ diagram and what holds in each phase are in DESIGN.md, "The partition state mach
 
 - OPENING: assigned by the group; its shard is being claimed and replayed on the open pool
   (`sink.consumer.lifecycle`). Not handed to the consumer yet: nothing is fetched.
-- ACTIVE: the shard writer is open and the partition is fetched from `position`. Two
-  sub-states ride on it: a fetch offset the broker refused (`out_of_range`,
-  `out_of_range_retry`: `sink.consumer.out_of_range`), which librdkafka stops fetching
-  by itself.
+- ACTIVE: the shard writer is open and the partition is fetched from `position`. One
+  sub-state rides on it: a fetch offset the broker refused (`out_of_range`,
+  `out_of_range_retry`, `out_of_range_since`: `sink.consumer.out_of_range`), which
+  librdkafka stops fetching by itself; every transition out of ACTIVE forgets it.
 - HELD: a decoded batch waits (`held`) for its dead letters to be acknowledged, or for
   backpressure to let it in. Paused.
 - REGISTRY_WAIT: the schema registry could not answer while decoding; paused, decoded
