@@ -53,7 +53,7 @@ from sink.consumer.conf import consumer_conf
 from sink.consumer.flow import Flow
 from sink.consumer.lifecycle import Lifecycle
 from sink.consumer.out_of_range import OutOfRange
-from sink.consumer.partition import PartitionState, PartitionTable, QueueCounts
+from sink.consumer.partition import PartitionCounts, PartitionState, PartitionTable
 from sink.consumer.pipeline import Pipeline
 from sink.consumer.status import StatusBoard
 from sink.decode import Decoder, freeze_gc
@@ -198,13 +198,6 @@ class SinkService:
         )
         self.consumer = confluent_kafka.Consumer(conf)
         self.flow = Flow(self.consumer, self.metrics)
-        self.commits = Commits(
-            self.consumer,
-            self.partitions,
-            self.metrics,
-            interval_s=settings.kafka.commit_interval_ms / 1000,
-            end_offset=self.broker.end,
-        )
         self.pipeline = Pipeline(
             settings,
             self.partitions,
@@ -214,7 +207,7 @@ class SinkService:
             self.metrics,
             self.engine.spec.validate,
             failures=self,
-            counts=QueueCounts(),
+            counts=PartitionCounts(),
         )
         self.lifecycle = Lifecycle(
             settings,
@@ -250,6 +243,15 @@ class SinkService:
             role=self.maintenance_role,
             assigned_once=self.lifecycle.ready,
             fatal=lambda: self._fatal,
+            counts=self.pipeline.counts,
+        )
+        self.commits = Commits(
+            self.consumer,
+            self.partitions,
+            self.metrics,
+            interval_s=settings.kafka.commit_interval_ms / 1000,
+            end_offset=self.broker.end,
+            before_send=self.board.publish,
         )
 
     # ------------------------------------------------------------------ control
@@ -347,7 +349,6 @@ class SinkService:
     def _tick(self) -> None:
         """Everything a loop iteration does besides consuming."""
         now = time.monotonic()
-        self.board.ticked(now)
         self.pipeline.collect_decoded()
         if self.dlq is not None:
             self.dlq.poll()
@@ -356,6 +357,9 @@ class SinkService:
         self.out_of_range.service()
         self.pipeline.advance()
         self.maintenance_role.update(self.partitions)
+        # After the tick's work, so a view shows what it did (a partition stopped, a put
+        # advanced); a commit publishes too, before it is sent (`Commits.before_send`).
+        self.board.ticked(now)
         self.commits.maybe_commit(now)
         if now - self._last_metrics >= METRICS_INTERVAL_S:
             self._last_metrics = now

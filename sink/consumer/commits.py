@@ -35,12 +35,16 @@ class Commits:
         *,
         interval_s: float,
         end_offset: Callable[[tuple[str, int]], int | None],
+        before_send: Callable[[], None],
     ) -> None:
         self.consumer = consumer
         self.partitions = partitions
         self.metrics = metrics
         self.interval_s = interval_s
         self.end_offset = end_offset  # the log end from the last statistics, if known
+        # Publishes the status views: whoever sees an offset committed (the group, a lag
+        # probe) then reads views at least as new as the `done` it committed (I14).
+        self.before_send = before_send
         self.last_sent = 0.0
 
     def maybe_commit(self, now: float) -> None:
@@ -70,6 +74,7 @@ class Commits:
         if not targets:
             return False
         offsets = [TopicPartition(s.topic, s.partition, s.done or 0) for s in targets]
+        self.before_send()
         try:
             if asynchronous:
                 self.consumer.commit(offsets=offsets, asynchronous=True)

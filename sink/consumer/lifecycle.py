@@ -37,7 +37,7 @@ from engine.shard import ShardWriter
 from engine.threads import name_os_thread
 from sink.consumer import partition
 from sink.consumer.flow import Flow
-from sink.consumer.partition import PartitionState, PartitionTable, Phase, QueueCounts
+from sink.consumer.partition import PartitionCounts, PartitionState, PartitionTable, Phase
 from sink.consumer.pipeline import RECOVERY_BACKOFF_MAX_S, backoff
 from sink.metrics import Metrics
 
@@ -84,7 +84,7 @@ class Lifecycle:
         *,
         draining: Draining,
         forget: Callable[[tuple[str, int]], None],
-        counts: QueueCounts,
+        counts: PartitionCounts,
     ) -> None:
         self.settings = settings
         self.engine = engine

@@ -147,14 +147,18 @@ class Held:
 
 
 @dataclass
-class QueueCounts:
-    """Messages parked and decoding over every partition that shares it: the pipeline's
-    bound on what the loop takes from librdkafka, read every loop iteration. Kept by
-    `PartitionState`'s queue methods alone (`park`, `take_parked`, `add_decoding`,
-    `pop_decoded`, `drop_queued`), so it always equals the sum of the queues."""
+class PartitionCounts:
+    """Counts over every partition that shares it, read every loop iteration.
+
+    `parked` and `decoding` are the messages queued: the pipeline's bound on what the loop
+    takes from librdkafka, kept by `PartitionState`'s queue methods alone (`park`,
+    `take_parked`, `add_decoding`, `pop_decoded`, `drop_queued`), so they always equal the
+    sums of the queues. `transitions` counts the phase transitions taken (`_move`): the
+    status board publishes its views after a tick that took any."""
 
     parked: int = 0
     decoding: int = 0
+    transitions: int = 0
 
 
 @dataclass
@@ -183,7 +187,7 @@ class PartitionState:
     # methods below, which keep `counts` (shared by the pipeline's partitions).
     decoding: deque[Decoding] = field(default_factory=deque)
     parked: list[Any] = field(default_factory=list)
-    counts: QueueCounts = field(default_factory=QueueCounts, repr=False)
+    counts: PartitionCounts = field(default_factory=PartitionCounts, repr=False)
     inflight: deque[InFlight] = field(default_factory=deque)
     durable_at: deque[tuple[int, float]] = field(default_factory=deque)  # (done, when)
     held: Held | None = None
@@ -367,6 +371,7 @@ def _move(state: PartitionState, event: Event) -> None:
             f"{state.topic}[{state.partition}]: no {event.value} transition from {state.phase.name}"
         )
     state.phase = to
+    state.counts.transitions += 1
 
 
 # ---------------------------------------------------------------- transitions

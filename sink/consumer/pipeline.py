@@ -40,10 +40,10 @@ from sink.consumer.partition import (
     Decoding,
     Held,
     InFlight,
+    PartitionCounts,
     PartitionState,
     PartitionTable,
     Phase,
-    QueueCounts,
     timestamp_ms,
 )
 from sink.decode import Decoder
@@ -99,7 +99,7 @@ class Pipeline:
         metrics: Metrics,
         validate: Any,
         failures: WriterFailures,
-        counts: QueueCounts,
+        counts: PartitionCounts,
     ) -> None:
         self.settings = settings
         self.partitions = partitions

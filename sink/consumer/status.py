@@ -1,7 +1,8 @@
 """Status: what the HTTP threads say about the loop, from snapshots the loop publishes.
 
-The loop publishes one `PartitionView` per held partition (`StatusBoard.publish`: at most
-every `PUBLISH_INTERVAL_S`, and at once after a rebalance), built on the loop thread from
+The loop publishes one `PartitionView` per held partition (`StatusBoard.publish`: after a
+tick's work at most every `PUBLISH_INTERVAL_S`, before every commit it sends, and at once
+after a rebalance), built on the loop thread from
 its `PartitionState`s; /metrics, /readyz and /v1/status (`exposition`, `readiness`,
 `status`, any thread) read the latest views, and of the loop's own state only the three
 offsets it assigns whole (`StatusBoard.partition_offsets`). What changes off the loop is
@@ -31,7 +32,7 @@ from engine.reader import Reader
 from engine.shard import ShardWriter
 from sink.base_status import BaseTableStatus
 from sink.consumer.broker_stats import BrokerStats
-from sink.consumer.partition import PartitionState, PartitionTable, Phase
+from sink.consumer.partition import PartitionCounts, PartitionState, PartitionTable, Phase
 from sink.dlq import DeadLetterBatch
 from sink.lag import PartitionOffsets, PausedEnds, unindexed_rows
 from sink.maintenance_role import MaintenanceRole
@@ -125,6 +126,7 @@ class StatusBoard:
         role: MaintenanceRole,
         assigned_once: threading.Event,
         fatal: Callable[[], str | None],
+        counts: PartitionCounts,
     ) -> None:
         self.settings = settings
         self.partitions = partitions
@@ -140,6 +142,8 @@ class StatusBoard:
         self.fatal = fatal
         self.views: tuple[PartitionView, ...] = ()
         self.published_at = 0.0
+        self.counts = counts
+        self._published_transitions = -1  # `counts.transitions` at the last publish
         self.last_tick = time.monotonic()
         # One snapshot's gauges are set (and exposed) together; watermarks are read under it.
         self._offsets_lock = threading.RLock()
@@ -152,15 +156,20 @@ class StatusBoard:
     # ------------------------------------------------------------------ the loop's side
 
     def ticked(self, now: float) -> None:
-        """The loop iterates (liveness); publish the views if they are older than
-        `PUBLISH_INTERVAL_S`."""
+        """The loop did a tick's work (liveness): publish the views if a partition changed
+        phase since the last publish (a stop, a fence: what its log line says the status
+        shows already) or they are older than `PUBLISH_INTERVAL_S`."""
         self.last_tick = now
-        if now - self.published_at >= PUBLISH_INTERVAL_S:
+        if (
+            self.counts.transitions != self._published_transitions
+            or now - self.published_at >= PUBLISH_INTERVAL_S
+        ):
             self.publish()
 
     def publish(self) -> None:
         """Publish a view of every held partition (the loop thread)."""
         self.published_at = time.monotonic()
+        self._published_transitions = self.counts.transitions
         self.views = tuple(
             PartitionView.of(s) for s in sorted(self.partitions.states(), key=lambda s: s.key)
         )

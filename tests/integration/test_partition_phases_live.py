@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.broker, pytest.mark.timeout(60)]
 
 def active(service: SinkService, topic: str) -> PartitionState:
     """Partition 0 of `topic` opened (its shard claimed) and assigned at offset 0."""
-    state = PartitionState(topic, 0, -1)
+    state = PartitionState(topic, 0, -1, counts=service.pipeline.counts)
     service.partitions.add(state)
     partition.opened(state, service.engine.open_shard(topic, 0), 0)
     service.flow.assign_at(state, 0)
@@ -74,3 +74,41 @@ def test_a_released_partition_leaves_no_end_offset_behind(
     assert state.phase is Phase.RELEASED
     assert service.broker.end((topic, 0)) is None
     assert (topic, 0) not in service.partitions
+
+
+def test_a_phase_change_is_published_by_the_tick_that_made_it(
+    service: SinkService, kafka_broker: Broker, topic: str
+) -> None:
+    # The loop logs a stop (or a fence) inside its tick; whoever reads that line and asks
+    # /readyz at once must find it there. The views used to be published at the start of
+    # the next tick, at most every 20 ms: a stop logged just after a publish was missing.
+    produce(kafka_broker.bootstrap, topic, [(None, b"{}")], partition=0)
+    state = active(service, topic)
+    service.board.publish()
+    stopped = f"{topic}[0]: stopped, offset 50 is past the log end 10"
+    assert stopped not in service.board.readiness()[1]
+    partition.stop(state, "offset 50 is past the log end 10")
+    service.board.ticked(time.monotonic())  # the same tick, well within 20 ms
+    ready, reasons = service.board.readiness()
+    assert not ready
+    assert stopped in reasons
+
+
+def test_a_commit_publishes_the_views_before_it_is_sent(
+    service: SinkService, kafka_broker: Broker, topic: str
+) -> None:
+    # Whoever sees an offset committed (the group's offsets, `lance-sink lag`) and then
+    # scrapes must not read a lag in seconds from before that commit: 17 s once on CI,
+    # right after the group's committed offset reached the log end.
+    produce(kafka_broker.bootstrap, topic, [(None, b"{}")] * 3, partition=0)
+    state = active(service, topic)
+    state.rewind_to(0, int(time.time() * 1000) - 17_000)  # consumed, not durable, 17 s old
+    service.board.publish()
+    view = service.board.views[0]
+    assert service.board.partition_offsets(view).lag_seconds() > 16
+    state.done = 3  # durable, as the pipeline's advance moves it
+    assert service.commits.commit(asynchronous=False)
+    assert state.committed == 3
+    view = service.board.views[0]
+    assert view.pending_timestamp_ms is None
+    assert service.board.partition_offsets(view).lag_seconds() == 0.0

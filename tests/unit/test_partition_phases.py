@@ -20,9 +20,9 @@ from sink.consumer.partition import (
     Held,
     IllegalTransition,
     InFlight,
+    PartitionCounts,
     PartitionState,
     Phase,
-    QueueCounts,
 )
 from sink.decoded import Decoded
 
@@ -115,11 +115,13 @@ def test_every_event_in_every_phase_moves_as_the_table_says_or_raises(
     if end is not None:
         FUNCTIONS[event](state)
         assert state.phase is end
+        assert state.counts.transitions == 1  # the status board publishes after it
         return
     before = repr(state)
     with pytest.raises(IllegalTransition, match=f"no {event.value} transition from {start.name}"):
         FUNCTIONS[event](state)
     assert state.phase is start
+    assert state.counts.transitions == 0
     assert repr(state) == before  # nothing changed
 
 
@@ -127,7 +129,7 @@ def pending_decode(state: PartitionState) -> Future[Decoded]:
     future: Future[Decoded] = Future()
     state.add_decoding(Decoding([Message(12)], future))
     state.park([Message(13)])
-    assert state.counts == QueueCounts(parked=1, decoding=1)
+    assert state.counts == PartitionCounts(parked=1, decoding=1)
     return future
 
 
@@ -164,7 +166,8 @@ def test_a_dropped_writer_drops_what_it_did_not_acknowledge_and_rewinds_to_done(
     assert not state.decoding
     assert not state.parked
     assert decoding.cancelled()
-    assert state.counts == QueueCounts()  # the shared counts follow the queues
+    # the shared counts follow the queues (and count the transition)
+    assert state.counts == PartitionCounts(transitions=1)
     assert state.held is None
     assert state.rewound == (10, 500)  # the oldest message dropped: the lag counts from it
     assert (state.registry_retry_at, state.out_of_range_retry) == (None, None)
@@ -201,20 +204,20 @@ def test_registry_wait_and_evolving_refetch_from_the_batch_start() -> None:
 
 
 def test_the_queue_counts_are_the_sum_of_the_partitions_queues() -> None:
-    counts = QueueCounts()
+    counts = PartitionCounts()
     one = PartitionState("t", 0, -1, phase=Phase.ACTIVE, counts=counts)
     two = PartitionState("t", 1, -1, phase=Phase.ACTIVE, counts=counts)
     one.park([Message(0), Message(1)])
     two.park([Message(5)])
     one.add_decoding(Decoding(one.take_parked(), Future()))
-    assert counts == QueueCounts(parked=1, decoding=2)
+    assert counts == PartitionCounts(parked=1, decoding=2)
     one.park([Message(2)])
     job = one.pop_decoded()
     assert len(job.messages) == 2
-    assert counts == QueueCounts(parked=2, decoding=0)
+    assert counts == PartitionCounts(parked=2, decoding=0)
     partition.release(two)
     partition.hold(one, held_batch(2, 2))
-    assert counts == QueueCounts()
+    assert counts == PartitionCounts(transitions=2)  # and the phases changed twice
 
 
 def test_release_drops_everything_queued() -> None:
