@@ -1198,7 +1198,11 @@ class QuerySettings(_Section):
         description="Where other pods reach this process's query API (e.g. "
         "http://10.1.2.3:8080; the Helm chart sets the pod IP). Recorded in the shard manifest "
         "when a shard is claimed, so a query to any pod can ask this one for its memtables' "
-        "rows. None: this process serves no fresh rows to other pods. An IPv6 address goes in "
+        "rows. Unset: derived at start (logged as advertised_url_derived) from query.host when "
+        "it names one address, else from the address of the interface that routes to the "
+        "first bootstrap broker, else from the host name's address; with the query API off, "
+        "none is advertised (other pods' answers then name this process's partitions as "
+        "missing, cause unadvertised, until their rows are flushed). An IPv6 address goes in "
         "brackets (http://[fd00::1]:8080); an unbracketed one followed by :port, as the chart "
         "writes an IPv6 pod IP (http://fd00::1:8080), is read as address and port and "
         "bracketed; any other host with several ':' is refused as ambiguous.",

@@ -279,6 +279,7 @@ def _run(args: argparse.Namespace) -> int:
         log.info("transparent_huge_pages_left_on")
     from engine.engine import Engine  # noqa: PLC0415
     from engine.errors import LanceSinkError  # noqa: PLC0415 - keep `check-config` light
+    from sink.advertise import with_advertised_url  # noqa: PLC0415
     from sink.metrics import Metrics  # noqa: PLC0415
     from sink.service import SinkService  # noqa: PLC0415
 
@@ -300,6 +301,7 @@ def _run(args: argparse.Namespace) -> int:
             log.info("shutdown_requested", signal=signal.Signals(early[0]).name)
             return EXIT_OK
         settings = derived_settings
+    settings = with_advertised_url(settings)  # fan-out reaches this process's memtables
     try:
         metrics = Metrics()
         engine = Engine.from_settings(settings, controller=controller, events=metrics)

@@ -286,7 +286,8 @@ class Metrics:
             "query_fanout_missing_shards",
             "Shards whose fresh rows a query lacked (answered partial, or failed) because the "
             "pod listed as their owner did not answer in time (timeout), answered with an error "
-            "(error) or does not hold them (unheld: a rebalance in progress), by cause.",
+            "(error) or does not hold them (unheld: a rebalance in progress), or because their "
+            "writer advertised no URL to ask (unadvertised), by cause.",
             ["cause"],
         )
         self.maintenance_runs = counter(

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from engine.manifest import list_owners
+from engine.manifest import ShardManifest, list_owners
 from engine.storage import Storage
 
 log = structlog.get_logger("lance_sink.reader")
@@ -45,9 +45,12 @@ class Owner:
     """The writer of a shard as its newest manifest names it."""
 
     shard: str
+    #: Where the writer serves its memtables; "" when it advertised none (unadvertised).
     url: str
     epoch: int
-    #: The "topic:partition"s the shard has flushed rows of (empty before its first flush).
+    #: The shard's "topic:partition"s: those it has flushed rows of, and the one its
+    #: manifest records as its origin (empty for a writer of an earlier build that never
+    #: flushed).
     partitions: tuple[str, ...] = ()
 
 
@@ -58,8 +61,6 @@ class ShardOwners:
         self.storage = storage
         self.refresh_s = refresh_s
         self._owners: dict[str, Owner] | None = None
-        #: Every shard the copy saw, with or without an owner URL.
-        self._known: frozenset[str] = frozenset()
         self._read_at = 0.0  # when the read of the copy started
         self._stale = False
         self._lock = threading.Lock()
@@ -67,9 +68,10 @@ class ShardOwners:
         self._fresh_read = threading.Lock()  # reads for a `need` the copy lacks
 
     def current(self, need: Collection[str] | None = ()) -> dict[str, Owner]:
-        """Every shard whose newest manifest names an owner URL, by shard, from a copy that
-        lists every shard of `need` or was read after this call began (`need` None: which
-        shards are needed is unknown, so the latter).
+        """The owner of every shard as its newest manifest names it (URL "" when it
+        advertised none), by shard, from a copy that lists every shard of `need` or was
+        read after this call began (`need` None: which shards are needed is unknown, so the
+        latter).
 
         Raises:
             PersistenceError: the first read of the manifests failed, or the read for a
@@ -80,9 +82,7 @@ class ShardOwners:
         with self._lock:
             owners, fresh = self._owners, not self._stale
             due = asked - self._read_at >= self.refresh_s
-            lacking = owners is not None and (
-                need is None or any(s not in self._known for s in need)
-            )
+            lacking = owners is not None and (need is None or any(s not in owners for s in need))
         if lacking:
             return self._read_after(asked)
         if owners is not None and fresh and not due:
@@ -122,14 +122,10 @@ class ShardOwners:
                 raise
             log.warning("shard_owners_read_failed", error=str(exc))
             return old
-        owners = {
-            shard: Owner(shard, m.owner_url, m.epoch, tuple(sorted(m.flushed_offsets)))
-            for shard, m in manifests.items()
-            if m.owner_url
-        }
+        owners = {shard: owner_of(shard, m) for shard, m in manifests.items()}
         with self._lock:
             if started >= self._read_at:  # a read that started earlier never wins
-                self._owners, self._known = owners, frozenset(manifests)
+                self._owners = owners
                 self._read_at, self._stale = started, False
             return self._owners if self._owners is not None else owners
 
@@ -140,3 +136,11 @@ class ShardOwners:
             listed = None if self._owners is None else self._owners.get(shard)
             if listed is None or listed.epoch != epoch:
                 self._stale = True
+
+
+def owner_of(shard: str, manifest: ShardManifest) -> Owner:
+    """The owner `manifest` (the shard's newest) names."""
+    partitions = set(manifest.flushed_offsets)
+    if manifest.origin is not None:
+        partitions.add(f"{manifest.origin.topic}:{manifest.origin.partition}")
+    return Owner(shard, manifest.owner_url, manifest.epoch, tuple(sorted(partitions)))

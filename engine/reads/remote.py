@@ -40,7 +40,7 @@ from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
 import numpy as np
 import orjson
@@ -95,8 +95,18 @@ def key_table(spec: TableSpec, keys: list[Any]) -> pa.Table:
 
 
 #: Why a shard's fresh rows are missing, in one word (the metric's label): its owner did not
-#: answer in time, answered with an error, or does not hold the shard (rebalance, fence).
-Cause = Literal["timeout", "error", "unheld"]
+#: answer in time, answered with an error, does not hold the shard (rebalance, fence), or
+#: recorded no URL to ask (a writer with the query API off, or of an earlier build).
+Cause = Literal["timeout", "error", "unheld", "unadvertised"]
+
+
+#: Why a shard listed for this process is missing.
+UNHELD: Final = "listed for this process, which does not hold it now (rebalance or fence)"
+#: Why a shard whose writer advertised no URL is missing.
+UNADVERTISED: Final = (
+    "its writer advertised no URL (query.advertised_url; its query API off, or an earlier "
+    "build): its fresh rows are in no answer until they are flushed"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,34 +182,35 @@ class Fanout:
     def tier(self, local: set[str], base_version: int, spec: TableSpec) -> RemoteTier | None:
         """The remote tier of a snapshot: every listed shard this process does not read
         itself (`local`: the shards whose view it took), grouped by owner URL; None when
-        there is none (local mode: no network hop). A shard listed for this process's own
-        URL that it does not read (released in a rebalance, or fenced) is missing, not
-        asked."""
+        there is none (local mode: no network hop). Missing, not asked: a shard listed for
+        this process's own URL that it does not read (released in a rebalance, or fenced),
+        and a shard of the expected ones (all, while they are unknown) whose writer
+        advertised no URL: its fresh rows are in no answer, so the answer says so."""
         groups: dict[str, dict[str, Owner]] = {}
-        unheld: list[Owner] = []
+        missing: list[MissingShard] = []
         need: Collection[str] | None = ()
         if self.expected is not None:
             expected = self.expected()  # None: unknown yet (a pod starting)
             need = None if expected is None else [s for s in expected if s not in local]
+        wanted = None if need is None or self.expected is None else set(need)
         for shard, owner in self.owners.current(need).items():
             if shard in local:
                 continue
-            if owner.url == self.self_url:
-                unheld.append(owner)
+            if not owner.url:
+                if wanted is None or shard in wanted:
+                    missing.append(
+                        MissingShard(shard, owner.partitions, "", UNADVERTISED, "unadvertised")
+                    )
+            elif owner.url == self.self_url:
+                missing.append(MissingShard(shard, owner.partitions, owner.url, UNHELD, "unheld"))
                 self.owners.saw_epoch(shard, -1)  # a newer owner may have claimed it
             else:
                 groups.setdefault(owner.url, {})[shard] = owner
-        if not groups and not unheld:
+        if not groups and not missing:
             return None
         tier = RemoteTier(self, groups, base_version, self.timeout_s, spec)
-        for owner in unheld:
-            tier.missing[owner.shard] = MissingShard(
-                owner.shard,
-                owner.partitions,
-                owner.url,
-                "listed for this process, which does not hold it now (rebalance or fence)",
-                "unheld",
-            )
+        for lacked in missing:
+            tier.missing[lacked.shard] = lacked
         return tier
 
     def post(self, url: str, body: bytes, timeout_s: float) -> bytes:

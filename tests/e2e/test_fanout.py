@@ -54,7 +54,10 @@ def start_pods(
     table_uri: str | None = None,
     storage_options: dict[str, str] | None = None,
     maintenance: dict[str, Any] | None = None,
+    advertise: bool = True,
 ) -> tuple[list[SinkProcess], list[str]]:
+    """Sink processes named by `names`, each with its query API on its own port; with
+    `advertise` False, a plain query section (no host, no advertised URL: derived)."""
     procs, urls = [], []
     # The query and the metrics ports picked together, all distinct: with metrics_port 0 a
     # pod's metrics server could be given the port just picked for its query server.
@@ -73,12 +76,11 @@ def start_pods(
                 "memtable": memtable or {"max_rows": FIRST, "max_age_s": 3600},
                 "query": {
                     "enabled": True,
-                    "host": "127.0.0.1",
                     "port": port,
-                    "advertised_url": url,
                     "fanout_timeout_ms": 1000,
                     "owners_refresh_ms": 200,
                     "max_k": 100_000,
+                    **({"host": "127.0.0.1", "advertised_url": url} if advertise else {}),
                 },
                 "maintenance": maintenance or {},  # {}: on (write_config's default)
                 "observability": {"metrics_port": metrics_port},
@@ -303,6 +305,87 @@ def test_any_pod_answers_with_every_committed_row(
         assert_maintained_without_flush_failures(procs)
     else:
         assert_no_flush_failures(procs)
+
+
+def test_a_plain_config_fans_out_and_names_a_process_that_advertises_nothing(
+    mock_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    """Three processes with a plain query section (no host, no advertised URL) each derive
+    their URL, so a query to any of them returns every committed row with no partial
+    answer: before, each answered with its own partitions' fresh rows alone (25-50 % of
+    the rows), silently. A fourth process with the query API off advertises nothing: the
+    others' answers then say partial and name its partition (cause unadvertised)."""
+    bootstrap = mock_broker.bootstrap
+    for p in range(PARTITIONS):  # every partition exists before the group forms
+        produce(bootstrap, topic, [message(p)], partition=p)
+    procs, urls = start_pods(
+        tmp_path, bootstrap, topic, group, maintenance=MAINTENANCE_OFF, advertise=False
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while len(set(owners(procs).values())) < 3 or len(owners(procs)) < PARTITIONS:
+            assert time.monotonic() < deadline, f"partitions not spread: {owners(procs)}"
+            time.sleep(0.5)
+        for proc, url in zip(procs, urls, strict=True):
+            [derived] = [e for e in proc.events() if e["event"] == "advertised_url_derived"]
+            assert derived["url"] == url, derived  # the route to the broker on 127.0.0.1
+        rows = [message(i) for i in range(PARTITIONS, 100)]
+        for p in range(PARTITIONS):
+            produce(bootstrap, topic, rows[p::PARTITIONS], partition=p)
+        wait_caught_up(bootstrap, group, topic, procs=procs)
+        everything = {f"m-{i}" for i in range(100)}
+        wait_serving(procs, urls)
+        for url in urls:  # every row is in some process's memtables (max_rows 80 per shard)
+            got = post(url, "/v1/search", {"filter": "n >= 0", "k": 1000, "columns": ["id"]})
+            assert "partial" not in got, got.get("missing")
+            assert sorted(r["id"] for r in got["rows"]) == sorted(everything), url
+
+        quiet = write_config(
+            tmp_path / "d.toml",
+            bootstrap=bootstrap,
+            topics=[topic],
+            group=group,
+            table_uri=str(tmp_path / "table.lance"),
+            mode="upsert",
+            extra={
+                "memtable": {"max_rows": FIRST, "max_age_s": 3600},
+                "maintenance": MAINTENANCE_OFF,
+            },  # the query API off (write_config's default)
+        )
+        procs.append(SinkProcess(quiet, tmp_path / "d.log"))
+        deadline = time.monotonic() + 90
+        while 3 not in owners(procs).values():
+            assert procs[3].alive(), procs[3].log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"the fourth process holds nothing: {owners(procs)}"
+            time.sleep(0.5)
+        wait_caught_up(bootstrap, group, topic, procs=procs)
+        more = [message(i) for i in range(100, 140)]
+        for p in range(PARTITIONS):
+            produce(bootstrap, topic, more[p::PARTITIONS], partition=p)
+        wait_caught_up(bootstrap, group, topic, procs=procs)
+        held = owners(procs)
+        unadvertised = sorted(f"{topic}:{p}" for p, i in held.items() if i == 3)
+        for url in urls:
+            # A pod's copy of the owners read before the fourth claimed its shard names the
+            # old owner (partial too, cause unheld) until it is re-read (owners_refresh_ms).
+            deadline = time.monotonic() + 10
+            while True:
+                got = post(url, "/v1/search", {"filter": "n >= 0", "k": 1000, "columns": ["id"]})
+                assert got["partial"] is True, got
+                if all("advertised no URL" in m["reason"] for m in got["missing"]):
+                    break
+                assert time.monotonic() < deadline, got["missing"]
+                time.sleep(0.2)
+            named = sorted(p for m in got["missing"] for p in m["partitions"])
+            assert named == unadvertised, got["missing"]
+            assert {m["owner"] for m in got["missing"]} == {""}
+            ids = {r["id"] for r in got["rows"]}  # every row but the unadvertised fresh ones
+            assert {f"m-{i}" for i in range(140)} - ids <= {
+                f"m-{i}" for i in range(140) if f"{topic}:{i % PARTITIONS}" in unadvertised
+            }
+    finally:
+        codes = [p.stop() for p in procs]
+    assert codes == [0] * len(procs)
 
 
 #: What maintenance must have done while a stream of queries ran: index builds, and a

@@ -27,7 +27,7 @@ from config.settings import QuerySettings
 from engine.backpressure import BlockingValve
 from engine.errors import FreshRowsUnavailable
 from engine.flusher import Flusher
-from engine.manifest import ManifestStore
+from engine.manifest import ManifestStore, ShardOrigin
 from engine.reader import Fanout, FanoutReport, NoReaderEvents, Reader
 from engine.reads import bm25
 from engine.reads.owners import ShardOwners
@@ -99,6 +99,7 @@ class Pod:
             self.config,
             BlockingValve(1 << 40),
             self.flusher,
+            origin=ShardOrigin(self.spec.uri, "t", partition),
         )
         self.writers.append(writer)
         return writer
@@ -732,3 +733,30 @@ def test_a_fenced_owner_serves_nothing(pods: Callable[..., tuple[Pod, Pod]]) -> 
     assert missing.shard == wb.shard
     assert missing.cause == "unheld"
     assert "fenced (epoch 1 < 2)" in missing.reason
+
+
+def test_a_shard_whose_writer_advertised_no_url_is_named_missing(
+    pods: Callable[..., tuple[Pod, Pod]],
+) -> None:
+    """Pod B's writer recorded no URL (its query API off, or an earlier build): its fresh
+    rows are in no other pod's answer, and the answer says so, naming the partition. It
+    used to leave them out silently."""
+    a, b = pods()
+    b.config = dataclasses.replace(b.config, advertised_url="")
+    wa, wb = a.open(0), b.open(1)
+    a.put(wa, list(range(10)), 0)
+    b.put(wb, list(range(1000, 1010)), 1)
+    assert a.owners.current()[wb.shard].url == ""
+    report = FanoutReport()
+    got = a.reader.scan(columns=["_offset"], report=report)
+    assert offsets(got) == list(range(10))
+    [missing] = report.missing
+    assert (missing.shard, missing.cause, missing.owner) == (wb.shard, "unadvertised", "")
+    assert missing.partitions == ("t:1",)  # from the manifest's origin: nothing flushed yet
+    assert "advertised no URL" in missing.reason
+    assert a.events.missing == [(wb.shard, "unadvertised")]
+    b.flush(wb)  # flushed: in the base, and still unadvertised (its memtables unasked)
+    report = FanoutReport()
+    got = a.reader.scan(columns=["_offset"], report=report)
+    assert offsets(got) == [*range(10), *range(1000, 1010)]
+    assert [m.cause for m in report.missing] == ["unadvertised"]
