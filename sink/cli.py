@@ -72,6 +72,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--config", type=Path, required=True, help="TOML or YAML config file")
     _add_overrides(run)
 
+    serve = commands.add_parser(
+        "serve",
+        help="serve queries only (no consumer): the base table and, by fan-out, the fresh "
+        "rows of the pods that run the sink; until SIGTERM/SIGINT",
+    )
+    serve.add_argument("--config", type=Path, required=True, help="the sink's config file")
+    _add_overrides(serve)
+
     check = commands.add_parser(
         "check-config", help="validate a config file and print the effective config (redacted)"
     )
@@ -256,10 +264,10 @@ def _derive_waiting(
     return None
 
 
-def _run(args: argparse.Namespace) -> int:
-    # Until the service exists a signal is remembered and asked of it once it does, so a
-    # SIGTERM during start-up drains (nothing consumed yet) and exits 0, not -15; a second
-    # one exits at once, as during a drain (a start-up stuck on storage, say).
+def _early_signals() -> list[int]:
+    """Until a service exists a signal is remembered (and asked of the service once it
+    does), so a SIGTERM during start-up stops it before it begins and exits 0, not -15; a
+    second one exits at once, as during a drain (a start-up stuck on storage, say)."""
     early: list[int] = []
 
     def on_early_signal(signum: int, _frame: object) -> None:
@@ -269,38 +277,63 @@ def _run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_early_signal)
     signal.signal(signal.SIGINT, on_early_signal)
+    return early
+
+
+def _load_and_log(args: argparse.Namespace) -> tuple[Settings, Any]:
+    """What `run` and `serve` do first: load the settings, start logging, tune the process.
+    The settings and the logger."""
     settings = _load(args.config, args.overrides)
     obs = settings.observability
     configure_logging(obs.log_level, obs.log_format)
     log = structlog.get_logger("lance_sink")
     log.info("config_loaded", config=redacted(settings))
-    controller = check_controller(settings, args.config, args.overrides)
     if not tune_process(settings.query.lance_cpu_threads):
         log.info("transparent_huge_pages_left_on")
+    return settings, log
+
+
+def _with_columns(
+    settings: Settings, args: argparse.Namespace, early: list[int], log: Any
+) -> Settings | int:
+    """`settings` with `table.columns` derived from the Schema Registry when they are left
+    out (waiting for an unreachable registry), or the exit code to return."""
+    if settings.table.columns:
+        return settings
+    from engine.errors import LanceSinkError  # noqa: PLC0415 - keep `check-config` light
+    from sink.formats.derive import EVOLVE_SCHEMA_IDS_ENV  # noqa: PLC0415
+
+    ids = tuple(int(i) for i in os.environ.pop(EVOLVE_SCHEMA_IDS_ENV, "").split(",") if i)
+    try:
+        derived = _derive_waiting(settings, ids, early, log)
+    except ValidationError as exc:  # the derived columns do not fit the other settings
+        problems = validation_problems(exc, args.config, args.overrides)
+        raise ConfigError(problems) from exc
+    except (LanceSinkError, LookupError, ValueError) as exc:
+        log.error("startup_failed", error=str(exc), error_type=type(exc).__name__)
+        print(f"lance-sink: cannot derive table.columns: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    if derived is None:  # a signal came while the registry was away
+        log.info("shutdown_requested", signal=signal.Signals(early[0]).name)
+        return EXIT_OK
+    return derived
+
+
+def _run(args: argparse.Namespace) -> int:
+    early = _early_signals()
+    settings, log = _load_and_log(args)
+    controller = check_controller(settings, args.config, args.overrides)
+    derived = not settings.table.columns
+    with_columns = _with_columns(settings, args, early, log)
+    if isinstance(with_columns, int):
+        return with_columns
+    settings = with_columns
     from engine.engine import Engine  # noqa: PLC0415
     from engine.errors import LanceSinkError  # noqa: PLC0415 - keep `check-config` light
     from sink.advertise import with_advertised_url  # noqa: PLC0415
     from sink.metrics import Metrics  # noqa: PLC0415
     from sink.service import SinkService  # noqa: PLC0415
 
-    derived = not settings.table.columns
-    if derived:
-        from sink.formats.derive import EVOLVE_SCHEMA_IDS_ENV  # noqa: PLC0415
-
-        ids = tuple(int(i) for i in os.environ.pop(EVOLVE_SCHEMA_IDS_ENV, "").split(",") if i)
-        try:
-            derived_settings = _derive_waiting(settings, ids, early, log)
-        except ValidationError as exc:  # the derived columns do not fit the other settings
-            problems = validation_problems(exc, args.config, args.overrides)
-            raise ConfigError(problems) from exc
-        except (LanceSinkError, LookupError, ValueError) as exc:
-            log.error("startup_failed", error=str(exc), error_type=type(exc).__name__)
-            print(f"lance-sink: cannot derive table.columns: {exc}", file=sys.stderr)
-            return EXIT_FAILURE
-        if derived_settings is None:  # a signal came while the registry was away
-            log.info("shutdown_requested", signal=signal.Signals(early[0]).name)
-            return EXIT_OK
-        settings = derived_settings
     settings = with_advertised_url(settings)  # fan-out reaches this process's memtables
     try:
         metrics = Metrics()
@@ -352,6 +385,51 @@ def _run(args: argparse.Namespace) -> int:
         log.info("restarting_to_evolve", schema_ids=met)
         os.environ[EVOLVE_SCHEMA_IDS_ENV] = met
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])  # noqa: S606 - the same program
+    os._exit(code)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    early = _early_signals()
+    settings, log = _load_and_log(args)
+    if not settings.query.enabled:
+        reason = "`lance-sink serve` serves the query API: it cannot be off"
+        raise ConfigError([problem_at("query.enabled", reason, args.config, args.overrides)])
+    with_columns = _with_columns(settings, args, early, log)
+    if isinstance(with_columns, int):
+        return with_columns
+    settings = with_columns
+    from engine.errors import LanceSinkError  # noqa: PLC0415 - keep `check-config` light
+    from sink.http import ListenError  # noqa: PLC0415
+    from sink.serve import QueryService  # noqa: PLC0415
+
+    try:
+        service = QueryService(settings)
+    except LanceSinkError as exc:
+        log.error("startup_failed", error=str(exc), error_type=type(exc).__name__)
+        print(f"lance-sink: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if service.stopping:
+            log.warning("forced_exit", signal=signal.Signals(signum).name)
+            os._exit(EXIT_INTERRUPTED)
+        log.info("shutdown_requested", signal=signal.Signals(signum).name)
+        service.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    for signum in early:
+        on_signal(signum, None)
+    try:
+        code = service.run()
+    except ListenError as exc:
+        key = listen_setting(exc)
+        log.error("startup_failed", error=str(exc), key=key, port=exc.port)
+        print(f"lance-sink: {key} ({exc.port}): {exc}", file=sys.stderr)
+        code = EXIT_FAILURE
+    # A query still running inside Lance would hold the interpreter's exit: abandon it.
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)
 
 
@@ -673,6 +751,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {
         "run": _run,
+        "serve": _serve,
         "check-config": _check_config,
         "lag": _lag,
         "status": _status,

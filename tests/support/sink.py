@@ -165,13 +165,20 @@ def messages(start: int, count: int) -> Iterator[tuple[bytes, bytes]]:
 
 
 class SinkProcess:
-    """`lance-sink run --config FILE` as a child process, logs in a file."""
+    """`lance-sink run --config FILE` (or another `command`: `serve`) as a child process,
+    logs in a file."""
 
-    def __init__(self, config: Path, log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        config: Path,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        command: str = "run",
+    ) -> None:
         self.log_path = log_path
         self._log = log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sink.cli", "run", "--config", str(config)],
+            [sys.executable, "-m", "sink.cli", command, "--config", str(config)],
             cwd=ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,

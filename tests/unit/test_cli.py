@@ -46,6 +46,7 @@ def held_port() -> Iterator[int]:
         yield int(sock.getsockname()[1])
 
 
+@pytest.mark.parametrize("command", ["run", "serve"])
 @pytest.mark.parametrize(
     ("held", "key"),
     [
@@ -55,7 +56,7 @@ def held_port() -> Iterator[int]:
     ],
 )
 def test_a_port_in_use_stops_the_start_with_one_line_naming_the_key(
-    tmp_path: Path, held_port: int, held: str, key: str
+    tmp_path: Path, held_port: int, held: str, key: str, command: str
 ) -> None:
     """A metrics or query port that another process holds is a start failure (exit 1) said
     in one line naming the setting and the port; it was a RuntimeError traceback ("query
@@ -74,7 +75,7 @@ def test_a_port_in_use_stops_the_start_with_one_line_naming_the_key(
             "query": {"host": "127.0.0.1", "port": query_port},
         },
     )
-    result = _run("-m", "sink.cli", "run", "--config", str(config))
+    result = _run("-m", "sink.cli", command, "--config", str(config))
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     [line] = [s for s in result.stderr.splitlines() if s.startswith("lance-sink:")]
@@ -84,6 +85,13 @@ def test_a_port_in_use_stops_the_start_with_one_line_naming_the_key(
     )
     [failed] = [json.loads(s) for s in result.stderr.splitlines() if '"startup_failed"' in s]
     assert (failed["key"], failed["port"]) == (key, held_port)
+
+
+def test_serve_refuses_a_config_with_the_query_api_off(tmp_path: Path) -> None:
+    config = minimal_config(tmp_path / "sink.toml", {"query": {"enabled": False}})
+    result = _run("-m", "sink.cli", "serve", "--config", str(config))
+    assert result.returncode == 2, result.stderr
+    assert f"query.enabled (file {config}): `lance-sink serve` serves the query" in result.stderr
 
 
 # --- lag: the report is the output --------------------------------------------------------
