@@ -560,6 +560,19 @@ def _local_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+def freshness_line(freshness: dict[str, Any] | None) -> str | None:
+    """`freshness: fetched 12/40 ms, decoded ..., durable ..., committed ...` (p50/p99 from
+    a message's timestamp; None before any batch was measured)."""
+    if not freshness or not any(freshness.values()):
+        return None
+    parts = [
+        f"{stage} {p['p50'] * 1000:.0f}/{p['p99'] * 1000:.0f} ms"
+        for stage, p in freshness.items()
+        if p is not None
+    ]
+    return "freshness p50/p99 from the message timestamp: " + ", ".join(parts)
+
+
 def _status(args: argparse.Namespace) -> int:
     url = args.url
     # /v1/status follows query.auth_token: from the config file, else its environment variable.
@@ -638,6 +651,8 @@ def render_status(status: dict[str, Any]) -> str:
             f"ingest: {ingest['rows_per_second']:,.1f} rows/s "
             f"(over the last {ingest['window_seconds']:.0f} s)"
         )
+    if (line := freshness_line(status.get("freshness"))) is not None:
+        lines.append(line)
     memory = status.get("memory")
     if memory is not None:
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections import deque
 from pathlib import Path
+from typing import Final
 
 from prometheus_client import (
     CollectorRegistry,
@@ -57,6 +59,32 @@ _COMMIT_BUCKETS = (
     2.0,
     5.0,
 )
+#: The stages of a row's path whose freshness is measured, in order.
+FRESHNESS_STAGES: Final = ("fetched", "decoded", "durable", "committed")
+#: How many recent samples per stage the status's percentiles use.
+RECENT_SAMPLES: Final = 1024
+
+
+class RecentSamples:
+    """The last `RECENT_SAMPLES` values (thread-safe: the loop adds, a status reads)."""
+
+    def __init__(self) -> None:
+        self._values: deque[float] = deque(maxlen=RECENT_SAMPLES)
+
+    def add(self, value: float) -> None:
+        self._values.append(value)  # one deque append: atomic under the GIL
+
+    def percentiles(self) -> dict[str, float] | None:
+        values = sorted(self._values.copy())  # one C call: no append interleaves
+        if not values:
+            return None
+        return {
+            "p50": round(values[len(values) // 2], 4),
+            "p99": round(values[min(len(values) - 1, len(values) * 99 // 100)], 4),
+            "samples": len(values),
+        }
+
+
 # Message timestamp -> visible: the group-commit window (20 ms) up to a backlog of minutes.
 _FRESHNESS_BUCKETS = (
     0.005,
@@ -199,6 +227,18 @@ class Metrics:
             buckets=_FRESHNESS_BUCKETS,
             registry=r,
         )
+        self.freshness_stages = Histogram(
+            f"{PREFIX}_freshness_stage_seconds",
+            "Time from a batch's oldest message timestamp (its broker append, with the "
+            "default timestamp type) to the batch passing each stage of its path: fetched "
+            "(consume() returned it), decoded (the loop collected it decoded), durable (WAL "
+            "durable and visible to queries), committed (the group acknowledged its offset).",
+            ["stage"],
+            buckets=_FRESHNESS_BUCKETS,
+            registry=r,
+        )
+        #: The last samples of each stage, for the status's percentiles.
+        self.recent_stages = {stage: RecentSamples() for stage in FRESHNESS_STAGES}
         self.commit_failures = counter(
             "commit_failures_total", "Offset commits the broker refused or that failed."
         )
@@ -376,6 +416,17 @@ class Metrics:
     def visible(self, seconds: float) -> None:
         """Rows became visible `seconds` after their oldest message's timestamp."""
         self.freshness.observe(max(seconds, 0.0))
+
+    def stage_reached(self, stage: str, seconds: float) -> None:
+        """A batch passed `stage` (one of `FRESHNESS_STAGES`) `seconds` after its oldest
+        message's timestamp."""
+        seconds = max(seconds, 0.0)
+        self.freshness_stages.labels(stage).observe(seconds)
+        self.recent_stages[stage].add(seconds)
+
+    def freshness_percentiles(self) -> dict[str, dict[str, float] | None]:
+        """p50 and p99 of each stage over its recent samples (None: no sample yet)."""
+        return {stage: recent.percentiles() for stage, recent in self.recent_stages.items()}
 
     def dead_lettered(self, topic: str, reason: str) -> None:
         self.dlq_messages.labels(topic, reason).inc()

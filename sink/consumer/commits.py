@@ -154,6 +154,9 @@ class Commits:
             return
         state.committed = max(state.committed, tp.offset)
         now = time.monotonic()
+        wall = time.time()
         while state.durable_at and state.durable_at[0][0] <= tp.offset:
-            _, durable_since = state.durable_at.popleft()
+            _, durable_since, timestamp_ms = state.durable_at.popleft()
             self.metrics.committed(now - durable_since)
+            if timestamp_ms is not None:
+                self.metrics.stage_reached("committed", wall - timestamp_ms / 1000)

@@ -125,6 +125,18 @@ class InFlight:
     rows: int
     nbytes: int
     first_timestamp_ms: int | None
+    stages: Stages | None = None  # when its oldest message was fetched and decoded
+
+
+@dataclass(frozen=True, slots=True)
+class Stages:
+    """When a batch's oldest message passed the stages before its put (monotonic): fetched
+    (consume() returned it) and decoded (the loop collected its decoded batch). With the
+    put's `durable_at` and the commit's acknowledgement, the freshness breakdown
+    (`sink.metrics.Metrics.stage_reached`)."""
+
+    fetched_at: float
+    decoded_at: float
 
 
 @dataclass
@@ -133,6 +145,7 @@ class Decoding:
 
     messages: list[Any]
     future: Future[Decoded]
+    fetched_at: float = 0.0  # when the oldest of them was fetched (monotonic)
 
 
 @dataclass
@@ -144,6 +157,7 @@ class Held:
     decoded: Decoded
     messages: list[Any]
     dead_letters: DeadLetterBatch | None = None
+    stages: Stages | None = None
 
 
 @dataclass
@@ -187,9 +201,11 @@ class PartitionState:
     # methods below, which keep `counts` (shared by the pipeline's partitions).
     decoding: deque[Decoding] = field(default_factory=deque)
     parked: list[Any] = field(default_factory=list)
+    parked_at: float = 0.0  # when the oldest parked message was fetched (monotonic)
     counts: PartitionCounts = field(default_factory=PartitionCounts, repr=False)
     inflight: deque[InFlight] = field(default_factory=deque)
-    durable_at: deque[tuple[int, float]] = field(default_factory=deque)  # (done, when)
+    # (done, when it became durable, the batch's oldest message timestamp in ms or None)
+    durable_at: deque[tuple[int, float, int | None]] = field(default_factory=deque)
     held: Held | None = None
     # What the consumer was last told (`sink.consumer.flow.Flow` alone writes these):
     # handed to it by incremental_assign, and paused.
@@ -318,13 +334,16 @@ class PartitionState:
         if rewound is None or stale or offset < rewound[0]:
             self.rewound = (offset, timestamp_ms)
 
-    def park(self, messages: list[Any]) -> None:
-        """Queue consumed messages for decoding."""
+    def park(self, messages: list[Any], fetched_at: float = 0.0) -> None:
+        """Queue consumed messages for decoding (fetched at `fetched_at`, monotonic)."""
+        if not self.parked:
+            self.parked_at = fetched_at
         self.parked.extend(messages)
         self.counts.parked += len(messages)
 
     def take_parked(self) -> list[Any]:
-        """The parked messages, to be handed to a decode worker (`add_decoding`)."""
+        """The parked messages, to be handed to a decode worker (`add_decoding`; the oldest
+        was fetched at `parked_at`)."""
         messages, self.parked = self.parked, []
         self.counts.parked -= len(messages)
         return messages

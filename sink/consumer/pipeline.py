@@ -44,6 +44,7 @@ from sink.consumer.partition import (
     PartitionState,
     PartitionTable,
     Phase,
+    Stages,
     timestamp_ms,
 )
 from sink.decode import Decoder
@@ -142,6 +143,7 @@ class Pipeline:
         """Park a consume() batch's messages per partition and hand them to decoding;
         `errors(message)` takes the messages that carry an error."""
         self._size_next_consume(messages)
+        fetched_at = time.monotonic()
         groups: dict[tuple[str, int], list[Any]] = {}
         for m in messages:
             if m.error() is not None:
@@ -163,7 +165,7 @@ class Pipeline:
             if fresh:
                 state.out_of_range_since = None
                 state.position = fresh[-1].offset() + 1
-                state.park(fresh)
+                state.park(fresh, fetched_at)
                 if not self.decoders_behind():
                     self.submit_parked(state)
 
@@ -177,8 +179,10 @@ class Pipeline:
 
     def submit_parked(self, state: PartitionState) -> None:
         """Hand a partition's parked messages to a decode worker as one batch."""
+        fetched_at = state.parked_at
         messages = state.take_parked()
-        state.add_decoding(Decoding(messages, self.pool.submit(self.decoder.decode, messages)))
+        job = Decoding(messages, self.pool.submit(self.decoder.decode, messages), fetched_at)
+        state.add_decoding(job)
 
     def skip_offsets(self, state: PartitionState, first: int, last: int) -> None:
         """Offsets `first`..`last` can never become durable (deleted before they were
@@ -212,6 +216,7 @@ class Pipeline:
     def collect_decoded(self) -> None:
         """Feed each partition's decoded batches to its writer, oldest first, as far as
         their decoding has ended (a held batch stops the rest)."""
+        now = time.monotonic()
         for state in self.partitions.states():
             # Only an ACTIVE partition has batches decoding: every other phase dropped them.
             while (
@@ -229,7 +234,7 @@ class Pipeline:
                 if state.registry_failures:
                     state.registry_failures, state.registry_error = 0, None
                     self.metrics.registry_paused(state.topic, state.partition, False)
-                self._feed(state, job.messages, decoded)
+                self._feed(state, job.messages, decoded, Stages(job.fetched_at, now))
         if not self.decoders_behind():
             for state in self.partitions.states():
                 if state.parked and state.held is None:
@@ -270,8 +275,10 @@ class Pipeline:
                 schema_ids=list(exc.schema_ids),
             )
 
-    def _feed(self, state: PartitionState, messages: list[Any], decoded: Decoded) -> None:
-        held = Held(decoded, messages)
+    def _feed(
+        self, state: PartitionState, messages: list[Any], decoded: Decoded, stages: Stages
+    ) -> None:
+        held = Held(decoded, messages, stages=stages)
         if decoded.dead_letters:
             if errors := sum(d.reason == "decode_error" for d in decoded.dead_letters):
                 self.metrics.decode_failed(state.topic, errors)
@@ -335,7 +342,9 @@ class Pipeline:
             self.failures.writer_failed(state, exc)
             return True
         state.inflight.append(
-            InFlight(decoded.last_offset, future, batch.num_rows, batch.nbytes, first_ts)
+            InFlight(
+                decoded.last_offset, future, batch.num_rows, batch.nbytes, first_ts, held.stages
+            )
         )
         return True
 
@@ -400,16 +409,28 @@ class Pipeline:
                 durable_at = result.durable_at
                 self.metrics.ingested(state.topic, state.partition, head.rows, head.nbytes)
                 if head.first_timestamp_ms is not None:
-                    visible_age = time.monotonic() - durable_at
-                    self.metrics.visible(time.time() - visible_age - head.first_timestamp_ms / 1000)
+                    self._stages_reached(head, durable_at)
+                first_ms = head.first_timestamp_ms
             else:
-                durable_at = time.monotonic()
+                durable_at, first_ms = time.monotonic(), None  # no rows: no freshness
             state.done = head.last + 1
-            state.durable_at.append((state.done, durable_at))
+            state.durable_at.append((state.done, durable_at, first_ms))
             state.inflight.popleft()
         rewound = state.rewound
         if rewound is not None and state.done is not None and state.done > rewound[0]:
             state.rewound = None  # durable now (or passed as row-less)
+
+    def _stages_reached(self, put: InFlight, durable_at: float) -> None:
+        """The freshness of a durable put's oldest message at each stage it passed: seconds
+        from its broker timestamp to being fetched, decoded, and durable and visible."""
+        assert put.first_timestamp_ms is not None
+        # Monotonic instants on the wall clock the broker's timestamps are on.
+        wall = time.time() - time.monotonic() - put.first_timestamp_ms / 1000
+        self.metrics.visible(wall + durable_at)
+        if put.stages is not None:
+            self.metrics.stage_reached("fetched", wall + put.stages.fetched_at)
+            self.metrics.stage_reached("decoded", wall + put.stages.decoded_at)
+        self.metrics.stage_reached("durable", wall + durable_at)
 
     def close(self, timeout: float) -> None:
         """Stop the decode workers (the drain): batches not decoded yet are abandoned."""

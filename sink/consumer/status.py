@@ -360,6 +360,8 @@ class StatusBoard:
                 "rejections_total": bp.rejections_total,
             },
             "ingest": self._ingest_status(),
+            # Seconds from a batch's oldest message timestamp to each stage, recent batches.
+            "freshness": self.metrics.freshness_percentiles(),
             "memory": {
                 "resident_bytes": resident_bytes(),
                 "budget_bytes": budget.budget if budget else None,

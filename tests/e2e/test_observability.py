@@ -111,6 +111,23 @@ def test_exported_lag_matches_the_broker(
                 assert metrics["lance_sink_commit_lag_messages"][p] <= slack
         stop.set()
         producer.join(30)
+        # Freshness by stage, from each batch's oldest message timestamp: the three stages
+        # up to durable are recorded together for every put, so their percentiles keep the
+        # path's order; committed follows the group's acknowledgements.
+        _, status = get(port, "/v1/status")
+        freshness = status["freshness"]
+        assert isinstance(freshness, dict)
+        assert list(freshness) == ["fetched", "decoded", "durable", "committed"]
+        for stage in freshness.values():
+            assert stage["samples"] > 0, freshness
+            assert 0 <= stage["p50"] <= stage["p99"] < 30, freshness
+        for percentile in ("p50", "p99"):
+            fetched, decoded, durable = (freshness[s][percentile] for s in list(freshness)[:3])
+            assert fetched <= decoded <= durable, freshness
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        for stage in freshness:
+            count = f'lance_sink_freshness_stage_seconds_count{{stage="{stage}"}}'
+            assert count in text.decode(), stage
         # Idle: lags are exactly zero and every offset equals what Kafka reports.
         ends = wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[sink])
         deadline = time.monotonic() + 20

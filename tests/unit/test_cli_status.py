@@ -135,3 +135,20 @@ def test_the_summary_says_whether_this_pod_runs_maintenance() -> None:
         "standby": ["maintenance: standby (the pod that holds orders[0] runs it)"],
         "off": ["maintenance: off"],
     }
+
+
+def test_the_summary_breaks_freshness_down_by_stage() -> None:
+    freshness = {
+        "fetched": {"p50": 0.004, "p99": 0.012, "samples": 300},
+        "decoded": {"p50": 0.006, "p99": 0.02, "samples": 300},
+        "durable": {"p50": 0.031, "p99": 0.09, "samples": 300},
+        "committed": None,  # no acknowledgement yet
+    }
+    text = render_status({**status(), "freshness": freshness})
+    assert (
+        "freshness p50/p99 from the message timestamp: fetched 4/12 ms, decoded 6/20 ms, "
+        "durable 31/90 ms"
+    ) in text.splitlines()
+    nothing = dict.fromkeys(freshness)
+    assert "freshness" not in render_status({**status(), "freshness": nothing})
+    assert "freshness" not in render_status(status())  # a sink of an earlier build

@@ -48,6 +48,12 @@ EXPECTED = {
     "lance_sink_freshness_seconds": (
         "Time from a batch's oldest message timestamp to its rows being visible."
     ),
+    "lance_sink_freshness_stage_seconds": (
+        "Time from a batch's oldest message timestamp (its broker append, with the "
+        "default timestamp type) to the batch passing each stage of its path: fetched "
+        "(consume() returned it), decoded (the loop collected it decoded), durable (WAL "
+        "durable and visible to queries), committed (the group acknowledged its offset)."
+    ),
     "lance_sink_lag_seconds": "Age of the oldest message not yet durable (0 when caught up).",
     "lance_sink_log_end_offset": "Log end offset (high watermark).",
     "lance_sink_maintenance_active": (
