@@ -18,7 +18,9 @@ measures in the same run, on the same data:
   child process; sustained rows/s and MB/s, peak RSS (VmHWM), and from its own metrics the
   commit delay (durable -> committed) p50/p99;
 - freshness: after catching up, messages are produced at a steady rate and the sink's
-  `lance_sink_freshness_seconds` (message timestamp -> visible) gives p50/p99;
+  `lance_sink_freshness_seconds` (message timestamp -> visible) gives p50/p99, and
+  `lance_sink_freshness_stage_seconds` the same per stage (fetched, decoded, durable,
+  committed), so a regression shows where it is;
 - where the two cores went while it caught up: CPU per thread group of the sink (its decode
   worker processes included) and of tansu, and the sink's CPU time and minor page faults per
   message (steadier than rates on a shared machine: what to compare when A/B-ing a
@@ -62,12 +64,15 @@ from config.settings import SourceSettings, TableSettings
 from engine.schema import TableSpec
 from sink.cli import tune_process
 from sink.decode import Decoder
+from sink.metrics import FRESHNESS_STAGES
 from tests.support.procs import children
 from tests.support.registry import FakeRegistry
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTITIONS = 4
 FLUSH_INTERVAL_MS = 20
+#: The freshness histogram by stage (`sink.metrics.FRESHNESS_STAGES`).
+STAGES = "lance_sink_freshness_stage_seconds"
 LIVE_MESSAGES = 4_000  # produced at ~1k msg/s after catching up, for freshness
 
 
@@ -287,9 +292,10 @@ def ingested(text: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.MULTILINE))
 
 
-def histogram(text: str, name: str) -> list[tuple[float, float]]:
-    """Cumulative (le, count) buckets of a histogram from the exposition."""
-    pattern = rf'^{name}_bucket\{{le="([^"]+)"\}} (\S+)$'
+def histogram(text: str, name: str, labels: str = "") -> list[tuple[float, float]]:
+    """Cumulative (le, count) buckets of a histogram from the exposition (`labels`: the
+    series' other labels as exposed, e.g. `stage="durable",`)."""
+    pattern = rf'^{name}_bucket\{{{re.escape(labels)}le="([^"]+)"\}} (\S+)$'
     return [
         (float(m.group(1)), float(m.group(2))) for m in re.finditer(pattern, text, re.MULTILINE)
     ]
@@ -455,6 +461,7 @@ def run_sink(
         commit = histogram(text, "lance_sink_commit_delay_seconds")
         # Freshness: a steady stream after catching up.
         before = histogram(text, "lance_sink_freshness_seconds")
+        stages_before = {s: histogram(text, STAGES, f'stage="{s}",') for s in FRESHNESS_STAGES}
         live = (
             avro_payloads(kind, LIVE_MESSAGES, registry_url, topic)
             if registry_url is not None
@@ -468,7 +475,12 @@ def run_sink(
         producer.flush(60)
         while committed.total() < n + len(live):
             time.sleep(0.05)
-        fresh = delta(histogram(scrape(port), "lance_sink_freshness_seconds"), before)
+        text = scrape(port)
+        fresh = delta(histogram(text, "lance_sink_freshness_seconds"), before)
+        stages = {
+            s: delta(histogram(text, STAGES, f'stage="{s}",'), stages_before[s])
+            for s in FRESHNESS_STAGES
+        }
     finally:
         committed.close()
         proc.terminate()
@@ -487,6 +499,8 @@ def run_sink(
         "commit_p99": quantile(commit, 0.99),
         "fresh_p50": quantile(fresh, 0.5),
         "fresh_p99": quantile(fresh, 0.99),
+        **{f"{s}_p50": quantile(stages[s], 0.5) for s in FRESHNESS_STAGES},
+        **{f"{s}_p99": quantile(stages[s], 0.99) for s in FRESHNESS_STAGES},
         # Per message, steadier than the rate on a shared machine (for A/B of a change).
         "cpu_us_per_msg": (sum(cpu_end[0].values()) - sum(cpu_at[0].values())) / rows * 1e6,
         "faults_per_msg": (faults_end - faults_at) / rows,
@@ -531,6 +545,13 @@ def report_sink(
     report(
         "freshness (timestamp -> visible) at ~1k msg/s: "
         f"p50 {sink['fresh_p50'] * 1000:.0f} ms, p99 {sink['fresh_p99'] * 1000:.0f} ms"
+    )
+    report(
+        "  by stage, from the message timestamp (p50/p99): "
+        + ", ".join(
+            f"{s} {sink[f'{s}_p50'] * 1000:.0f}/{sink[f'{s}_p99'] * 1000:.0f} ms"
+            for s in FRESHNESS_STAGES
+        )
     )
     report(f"peak RSS of the sink (and its decode workers): {sink['peak_rss'] / 2**20:,.0f} MiB")
     report(
