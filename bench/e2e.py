@@ -294,8 +294,8 @@ def ingested(text: str) -> float:
 
 def histogram(text: str, name: str, labels: str = "") -> list[tuple[float, float]]:
     """Cumulative (le, count) buckets of a histogram from the exposition (`labels`: the
-    series' other labels as exposed, e.g. `stage="durable",`)."""
-    pattern = rf'^{name}_bucket\{{{re.escape(labels)}le="([^"]+)"\}} (\S+)$'
+    series' other labels as exposed after `le`, e.g. `,stage="durable"`)."""
+    pattern = rf'^{name}_bucket\{{le="([^"]+)"{re.escape(labels)}\}} (\S+)$'
     return [
         (float(m.group(1)), float(m.group(2))) for m in re.finditer(pattern, text, re.MULTILINE)
     ]
@@ -461,7 +461,7 @@ def run_sink(
         commit = histogram(text, "lance_sink_commit_delay_seconds")
         # Freshness: a steady stream after catching up.
         before = histogram(text, "lance_sink_freshness_seconds")
-        stages_before = {s: histogram(text, STAGES, f'stage="{s}",') for s in FRESHNESS_STAGES}
+        stages_before = {s: histogram(text, STAGES, f',stage="{s}"') for s in FRESHNESS_STAGES}
         live = (
             avro_payloads(kind, LIVE_MESSAGES, registry_url, topic)
             if registry_url is not None
@@ -478,7 +478,7 @@ def run_sink(
         text = scrape(port)
         fresh = delta(histogram(text, "lance_sink_freshness_seconds"), before)
         stages = {
-            s: delta(histogram(text, STAGES, f'stage="{s}",'), stages_before[s])
+            s: delta(histogram(text, STAGES, f',stage="{s}"'), stages_before[s])
             for s in FRESHNESS_STAGES
         }
     finally:
