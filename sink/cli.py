@@ -25,7 +25,7 @@ import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import confluent_kafka
 import structlog
@@ -344,25 +344,13 @@ def _run(args: argparse.Namespace) -> int:
         print(f"lance-sink: {exc}", file=sys.stderr)
         return EXIT_FAILURE
 
-    def on_signal(signum: int, _frame: object) -> None:
-        if service.stopping:
-            log.warning("forced_exit", signal=signal.Signals(signum).name)
-            os._exit(EXIT_INTERRUPTED)
-        log.info("shutdown_requested", signal=signal.Signals(signum).name)
-        service.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    for signum in early:
-        on_signal(signum, None)
+    _stop_on_signals(service, early, log)
     from sink.http import ListenError  # noqa: PLC0415
 
     try:
         code = service.run()
     except ListenError as exc:  # raised by start_servers, before anything is consumed
-        key = listen_setting(exc)
-        log.error("startup_failed", error=str(exc), key=key, port=exc.port)
-        print(f"lance-sink: {key} ({exc.port}): {exc}", file=sys.stderr)
+        _listen_failed(exc, log)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_FAILURE)
@@ -409,6 +397,30 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"lance-sink: {exc}", file=sys.stderr)
         return EXIT_FAILURE
 
+    _stop_on_signals(service, early, log)
+    try:
+        code = service.run()
+    except ListenError as exc:
+        _listen_failed(exc, log)
+        code = EXIT_FAILURE
+    # A query still running inside Lance would hold the interpreter's exit: abandon it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class _Stoppable(Protocol):
+    """What `_stop_on_signals` asks of `SinkService` and `QueryService`."""
+
+    @property
+    def stopping(self) -> bool: ...
+    def stop(self) -> None: ...
+
+
+def _stop_on_signals(service: _Stoppable, early: list[int], log: Any) -> None:
+    """SIGTERM and SIGINT ask `service` to stop (a second one exits at once); those that
+    came during the start-up (`early`) are asked of it now."""
+
     def on_signal(signum: int, _frame: object) -> None:
         if service.stopping:
             log.warning("forced_exit", signal=signal.Signals(signum).name)
@@ -420,17 +432,13 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     for signum in early:
         on_signal(signum, None)
-    try:
-        code = service.run()
-    except ListenError as exc:
-        key = listen_setting(exc)
-        log.error("startup_failed", error=str(exc), key=key, port=exc.port)
-        print(f"lance-sink: {key} ({exc.port}): {exc}", file=sys.stderr)
-        code = EXIT_FAILURE
-    # A query still running inside Lance would hold the interpreter's exit: abandon it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+
+
+def _listen_failed(exc: ListenError, log: Any) -> None:
+    """A server could not listen: one line naming the setting and the port."""
+    key = listen_setting(exc)
+    log.error("startup_failed", error=str(exc), key=key, port=exc.port)
+    print(f"lance-sink: {key} ({exc.port}): {exc}", file=sys.stderr)
 
 
 def listen_setting(exc: ListenError) -> str:
