@@ -1,0 +1,223 @@
+"""Queries during a catch-up: a writer pod's own query API against a query-only process.
+
+    python -m bench.catchup [--messages N] [--budget BYTES] [--out FILE]
+
+One run on tansu (memory storage): N pre-produced 384-dim vector JSON messages (~4 KB with
+~200 chars of text) consumed from a fresh group by `lance-sink run` at its backpressure
+budget, maintenance on as in production (vector, full-text and key indexes, optimising,
+compacting), and beside it `lance-sink serve` on the same config (no consumer: the base,
+and the writer's memtables by fan-out). For the whole catch-up (and `--after-s` beyond it)
+two paced clients, one per process, each send one vector, one text and one filtered vector
+query per second (k = 10; a round that overruns its second starts the next at once), and
+time every query.
+
+Report: per process the queries answered, p50, p99 and the largest latency, errors by
+status, and the catch-up's duration and rate; the ratio of the query-only process's p99
+to the writer's is the figure to compare (both run on this 2-core machine, so the
+query-only process shares the cores but not the writer's interpreter lock; on a cluster
+it runs on nodes of its own). Target (issue 40): p99 <= 500 ms against the query-only
+process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.e2e import Committed, free_port, payloads, produce, tansu
+from bench.engine import DIM, WORDS
+from bench.memory import sink_settings, toml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class PacedQueries(threading.Thread):
+    """One vector, one text and one filtered vector query per second to one process."""
+
+    def __init__(self, port: int, seed: int) -> None:
+        super().__init__(daemon=True)
+        self.port = port
+        self.rng = np.random.default_rng(seed)
+        self.stop = threading.Event()
+        self.latencies: dict[str, list[float]] = {"vector": [], "text": [], "filtered": []}
+        self.errors: dict[str, int] = {}
+
+    def bodies(self) -> dict[str, dict[str, Any]]:
+        vector = self.rng.standard_normal(DIM).astype(np.float32).tolist()
+        return {
+            "vector": {"vector": vector, "k": 10, "columns": ["id", "n"]},
+            "text": {"text": str(self.rng.choice(WORDS)), "k": 10, "columns": ["id", "n"]},
+            "filtered": {
+                "vector": vector,
+                "k": 10,
+                "filter": f"n >= {int(self.rng.integers(0, 100_000))}",
+                "columns": ["id", "n"],
+            },
+        }
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            round_start = time.monotonic()
+            for kind, body in self.bodies().items():
+                self.ask(kind, body)
+            self.stop.wait(max(1.0 - (time.monotonic() - round_start), 0.0))
+
+    def ask(self, kind: str, body: dict[str, Any]) -> None:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/search",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        started = time.perf_counter()
+        try:
+            with urllib.request.urlopen(request, timeout=60) as resp:  # noqa: S310 - loopback
+                resp.read()
+            self.latencies[kind].append(time.perf_counter() - started)
+        except urllib.error.HTTPError as exc:
+            self.errors[str(exc.code)] = self.errors.get(str(exc.code), 0) + 1
+        except (urllib.error.URLError, OSError) as exc:
+            key = type(exc).__name__
+            self.errors[key] = self.errors.get(key, 0) + 1
+            time.sleep(0.2)
+
+    def summary(self) -> dict[str, Any]:
+        every = sorted(x for values in self.latencies.values() for x in values)
+        if not every:
+            return {"answered": 0, "errors": self.errors}
+        return {
+            "answered": len(every),
+            "p50": statistics.median(every),
+            "p99": every[min(len(every) - 1, len(every) * 99 // 100)],
+            "max": every[-1],
+            "by_kind_p99": {
+                kind: sorted(v)[min(len(v) - 1, len(v) * 99 // 100)] if v else None
+                for kind, v in self.latencies.items()
+            },
+            "errors": self.errors,
+        }
+
+
+def start(command: str, config: Path, log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "sink.cli", command, "--config", str(config)],
+        cwd=ROOT,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def wait_listening(port: int, deadline: float) -> None:
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/openapi.json", timeout=2):
+                return
+        except (urllib.error.URLError, OSError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--messages", type=int, default=300_000)
+    parser.add_argument("--budget", type=int, default=256 << 20)
+    parser.add_argument("--after-s", type=float, default=10.0, help="queries after lag 0")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    lines: list[str] = []
+
+    def report(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    workdir = Path(tempfile.mkdtemp(prefix="lance-sink-catchup-"))
+    broker, bootstrap = tansu()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        topic = f"catchup-{uuid.uuid4().hex[:6]}"
+        values = payloads("vector", args.messages)
+        size = statistics.mean(len(v) for v in values[:1000])
+        produce(bootstrap, topic, values)
+        del values
+        settings = sink_settings(
+            bootstrap, topic, str(workdir / "table.lance"), args.budget, args.budget
+        )
+        settings["table"]["fts_columns"] = ["text"]
+        ports = {name: (free_port(), free_port()) for name in ("writer", "serve")}
+        for name, (metrics_port, query_port) in ports.items():
+            (workdir / f"{name}.toml").write_text(toml(settings, metrics_port, query_port))
+        started = time.monotonic()
+        procs.append(start("run", workdir / "writer.toml", workdir / "writer.log"))
+        procs.append(start("serve", workdir / "serve.toml", workdir / "serve.log"))
+        deadline = started + args.timeout
+        for _, query_port in ports.values():
+            wait_listening(query_port, deadline)
+        clients = {
+            name: PacedQueries(query_port, seed)
+            for seed, (name, (_, query_port)) in enumerate(ports.items())
+        }
+        for client in clients.values():
+            client.start()
+        committed = Committed(bootstrap, settings["kafka"]["group_id"], topic)
+        first = time.monotonic()
+        while committed.total() < args.messages:
+            assert all(p.poll() is None for p in procs), "a process exited"
+            assert time.monotonic() < deadline, "no catch-up within the timeout"
+            time.sleep(0.5)
+        caught_up = time.monotonic() - first
+        time.sleep(args.after_s)
+        for client in clients.values():
+            client.stop.set()
+            client.join(120)
+        committed.close()
+        report(
+            f"catch-up: {args.messages:,} vector messages of {size / 1024:.1f} KB, budget "
+            f"{args.budget >> 20} MiB, maintenance on: {caught_up:.1f} s to lag 0 "
+            f"({args.messages / caught_up:,.0f} msg/s) with both processes queried"
+        )
+        summaries = {name: client.summary() for name, client in clients.items()}
+        for name, s in summaries.items():
+            if not s["answered"]:
+                report(f"{name:>6}: no query answered, errors {s['errors']}")
+                continue
+            kinds = ", ".join(
+                f"{k} {v * 1000:.0f}" for k, v in s["by_kind_p99"].items() if v is not None
+            )
+            report(
+                f"{name:>6}: {s['answered']} queries answered, p50 {s['p50'] * 1000:.0f} ms, "
+                f"p99 {s['p99'] * 1000:.0f} ms (by kind: {kinds} ms), max "
+                f"{s['max'] * 1000:.0f} ms, errors {s['errors'] or 'none'}"
+            )
+        writer, serve = summaries["writer"], summaries["serve"]
+        if writer.get("answered") and serve.get("answered"):
+            report(
+                f"query-only p99 / writer p99: {serve['p99'] / writer['p99']:.2f}x "
+                f"(target: query-only p99 <= 500 ms; it was {serve['p99'] * 1000:.0f} ms)"
+            )
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(120)
+        broker.terminate()
+        broker.wait(30)
+    if args.out is not None:
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
