@@ -30,6 +30,31 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/component: sink
 {{- end -}}
 
+{{/* The query-only tier (serve.enabled): its objects are named <fullname>-serve. */}}
+{{- define "lance-sink.serve.fullname" -}}
+{{- printf "%s-serve" (include "lance-sink.fullname" . | trunc 57 | trimSuffix "-") -}}
+{{- end -}}
+
+{{/*
+The serve pods' labels. app.kubernetes.io/name is <name>-serve, so the writers' selector
+(name and instance, immutable on an installed release's StatefulSet or Deployment) does not
+match serve pods, nor do the writers' Service, PodDisruptionBudget, NetworkPolicy and spread
+constraints; and the serve selector does not match writer pods, which carry neither that name
+nor a component label.
+*/}}
+{{- define "lance-sink.serve.selectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-serve" (include "lance-sink.name" . | trunc 57 | trimSuffix "-") }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: serve
+{{- end -}}
+
+{{- define "lance-sink.serve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "lance-sink.serve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
 {{- define "lance-sink.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "lance-sink.fullname" .) .Values.serviceAccount.name -}}
@@ -187,16 +212,7 @@ MiB of memory the sink needs for its settings, an integer (the derived memory li
 {{- define "lance-sink.memoryNeedMiB" -}}
 {{- $budget := include "lance-sink.bytes" (list "config.backpressure.process_budget_bytes" .Values.config.backpressure.process_budget_bytes) | float64 -}}
 {{- $mib := divf (mulf $budget .Values.resources.memory.budgetFactor) 1048576 | ceil | int64 -}}
-{{- $cache := 0 -}}
-{{- if and .Values.config.query.enabled (or .Values.config.table.vector .Values.config.table.fts_columns) -}}
-{{- $cacheBytes := include "lance-sink.bytes" (list "config.query.unindexed_cache_bytes" .Values.config.query.unindexed_cache_bytes) | float64 -}}
-{{- $cache = divf $cacheBytes 1048576 | ceil | int64 -}}
-{{- end -}}
-{{- if .Values.config.query.enabled -}}
-{{- $index := include "lance-sink.bytes" (list "config.query.lance_index_cache_bytes" .Values.config.query.lance_index_cache_bytes) | float64 -}}
-{{- $metadata := include "lance-sink.bytes" (list "config.query.lance_metadata_cache_bytes" .Values.config.query.lance_metadata_cache_bytes) | float64 -}}
-{{- $cache = add $cache (divf (addf $index $metadata) 1048576 | ceil | int64) -}}
-{{- end -}}
+{{- $cache := include "lance-sink.queryCachesMiB" . | int64 -}}
 {{- $maintenance := 0 -}}
 {{- if and .Values.config.maintenance.enabled .Values.config.maintenance.process -}}
 {{- $maintenance = int64 .Values.resources.memory.maintenanceProcessMiB -}}
@@ -206,6 +222,44 @@ MiB of memory the sink needs for its settings, an integer (the derived memory li
 {{- $decode = mul (int64 .Values.config.source.decode_workers) (int64 .Values.resources.memory.decodeProcessMiB) -}}
 {{- end -}}
 {{- add $mib (int64 .Values.resources.memory.overheadMiB) $cache $maintenance $decode -}}
+{{- end -}}
+
+{{/*
+MiB of the query API's caches, an integer (0 with the query API off):
+  ceil(query.unindexed_cache_bytes / 1 MiB) when the table has a vector or full-text column
+  + ceil((query.lance_index_cache_bytes + query.lance_metadata_cache_bytes) / 1 MiB)
+*/}}
+{{- define "lance-sink.queryCachesMiB" -}}
+{{- $q := .Values.config.query -}}
+{{- $cache := 0 -}}
+{{- if and $q.enabled (or .Values.config.table.vector .Values.config.table.fts_columns) -}}
+{{- $cacheBytes := include "lance-sink.bytes" (list "config.query.unindexed_cache_bytes" $q.unindexed_cache_bytes) | float64 -}}
+{{- $cache = divf $cacheBytes 1048576 | ceil | int64 -}}
+{{- end -}}
+{{- if $q.enabled -}}
+{{- $index := include "lance-sink.bytes" (list "config.query.lance_index_cache_bytes" $q.lance_index_cache_bytes) | float64 -}}
+{{- $metadata := include "lance-sink.bytes" (list "config.query.lance_metadata_cache_bytes" $q.lance_metadata_cache_bytes) | float64 -}}
+{{- $cache = add $cache (divf (addf $index $metadata) 1048576 | ceil | int64) -}}
+{{- end -}}
+{{- $cache -}}
+{{- end -}}
+
+{{/*
+MiB a serve pod needs, an integer (its derived memory limit): serve.resources.memory.overheadMiB
++ the query API's caches (lance-sink.queryCachesMiB). No budget, maintenance or decoding: it
+consumes nothing and writes nothing.
+*/}}
+{{- define "lance-sink.serve.memoryNeedMiB" -}}
+{{- add (int64 .Values.serve.resources.memory.overheadMiB) (include "lance-sink.queryCachesMiB" . | int64) -}}
+{{- end -}}
+
+{{/* A serve pod's memory limit: serve.resources.limits.memory when set (checked), else derived. */}}
+{{- define "lance-sink.serve.memoryLimit" -}}
+{{- if .Values.serve.resources.limits.memory -}}
+{{- .Values.serve.resources.limits.memory -}}
+{{- else -}}
+{{- printf "%sMi" (include "lance-sink.serve.memoryNeedMiB" .) -}}
+{{- end -}}
 {{- end -}}
 
 {{/*

@@ -1,28 +1,55 @@
 {{/*
-The pod template shared by the Deployment (storage.mode objectStore) and the StatefulSet
-(storage.mode localVolume). Secrets reach the sink as LANCE_SINK__... environment variables
-(the loader ranks the environment above sink.toml); nothing secret is in the ConfigMap.
+The writers' pod template (`lance-sink run`), shared by the Deployment (storage.mode
+objectStore) and the StatefulSet (storage.mode localVolume).
 */}}
 {{- define "lance-sink.podTemplate" -}}
+{{- include "lance-sink.pod" (dict "root" . "serve" false) -}}
+{{- end -}}
+
+{{/* The query-only pods' template (`lance-sink serve`, serve.enabled): serve.yaml. */}}
+{{- define "lance-sink.serve.podTemplate" -}}
+{{- include "lance-sink.pod" (dict "root" . "serve" true) -}}
+{{- end -}}
+
+{{/*
+One pod template for both tiers: (dict "root" $ "serve" bool). Secrets reach the sink as
+LANCE_SINK__... environment variables (the loader ranks the environment above sink.toml);
+nothing secret is in the ConfigMap. What differs for the serve tier: its labels (disjoint from
+the writers' selector), the command, its resources, no advertised query URL (it claims no shard)
+and no data volume (storage.mode localVolume refuses serve.enabled).
+*/}}
+{{- define "lance-sink.pod" -}}
+{{- $root := .root -}}
+{{- $serve := .serve -}}
+{{- $selectorLabels := include "lance-sink.selectorLabels" $root -}}
+{{- if $serve -}}
+{{- $selectorLabels = include "lance-sink.serve.selectorLabels" $root -}}
+{{- end -}}
+{{- with $root -}}
 {{- $c := .Values.config -}}
 {{- $s := .Values.secrets -}}
 metadata:
   labels:
-    {{- include "lance-sink.selectorLabels" . | nindent 4 }}
+    {{- $selectorLabels | nindent 4 }}
     {{- with .Values.podLabels }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
   annotations:
     # Roll the pods when the rendered sink.toml changes.
-    checksum/config: {{ include (print $.Template.BasePath "/configmap.yaml") . | sha256sum }}
+    checksum/config: {{ include (print $root.Template.BasePath "/configmap.yaml") . | sha256sum }}
     {{- with .Values.podAnnotations }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
 spec:
   serviceAccountName: {{ include "lance-sink.serviceAccountName" . }}
   automountServiceAccountToken: {{ .Values.serviceAccount.automountServiceAccountToken }}
+  {{- if $serve }}
+  # The writers' grace period: SIGTERM stops the query servers (queries in flight get up to
+  # config.query.timeout_ms) and the process exits 0; it has nothing to drain.
+  {{- else }}
   # Longer than config.shutdown.drain_deadline_s: SIGTERM starts the drain (stop fetching,
   # finish in-flight WAL appends, commit, close); SIGKILL only comes after the grace period.
+  {{- end }}
   terminationGracePeriodSeconds: {{ include "lance-sink.gracePeriod" . }}
   {{- with .Values.imagePullSecrets }}
   imagePullSecrets:
@@ -42,7 +69,7 @@ spec:
     - name: lance-sink
       image: {{ include "lance-sink.image" . | quote }}
       imagePullPolicy: {{ .Values.image.pullPolicy }}
-      args: ["run", "--config", "{{ include "lance-sink.configDir" . }}/sink.toml"]
+      args: [{{ ternary "serve" "run" $serve | quote }}, "--config", "{{ include "lance-sink.configDir" . }}/sink.toml"]
       securityContext:
         runAsNonRoot: true
         allowPrivilegeEscalation: false
@@ -53,12 +80,12 @@ spec:
         - name: metrics
           containerPort: {{ $c.observability.metrics_port }}
           protocol: TCP
-        {{- if $c.query.enabled }}
+        {{- if or $serve $c.query.enabled }}
         - name: query
           containerPort: {{ $c.query.port }}
           protocol: TCP
         {{- end }}
-      {{- with include "lance-sink.env" . | trim }}
+      {{- with include (ternary "lance-sink.sharedEnv" "lance-sink.env" $serve) . | trim }}
       env:
         {{- . | nindent 8 }}
       {{- end }}
@@ -85,6 +112,21 @@ spec:
         periodSeconds: {{ .Values.probes.readiness.periodSeconds }}
         timeoutSeconds: {{ .Values.probes.readiness.timeoutSeconds }}
         failureThreshold: {{ .Values.probes.readiness.failureThreshold }}
+      {{- if $serve }}
+      resources:
+        requests:
+          {{- with .Values.serve.resources.requests.cpu }}
+          cpu: {{ . | quote }}
+          {{- end }}
+          memory: {{ default (include "lance-sink.serve.memoryLimit" .) .Values.serve.resources.requests.memory | quote }}
+        limits:
+          {{- with .Values.serve.resources.limits.cpu }}
+          cpu: {{ . | quote }}
+          {{- end }}
+          # Derived unless serve.resources.limits.memory is set (then checked to hold it): the
+          # query API's caches + {{ .Values.serve.resources.memory.overheadMiB }} Mi = {{ include "lance-sink.serve.memoryNeedMiB" . }}Mi.
+          memory: {{ include "lance-sink.serve.memoryLimit" . | quote }}
+      {{- else }}
       resources:
         requests:
           {{- with .Values.resources.requests.cpu }}
@@ -99,6 +141,7 @@ spec:
           # is set (then checked to hold it): ceil(budget x {{ .Values.resources.memory.budgetFactor }} / 1 MiB) + {{ .Values.resources.memory.overheadMiB }} Mi
           # + the query API's unindexed cache + the maintenance process = {{ include "lance-sink.memoryNeedMiB" . }}Mi.
           memory: {{ include "lance-sink.memoryLimit" . | quote }}
+      {{- end }}
       volumeMounts:
         - name: config
           mountPath: {{ include "lance-sink.configDir" . }}
@@ -110,7 +153,7 @@ spec:
           mountPath: {{ $s.kafkaTls.mountPath }}
           readOnly: true
         {{- end }}
-        {{- if eq .Values.storage.mode "localVolume" }}
+        {{- if and (not $serve) (eq .Values.storage.mode "localVolume") }}
         - name: data
           mountPath: {{ .Values.storage.localVolume.mountPath }}
         {{- end }}
@@ -153,20 +196,20 @@ spec:
     {{- range . }}
     {{- $constraint := deepCopy . }}
     {{- if not (hasKey $constraint "labelSelector") }}
-    {{- $_ := set $constraint "labelSelector" (dict "matchLabels" (include "lance-sink.selectorLabels" $ | fromYaml)) }}
+    {{- $_ := set $constraint "labelSelector" (dict "matchLabels" ($selectorLabels | fromYaml)) }}
     {{- end }}
     {{- $constraints = append $constraints $constraint }}
     {{- end }}
     {{- toYaml $constraints | nindent 4 }}
   {{- end }}
+{{- end }}
 {{- end -}}
 
 
-{{/* The container's environment: the advertised query URL (the pod IP from the downward
-API, unless config.query.advertised_url is set), secrets by reference, then extraEnv. Empty =
+{{/* The writer container's environment: the advertised query URL (the pod IP from the
+downward API, unless config.query.advertised_url is set), then lance-sink.sharedEnv. Empty =
 no env. */}}
 {{- define "lance-sink.env" -}}
-{{- $s := .Values.secrets -}}
 {{- $q := .Values.config.query -}}
 {{- if and $q.enabled (not $q.advertised_url) }}
 - name: POD_IP
@@ -176,6 +219,12 @@ no env. */}}
 - name: LANCE_SINK__QUERY__ADVERTISED_URL
   value: "http://$(POD_IP):{{ $q.port }}"
 {{- end }}
+{{- include "lance-sink.sharedEnv" . }}
+{{- end -}}
+
+{{/* The environment of both tiers: secrets by reference, then extraEnv. Empty = no env. */}}
+{{- define "lance-sink.sharedEnv" -}}
+{{- $s := .Values.secrets -}}
 {{- if $s.objectStore.existingSecret }}
 - name: LANCE_SINK__TABLE__STORAGE_OPTIONS__AWS_ACCESS_KEY_ID
   valueFrom:

@@ -67,6 +67,39 @@ checks only cover what is about how Kubernetes runs it, or what would leak a sec
 {{- end -}}
 {{- end -}}
 
+{{/* the query-only tier */}}
+{{- if .Values.serve.enabled -}}
+{{- if eq $mode "localVolume" -}}
+{{- fail "serve.enabled: storage.mode localVolume keeps the table and the WAL on one ReadWriteOnce volume that only the writer pod mounts, so serve pods could not read them. Leave serve.enabled false (the writer pod answers queries), or use storage.mode objectStore for a query tier" -}}
+{{- end -}}
+{{- if not $c.query.enabled -}}
+{{- fail "serve.enabled needs config.query.enabled: `lance-sink serve` only serves the query API, and it reads the writers' fresh rows through their query API (fan-out)" -}}
+{{- end -}}
+{{- if and .Values.networkPolicy.enabled (not .Values.networkPolicy.query.from) -}}
+{{- fail "serve.enabled with networkPolicy.enabled needs networkPolicy.query.from: the clients allowed to query the serve Service (e.g. [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: search}}}]), or the policy lets no client reach the serve pods" -}}
+{{- end -}}
+{{- $serveRes := .Values.serve.resources -}}
+{{- $serveNeedMiB := include "lance-sink.serve.memoryNeedMiB" . | int64 -}}
+{{- with $serveRes.limits.memory -}}
+{{- $limit := include "lance-sink.quantityBytes" (list "serve.resources.limits.memory" .) | float64 -}}
+{{- if gt (mulf $serveNeedMiB 1048576) $limit -}}
+{{- fail (printf "serve.resources.limits.memory (%v) cannot hold what a serve pod needs, %dMi = %dMi serve.resources.memory.overheadMiB + %dMi for the query API's caches (unindexed rows, Lance's index and metadata caches): raise it to at least %dMi, lower the caches in config.query, or leave it null to derive it" . $serveNeedMiB (int64 $serveRes.memory.overheadMiB) (sub $serveNeedMiB (int64 $serveRes.memory.overheadMiB)) $serveNeedMiB) -}}
+{{- end -}}
+{{- end -}}
+{{- with $serveRes.requests.memory -}}
+{{- $request := include "lance-sink.quantityBytes" (list "serve.resources.requests.memory" .) | float64 -}}
+{{- $limitMem := include "lance-sink.serve.memoryLimit" $ -}}
+{{- if gt $request (include "lance-sink.quantityBytes" (list "serve.resources.limits.memory" $limitMem) | float64) -}}
+{{- fail (printf "serve.resources.requests.memory (%v) is above the serve container's memory limit (%s): the API server refuses a pod whose request exceeds its limit. Lower it to at most %s, or leave it null (it defaults to the limit)" . $limitMem $limitMem) -}}
+{{- end -}}
+{{- end -}}
+{{- if and $serveRes.requests.cpu $serveRes.limits.cpu -}}
+{{- if gt (include "lance-sink.cpuMillis" (list "serve.resources.requests.cpu" $serveRes.requests.cpu) | float64) (include "lance-sink.cpuMillis" (list "serve.resources.limits.cpu" $serveRes.limits.cpu) | float64) -}}
+{{- fail (printf "serve.resources.requests.cpu (%v) is above serve.resources.limits.cpu (%v): the API server refuses a pod whose request exceeds its limit" $serveRes.requests.cpu $serveRes.limits.cpu) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* KEDA */}}
 {{- if .Values.keda.enabled -}}
 {{- if kindIs "invalid" .Values.keda.partitions -}}
