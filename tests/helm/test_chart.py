@@ -112,6 +112,8 @@ HISTOGRAMS = {
     "lance_sink_query_seconds",
 }
 MASKED = "**********"
+#: Name suffix of the query-only tier's objects (serve.enabled).
+SERVE = "-serve"
 
 
 # ---------------------------------------------------------------- helm and rendering
@@ -162,7 +164,12 @@ def _one(docs: list[dict[str, Any]], kind: str, suffix: str = "") -> dict[str, A
 
 
 def _workload(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    found = [d for d in docs if d["kind"] in {"Deployment", "StatefulSet"}]
+    """The writers' Deployment or StatefulSet (the serve tier's Deployment is `_serve`'s)."""
+    found = [
+        d
+        for d in docs
+        if d["kind"] in {"Deployment", "StatefulSet"} and not d["metadata"]["name"].endswith(SERVE)
+    ]
     assert len(found) == 1, [d["kind"] for d in found]
     return found[0]
 
@@ -240,6 +247,7 @@ def test_scenarios_cover_the_modes() -> None:
         "monitoring-values",
         "sasl-ssl-values",
         "production-values",
+        "serve-values",
     }
 
 
@@ -670,6 +678,45 @@ INVALID = {
     "unknown network policy peer field": (
         {"networkPolicy": {"enabled": True, "query": {"from": [{"podSelectors": {}}]}}},
         "additional properties 'podSelectors' not allowed",
+    ),
+    "serve tier on a local volume": (
+        {
+            "storage": {"mode": "localVolume"},
+            "replicaCount": 1,
+            "config": {"table": {"uri": "/data/t.lance"}},
+            "serve": {"enabled": True},
+        },
+        (
+            "serve.enabled: storage.mode localVolume keeps the table and the WAL on one "
+            "ReadWriteOnce volume that only the writer pod mounts"
+        ),
+    ),
+    "serve tier without the query API": (
+        {"serve": {"enabled": True}, "config": {"query": {"enabled": False}}},
+        "serve.enabled needs config.query.enabled",
+    ),
+    "serve tier behind a network policy no client may cross": (
+        {"serve": {"enabled": True}, "networkPolicy": {"enabled": True}},
+        "serve.enabled with networkPolicy.enabled needs networkPolicy.query.from",
+    ),
+    "serve memory limit below the query caches": (
+        {"serve": {"enabled": True, "resources": {"limits": {"memory": "1Gi"}}}},
+        (
+            "serve.resources.limits.memory (1Gi) cannot hold what a serve pod needs, 1856Mi = "
+            "512Mi serve.resources.memory.overheadMiB + 1344Mi for the query API's caches"
+        ),
+    ),
+    "serve memory request above its limit": (
+        {"serve": {"enabled": True, "resources": {"requests": {"memory": "4Gi"}}}},
+        "serve.resources.requests.memory (4Gi) is above the serve container's memory limit",
+    ),
+    "serve CPU request above its limit": (
+        {"serve": {"enabled": True, "resources": {"limits": {"cpu": "500m"}}}},
+        "serve.resources.requests.cpu (1) is above serve.resources.limits.cpu (500m)",
+    ),
+    "unknown serve key": (
+        {"serve": {"enabled": True, "replica": 2}},
+        "additional properties 'replica' not allowed",
     ),
 }
 
@@ -1201,6 +1248,149 @@ def test_local_volume_has_a_headless_governing_service(
         assert _one(docs, "Service")["spec"].get("clusterIP") != "None"
         for version in KUBE_VERSIONS:
             _validate(headless, version)
+
+
+# ---------------------------------------------------------------- the query-only tier
+
+
+def _serve(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return _one(docs, "Deployment", SERVE)
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    """Whether a matchLabels selector selects an object with these labels."""
+    return selector.items() <= labels.items()
+
+
+def test_serve_tier_is_off_by_default(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Without serve.enabled nothing of the tier renders: no object named or labelled for
+    it, no pod running `lance-sink serve`, no peer for it in the NetworkPolicy."""
+    assert _chart_values()["serve"]["enabled"] is False
+    for scenario, docs in rendered.items():
+        if _values(scenario)["serve"]["enabled"]:
+            continue
+        text = yaml.safe_dump_all(docs)
+        assert not any(d["metadata"]["name"].endswith(SERVE) for d in docs), scenario
+        assert "lance-sink-serve" not in text, scenario
+        assert "component: serve" not in text, scenario
+        assert _container(docs)["args"][0] == "run"
+
+
+def test_serve_tier_deployment_and_service(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """serve.enabled: a Deployment of `lance-sink serve` pods with the writers' config, secrets,
+    probes and hardening, and a Service selecting them only; the two tiers' selectors (workload,
+    Service, PodDisruptionBudget) never select the other tier's pods."""
+    docs = rendered["serve-values"]
+    values = _values("serve-values")
+    serve, writers = _serve(docs), _workload(docs)
+    assert writers["kind"] == "Deployment"
+    assert serve["spec"]["replicas"] == 3
+    assert writers["spec"]["replicas"] == 2
+    pod, writer_pod = serve["spec"]["template"], writers["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    writer = _container(docs)
+    assert container["args"] == ["serve", "--config", "/etc/lance-sink/config/sink.toml"]
+    assert container["image"] == writer["image"]
+    assert container["securityContext"] == writer["securityContext"]
+    assert pod["spec"]["securityContext"] == writer_pod["spec"]["securityContext"]
+    assert pod["spec"]["volumes"] == writer_pod["spec"]["volumes"]  # the same ConfigMap
+    assert container["volumeMounts"] == writer["volumeMounts"]
+    assert pod["metadata"]["annotations"] == writer_pod["metadata"]["annotations"]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe] == writer[probe]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
+        "metrics": values["config"]["observability"]["metrics_port"],
+        "query": values["config"]["query"]["port"],
+    }
+    # The same secrets by reference; no advertised URL (a serve pod claims no shard).
+    env = {e["name"]: e for e in container["env"]}
+    writer_env = {e["name"]: e for e in writer["env"]}
+    assert set(writer_env) - set(env) == {"POD_IP", "LANCE_SINK__QUERY__ADVERTISED_URL"}
+    assert env == {k: v for k, v in writer_env.items() if k in env}
+    assert env["LANCE_SINK__QUERY__AUTH_TOKEN"]["valueFrom"] == {
+        "secretKeyRef": {"name": "lance-sink-query", "key": "token"}
+    }
+    # Memory: the query caches (1 GiB unindexed rows with a vector column, 256 + 64 MiB Lance
+    # caches) + serve.resources.memory.overheadMiB; no budget, maintenance or decoding.
+    assert container["resources"] == {
+        "requests": {"cpu": "500m", "memory": "1856Mi"},
+        "limits": {"cpu": "2", "memory": "1856Mi"},
+    }
+
+    service, writer_service = _one(docs, "Service", SERVE), _one(docs, "Service")
+    assert service["spec"]["selector"] == serve["spec"]["selector"]["matchLabels"]
+    assert {(p["name"], p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
+        ("query", 8080, "query"),
+        ("metrics", 9102, "metrics"),
+    }
+    serve_pdb, writer_pdb = (
+        _one(docs, "PodDisruptionBudget", SERVE),
+        _one(docs, "PodDisruptionBudget"),
+    )
+    assert serve_pdb["spec"] == {"maxUnavailable": 1, "selector": serve["spec"]["selector"]}
+    serve_labels, writer_labels = pod["metadata"]["labels"], writer_pod["metadata"]["labels"]
+    for selector in (
+        serve["spec"]["selector"]["matchLabels"],
+        service["spec"]["selector"],
+        serve_pdb["spec"]["selector"]["matchLabels"],
+    ):
+        assert _selects(selector, serve_labels)
+        assert not _selects(selector, writer_labels)
+    for selector in (
+        writers["spec"]["selector"]["matchLabels"],
+        writer_service["spec"]["selector"],
+        writer_pdb["spec"]["selector"]["matchLabels"],
+    ):
+        assert _selects(selector, writer_labels)
+        assert not _selects(selector, serve_labels)
+    for constraint in pod["spec"]["topologySpreadConstraints"]:  # spread among serve pods
+        assert constraint["labelSelector"] == serve["spec"]["selector"]
+
+
+def test_serve_tier_network_policy_and_monitoring(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    """The writers' policy lets serve pods reach the query port (fan-out); the serve pods'
+    policy lets the query clients in and the serve pods out to the writers' query port; a
+    second ServiceMonitor scrapes the serve Service only."""
+    docs = rendered["serve-values"]
+    values = _values("serve-values")
+    np_values = values["networkPolicy"]
+    serve_selector = _serve(docs)["spec"]["selector"]
+    writer_selector = _workload(docs)["spec"]["selector"]
+    query_port = [{"port": 8080, "protocol": "TCP"}]
+    metrics_port = [{"port": 9102, "protocol": "TCP"}]
+
+    writers = _one(docs, "NetworkPolicy")["spec"]
+    assert writers["podSelector"] == writer_selector
+    query, _metrics = writers["ingress"]
+    assert query["ports"] == query_port
+    assert query["from"] == [
+        {"podSelector": writer_selector},
+        {"podSelector": serve_selector},
+        *np_values["query"]["from"],
+    ]
+
+    serve = _one(docs, "NetworkPolicy", SERVE)["spec"]
+    assert serve["podSelector"] == serve_selector
+    assert serve["policyTypes"] == ["Ingress", "Egress"]
+    assert serve["ingress"] == [
+        {"ports": query_port, "from": np_values["query"]["from"]},
+        {"ports": metrics_port, "from": np_values["metrics"]["from"]},
+    ]
+    fan_out, *rules = serve["egress"]
+    assert fan_out == {"ports": query_port, "to": [{"podSelector": writer_selector}]}
+    assert rules == np_values["egress"]
+
+    monitor = _one(docs, "ServiceMonitor", SERVE)["spec"]
+    serve_service, writer_service = _one(docs, "Service", SERVE), _one(docs, "Service")
+    assert _selects(monitor["selector"]["matchLabels"], serve_service["metadata"]["labels"])
+    assert not _selects(monitor["selector"]["matchLabels"], writer_service["metadata"]["labels"])
+    writer_monitor = _one(docs, "ServiceMonitor")["spec"]["selector"]["matchLabels"]
+    assert not _selects(writer_monitor, serve_service["metadata"]["labels"])
+    assert monitor["endpoints"] == _one(docs, "ServiceMonitor")["spec"]["endpoints"]
 
 
 # ---------------------------------------------------------------- monitoring
