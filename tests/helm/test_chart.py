@@ -1543,6 +1543,18 @@ def test_notes_explain_how_to_see_lag(helm: str) -> None:
     assert "curl -s localhost:9102/metrics | grep" in notes
     assert "lag_messages" in notes
     assert "lance-sink lag --config /etc/lance-sink/config/sink.toml" in notes
+    assert f"port-forward svc/{RELEASE}-lance-sink 8080:query" in notes
+
+
+def test_notes_point_queries_at_the_serve_service(helm: str) -> None:
+    proc = _helm(
+        helm, "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
+        "--values", str(_scenario("serve-values")),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert f"port-forward svc/{RELEASE}-lance-sink-serve 8080:query" in notes
+    assert "3 `lance-sink serve` pod(s)" in notes
 
 
 def test_registry_format_derives_columns_and_gets_its_secrets(helm: str, tmp_path: Path) -> None:
