@@ -28,32 +28,21 @@ from engine.backpressure import BlockingValve
 from engine.errors import FreshRowsUnavailable
 from engine.flusher import Flusher
 from engine.manifest import ManifestStore, ShardOrigin
-from engine.reader import Fanout, FanoutReport, NoReaderEvents, Reader
+from engine.reader import FanoutReport, Reader
 from engine.reads import bm25
-from engine.reads.owners import ShardOwners
 from engine.reads.remote import pack, unpack
 from engine.schema import TableSpec
 from engine.shard import ShardWriter
 from engine.storage import Storage, open_storage
 from engine.table import BaseTable
-from sink.http import create_query_app, run_server
+from sink.http import create_query_app
 from tests.reads.conftest import read_spec, rows_batch, vectors
 from tests.support.engine import source, writer_config
+from tests.support.fanout import TOKEN, Events, coordinator_fanout, serve_queries
 
 pytestmark = pytest.mark.timeout(180)
 
-TOKEN = "s3cret"
 DIM = 16
-
-
-class Events(NoReaderEvents):
-    """Records the shards queries lacked (what the metrics facade counts)."""
-
-    def __init__(self) -> None:
-        self.missing: list[tuple[str, str]] = []
-
-    def fanout_missing(self, shard: str, cause: str) -> None:
-        self.missing.append((shard, cause))
 
 
 class Pod:
@@ -72,18 +61,13 @@ class Pod:
         self.storage = storage
         self.flusher = Flusher(1)
         self.writers: list[ShardWriter] = []
-        settings = QuerySettings(
-            host="127.0.0.1", port=0, auth_token=SecretStr(TOKEN), fanout_timeout_ms=timeout_ms
-        )
-        self.owners = ShardOwners(storage, refresh_s=0.0)
-        self.fanout = Fanout(
-            self.owners, "", timeout_ms / 1000, TOKEN, workers=8, expected=expected
-        )
+        self.fanout = coordinator_fanout(storage, timeout_ms, expected)
+        self.owners = self.fanout.owners
         self.events = Events()
         self.reader = Reader(
             spec, self.table, lambda: list(self.writers), events=self.events, fanout=self.fanout
         )
-        self.server = run_server(create_query_app(self.reader, settings), "127.0.0.1", 0)
+        self.server = serve_queries(self.reader, timeout_ms)
         self.url = f"http://127.0.0.1:{self.server.port}"
         self.fanout.self_url = self.url
         self.config = dataclasses.replace(
