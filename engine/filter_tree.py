@@ -264,7 +264,7 @@ class _Or(Node):
         return functools.reduce(pc.or_kleene, (c.evaluate(batch) for c in self.children))
 
     def sql(self) -> str:
-        return " OR ".join(c.sql() for c in self.children)
+        return " OR ".join(c.sql() for c in _exclusions_in_or(list(self.children)))
 
     def negate(self) -> Node:
         return all_of([c.negate() for c in self.children])
@@ -317,15 +317,22 @@ def _junction(children: list[Node], kind: type[_And | _Or], *, negated: bool) ->
             node = In(column, pa.array(distinct, type=ctype), negated)
         out[first[column]] = node
     nodes = [n for n in out if n is not None]
-    if kind is _Or:
-        nodes = _exclusions_in_or(nodes)
     return nodes[0] if len(nodes) == 1 else kind(tuple(nodes))
 
 
 def _exclusions_in_or(nodes: list[Node]) -> list[Node]:
-    """`col NOT IN A OR col NOT IN B` (or `!=`) as one `col NOT IN (A ∩ B)`, and as
-    `col IS NOT NULL` when A and B share no value: equal under three-valued logic, and
-    Lance (DataFusion's simplifier) took the disjoint form for TRUE, keeping NULL rows."""
+    """The children of an OR as Lance gets them (`_Or.sql`): `col NOT IN A OR col NOT IN
+    B` (or `!=`) as one `col NOT IN (A ∩ B)`, and as `col IS NOT NULL` when A and B share
+    no value. Lance (DataFusion's simplifier) took the disjoint form for TRUE, keeping NULL
+    rows.
+
+    The disjoint rewrite holds only where no NOT is above the OR: for a NULL value the OR
+    is unknown and `IS NOT NULL` false, which select the same rows (Kleene's logic is
+    regular: a formula true with an unknown part is true whatever that part is), but their
+    negations do not (NOT unknown is unknown, NOT false is true). So it is made in the SQL
+    face of a finished tree, whose NOTs are all pushed down to the leaves, never in the
+    tree itself, which a parent's NOT may still negate while the filter is parsed: `NOT (c
+    != 1 OR c != 2)` became `c IS NULL` and returned the NULL rows from every tier."""
     sets: dict[str, list[pa.Scalar]] = {}
     first: dict[str, int] = {}
     out: list[Node | None] = []

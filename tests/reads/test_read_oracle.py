@@ -843,6 +843,37 @@ FOUND: dict[str, Case] = {
             ),
         ),
     ),
+    # The merge above, made in the tree while it was parsed, was negated by a NOT around
+    # the OR: `NOT (c != 1 OR c != 2)` (never true) became `c IS NULL` and returned the
+    # NULL rows from every tier. The merge is now made only in the SQL of the finished tree.
+    "an-exclusion-merge-under-a-not-keeps-no-null": found(
+        {"c": "int32", "b": "bool"},
+        [{"c": None, "b": None}, {"c": 1, "b": True}, {"c": 2, "b": False}, {"c": 5}],
+        lambda c: Not(
+            Junction(
+                "OR", (Cmp(c["c"], "!=", Literal(c["c"], 1)), Cmp(c["c"], "<>", Literal(c["c"], 2)))
+            )
+        ),
+        lambda c: Not(
+            Junction(
+                "OR",
+                (
+                    InList(c["c"], (Literal(c["c"], 1), Literal(c["c"], 3)), negated=True),
+                    InList(c["c"], (Literal(c["c"], 2), Literal(c["c"], 4)), negated=True),
+                ),
+            )
+        ),
+        # As the oracle drew it (seed 2582180820).
+        lambda c: Not(
+            Junction(
+                "OR",
+                (
+                    Cmp(c["b"], "!=", Literal(c["b"], True)),
+                    Not(Cmp(c["b"], "=", Literal(c["b"], False))),
+                ),
+            )
+        ),
+    ),
 }
 # A tombstone of key -2**63 failed every flush of an upsert table (the delete's SQL wrote
 # the integer out, which Lance reads as the negation of 2**63, not an int64).
