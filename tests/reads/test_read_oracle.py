@@ -21,9 +21,9 @@ disk):
   shard writer reads the shared base itself and asks the pod that owns the shard (the
   writer of (c), advertised at an owner query server on 127.0.0.1) for its memtables'
   part over real HTTP (`RemoteTier`, `POST /internal/v1/fresh`, `FreshServer`): the
-  owner evaluates the filter over its memtables, and hides base rows whose keys they
-  decide (`decides`: upsert tables). One owner server answers for every example of a
-  module (stopping one takes ~0.2 s), serving the current example's owner reader.
+  owner evaluates the filter over its memtables and says which keys they decide, whose
+  base rows the coordinator hides (`decides`: upsert tables). One owner query server is
+  started per module (stopping one takes ~0.2 s) and serves each example's owner reader.
 
 Each filter-only scan, and each kNN query pre-filtered by it with k = every row (a vector
 column of two dimensions), must return exactly the rows a reference model selects (Python
@@ -78,8 +78,9 @@ pytestmark = pytest.mark.timeout(0 if os.environ.get("LANCE_SINK_ORACLE_EXAMPLES
 
 #: `make oracle` sets this: examples per seed (0: the bounded default below).
 LONG_EXAMPLES = int(os.environ.get("LANCE_SINK_ORACLE_EXAMPLES", "0"))
-#: Examples per seed in `make test`: each builds two Lance tables and an index or two
-#: (~0.3-0.6 s on the 2-core development machine), so 25 + 25 keep the file near 30 s.
+#: Examples per seed in `make test`: each builds three Lance tables and an index or two,
+#: and asks a fan-out owner over HTTP (~0.2-0.3 s on the busy 2-core development machine,
+#: ~50 ms of it tier (d)), so 25 + 25 keep the file near 10-20 s.
 ORACLE_EXAMPLES = 25
 #: The fixed seed of the bounded run (any value: it only has to stay the same).
 FIXED_SEED = 38
