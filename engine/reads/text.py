@@ -34,7 +34,7 @@ stops it (idempotent; queries then tokenise inline).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -235,7 +235,16 @@ class TextSearch:
             held = None if self.flushed_text is None else self.flushed_text.views(snap.base, column)
             flushed = [FlushedTier(h, snap.base, self.spec) for h in held or ()]
             base = ctx.meanwhile(
-                self._text_base, snap, text, column, phrase, predicate, k, fetch, held is not None
+                self._text_base,
+                snap,
+                text,
+                words,
+                column,
+                phrase,
+                predicate,
+                k,
+                fetch,
+                held is not None,
             )
             n_base, avgdl_base, _, _ = self.base_text_stats(snap.base, column)
             remote = snap.remote
@@ -531,6 +540,7 @@ class TextSearch:
         self,
         snap: Snapshot,
         text: str,
+        words: list[tuple[str, int]],
         column: str,
         phrase: bool,
         predicate: Predicate | None,
@@ -540,6 +550,9 @@ class TextSearch:
     ) -> pa.Table:
         if snap.base.count_rows() == 0:
             return pa.table({})
+        if not indexed_only and self.text_index_coverage(snap.base, column) is None:
+            scored = unindexed_base_bm25(snap.base, column, words, phrase, predicate, fetch)
+            return snap.base_overfetch(k, lambda limit: scored.slice(0, limit))
         query = PhraseQuery(text, column) if phrase else MatchQuery(text, column)
 
         def fetch_rows(limit: int) -> pa.Table:
@@ -602,7 +615,9 @@ class TextSearch:
         def compute() -> int:
             query = MatchQuery(term, column)
             covered = self.text_index_coverage(base, column)
-            if covered is None or covered >= 1.0 or covered < MIN_TEXT_INDEX_COVERAGE:
+            if covered is None:  # Lance's flat count tokenises otherwise: see below
+                return unindexed_base_df(base, column, term)
+            if covered >= 1.0 or covered < MIN_TEXT_INDEX_COVERAGE:
                 return int(base.scanner(full_text_query=query).count_rows())
             # The index lags a flush or two: count on the indexed fragments only and scale
             # to the whole base (Lance's full count scans the unindexed rows flat, once per
@@ -645,3 +660,92 @@ class TextSearch:
             base, ("text_index_coverage", column), compute, reuse=False
         )
         return result
+
+
+# -- a base without a text index ----------------------------------------------------------
+#
+# Lance's full-text search of a dataset with no INVERTED index on the column (before
+# maintenance first builds it, or with `maintenance.fts_index = false`) does not tokenise
+# as the index does: no lower case, no ASCII folding, no stemming (`run` did not find
+# "Running", `cafe` not "café"), and its scores use other lengths. Memtables and an indexed
+# base tokenise as the index (`engine.fts`), so the same rows matched differently in the
+# two tiers (the score oracle, `tests/reads/test_score_oracle.py`). Such a base is scored
+# here instead: its rows tokenised with the index's tokenizer and scored by BM25 over the
+# base's own statistics, which is what Lance's index scores with; the same rows and scores
+# as once the index is built. Like Lance's flat search it reads the whole base per query.
+# (Once an index exists, Lance searches the fragments it lacks with the index's tokenizer.)
+
+
+def _unindexed_batches(base: lance.LanceDataset, columns: list[str]) -> Iterator[pa.RecordBatch]:
+    scanner = base.scanner(
+        columns=columns,
+        io_buffer_size=SCAN_IO_BUFFER_BYTES,
+        batch_readahead=SCAN_BATCH_READAHEAD,
+    )
+    yield from scanner.to_batches()
+
+
+def unindexed_base_bm25(
+    base: lance.LanceDataset,
+    column: str,
+    words: list[tuple[str, int]],
+    phrase: bool,
+    predicate: Predicate | None,
+    fetch: list[str],
+) -> pa.Table:
+    """Every row of `base` (no text index on `column`) that matches the query `words` (the
+    phrase, with `phrase`) and `predicate`: `fetch` columns and `_score`, best first. BM25
+    with the statistics of the base's documents (non-null texts), as `engine.fts` scores a
+    memtable batch."""
+    terms = list(dict.fromkeys(t for t, _ in words))
+    wanted = [*fetch, column, *(sorted(predicate.columns) if predicate is not None else ())]
+    vocab: dict[str, int] = {}
+    documents = length = 0
+    df = dict.fromkeys(terms, 0)
+    found: list[tuple[pa.Table, np.ndarray, np.ndarray]] = []
+    for batch in _unindexed_batches(base, list(dict.fromkeys(wanted))):
+        bt = fts.batch_terms(batch.column(column).to_pylist(), vocab)
+        documents += int(bt.valid.sum())
+        length += int(bt.doc_len[bt.valid].sum())
+        tfs = {t: fts.term_frequencies(bt, vocab[t]) for t in terms if t in vocab}
+        mask = np.zeros(batch.num_rows, dtype=bool)
+        for t, tf in tfs.items():
+            df[t] += int((tf > 0).sum())  # a null text has no tokens
+            mask |= tf > 0
+        if phrase and mask.any():
+            ids = [vocab.get(t) for t, _ in words]
+            if any(i is None for i in ids):
+                mask[:] = False
+            else:
+                offsets = [p - words[0][1] for _, p in words]
+                mask &= fts.phrase_rows(bt, [i for i in ids if i is not None], offsets)
+        if predicate is not None and mask.any():
+            mask &= predicate.mask(batch)
+        rows = np.flatnonzero(mask)
+        if len(rows):
+            rows_table = pa.Table.from_batches([batch.take(pa.array(rows))]).select(fetch)
+            tf = bm25.tf_matrix(tfs, terms, rows, len(bt.doc_len))
+            found.append((rows_table, tf, bt.doc_len[rows]))
+    schema = pa.schema([*(base.schema.field(c) for c in fetch), pa.field(SCORE, pa.float32())])
+    if not found:
+        return schema.empty_table()
+    avgdl = length / documents
+    term_idf = {t: fts.idf(documents, df[t]) for t in terms}
+    tables = [
+        rows.append_column(SCORE, pa.array(bm25.bm25_rows(tf, dl, terms, term_idf, avgdl)))
+        for rows, tf, dl in found
+    ]
+    merged = pa.concat_tables(tables)
+    return merged.take(pc.sort_indices(merged, sort_keys=[(SCORE, "descending")]))
+
+
+def unindexed_base_df(base: lance.LanceDataset, column: str, term: str) -> int:
+    """Documents of `base` (no text index on `column`) holding `term`, tokenised as the
+    index tokenises (not by Lance's flat count: see above)."""
+    vocab: dict[str, int] = {}
+    count = 0
+    for batch in _unindexed_batches(base, [column]):
+        bt = fts.batch_terms(batch.column(column).to_pylist(), vocab)
+        if term in vocab:
+            count += int((fts.term_frequencies(bt, vocab[term]) > 0).sum())
+    return count
