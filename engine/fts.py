@@ -57,7 +57,15 @@ class BatchTerms:
     doc: np.ndarray  # int32 row within the batch
     pos: np.ndarray  # int32 token position within the document (Lance's positions)
     doc_len: np.ndarray  # int32 tokens per row
-    valid: np.ndarray  # bool: the row's text is not null (Lance counts only those as documents)
+    valid: np.ndarray  # bool: the row's text is not null
+
+    @property
+    def counted(self) -> np.ndarray:
+        """The rows Lance's index counts as documents (its N and average length): those
+        with at least one token. An empty text, or one of stop words only, is no document
+        (checked on this machine), though it is not null."""
+        counted: np.ndarray = self.doc_len > 0
+        return counted
 
     @property
     def nbytes(self) -> int:

@@ -99,7 +99,7 @@ HINT_TERMS = 10_000
 @dataclass
 class MemtableTerms:
     """The query terms in a set of memtable tiers: their statistics (`documents`, `length`
-    = tokens, `df` per term: live rows with a non-null text, as Lance counts the base) and,
+    = tokens, `df` per term: live rows with a token, as Lance's index counts the base) and,
     per batch with a query term, the term frequencies to score it with."""
 
     documents: int
@@ -311,8 +311,8 @@ class TextSearch:
             for i, bt in enumerate(batches):
                 eligible = tier.view.live[i]
                 live = bt.valid if eligible is None else eligible & bt.valid
-                if counted:
-                    out.documents += int(live.sum())
+                if counted:  # a document counts if it has a token (`fts.BatchTerms.counted`)
+                    out.documents += int((live & bt.counted).sum())
                     out.length += int(bt.doc_len[live].sum())
                 tfs: dict[str, np.ndarray] = {}
                 for t in terms:
@@ -576,18 +576,22 @@ class TextSearch:
         sample) of the base. The sample is its first `AVGDL_SAMPLE_ROWS` documents."""
 
         def compute() -> tuple[int, float, int, dict[str, int]]:
-            # Lance counts documents with a non-null text only (checked on this machine).
+            # Lance's index counts the documents with at least one token (an empty text, or
+            # one of stop words only, is none; checked on this machine): counted in the
+            # sample, scaled to the base's non-null texts when the sample is not all of them.
             has_text = pc.field(column).is_valid()
-            n = base.count_rows(filter=has_text)
-            if not n:
+            texts = base.count_rows(filter=has_text)
+            if not texts:
                 return 0, 0.0, 0, {}
             sample = base.to_table(columns=[column], filter=has_text, limit=AVGDL_SAMPLE_ROWS)
-            terms, _ = fts.tokenize_batch(sample.column(column).to_pylist())
+            terms = [doc for doc in fts.tokenize_batch(sample.column(column).to_pylist())[0] if doc]
             per_term: dict[str, int] = {}
             for doc in terms:
                 for t in set(doc):
                     per_term[t] = per_term.get(t, 0) + 1
             avgdl = sum(len(t) for t in terms) / max(len(terms), 1)
+            exact = sample.num_rows >= texts
+            n = len(terms) if exact else round(texts * len(terms) / sample.num_rows)
             return n, avgdl, len(terms), per_term
 
         result: tuple[int, float, int, dict[str, int]] = self.ctx.stats.cached(
@@ -695,8 +699,8 @@ def unindexed_base_bm25(
 ) -> pa.Table:
     """Every row of `base` (no text index on `column`) that matches the query `words` (the
     phrase, with `phrase`) and `predicate`: `fetch` columns and `_score`, best first. BM25
-    with the statistics of the base's documents (non-null texts), as `engine.fts` scores a
-    memtable batch."""
+    with the statistics of the base's documents (texts with a token), as `engine.fts` scores
+    a memtable batch."""
     terms = list(dict.fromkeys(t for t, _ in words))
     wanted = [*fetch, column, *(sorted(predicate.columns) if predicate is not None else ())]
     vocab: dict[str, int] = {}
@@ -705,8 +709,8 @@ def unindexed_base_bm25(
     found: list[tuple[pa.Table, np.ndarray, np.ndarray]] = []
     for batch in _unindexed_batches(base, list(dict.fromkeys(wanted))):
         bt = fts.batch_terms(batch.column(column).to_pylist(), vocab)
-        documents += int(bt.valid.sum())
-        length += int(bt.doc_len[bt.valid].sum())
+        documents += int(bt.counted.sum())
+        length += int(bt.doc_len.sum())
         tfs = {t: fts.term_frequencies(bt, vocab[t]) for t in terms if t in vocab}
         mask = np.zeros(batch.num_rows, dtype=bool)
         for t, tf in tfs.items():
