@@ -34,6 +34,7 @@ stops it (idempotent; queries then tokenise inline).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -261,6 +262,7 @@ class TextSearch:
             if remote is not None:  # one round trip, ranked by an estimate (module docstring)
                 estimate = {t: self.base_df_estimate(snap.base, column, t) for t in terms}
                 hint_idf, hint_avgdl = self.hint(column, terms, n_base, avgdl_base, estimate)
+                hint_idf = weighted(hint_idf, words)
                 first = {
                     **request,
                     "idf": hint_idf,
@@ -285,7 +287,7 @@ class TextSearch:
 
                 n_total = n_base + documents
                 avgdl = (avgdl_base * n_base + length) / n_total if n_total else 1.0
-                term_idf = {t: fts.idf(n_total, base_df[t] + df[t]) for t in terms}
+                term_idf = weighted({t: fts.idf(n_total, base_df[t] + df[t]) for t in terms}, words)
                 parts = self.memtable_part(mem, words, phrase, term_idf, avgdl, predicate, k, fetch)
                 parts.append(base.result())
                 if remote is None or pending is None:
@@ -666,6 +668,17 @@ class TextSearch:
         return result
 
 
+def weighted(term_idf: dict[str, float], words: list[tuple[str, int]]) -> dict[str, float]:
+    """Each term's IDF times its occurrences among the query's tokens: Lance's index scores
+    every query token, so a term the query holds twice (`runs runs`, or `run running`,
+    one stem) adds its BM25 twice (checked on this machine). A BM25 term is linear in its
+    IDF, so every scorer given these weights (memtable batches, an owner pod's rows, the
+    frontier bound, an unindexed base) scores as Lance's index does; the query's terms
+    stay distinct."""
+    counts = Counter(t for t, _ in words)
+    return {t: v * counts[t] for t, v in term_idf.items()}
+
+
 # -- a base without a text index ----------------------------------------------------------
 #
 # Lance's full-text search of a dataset with no INVERTED index on the column (before
@@ -734,7 +747,7 @@ def unindexed_base_bm25(
     if not found:
         return schema.empty_table()
     avgdl = length / documents
-    term_idf = {t: fts.idf(documents, df[t]) for t in terms}
+    term_idf = weighted({t: fts.idf(documents, df[t]) for t in terms}, words)
     tables = [
         rows.append_column(SCORE, pa.array(bm25.bm25_rows(tf, dl, terms, term_idf, avgdl)))
         for rows, tf, dl in found
