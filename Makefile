@@ -69,14 +69,14 @@ fuzz: venv
 	LANCE_SINK_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -p no:cacheprovider \
 		-o timeout=0 tests/unit/test_decode_metamorphic.py $(PYTEST_ARGS)
 
-## The read oracle runs long (tests/reads/test_read_oracle.py: ORACLE_EXAMPLES examples per
-## seed, the fixed one and a random one it prints, instead of the bounded ones `make test`
-## runs; ORACLE_SEED=<n> replays a printed seed).
+## The read oracles run long (tests/reads/test_read_oracle.py and test_score_oracle.py:
+## ORACLE_EXAMPLES examples per seed, the fixed one and a random one it prints, instead of
+## the bounded ones `make test` runs; ORACLE_SEED=<n> replays a printed seed).
 ORACLE_EXAMPLES ?= 2000
 oracle: venv
 	LANCE_SINK_ORACLE_EXAMPLES=$(ORACLE_EXAMPLES) LANCE_SINK_ORACLE_SEED=$(ORACLE_SEED) \
 		$(BIN)/python -m pytest -p no:cacheprovider -o timeout=0 \
-		tests/reads/test_read_oracle.py $(PYTEST_ARGS)
+		tests/reads/test_read_oracle.py tests/reads/test_score_oracle.py $(PYTEST_ARGS)
 
 ## Re-pin every dependency to what is installed in the virtualenv.
 lock: venv
