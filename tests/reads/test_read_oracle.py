@@ -608,10 +608,10 @@ class Tiers:
     """The rows of one case in the engine: a shard writer's memtables over an empty base
     (a), a base holding them all (b), a base holding the first `split` with the rest in
     memtables (c), and the table of (c) read by a coordinator without shards, whose fresh
-    rows its writer serves from `owner` (d). Real Lance tables and WAL files in a temporary
-    folder."""
+    rows its writer serves from `owner` (d; the score oracle builds tiers without one).
+    Real Lance tables and WAL files in a temporary folder."""
 
-    def __init__(self, root: Path, table: Table, owner: OwnerServer) -> None:
+    def __init__(self, root: Path, table: Table, owner: OwnerServer | None = None) -> None:
         self.root = root
         self.table = table
         self.owner = owner
@@ -627,6 +627,7 @@ class Tiers:
         base.open()
         config = writer_config(max_rows=10_000, interval_s=0.001)
         if owned:
+            assert self.owner is not None, "a tier read through fan-out needs an owner server"
             config = dataclasses.replace(config, advertised_url=self.owner.url)
         writer = ShardWriter.open(
             f"t-0-{name}",
@@ -647,7 +648,7 @@ class Tiers:
                 assert writer.wait_flushed(60)
         reader = Reader(spec, base, lambda: [writer])
         self.readers.append(reader)
-        if owned:
+        if owned and self.owner is not None:
             self.owner.reader = reader
         return reader
 
@@ -664,7 +665,8 @@ class Tiers:
         return reader
 
     def close(self) -> None:
-        self.owner.reader = None
+        if self.owner is not None:
+            self.owner.reader = None
         for reader in self.readers:
             reader.close()
         for writer in self.writers:
