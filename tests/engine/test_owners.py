@@ -28,11 +28,12 @@ def test_claims_record_the_owner_url_and_any_process_lists_them(
     pod_b = dataclasses.replace(h.config, advertised_url="http://10.0.0.2:8080")
     a0 = h.open(shard="t-0-x", config=pod_a)
     a1 = h.open(shard="t-1-x", config=pod_a)
-    quiet = h.open(shard="t-2-x")  # advertises nothing: not routed to
+    quiet = h.open(shard="t-2-x")  # advertises nothing: listed without a URL (unadvertised)
     owners = ShardOwners(h.storage, refresh_s=3600)
     assert owners.current() == {
         "t-0-x": Owner("t-0-x", "http://10.0.0.1:8080", a0.epoch),
         "t-1-x": Owner("t-1-x", "http://10.0.0.1:8080", a1.epoch),
+        "t-2-x": Owner("t-2-x", "", quiet.epoch),
     }
     # A rebalance: pod B claims t-1 (a newer epoch fences pod A's writer).
     b1 = h.open(shard="t-1-x", config=pod_b)
@@ -95,15 +96,16 @@ def test_a_copy_that_lacks_a_needed_shard_is_read_again_first(
     assert set(owners.current()) == {"t-0-x"}  # nothing needed: the cached copy
     assert set(owners.current(["t-0-x", "t-1-x"])) == {"t-0-x", "t-1-x"}
     assert len(reads) == 2
-    # A shard that advertises no URL is listed as known: needing it reads nothing more.
+    # A shard that advertises no URL is listed (without one): needing it reads nothing more.
     quiet = h.open(shard="t-2-x")
-    assert set(owners.current(["t-1-x", "t-2-x"])) == {"t-0-x", "t-1-x"}
+    assert set(owners.current(["t-1-x", "t-2-x"])) == {"t-0-x", "t-1-x", "t-2-x"}
+    assert owners.current()["t-2-x"].url == ""
     assert len(reads) == 3
-    assert set(owners.current(["t-2-x"])) == {"t-0-x", "t-1-x"}
+    assert set(owners.current(["t-2-x"])) == {"t-0-x", "t-1-x", "t-2-x"}
     assert len(reads) == 3
     # Never claimed: each query reads (a copy read after it asked lists all it can).
     for _ in range(2):
-        assert set(owners.current(["t-9-x"])) == {"t-0-x", "t-1-x"}
+        assert set(owners.current(["t-9-x"])) == {"t-0-x", "t-1-x", "t-2-x"}
     assert len(reads) == 5
     # Unknown need (the sink has not listed the partitions yet): a read per query.
     owners.current(None)
@@ -113,7 +115,7 @@ def test_a_copy_that_lacks_a_needed_shard_is_read_again_first(
         raise PersistenceError("storage down")
 
     monkeypatch.setattr(owners_module, "list_owners", broken)
-    assert set(owners.current(["t-1-x"])) == {"t-0-x", "t-1-x"}  # listed: no read needed
+    assert set(owners.current(["t-1-x"])) == {"t-0-x", "t-1-x", "t-2-x"}  # listed: no read
     with pytest.raises(PersistenceError):
         owners.current(["t-9-x"])
     for w in (w0, w1, quiet):
