@@ -1,6 +1,6 @@
 """Queries during a catch-up: a writer pod's own query API against a query-only process.
 
-    python -m bench.catchup [--messages N] [--budget BYTES] [--out FILE]
+    python -m bench.catchup [--messages N] [--budget BYTES] [--shares 1,0.5] [--out FILE]
 
 One run on tansu (memory storage): N pre-produced 384-dim vector JSON messages (~4 KB with
 ~200 chars of text) consumed from a fresh group by `lance-sink run` at its backpressure
@@ -11,7 +11,10 @@ two paced clients, one per process, each send one vector, one text and one filte
 query per second (k = 10; a round that overruns its second starts the next at once), and
 time every query.
 
-Report: per process the queries answered, p50, p99 and the largest latency, errors by
+One round per writer `query.ingest_share` in `--shares` (a fresh group and table each, the
+same messages): 1 never yields to queries (the writer as it was), 0.5 is the default.
+
+Report: per round and process the queries answered, p50, p99 and the largest latency, errors by
 status, and the catch-up's duration and rate; the ratio of the query-only process's p99
 to the writer's is the figure to compare (both run on this 2-core machine, so the
 query-only process shares the cores but not the writer's interpreter lock; on a cluster
@@ -130,36 +133,21 @@ def wait_listening(port: int, deadline: float) -> None:
             time.sleep(0.2)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--messages", type=int, default=300_000)
-    parser.add_argument("--budget", type=int, default=256 << 20)
-    parser.add_argument("--after-s", type=float, default=10.0, help="queries after lag 0")
-    parser.add_argument("--timeout", type=float, default=1800)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    lines: list[str] = []
-
-    def report(line: str) -> None:
-        print(line, flush=True)
-        lines.append(line)
-
-    workdir = Path(tempfile.mkdtemp(prefix="lance-sink-catchup-"))
-    broker, bootstrap = tansu()
+def catch_up(
+    bootstrap: str, topic: str, messages: int, workdir: Path, args: argparse.Namespace, share: float
+) -> dict[str, Any]:
+    """One catch-up of `topic` by a fresh group into a fresh table, the writer at `share`
+    (``query.ingest_share``), both processes queried; returns the figures."""
+    settings = sink_settings(
+        bootstrap, topic, str(workdir / "table.lance"), args.budget, args.budget
+    )
+    settings["table"]["fts_columns"] = ["text"]
+    settings["query"]["ingest_share"] = share
+    ports = {name: (free_port(), free_port()) for name in ("writer", "serve")}
+    for name, (metrics_port, query_port) in ports.items():
+        (workdir / f"{name}.toml").write_text(toml(settings, metrics_port, query_port))
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        topic = f"catchup-{uuid.uuid4().hex[:6]}"
-        values = payloads("vector", args.messages)
-        size = statistics.mean(len(v) for v in values[:1000])
-        produce(bootstrap, topic, values)
-        del values
-        settings = sink_settings(
-            bootstrap, topic, str(workdir / "table.lance"), args.budget, args.budget
-        )
-        settings["table"]["fts_columns"] = ["text"]
-        ports = {name: (free_port(), free_port()) for name in ("writer", "serve")}
-        for name, (metrics_port, query_port) in ports.items():
-            (workdir / f"{name}.toml").write_text(toml(settings, metrics_port, query_port))
         started = time.monotonic()
         procs.append(start("run", workdir / "writer.toml", workdir / "writer.log"))
         procs.append(start("serve", workdir / "serve.toml", workdir / "serve.log"))
@@ -174,7 +162,7 @@ def main() -> None:
             client.start()
         committed = Committed(bootstrap, settings["kafka"]["group_id"], topic)
         first = time.monotonic()
-        while committed.total() < args.messages:
+        while committed.total() < messages:
             assert all(p.poll() is None for p in procs), "a process exited"
             assert time.monotonic() < deadline, "no catch-up within the timeout"
             time.sleep(0.5)
@@ -184,35 +172,87 @@ def main() -> None:
             client.stop.set()
             client.join(120)
         committed.close()
-        report(
-            f"catch-up: {args.messages:,} vector messages of {size / 1024:.1f} KB, budget "
-            f"{args.budget >> 20} MiB, maintenance on: {caught_up:.1f} s to lag 0 "
-            f"({args.messages / caught_up:,.0f} msg/s) with both processes queried"
-        )
-        summaries = {name: client.summary() for name, client in clients.items()}
-        for name, s in summaries.items():
-            if not s["answered"]:
-                report(f"{name:>6}: no query answered, errors {s['errors']}")
-                continue
-            kinds = ", ".join(
-                f"{k} {v * 1000:.0f}" for k, v in s["by_kind_p99"].items() if v is not None
-            )
-            report(
-                f"{name:>6}: {s['answered']} queries answered, p50 {s['p50'] * 1000:.0f} ms, "
-                f"p99 {s['p99'] * 1000:.0f} ms (by kind: {kinds} ms), max "
-                f"{s['max'] * 1000:.0f} ms, errors {s['errors'] or 'none'}"
-            )
-        writer, serve = summaries["writer"], summaries["serve"]
-        if writer.get("answered") and serve.get("answered"):
-            report(
-                f"query-only p99 / writer p99: {serve['p99'] / writer['p99']:.2f}x "
-                f"(target: query-only p99 <= 500 ms; it was {serve['p99'] * 1000:.0f} ms)"
-            )
+        paused = metric(ports["writer"][0], "lance_sink_ingest_paused_seconds_total")
     finally:
         for proc in procs:
             proc.terminate()
         for proc in procs:
             proc.wait(120)
+    return {
+        "seconds": caught_up,
+        "paused": paused,
+        "summaries": {name: client.summary() for name, client in clients.items()},
+    }
+
+
+def metric(port: int, name: str) -> float:
+    """One unlabelled sample of a process's /metrics (0 when it has none)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--messages", type=int, default=300_000)
+    parser.add_argument("--budget", type=int, default=256 << 20)
+    parser.add_argument("--after-s", type=float, default=10.0, help="queries after lag 0")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument(
+        "--shares",
+        default="1,0.5",
+        help="the writer's query.ingest_share of each round (1: never yields to queries)",
+    )
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    lines: list[str] = []
+
+    def report(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    broker, bootstrap = tansu()
+    try:
+        topic = f"catchup-{uuid.uuid4().hex[:6]}"
+        values = payloads("vector", args.messages)
+        size = statistics.mean(len(v) for v in values[:1000])
+        produce(bootstrap, topic, values)
+        del values
+        p99s: dict[str, float] = {}
+        for share in (float(x) for x in args.shares.split(",")):
+            workdir = Path(tempfile.mkdtemp(prefix="lance-sink-catchup-"))
+            figures = catch_up(bootstrap, topic, args.messages, workdir, args, share)
+            seconds = figures["seconds"]
+            report(
+                f"catch-up, writer query.ingest_share = {share:g}: {args.messages:,} vector "
+                f"messages of {size / 1024:.1f} KB, budget {args.budget >> 20} MiB, "
+                f"maintenance on: {seconds:.1f} s to lag 0 ({args.messages / seconds:,.0f} "
+                f"msg/s) with both processes queried; the writer paused "
+                f"{figures['paused']:.1f} s for its queries"
+            )
+            for name, s in figures["summaries"].items():
+                if not s["answered"]:
+                    report(f"{name:>6}: no query answered, errors {s['errors']}")
+                    continue
+                p99s[f"{name} at {share:g}"] = s["p99"]
+                kinds = ", ".join(
+                    f"{k} {v * 1000:.0f}" for k, v in s["by_kind_p99"].items() if v is not None
+                )
+                report(
+                    f"{name:>6}: {s['answered']} queries answered, p50 "
+                    f"{s['p50'] * 1000:.0f} ms, p99 {s['p99'] * 1000:.0f} ms (by kind: "
+                    f"{kinds} ms), max {s['max'] * 1000:.0f} ms, errors {s['errors'] or 'none'}"
+                )
+        baseline = p99s.get("writer at 1")
+        if baseline:
+            for name, p99 in p99s.items():
+                report(
+                    f"p99 {name} / writer at 1: {p99 / baseline:.2f}x ({p99 * 1000:.0f} ms; "
+                    "target: query-only p99 <= 500 ms)"
+                )
+    finally:
         broker.terminate()
         broker.wait(30)
     if args.out is not None:

@@ -1159,6 +1159,14 @@ class QuerySettings(_Section):
         "that, it keeps its slot. Bounds the threads and memory slow queries can take.",
     )
     max_k: PositiveInt = Field(default=1_000, le=100_000, description="Largest k a query may ask.")
+    ingest_share: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.5,
+        description="On a writer pod (lance-sink run), the share of the consumer loop's time "
+        "ingestion may take while queries or other pods' fan-out requests run here: after "
+        "each busy iteration the loop pauses (at most 250 ms) so queries get the rest. 1 "
+        "never pauses. Nothing pauses while no query runs. See docs/deploy.md for when a "
+        "query-only process (lance-sink serve) is the better topology.",
+    )
     lance_cpu_threads: PositiveInt | None = Field(
         default=None,
         le=1_024,

@@ -295,6 +295,11 @@ class Metrics:
         self.bp_rejections = counter(
             "wal_backpressure_rejections_total", "Puts refused with Backpressure."
         )
+        self.ingest_paused = counter(
+            "ingest_paused_seconds_total",
+            "Seconds the consumer loop paused so that the queries running on this pod get "
+            "their share of its time (query.ingest_share).",
+        )
         self.budget_used = gauge("budget_used_bytes", "Unflushed bytes counted against the budget.")
         self.budget = gauge("budget_bytes", "The process memory budget for unflushed rows.")
         self.unindexed_rows = gauge(

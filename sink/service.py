@@ -67,6 +67,7 @@ from sink.lag import PausedEnds
 from sink.log import configure_logging, librdkafka_logger
 from sink.maintenance_role import MaintenanceRole
 from sink.metrics import Metrics
+from sink.query_share import QueryShare
 from sink.server import create_ops_app
 from sink.topic_shards import TopicShards
 
@@ -180,6 +181,8 @@ class SinkService:
         self._trim = PeriodicThread(
             "malloc-trim", MALLOC_TRIM_INTERVAL_S, release_free_memory, "malloc_trim_failed"
         )
+        # Queries (and fan-out requests) running here count in it; the loop yields to them.
+        self.share = QueryShare(query.ingest_share)
         self._stop = threading.Event()
         self._stop_at: float | None = None  # when the drain was asked for (monotonic)
         self._fatal: str | None = None
@@ -286,14 +289,14 @@ class SinkService:
         """Serve /metrics, /healthz, /readyz, /v1/status and (if enabled) the query API."""
         obs, query = self.settings.observability, self.settings.query
         if query.enabled and query.port == obs.metrics_port and query.port != 0:
-            app = create_ops_app(self.board, create_query_app(self.reader, query))
+            app = create_ops_app(self.board, create_query_app(self.reader, query, self.share))
             self.servers.append(run_server(app, query.host, query.port))
             return
         ops = create_ops_app(self.board, auth_token=query.auth_token)
         self.servers.append(run_server(ops, obs.metrics_host, obs.metrics_port))
         if query.enabled:
             self.servers.append(
-                run_server(create_query_app(self.reader, query), query.host, query.port)
+                run_server(create_query_app(self.reader, query, self.share), query.host, query.port)
             )
 
     def run(self) -> int:
@@ -318,9 +321,12 @@ class SinkService:
         code = 0
         try:
             while not self._stop.is_set():
+                started = time.monotonic()
                 messages = []
                 if not pipeline.decoders_behind():
                     messages = self.consumer.consume(pipeline.consume_size, timeout)
+                    if not messages:
+                        started = time.monotonic()  # waiting for messages is not ingesting
                 else:
                     # Decoding is behind: take at most one message (parked) per iteration,
                     # which still serves librdkafka's callbacks (commit results, rebalances)
@@ -338,6 +344,7 @@ class SinkService:
                 if self.evolution is not None:
                     code = EXIT_RESTART_TO_EVOLVE
                     break
+                self._share_with_queries(time.monotonic() - started)
         except LanceSinkError as exc:
             log.error("sink_fatal", reason=str(exc), error_type=type(exc).__name__)
             code = 1
@@ -345,6 +352,14 @@ class SinkService:
             self.drain()
             gc.unfreeze()
         return code
+
+    def _share_with_queries(self, busy_s: float) -> None:
+        """While queries run here, pause so ingestion takes at most its share of the loop's
+        time (`sink.query_share`); a stop request ends the pause."""
+        pause = self.share.pause_after(busy_s)
+        if pause > 0:
+            self.metrics.ingest_paused.inc(pause)
+            self._stop.wait(pause)
 
     def _tick(self) -> None:
         """Everything a loop iteration does besides consuming."""

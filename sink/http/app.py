@@ -41,6 +41,7 @@ from sink.http.guard import BodyLimit, RequestGuard
 from sink.http.models import LookupRequest, QueryResponse, SearchRequest
 from sink.http.pool import QueryPool
 from sink.http.serving import SERVES_QUERY
+from sink.query_share import QueryShare
 
 log = structlog.get_logger("lance_sink.http")
 
@@ -50,9 +51,12 @@ ARROW_STREAM = "application/vnd.apache.arrow.stream"
 RRF_K = 60
 
 
-def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
+def create_query_app(
+    reader: Reader, settings: QuerySettings, share: QueryShare | None = None
+) -> FastAPI:
     """The query API over `reader`, configured by `settings` (see the `sink.http` package
-    docstring)."""
+    docstring). On a writer pod, `share` is its consumer loop's `QueryShare`: every query
+    and fan-out request running here counts in it."""
     app = FastAPI(
         title="lance-sink query API",
         version="1",
@@ -65,11 +69,11 @@ def create_query_app(reader: Reader, settings: QuerySettings) -> FastAPI:
     token = settings.auth_token.get_secret_value().encode() if settings.auth_token else None
     timeout = settings.timeout_ms / 1000
     max_k = settings.max_k
-    pool = QueryPool(settings.max_concurrent_queries)
+    pool = QueryPool(settings.max_concurrent_queries, share)
     app.state.query_pool = pool
     # Other pods' fan-out requests get their own slots: a burst of queries here that wait
     # on another pod cannot take the slots that pod's queries need here.
-    fresh_pool = QueryPool(settings.max_concurrent_queries)
+    fresh_pool = QueryPool(settings.max_concurrent_queries, share)
     app.state.fresh_pool = fresh_pool
     # The text half of a hybrid query runs here while its query's own thread runs the
     # vector half: the query takes the longer of the two, not their sum (with fan-out,

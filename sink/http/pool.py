@@ -7,7 +7,8 @@ to new queries while the abandoned work is under that second bound; past it, tim
 keeps its slot until it ends. So a slot is held by a query nobody waits for at most
 ``query.timeout_ms`` while fewer than ``max_concurrent_queries`` such queries run, the
 threads of the process stay bounded (twice the setting), and a request that finds every
-slot taken gets 503 at once instead of queueing.
+slot taken gets 503 at once instead of queueing. On a writer pod both pools count their
+running work into the consumer loop's `sink.query_share.QueryShare`.
 
 `sink.http.app.create_query_app` builds two pools (its own queries, and other pods' fan-out
 requests for this pod's fresh rows); `sink.http.serving.ServerHandle.stop` shuts them down.
@@ -24,6 +25,7 @@ import pyarrow as pa
 
 from engine.threads import name_os_thread
 from sink.http.errors import HttpError
+from sink.query_share import QueryShare
 
 
 class _Task:
@@ -51,8 +53,9 @@ class QueryPool:
     `shutdown` (from `ServerHandle.stop`) lets running work finish in the background.
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, share: QueryShare | None = None) -> None:
         self.size = size
+        self._share = share  # counts the running work in, for the writer's consumer loop
         self._running = 0
         self._abandoned = 0
         self._lock = threading.Lock()
@@ -73,6 +76,8 @@ class QueryPool:
             return self._abandoned
 
     def _release(self, task: _Task) -> None:
+        if self._share is not None:
+            self._share.leave()
         with self._lock:
             task.done = True
             if task.abandoned:
@@ -104,6 +109,8 @@ class QueryPool:
                     f"{self.size} queries are already running (query.max_concurrent_queries)",
                 )
             self._running += 1
+        if self._share is not None:
+            self._share.enter()
         task = _Task()
 
         def work() -> pa.Table:
