@@ -57,6 +57,8 @@ class PacedQueries(threading.Thread):
         self.stop = threading.Event()
         self.latencies: dict[str, list[float]] = {"vector": [], "text": [], "filtered": []}
         self.errors: dict[str, int] = {}
+        self.started = time.monotonic()
+        self.timeline: list[tuple[float, str, float]] = []  # (since start, kind, latency)
 
     def bodies(self) -> dict[str, dict[str, Any]]:
         vector = self.rng.standard_normal(DIM).astype(np.float32).tolist()
@@ -88,7 +90,9 @@ class PacedQueries(threading.Thread):
         try:
             with urllib.request.urlopen(request, timeout=60) as resp:  # noqa: S310 - loopback
                 resp.read()
-            self.latencies[kind].append(time.perf_counter() - started)
+            latency = time.perf_counter() - started
+            self.latencies[kind].append(latency)
+            self.timeline.append((time.monotonic() - latency - self.started, kind, latency))
         except urllib.error.HTTPError as exc:
             self.errors[str(exc.code)] = self.errors.get(str(exc.code), 0) + 1
         except (urllib.error.URLError, OSError) as exc:
@@ -110,6 +114,7 @@ class PacedQueries(threading.Thread):
                 for kind, v in self.latencies.items()
             },
             "errors": self.errors,
+            "slowest": sorted(self.timeline, key=lambda t: -t[2])[:3],
         }
 
 
@@ -245,6 +250,11 @@ def main() -> None:
                     f"{s['p50'] * 1000:.0f} ms, p99 {s['p99'] * 1000:.0f} ms (by kind: "
                     f"{kinds} ms), max {s['max'] * 1000:.0f} ms, errors {s['errors'] or 'none'}"
                 )
+                slowest = ", ".join(
+                    f"{kind} {latency * 1000:.0f} ms at +{at:.1f} s"
+                    for at, kind, latency in s["slowest"]
+                )
+                report(f"{'':>8}slowest (seconds after the clients started): {slowest}")
         baseline = p99s.get("writer at 1")
         if baseline:
             for name, p99 in p99s.items():

@@ -1,14 +1,18 @@
 """`Maintenance`: background upkeep of the base Lance table: indexes, compaction, old versions.
 
 `Maintenance.start()` runs `run_once()` every `interval_s` on its own daemon thread until
-`stop()`, and in between runs the ``optimize_indices`` task alone every
-`optimize_interval_s` for the scalar indexes (BTREE, INVERTED), so rows a flush appends are
-indexed within seconds (unindexed base rows are searched flat by Lance: at tens of thousands
-of rows per second of ingestion, a 30 s cadence let a text query over them take seconds).
-The vector index is optimised on a second thread at the same cadence (task
-``optimize_vector_index``): PQ-encoding new rows is ~50x slower than indexing their text,
-and a pass over a large backlog took minutes during which the text index fell behind too.
-Tests and tools call `run_once()` directly (it optimises every index).
+`stop()`, and in between, every `optimize_interval_s`, creates the cheap indexes the table
+lacks (``fts_index``, ``key_index``, ``scalar_indexes``: at the first tick that finds rows,
+not the next full run: until the text index exists, every text query tokenises the whole
+base) and runs the ``optimize_indices`` task for the scalar indexes (BTREE, INVERTED), so
+rows a flush appends are indexed within seconds (unindexed base rows are searched flat by
+Lance: at tens of thousands of rows per second of ingestion, a 30 s cadence let a text
+query over them take seconds). The vector index is built and optimised on a second thread
+at the same cadence (tasks ``vector_index``, ``optimize_vector_index``): PQ-encoding is
+~50x slower than indexing text; a first IVF_PQ build in the full run held the text index
+back for its whole duration (text queries of a catch-up took 4-9 s), and a pass over a
+large backlog took minutes during which the text index fell behind too. Tests and tools
+call `run_once()` directly (it runs every task, the vector index's included).
 
 Maintenance never takes a shard writer's lock and never waits for a flush: every task is
 one or a few Lance commits of its own, so ingestion goes on while it runs. Lance commits are
@@ -287,14 +291,23 @@ class Maintenance:
             if not self._active.is_set():
                 continue  # standby; the next full run is due when it is active again
             if time.monotonic() >= next_full:
-                self.run_once()
+                self.run_once(vector=False)
                 next_full = time.monotonic() + self.settings.interval_s
             else:
+                # The cheap indexes a table lacks are built at the first tick that finds
+                # rows, not at the next full run: until the text index exists, every text
+                # query tokenises the whole base (`engine.reads.text`).
+                for name, task in self._scalar_creations().items():
+                    self._run(name, task)
                 self._run("optimize_indices", lambda: self.optimize_indices(vector=False))
 
     def _vector_loop(self) -> None:
+        """The vector index on a thread of its own: it is built (minutes for a large base)
+        and optimised here, so the text and scalar indexes never wait for it."""
         while not self._stop.wait(self.settings.optimize_interval_s):
             if not self._active.is_set():
+                continue
+            if self._run("vector_index", self.vector_index) != "skipped":
                 continue
             self._run(
                 "optimize_vector_index", lambda: self.optimize_indices(scalar=False, vector=True)
@@ -302,15 +315,14 @@ class Maintenance:
 
     # ------------------------------------------------------------------ the run
 
-    def run_once(self) -> dict[str, str]:
-        """Run every task once; returns the outcome per task."""
+    def run_once(self, *, vector: bool = True) -> dict[str, str]:
+        """Run every task once; returns the outcome per task. `vector` False leaves the
+        vector index to the vector thread (the loops' full runs)."""
         outcomes: dict[str, str] = {}
         tasks: dict[str, Callable[[], None]] = {
-            "vector_index": self.vector_index,
-            "fts_index": self.fts_index,
-            "key_index": self.key_index,
-            "scalar_indexes": self.scalar_indexes,
-            "optimize_indices": self.optimize_indices,
+            **({"vector_index": self.vector_index} if vector else {}),
+            **self._scalar_creations(),
+            "optimize_indices": lambda: self.optimize_indices(vector=vector),
             "compact": self.compact,
             "cleanup": self.cleanup,
         }
@@ -319,6 +331,14 @@ class Maintenance:
                 break
             outcomes[name] = self._run(name, task)
         return outcomes
+
+    def _scalar_creations(self) -> dict[str, Callable[[], None]]:
+        """The tasks that create the cheap indexes (each skipped when they exist)."""
+        return {
+            "fts_index": self.fts_index,
+            "key_index": self.key_index,
+            "scalar_indexes": self.scalar_indexes,
+        }
 
     def _run(self, name: str, task: Callable[[], None]) -> str:
         started = time.monotonic()
