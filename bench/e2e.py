@@ -2,7 +2,7 @@
 
     python -m bench.e2e [--small N] [--vectors N] [--base64 N] [--avro-small N]
         [--avro-vec-bytes N] [--avro-vec-array N] [--avro N] [--repeat R] [--out FILE]
-        [--decode threads,processes] [--profile DIR [--profile-gil]]
+        [--decode threads,processes] [--profile DIR [--profile-gil]] [--maintenance]
 
 For each data set (200-byte JSON messages; 384-dim vector JSON messages with ~200 chars of
 text; with ``--base64 N``, the same vectors as base64 of little-endian float32 inside the
@@ -26,6 +26,11 @@ measures in the same run, on the same data:
   message (steadier than rates on a shared machine: what to compare when A/B-ing a
   change); with ``--decode threads,processes`` the sink runs both ways
   (``source.decode_processes``), alternating, on the same data.
+
+The sink runs with maintenance and the query API off, so the ratios measure ingestion;
+``--maintenance`` runs it as deployed (both on, maintenance building the vector, text and
+key indexes during the catch-up and the freshness phase after it): the freshness target of
+issue 40 holds "right after a catch-up while maintenance builds indexes".
 
 Report: medians are not possible for a one-shot catch-up of a large backlog on a shared
 2-core machine; read the ratios, which compare runs made seconds apart on the same data:
@@ -232,6 +237,7 @@ def write_config(
     port: int,
     registry_url: str | None = None,
     decode_processes: bool = False,
+    maintenance: bool = False,
 ) -> None:
     source = (
         ["[source]", 'format = "avro"', f'schema_registry = {{ url = "{registry_url}" }}']
@@ -251,9 +257,10 @@ def write_config(
         "[backpressure]",
         'process_budget_bytes = "1GiB"',
         "[query]",
-        "enabled = false",
+        f"enabled = {str(maintenance).lower()}",
+        "port = 0",
         "[maintenance]",
-        "enabled = false",
+        f"enabled = {str(maintenance).lower()}",
         "[observability]",
         f"metrics_port = {port}",
         'log_format = "json"',
@@ -411,6 +418,7 @@ def run_sink(
     profile: Path | None = None,
     decode_processes: bool = False,
     profile_gil: bool = False,
+    maintenance: bool = False,
 ) -> dict[str, Any]:
     """One catch-up of `lance-sink run` (see the module docstring); with `profile`, a
     py-spy profile of the catch-up (folded stacks, every thread; with `profile_gil` only
@@ -419,7 +427,9 @@ def run_sink(
     group = f"bench-{uuid.uuid4().hex[:6]}"
     config = workdir / "sink.toml"
     table = sink_table(str(workdir / "t.lance"), kind)
-    write_config(config, bootstrap, topic, group, table, port, registry_url, decode_processes)
+    write_config(
+        config, bootstrap, topic, group, table, port, registry_url, decode_processes, maintenance
+    )
     log = (workdir / "sink.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "sink.cli", "run", "--config", str(config)],
@@ -638,6 +648,11 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
+        "--maintenance",
+        action="store_true",
+        help="run the sink with maintenance and the query API on, as deployed",
+    )
+    parser.add_argument(
         "--decode",
         default="threads",
         help="comma-separated: threads, processes (source.decode_processes); the sink runs "
@@ -730,6 +745,7 @@ def main() -> None:
                             profile,
                             decode_processes=mode == "processes",
                             profile_gil=args.profile_gil,
+                            maintenance=args.maintenance,
                         )
                         runs[mode].append((consume_s, decode_s, sink))
                         sink_runs += 1
