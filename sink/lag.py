@@ -11,7 +11,7 @@ by the production rate, so a difference is only true if both are read together. 
   (`get_watermark_offsets(cached=True)`, the `hi_offset` its statistics report at their
   interval); reading it at snapshot time instead of taking the last statistics tick (up to
   `observability.kafka_statistics_interval_ms` old) keeps it no older than one fetch round
-  (at most `fetch.wait.max.ms`, 100 ms in the sink, when no data arrives).
+  (at most `fetch.wait.max.ms`, 50 ms in the sink, when no data arrives).
 - **Offsets are read from the slowest-moving to the fastest** - committed, durable and
   flushed, consumed, end - so each is read no earlier than the ones it must be at least
   equal to, and a lag never clamps to 0 because its end offset was older than the offset

@@ -11,6 +11,13 @@ from sink.kafka_conf import kafka_security_conf
 # topic created after the start, or a partition added, waits to be assigned. The same as
 # `sink.topic_shards.REFRESH_S`, so fan-out reads and consumption learn of it alike.
 METADATA_REFRESH_MS: Final = 10_000
+# How long the broker may hold an empty fetch. A broker that answers only when the wait ends,
+# not when data arrives (tansu does), adds up to this much to every row's freshness:
+# librdkafka's 500 ms default was all of it; at 100 ms the "fetched" stage alone had a p99
+# of 75-134 ms in bench/e2e, most of the 150 ms target. Kafka answers as soon as data
+# arrives (fetch.min.bytes 1), where this only bounds how often an idle consumer asks: 20
+# small fetch requests a second per broker. `kafka.librdkafka` may override it.
+FETCH_WAIT_MS: Final = 50
 
 
 def consumer_conf(settings: Settings) -> dict[str, Any]:
@@ -33,9 +40,7 @@ def consumer_conf(settings: Settings) -> dict[str, Any]:
             "enable.partition.eof": False,
             "partition.assignment.strategy": "cooperative-sticky",
             "statistics.interval.ms": settings.observability.kafka_statistics_interval_ms,
-            # How long the broker may hold an empty fetch. librdkafka's 500 ms default adds
-            # that much to freshness on brokers that do not answer early when data arrives.
-            "fetch.wait.max.ms": 100,
+            "fetch.wait.max.ms": FETCH_WAIT_MS,
             # Up to 16 MiB per partition per fetch (librdkafka: 1 MiB): a few hundred
             # 4 KB vector messages per round trip would keep the loop waiting on the broker.
             "max.partition.fetch.bytes": 16 << 20,
