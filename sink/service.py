@@ -405,19 +405,25 @@ class SinkService:
         self.commits.commit(asynchronous=False, states=states)
 
     def _on_assign(self, _: confluent_kafka.Consumer, partitions: list[TopicPartition]) -> None:
+        started = time.monotonic()
         # Every rebalance may bring partitions added to a topic, which another pod may be
         # about to claim: list them for fan-out now (`sink.topic_shards`).
         self.topic_shards.refresh_soon()
         self.lifecycle.assign(partitions)
         self.board.publish()
+        _rebalanced("assign", partitions, started)
 
     def _on_revoke(self, _: confluent_kafka.Consumer, partitions: list[TopicPartition]) -> None:
+        started = time.monotonic()
         self.lifecycle.revoke(partitions, settle=self)
         self.board.publish()
+        _rebalanced("revoke", partitions, started)
 
     def _on_lost(self, _: confluent_kafka.Consumer, partitions: list[TopicPartition]) -> None:
+        started = time.monotonic()
         self.lifecycle.lose(partitions)
         self.board.publish()
+        _rebalanced("lost", partitions, started)
 
     def _on_commit(
         self, err: confluent_kafka.KafkaError | None, partitions: list[TopicPartition]
@@ -498,3 +504,14 @@ class SinkService:
             seconds=round(time.monotonic() - self._stop_at, 3),
             deadline_s=self.settings.shutdown.drain_deadline_s,
         )
+
+
+def _rebalanced(kind: str, partitions: list[TopicPartition], started: float) -> None:
+    """One `rebalance` event per rebalance callback (assign, revoke, lost): how many
+    partitions and how long the callback held the loop (the group waits on a revoke's)."""
+    log.info(
+        "rebalance",
+        kind=kind,
+        count=len(partitions),
+        seconds=round(time.monotonic() - started, 3),
+    )

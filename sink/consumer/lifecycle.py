@@ -37,7 +37,13 @@ from engine.shard import ShardWriter
 from engine.threads import name_os_thread
 from sink.consumer import partition
 from sink.consumer.flow import Flow
-from sink.consumer.partition import PartitionCounts, PartitionState, PartitionTable, Phase
+from sink.consumer.partition import (
+    Opened,
+    PartitionCounts,
+    PartitionState,
+    PartitionTable,
+    Phase,
+)
 from sink.consumer.pipeline import RECOVERY_BACKOFF_MAX_S, backoff
 from sink.metrics import Metrics
 
@@ -123,7 +129,9 @@ class Lifecycle:
                 tp.topic, tp.partition, committed.get(key, -1), counts=self.counts
             )
             state.committed_known = known
-            state.opening = self.pool.submit(self._open, tp.topic, tp.partition, not known)
+            state.opening = self.pool.submit(
+                self._open, tp.topic, tp.partition, not known, time.monotonic()
+            )
             self.partitions.add(state)
         # Nothing is handed to the consumer yet (see `flow.Flow.assign_none`).
         self.flow.assign_none()
@@ -145,13 +153,15 @@ class Lifecycle:
         return {(tp.topic, tp.partition): tp.offset for tp in found if tp.offset >= 0}, True
 
     def _open(
-        self, topic: str, partition: int, look_up_committed: bool
-    ) -> tuple[ShardWriter, int | None]:
+        self, topic: str, partition: int, look_up_committed: bool, submitted: float
+    ) -> Opened:
         """Open pool: claim and replay the shard; with `look_up_committed`, also fetch the
-        group's committed offset (-1: none), which a failed look-up on assign left unknown."""
+        group's committed offset (-1: none), which a failed look-up on assign left unknown.
+        `submitted`: when the open was handed to the pool (monotonic)."""
+        started = time.monotonic()
         writer = self.engine.open_shard(topic, partition)
         if not look_up_committed:
-            return writer, None
+            return Opened(writer, None, started - submitted, time.monotonic() - started)
         try:
             found = self.consumer.committed(
                 [TopicPartition(topic, partition)], timeout=COMMITTED_TIMEOUT_S
@@ -159,7 +169,8 @@ class Lifecycle:
         except BaseException:
             self.engine.close_shard(writer, flush=False, timeout=5)
             raise
-        return writer, max(found[0].offset, -1)
+        committed = max(found[0].offset, -1)
+        return Opened(writer, committed, started - submitted, time.monotonic() - started)
 
     # ------------------------------------------------------------------ open, recover
 
@@ -178,7 +189,7 @@ class Lifecycle:
         if time.monotonic() < state.recover_at or self.draining.drain_left() is not None:
             return
         state.opening = self.pool.submit(
-            self._open, state.topic, state.partition, not state.committed_known
+            self._open, state.topic, state.partition, not state.committed_known, time.monotonic()
         )
 
     def _take_opened(self, state: PartitionState) -> None:
@@ -187,12 +198,13 @@ class Lifecycle:
         future, state.opening = state.opening, None
         assert future is not None
         try:
-            writer, committed = future.result()
+            opened = future.result()
         except Exception as exc:  # noqa: BLE001 - any failure is retried, none is fatal
             self.open_failed(state, exc, event="partition_open_failed")
             return
-        if committed is not None:
-            state.committed, state.committed_known = committed, True
+        writer = opened.writer
+        if opened.committed is not None:
+            state.committed, state.committed_known = opened.committed, True
         durable = writer.durable_offsets.get(state.key)
         # Resume after the last durable offset, or at the committed one if later (I3).
         start = state.done
@@ -215,6 +227,8 @@ class Lifecycle:
             committed=state.committed if state.committed >= 0 else None,
             durable=durable,
             start=start,
+            queued_s=round(opened.queued_s, 3),
+            open_s=round(opened.open_s, 3),
         )
         if not state.assigned:
             kafka = self.settings.kafka
@@ -328,13 +342,12 @@ class Lifecycle:
         self.metrics.forget_partition(state.topic, state.partition, state.shard)
         self.forget(state.key)
 
-    def _close_abandoned(self, future: Future[tuple[ShardWriter, int | None]]) -> None:
+    def _close_abandoned(self, future: Future[Opened]) -> None:
         """A shard open abandoned (its partition revoked or lost, or the sink draining):
         close its writer when it ends (its rows stay in the WAL for the next owner)."""
         if future.cancelled() or future.exception() is not None:
             return
-        writer, _ = future.result()
-        self.engine.close_shard(writer, flush=False, timeout=5)
+        self.engine.close_shard(future.result().writer, flush=False, timeout=5)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

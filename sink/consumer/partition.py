@@ -59,6 +59,19 @@ from sink.dlq import DeadLetterBatch
 _log = structlog.get_logger("lance_sink.sink")
 
 
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """What an open on the open pool gave (`sink.consumer.lifecycle.Lifecycle`): the
+    claimed and replayed writer, the committed offset it looked up (None: not asked), and
+    the seconds the open waited for a pool thread and then took (the rebalance timeline's
+    figures, `bench/rebalance.py`)."""
+
+    writer: ShardWriter
+    committed: int | None
+    queued_s: float
+    open_s: float
+
+
 class Phase(enum.Enum):
     """Where a partition is in its life (see the module docstring)."""
 
@@ -222,7 +235,7 @@ class PartitionState:
     # OPENING / RECOVERING: the open (claim and replay) on the open pool; while it fails,
     # `open_error` says why and `open_failures` counts the attempts in a row; the next
     # attempt is made at `recover_at`.
-    opening: Future[tuple[ShardWriter, int | None]] | None = None
+    opening: Future[Opened] | None = None
     open_error: str | None = None
     open_failures: int = 0
     recover_at: float = 0.0
