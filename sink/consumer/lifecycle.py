@@ -61,6 +61,14 @@ START_AT: Final = {
 COMMITTED_TIMEOUT_S: Final = 30.0
 #: Longest error text a partition's /readyz reason and status entry carry (`brief`).
 BRIEF_ERROR_CHARS: Final = 300
+#: Threads of the open pool: shard opens (claim, replay, fence) running at once. An open
+#: mostly waits on table and WAL storage (the claim's conditional write, manifest and WAL
+#: reads; tens of milliseconds each on object storage), so opens overlap well beyond the
+#: CPU count. With 4, a member given 128 partitions by a rebalance queued its last open
+#: for 3.4 s behind opens of 0.08 s each (bench/rebalance.py, 256 partitions). 32 open a
+#: few hundred shards in about the time of a few opens each; threads are started only as
+#: opens need them and stay idle afterwards.
+OPEN_THREADS: Final = 32
 
 
 class Settle(Protocol):
@@ -101,7 +109,7 @@ class Lifecycle:
         self.draining = draining
         self.ready = threading.Event()  # the first assignment was taken
         self.pool = ThreadPoolExecutor(
-            max_workers=4, thread_name_prefix="open", initializer=name_os_thread
+            max_workers=OPEN_THREADS, thread_name_prefix="open", initializer=name_os_thread
         )
         self.forget = forget  # what else keeps per-partition figures (end offsets)
         self.counts = counts  # the pipeline's, shared by every partition's queues
