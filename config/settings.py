@@ -260,9 +260,13 @@ class KafkaSettings(_Section):
         "reach the table); read_uncommitted also ingests aborted and still open ones.",
     )
     session_timeout_ms: PositiveInt = Field(
-        default=45_000,
+        default=6_000,
         description="Group session timeout; the heartbeat thread keeps it alive independently "
-        "of the poll loop.",
+        "of the poll loop. It also paces rebalances: a process that dies is replaced after "
+        "it, and brokers whose coordinator holds each join round for a share of it (tansu, "
+        "librdkafka's mock cluster) take about twice it for a member to join. 6 s, the least "
+        "a Kafka broker accepts by default (group.min.session.timeout.ms), as librdkafka "
+        "heartbeats every second from its own thread whatever the loop does.",
     )
     max_poll_interval_ms: PositiveInt = Field(
         default=300_000,

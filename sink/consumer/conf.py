@@ -18,6 +18,11 @@ METADATA_REFRESH_MS: Final = 10_000
 # arrives (fetch.min.bytes 1), where this only bounds how often an idle consumer asks: 20
 # small fetch requests a second per broker. `kafka.librdkafka` may override it.
 FETCH_WAIT_MS: Final = 50
+# The consumer's heartbeat.interval.ms (librdkafka: 3 s), or a third of a shorter session
+# timeout. A member learns of a rebalance from its next heartbeat's answer, so each
+# rebalance waits on it; six heartbeats per default session (6 s) ride out a lost one.
+# `kafka.librdkafka` may override it.
+HEARTBEAT_MS: Final = 1_000
 
 
 def consumer_conf(settings: Settings) -> dict[str, Any]:
@@ -33,6 +38,7 @@ def consumer_conf(settings: Settings) -> dict[str, Any]:
             "auto.offset.reset": "error",
             "isolation.level": k.isolation_level,
             "session.timeout.ms": k.session_timeout_ms,
+            "heartbeat.interval.ms": min(HEARTBEAT_MS, max(k.session_timeout_ms // 3, 1)),
             "max.poll.interval.ms": k.max_poll_interval_ms,
             # Owned by the sink: offsets are stored and committed only once durable (I1).
             "enable.auto.commit": False,

@@ -18,12 +18,21 @@ from typing import Any
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from config.settings import KafkaSettings
 from tests.e2e.test_observability import get, sink_config, wait_http
 from tests.support.brokers import Broker, free_ports
-from tests.support.sink import SinkProcess
+from tests.support.kafka import end_offsets, produce
+from tests.support.sink import SinkProcess, messages, wait_caught_up
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
 
+#: The default session timeout, as a user who sets none runs it.
+DEFAULT_SESSION_MS = KafkaSettings.model_fields["session_timeout_ms"].default
+#: Seconds from the joiner's start to both members ready on the mock cluster. The mock
+#: holds each of cooperative-sticky's two rounds for about the session timeout (6 s by
+#: default: ~12 s; 45 s before: ~90 s), the joiner starts in ~2 s and opens its shards in
+#: well under one; room for a busy machine.
+JOIN_BOUND_S = 25.0
 #: Each shard open is slowed to this (tests.support.slow) in the parallel-open test.
 OPEN_DELAY_S = 3.0
 #: Partitions whose opens must overlap: with four open threads they took four rounds.
@@ -44,6 +53,48 @@ def event_times(sink: SinkProcess, name: str) -> list[float]:
         for e in sink.events()
         if e.get("event") == name
     ]
+
+
+def test_a_joining_member_holds_its_partitions_within_seconds(
+    kafka_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    """Default group timings: a second member joins a running one; both are ready and
+    every partition is ACTIVE in exactly one of them within `JOIN_BOUND_S`."""
+    produce(kafka_broker.bootstrap, topic, messages(0, 400))
+    partitions = set(end_offsets(kafka_broker.bootstrap, topic))
+    assert len(partitions) > 1
+    port_a, port_b = free_ports(2)
+    settings = {"kafka__session_timeout_ms": DEFAULT_SESSION_MS, "maintenance__enabled": False}
+    config_a = sink_config(tmp_path, kafka_broker, topic, group, port_a, **settings)
+    config_b = sink_config(tmp_path, kafka_broker, topic, group, port_b, **settings)
+    a = SinkProcess(config_a, tmp_path / "a.log")
+    b: SinkProcess | None = None
+    try:
+        wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[a])
+        wait_http(port_a)
+        b = SinkProcess(config_b, tmp_path / "b.log")
+        started = time.monotonic()
+        took = None
+        while time.monotonic() - started < 2 * JOIN_BOUND_S:
+            assert a.alive(), a.log_path.read_text()[-3000:]
+            assert b.alive(), b.log_path.read_text()[-3000:]
+            try:
+                ready_a, held_a = active(port_a)
+                ready_b, held_b = active(port_b)
+            except (OSError, KeyError):
+                time.sleep(0.1)
+                continue
+            if ready_a and ready_b and held_b and held_a | held_b == partitions:
+                assert not held_a & held_b
+                took = time.monotonic() - started
+                break
+            time.sleep(0.1)
+        assert took is not None, "the second member never held its partitions"
+        assert took < JOIN_BOUND_S, f"both ready {took:.1f} s after the second member started"
+    finally:
+        if b is not None:
+            assert b.stop() == 0
+        assert a.stop() == 0
 
 
 def test_a_member_given_many_partitions_opens_their_shards_at_once(
