@@ -313,8 +313,7 @@ class Lifecycle:
             left = self.draining.drain_left()
             deadline = self.settings.shutdown.drain_deadline_s if left is None else left
             settle.settle(states, deadline)
-            for state in states:
-                self.release(state, flush=False)
+            self.release_all(states, flush=False)
         self.flow.give_back(partitions, states)
         self.metrics.rebalance("revoked", len(partitions))
         for tp in partitions:
@@ -322,12 +321,9 @@ class Lifecycle:
 
     def lose(self, partitions: list[TopicPartition]) -> None:
         """The group reassigned `partitions` already: close without committing."""
-        states = []
+        states = [s for tp in partitions if (s := self.partitions.get((tp.topic, tp.partition)))]
+        self.release_all(states, flush=False)
         for tp in partitions:
-            state = self.partitions.get((tp.topic, tp.partition))
-            if state is not None:
-                states.append(state)
-                self.release(state, flush=False)
             log.warning("partition_lost", topic=tp.topic, partition=tp.partition)
         self.flow.give_back(partitions, states)
         self.metrics.rebalance("lost", len(partitions))
@@ -336,19 +332,44 @@ class Lifecycle:
         """Forget the partition (RELEASED): close its writer (flushing with `flush`), close
         an open still running once it ends, and remove every series of the partition and
         of its shard."""
-        self.partitions.remove(state)
-        writer, opening = state.writer, state.opening
-        partition.release(state)
-        if opening is not None:  # an open (or reopen) still running: close it after
-            if not opening.done():
-                state.log.warning("partition_open_abandoned")
-            opening.add_done_callback(self._close_abandoned)
-        if writer is not None:
-            self.engine.close_shard(writer, flush=flush, timeout=timeout)
-        # Every series of the partition, and of its shard even when its writer was dropped
-        # (poisoned, fenced) before: none is left behind at its last value.
-        self.metrics.forget_partition(state.topic, state.partition, state.shard)
-        self.forget(state.key)
+        self.release_all([state], flush=flush, timeout=timeout)
+
+    def release_all(
+        self, states: Sequence[PartitionState], *, flush: bool, timeout: float = 30.0
+    ) -> None:
+        """`release` each of `states`, their writers closed at once (a revoke of many
+        partitions held the group for one close after another); returns once every writer
+        is closed, so the next owner's claim finds none of them writing."""
+        writers = []
+        for state in states:
+            self.partitions.remove(state)
+            writer, opening = state.writer, state.opening
+            partition.release(state)
+            if opening is not None:  # an open (or reopen) still running: close it after
+                if not opening.done():
+                    state.log.warning("partition_open_abandoned")
+                opening.add_done_callback(self._close_abandoned)
+            if writer is not None:
+                writers.append(writer)
+        if len(writers) == 1:
+            self.engine.close_shard(writers[0], flush=flush, timeout=timeout)
+        elif writers:
+            with ThreadPoolExecutor(
+                max_workers=min(len(writers), OPEN_THREADS),
+                thread_name_prefix="close",
+                initializer=name_os_thread,
+            ) as closing:
+                done = [
+                    closing.submit(self.engine.close_shard, w, flush=flush, timeout=timeout)
+                    for w in writers
+                ]
+            for future in done:
+                future.result()  # the first failure raises, as a close one after another did
+        for state in states:
+            # Every series of the partition, and of its shard even when its writer was
+            # dropped (poisoned, fenced) before: none is left behind at its last value.
+            self.metrics.forget_partition(state.topic, state.partition, state.shard)
+            self.forget(state.key)
 
     def _close_abandoned(self, future: Future[Opened]) -> None:
         """A shard open abandoned (its partition revoked or lost, or the sink draining):
