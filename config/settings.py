@@ -777,6 +777,20 @@ class SourceSettings(_Section):
         description="What a null-value message does on an append table (on an upsert table "
         "it deletes its key).",
     )
+    envelope: Literal["none", "debezium"] = Field(
+        default="none",
+        description="none: each value is a row. debezium: each value is a Debezium change "
+        "event (json, with or without the JSON converter's schema/payload wrapper; or a "
+        "registry format): op c/r/u upserts the after image, d deletes the key in before "
+        "(else the Kafka key), Debezium's tombstones are skipped. Needs an upsert table; "
+        "unmapped columns read fields of after, '$.' paths address the event (docs/formats.md).",
+    )
+    truncate: Literal["skip", "dlq"] = Field(
+        default="skip",
+        description="(envelope debezium) What a truncate event (op t) does: skip logs and "
+        "counts it and leaves the table as it is; dlq makes it a cdc_truncate dead letter. "
+        "Never applied: a table-wide event has no order against the other partitions.",
+    )
     max_message_bytes: PositiveBytes = Field(
         default=ByteSize(1 << 20), description="Larger messages go to the dead-letter topic."
     )
@@ -823,6 +837,12 @@ class SourceSettings(_Section):
                     "set source.key_format to the key's registry format",
                     ("key_format",),
                 )
+        if self.envelope == "debezium" and self.format == "raw":
+            raise KeyedError(
+                "envelope",
+                "'debezium' reads change events of the json or a registry format, not raw",
+                ("format",),
+            )
         if self.format in REGISTRY_FORMATS and self.schema_registry is None:
             if (
                 self.format == "protobuf"
@@ -839,6 +859,9 @@ class SourceSettings(_Section):
             )
         return self
 
+
+#: A top-level field of Debezium's after image: what a primary key column may read.
+_AFTER_FIELD_RE = re.compile(r"^\$\.after\.[A-Za-z0-9_\-]+$")
 
 _SOURCE_RE = re.compile(
     r"^(\$(\.[A-Za-z0-9_\-]+)+|@key(\.[A-Za-z0-9_\-]+)*|@topic|@partition|@offset|@timestamp"
@@ -1364,6 +1387,8 @@ class Settings(BaseSettings):
                     else ")"
                 ),
             )
+        if self.source.envelope == "debezium":
+            self._check_debezium()
         if self.source.format == "raw":
             mapped = set(self.source.columns.values())
             if "@value" not in mapped:
@@ -1385,6 +1410,41 @@ class Settings(BaseSettings):
                 "(one memtable fills while the previous one flushes)",
             )
         return self
+
+    def _check_debezium(self) -> None:
+        """Change events need an upsert table keyed by fields of the after image."""
+        if self.table.mode != "upsert":
+            raise KeyedError(
+                "table.mode",
+                "source.envelope = 'debezium' needs an upsert table (mode = 'upsert' with a "
+                "primary_key): change events update and delete rows by key",
+                ("source.envelope",),
+            )
+        if not self.table.columns:
+            raise KeyedError(
+                "table.columns",
+                "source.envelope = 'debezium' needs the columns configured (they are not "
+                "derived from the event's schema)",
+                ("source.envelope",),
+            )
+        if self.table.vector is not None and self.table.vector.encoding != "json":
+            raise KeyedError(
+                "table.vector.encoding",
+                "source.envelope = 'debezium' reads vectors as Debezium writes them (arrays "
+                "of numbers): leave encoding = 'json'",
+                ("source.envelope",),
+            )
+        for key in self.table.primary_key or ():
+            mapped = self.source.columns.get(key)
+            if mapped is not None and not _AFTER_FIELD_RE.match(mapped):
+                raise KeyedError(
+                    f"source.columns.{key}",
+                    f"primary key column {key!r} reads {mapped!r}; with source.envelope = "
+                    "'debezium' a key column reads a field of the row ('$.after.<field>', or "
+                    "unmapped: the field of its name), which deletes find in before or the "
+                    "Kafka key",
+                    ("table.primary_key",),
+                )
 
     @property
     def wal_uri(self) -> str:

@@ -133,6 +133,7 @@ from typing import Any, cast
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import structlog
 
 from config.settings import SourceSettings
 from engine.schema import (
@@ -142,6 +143,7 @@ from engine.schema import (
     SOURCE_COLUMNS,
     TableSpec,
 )
+from sink.cdc import Debezium
 from sink.decode_columns import (
     Metadata,
     Rows,
@@ -165,13 +167,17 @@ from sink.formats import (
     SchemaCheck,
     SchemaCheckMode,
     parse_records,
+    record_column,
     record_format,
 )
 from sink.formats.keys import KeyDecoder
 from sink.formats.leaves import Column
+from sink.formats.records import to_column
 from sink.json_parse import JsonParser
 
 __all__ = ["DeadLetter", "Decoded", "Decoder", "MessageLike", "Reason"]
+
+log = structlog.get_logger("lance_sink.decode")
 
 
 def freeze_gc() -> None:
@@ -240,6 +246,11 @@ class Decoder:
                 'table.vector.encoding = "base64_f32" is for the json format only '
                 f"(source.format is {source.format!r})"
             )
+        cdc = source.envelope == "debezium"
+        if cdc and not spec.upsert:
+            raise ValueError("source.envelope = 'debezium' needs an upsert table")
+        if cdc and self._base64:
+            raise ValueError("source.envelope = 'debezium' reads vectors as arrays of numbers")
         unknown = sorted(set(source.columns) - set(spec.table_schema.names))
         if unknown:
             raise ValueError(f"source.columns maps unknown table columns: {', '.join(unknown)}")
@@ -258,9 +269,24 @@ class Decoder:
             for f in spec.table_schema
             if f.name not in SOURCE_COLUMNS
         ]
+        if cdc:  # unmapped columns read the after image (sink.cdc)
+            columns = [
+                replace(c, path=("after", c.name))
+                if c.kind == "json" and c.name not in source.columns
+                else c
+                for c in columns
+            ]
         # Primary key columns first: a row missing its key reports that before anything else.
         self._columns = sorted(columns, key=lambda c: not c.primary_key)
         self._source_columns = all(n in spec.table_schema.names for n in SOURCE_COLUMNS)
+        # Change events: read as records (JSON ones by orjson), so JSON's Arrow leaves'
+        # extra steps (base64 text, float32 range) are the record path's here.
+        self._cdc = (
+            Debezium(self._columns, truncate=source.truncate, records=self._records)
+            if cdc
+            else None
+        )
+        self._json_leaves = self._json and self._cdc is None
         json_columns = [c for c in self._columns if c.kind == "json"]
         self._path_columns = {c.path: c for c in reversed(json_columns)}
         # Derived columns: new writer schemas are checked against all columns (sink.formats).
@@ -276,7 +302,9 @@ class Decoder:
         # (Its checks of overlapping paths run for every format: registry formats read
         # record paths the same way.)
         fast_dim = (
-            spec.vector.dim if vector_fast_path and self._json and spec.vector is not None else None
+            spec.vector.dim
+            if vector_fast_path and self._json_leaves and spec.vector is not None
+            else None
         )
         self._parser = JsonParser(
             json_columns, base64=self._base64, vector_dim=fast_dim, scan_simd=scan_simd
@@ -284,6 +312,7 @@ class Decoder:
         self._tombstone_key: ColumnPlan | None = None
         if spec.upsert and len(spec.primary_key) == 1:
             self._tombstone_key = next(c for c in self._columns if c.primary_key)
+        self._key_columns = [c for c in self._columns if c.primary_key]
 
     def decode(self, messages: Sequence[MessageLike]) -> Decoded:
         """Decode the messages of one topic-partition (ascending offsets) into one batch.
@@ -330,17 +359,24 @@ class Decoder:
             else [cast("bytes", values[i]) for i in candidates]
         )
         meta = Metadata(messages, offsets, values, topic, partition)
-        rows, early = self._decode_candidates(candidates, payloads, sizes[candidates], meta)
+        skipped: list[int] = []
+        deletes: list[tuple[int, tuple[Any, ...]]] = []
+        if self._cdc is not None:
+            rows, early = self._decode_changes(
+                messages, candidates, payloads, meta, deletes, skipped
+            )
+        else:
+            rows, early = self._decode_candidates(candidates, payloads, sizes[candidates], meta)
         dead.update(early)
         dead.update(rows.faults)
 
-        skipped: list[int] = []
-        deletes: list[tuple[int, Any]] = []
         for i in np.flatnonzero(sizes < 0).tolist():
-            if self._spec.upsert:
+            if self._cdc is not None:  # Debezium's tombstone after a delete: done already
+                skipped.append(int(offsets[i]))
+            elif self._spec.upsert:
                 key, fault = self._tombstone_key_value(messages[i].key())
                 if fault is None:
-                    deletes.append((i, key))
+                    deletes.append((i, (key,)))
                 else:
                     dead[i] = fault
             elif self._source.tombstones == "skip":
@@ -348,6 +384,9 @@ class Decoder:
             else:
                 dead[i] = ("tombstone", "null value on an append table (source.tombstones = dlq)")
 
+        if deletes:
+            deletes.sort(key=lambda d: d[0])
+        skipped.sort()
         return Decoded(
             batch=self._assemble(rows, deletes, meta),
             dead_letters=[dead_letter(messages[i], *dead[i]) for i in sorted(dead)],
@@ -395,15 +434,89 @@ class Decoder:
             rows.columns[col.name] = self._column(col, rows, leaves, meta)
         return rows, early
 
+    def _decode_changes(
+        self,
+        messages: Sequence[MessageLike],
+        candidates: np.ndarray,
+        payloads: list[bytes],
+        meta: Metadata,
+        deletes: list[tuple[int, tuple[Any, ...]]],
+        skipped: list[int],
+    ) -> tuple[Rows, dict[int, Fault]]:
+        """`_decode_candidates` for change events (`sink.cdc`): the rows the upserts give,
+        the faults of the messages that give none; the keys deletes delete are added to
+        `deletes` and the offsets of skipped truncates to `skipped`."""
+        assert self._cdc is not None
+        keys = self._keys
+
+        def key_of(pos: int) -> Any:
+            index = int(candidates[pos])
+            if keys is not None:
+                return meta.decoded_keys(keys)[0][index]
+            return messages[index].key()
+
+        split = self._cdc.split(payloads, key_of)
+        early: dict[int, Fault] = {
+            int(candidates[pos]): fault for pos, fault in split.faults.items()
+        }
+        for pos in split.skipped:
+            offset = int(meta.offsets[int(candidates[pos])])
+            skipped.append(offset)
+            log.warning(
+                "cdc_truncate_skipped",
+                topic=messages[0].topic(),
+                partition=messages[0].partition(),
+                offset=offset,
+                hint="a truncate is not applied (source.truncate = 'skip'); rows stay",
+            )
+        if split.deletes:
+            self._delete_keys(candidates[split.deletes], split.keys, deletes, early)
+        rows = Rows(index=np.asarray(candidates[split.upserts], dtype=np.int64))
+        leaves: dict[Path, pa.Array] = {}
+        column_faults: dict[Path, dict[int, Fault]] = {}
+        for path, c in self._path_columns.items():
+            describe = f"{c.name!r} ({c.where})"
+            leaves[path], bad = record_column(split.records, path, c.type_name, describe)
+            column_faults[path] = cast("dict[int, Fault]", bad)
+        for col in self._columns:
+            if col.kind == "json":
+                for pos, fault in column_faults[col.path].items():
+                    rows.fault((pos,), fault)
+            rows.columns[col.name] = self._column(col, rows, leaves, meta)
+        return rows, early
+
+    def _delete_keys(
+        self,
+        index: np.ndarray,
+        keys: list[dict[str, Any]],
+        deletes: list[tuple[int, tuple[Any, ...]]],
+        faults: dict[int, Fault],
+    ) -> None:
+        """The keys of change events that delete (message `index`, key by column) into
+        `deletes`, each column's value in its type; a key that does not fit is a fault."""
+        values: list[list[Any]] = []
+        bad: dict[int, Fault] = {}
+        for col in self._key_columns:
+            describe = f"primary key {col.name!r} ({col.path[-1]} of before or the Kafka key)"
+            arr, wrong = to_column([k[col.name] for k in keys], col.type_name, describe)
+            for pos, fault in wrong.items():
+                bad.setdefault(pos, cast("Fault", fault))
+            values.append(arr.to_pylist())
+        for pos, i in enumerate(index.tolist()):
+            if pos in bad:
+                faults[i] = bad[pos]
+            else:
+                deletes.append((i, tuple(v[pos] for v in values)))
+
     def _column(
         self, col: ColumnPlan, rows: Rows, leaves: dict[Path, pa.Array], meta: Metadata
     ) -> pa.Array:
         """One column for `rows`, in its canonical type, faulting rows it cannot hold."""
         if col.kind == "json":
             arr = leaves[col.path]
-            if col.type_name == "float32" and self._json:
+            if col.type_name == "float32" and self._json_leaves:
                 check_float32(arr, col, rows, meta)
-            elif col.type_name == "binary" and self._json:
+            elif col.type_name == "binary" and self._json_leaves:
                 arr = from_base64(arr, col, rows)
             elif col.type_name == "vector":
                 assert self._spec.vector is not None
@@ -489,7 +602,7 @@ class Decoder:
         return arr[0].as_py(), None
 
     def _assemble(
-        self, rows: Rows, deletes: list[tuple[int, Any]], meta: Metadata
+        self, rows: Rows, deletes: list[tuple[int, tuple[Any, ...]]], meta: Metadata
     ) -> pa.RecordBatch | None:
         """The batch in `batch_schema`: good rows and delete rows, in offset order."""
         if rows.faults:
@@ -511,8 +624,9 @@ class Decoder:
             elif not arr.type.equals(col.arrow_type):
                 arr = arr.cast(col.arrow_type)
             if n_del:
-                if col is self._tombstone_key:
-                    extra = pa.array([k for _, k in deletes], col.arrow_type)
+                if col.primary_key:
+                    at = self._key_columns.index(col)
+                    extra = pa.array([k[at] for _, k in deletes], col.arrow_type)
                 else:
                     extra = pa.nulls(n_del, col.arrow_type)
                 arr = pa.concat_arrays([arr, extra])

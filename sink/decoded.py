@@ -39,6 +39,12 @@ Reason: TypeAlias = Literal[
     "missing_magic_byte",  # the value is not in the Confluent wire format
     "unknown_schema_id",  # the registry does not know the value's schema id (HTTP 404)
     "not_matching_schema",  # the value does not decode with its schema
+    # Change events (source.envelope = "debezium", sink.cdc):
+    "cdc_missing_op",  # the value has no op: not a Debezium change event
+    "cdc_unknown_op",  # an op other than c, r, u, d, t
+    "cdc_missing_after",  # op c, r or u without an after image
+    "cdc_missing_key",  # op d with its primary key neither in before nor in the Kafka key
+    "cdc_truncate",  # op t with source.truncate = "dlq"
 ]
 
 #: Kafka's TIMESTAMP_NOT_AVAILABLE timestamp type: the message carries no timestamp.
@@ -91,7 +97,8 @@ class Decoded:
     Attributes:
         batch: the good rows in `TableSpec.batch_schema`, in offset order; None if none.
         dead_letters: the messages that cannot be written, in offset order.
-        skipped_offsets: tombstones skipped by policy on append tables.
+        skipped_offsets: tombstones skipped by policy on append tables; with
+            ``source.envelope = "debezium"`` Debezium's tombstones and skipped truncates.
         first_offset: offset of the first message given (good, dead or skipped).
         last_offset: offset of the last message given.
     """

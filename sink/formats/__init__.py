@@ -33,6 +33,7 @@ __all__ = [
     "SchemaEvolution",
     "epoch_ms_paths",
     "parse_records",
+    "record_column",
     "record_format",
 ]
 
@@ -245,15 +246,24 @@ def _parse_chunk(
     leaves: dict[Path, pa.Array] = {}
     column_faults: dict[Path, dict[int, Fault]] = {}
     for path, type_name, describe in paths:
-        values, problems = column_values(records, path)
-        arr, bad = to_column(values, type_name, describe)
-        for row, problem in problems.items():
-            bad.setdefault(row, ("wrong_type", f"{describe}: {problem}"))
+        arr, bad = record_column(records, path, type_name, describe)
         if bad and path in epoch_ms:
             return _parse_chunk(fmt, payloads, paths, check)
         leaves[path] = arr
         column_faults[path] = bad
     return RecordColumns(np.asarray(positions, np.int64), leaves, faults, column_faults)
+
+
+def record_column(
+    records: Sequence[Any], path: Path, type_name: str, describe: str
+) -> tuple[pa.Array, dict[int, Fault]]:
+    """The column `path` reads in `records` (decoded records), in its canonical type, and
+    the faults of the rows whose value does not fit it (null in the array), by row."""
+    values, problems = column_values(records, path)
+    arr, bad = to_column(values, type_name, describe)
+    for row, problem in problems.items():
+        bad.setdefault(row, ("wrong_type", f"{describe}: {problem}"))
+    return arr, bad
 
 
 #: Bytes of the Confluent framing that name a value's schema (magic byte and schema id).

@@ -1,0 +1,423 @@
+"""Debezium change events (``source.envelope = "debezium"``) into upserts and deletes.
+
+`sink.decode.Decoder` hands `Debezium.split` the payloads of a batch (values of an
+allowed size, tombstones left out) and gets back which of them upsert a row, which delete
+a key, which are skipped, and the dead letters of the rest. Each payload is read on its
+own (its fate depends on its bytes and its Kafka key alone, never on its neighbours); the
+upserting events' columns are then built by the registry formats' record path
+(`sink.formats.record_column`), in bulk per column.
+
+A change event is Debezium's envelope, ``{"before", "after", "source", "op", "ts_ms",
+"transaction"}``: in the ``json`` format with or without the JSON converter's wrapper
+``{"schema": ..., "payload": <envelope>}`` (told apart per message), in a registry format
+the record the value decodes to. By ``op``:
+
+    c, r, u   upsert the after image (``after`` null or missing: ``cdc_missing_after``)
+    d         delete the primary key found in ``before`` (every key field non-null), else
+              in the Kafka key (a JSON object, wrapped or not, or a record key decoded with
+              ``source.key_format``, holding the key fields); neither: ``cdc_missing_key``
+    t         truncate: never applied (a table-wide event has no order against the other
+              partitions); ``source.truncate = "skip"`` skips its offset (the decoder logs
+              ``cdc_truncate_skipped``), ``"dlq"`` makes it a ``cdc_truncate`` dead letter
+    missing   ``cdc_missing_op``; any other op (``m`` included): ``cdc_unknown_op``
+
+Paths: ``$.a.b`` in ``source.columns`` addresses the envelope (``$.op``, ``$.ts_ms``,
+``$.source.ts_ms``, ``$.source.lsn``, ``$.after.x``); an unmapped column reads the field of
+its name in ``after`` (``$.after.<column>``). A primary key column reads a top-level field
+of ``after``, so that a delete finds the same field in ``before`` and in the key.
+
+Logical types: with the JSON converter's schema block, each field of ``after`` and
+``before`` (and of a wrapped Kafka key) that a column reads is converted by its Connect
+schema name (`LOGICAL`) for the column's type before the column is built; without a schema
+block the values are read as they are (docs/formats.md, "Change data capture").
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime as dt
+import decimal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, cast
+
+import orjson
+
+from sink.decode_plan import ColumnPlan, Fault
+from sink.formats import RecordFormat
+from sink.json_values import is_utf8, loads, show, utf8_error
+
+__all__ = ["LOGICAL", "OPS", "Debezium", "Split", "logical_value"]
+
+#: The ops of a change event: create, snapshot read, update, delete, truncate.
+OPS: Final = frozenset({"c", "r", "u", "d", "t"})
+
+_DAY_MS: Final = 86_400_000
+
+#: The Connect schema names whose values are converted, by what they hold.
+LOGICAL: Final = frozenset(
+    {
+        "io.debezium.time.Date",  # int32 days since the epoch
+        "io.debezium.time.Time",  # int32 ms past midnight
+        "io.debezium.time.MicroTime",  # int64 us past midnight
+        "io.debezium.time.NanoTime",  # int64 ns past midnight
+        "io.debezium.time.Timestamp",  # int64 ms since the epoch, no zone
+        "io.debezium.time.MicroTimestamp",  # int64 us since the epoch, no zone
+        "io.debezium.time.NanoTimestamp",  # int64 ns since the epoch, no zone
+        "io.debezium.time.ZonedTimestamp",  # ISO-8601 text with an offset
+        "org.apache.kafka.connect.data.Date",  # int32 days (Connect's own)
+        "org.apache.kafka.connect.data.Time",  # int32 ms past midnight (Connect's own)
+        "org.apache.kafka.connect.data.Timestamp",  # int64 ms (Connect's own)
+        "org.apache.kafka.connect.data.Decimal",  # base64 two's complement, big-endian
+        "io.debezium.data.VariableScaleDecimal",  # {"scale": n, "value": base64}
+    }
+)
+
+#: Per unit: how many of them make a millisecond (timestamp columns are ms).
+_PER_MS: Final = {
+    "io.debezium.time.Time": 1,
+    "io.debezium.time.MicroTime": 1_000,
+    "io.debezium.time.NanoTime": 1_000_000,
+    "io.debezium.time.Timestamp": 1,
+    "io.debezium.time.MicroTimestamp": 1_000,
+    "io.debezium.time.NanoTimestamp": 1_000_000,
+    "org.apache.kafka.connect.data.Time": 1,
+    "org.apache.kafka.connect.data.Timestamp": 1,
+}
+_TIMES: Final = frozenset(
+    {
+        "io.debezium.time.Time",
+        "io.debezium.time.MicroTime",
+        "io.debezium.time.NanoTime",
+        "org.apache.kafka.connect.data.Time",
+    }
+)
+_DATES: Final = frozenset({"io.debezium.time.Date", "org.apache.kafka.connect.data.Date"})
+_DECIMALS: Final = frozenset(
+    {"org.apache.kafka.connect.data.Decimal", "io.debezium.data.VariableScaleDecimal"}
+)
+_EPOCH: Final = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+#: A field's Connect schema name and parameters.
+Logical = tuple[str, dict[str, Any]]
+
+
+@dataclass(slots=True)
+class Split:
+    """What a batch's change events do, by payload position (ascending in each list).
+
+    Attributes:
+        upserts: positions of the events that upsert their after image.
+        records: their envelopes (logical types of the fields read converted), aligned.
+        deletes: positions of the events that delete a key.
+        keys: the key each deletes, primary key column -> value (converted), aligned.
+        skipped: positions of the truncates skipped (``source.truncate = "skip"``).
+        faults: the dead letters' (reason, detail) by position.
+    """
+
+    upserts: list[int] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    deletes: list[int] = field(default_factory=list)
+    keys: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    faults: dict[int, Fault] = field(default_factory=dict)
+
+
+class Debezium:
+    """Reads change events for one table's columns; stateless, shared by decode threads.
+
+    Args:
+        columns: the decoder's column plans (unmapped columns already read
+            ``("after", name)``).
+        truncate: ``source.truncate``.
+        records: the registry format the events are encoded in, or None for JSON.
+
+    Raises:
+        ValueError: a primary key column that does not read a top-level field of after.
+    """
+
+    def __init__(
+        self,
+        columns: Sequence[ColumnPlan],
+        *,
+        truncate: Literal["skip", "dlq"],
+        records: RecordFormat | None,
+    ) -> None:
+        self._truncate = truncate
+        self._records = records
+        self._after: dict[str, str] = {}
+        for c in columns:
+            if c.kind == "json" and len(c.path) == 2 and c.path[0] == "after":
+                self._after.setdefault(c.path[1], c.type_name)
+        self._key: list[tuple[str, str, str]] = []  # (column, after field, type name)
+        for c in columns:
+            if not c.primary_key:
+                continue
+            if c.kind != "json" or len(c.path) != 2 or c.path[0] != "after":
+                raise ValueError(
+                    f"primary key column {c.name!r} reads {c.where}; with source.envelope = "
+                    "'debezium' it must read a top-level field of after ($.after.<field>)"
+                )
+            self._key.append((c.name, c.path[1], c.type_name))
+
+    def split(self, payloads: Sequence[bytes], key_of: Callable[[int], Any]) -> Split:
+        """Sort the change events `payloads` into upserts, deletes, skips and faults.
+
+        Args:
+            payloads: the values (no tombstones).
+            key_of: the Kafka key of the payload at a position: the raw bytes, or the
+                decoded key record with ``source.key_format``; asked for deletes only.
+
+        Raises:
+            RegistryUnavailable: from a registry format.
+        """
+        out = Split()
+        positions, events, faults = self._events(payloads)
+        out.faults.update(faults)
+        for pos, value in zip(positions, events, strict=True):
+            logical: dict[str, Logical] | None = None
+            event = value
+            if type(value) is dict and "payload" in value and "schema" in value and len(value) == 2:
+                logical = _envelope_logical(value["schema"])
+                event = value["payload"]
+            if type(event) is not dict:
+                what = "JSON null" if event is None else show(event)
+                out.faults[pos] = ("not_an_object", f"value is {what}, not an object")
+                continue
+            op = event.get("op")
+            if op is None:
+                out.faults[pos] = (
+                    "cdc_missing_op",
+                    "value has no op: not a Debezium change event ($.op is null or missing)",
+                )
+            elif op in ("c", "r", "u") and type(op) is str:
+                after = event.get("after")
+                if type(after) is not dict:
+                    out.faults[pos] = (
+                        "cdc_missing_after",
+                        (
+                            f"op {op!r} without an after image ($.after is "
+                            f"{'null or missing' if after is None else show(after)})"
+                        ),
+                    )
+                    continue
+                if logical:
+                    self._convert(after, logical)
+                out.upserts.append(pos)
+                out.records.append(event)
+            elif op == "d" and type(op) is str:
+                key = self._delete_key(event.get("before"), logical, pos, key_of)
+                if isinstance(key, dict):
+                    out.deletes.append(pos)
+                    out.keys.append(key)
+                else:
+                    out.faults[pos] = ("cdc_missing_key", key)
+            elif op == "t" and type(op) is str:
+                if self._truncate == "skip":
+                    out.skipped.append(pos)
+                else:
+                    out.faults[pos] = (
+                        "cdc_truncate",
+                        "truncate event (op 't'): not applied, source.truncate = 'dlq'",
+                    )
+            else:
+                out.faults[pos] = (
+                    "cdc_unknown_op",
+                    f"op is {show(op)}; a change event's op is c, r, u, d or t",
+                )
+        return out
+
+    def _events(self, payloads: Sequence[bytes]) -> tuple[list[int], list[Any], dict[int, Fault]]:
+        """Each payload decoded: the positions that decoded, their values, others' faults."""
+        if self._records is not None:
+            positions, records, record_faults = self._records.records(payloads)
+            return positions, records, {p: cast("Fault", f) for p, f in record_faults.items()}
+        positions = []
+        events: list[Any] = []
+        faults: dict[int, Fault] = {}
+        for pos, payload in enumerate(payloads):
+            try:
+                event = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                event, fault = _load(payload)
+                if fault is not None:
+                    faults[pos] = fault
+                    continue
+            positions.append(pos)
+            events.append(event)
+        return positions, events, faults
+
+    def _convert(self, image: dict[str, Any], logical: dict[str, Logical]) -> None:
+        """Convert the fields of `image` that columns read and that have a logical type."""
+        for name, type_name in self._after.items():
+            if name in logical and name in image:
+                schema_name, params = logical[name]
+                image[name] = logical_value(schema_name, params, image[name], type_name)
+
+    def _delete_key(
+        self,
+        before: Any,
+        logical: dict[str, Logical] | None,
+        pos: int,
+        key_of: Callable[[int], Any],
+    ) -> dict[str, Any] | str:
+        """The key an op d deletes (column -> value), or why there is none."""
+        found = self._key_in(before, logical)
+        if found is not None:
+            return found
+        raw = key_of(pos)
+        key_record: Any = raw
+        key_logical: dict[str, Logical] | None = None
+        if isinstance(raw, bytes):
+            try:
+                key_record = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                key_record, fault = _load(raw)
+                if fault is not None:
+                    key_record = None
+        if (
+            type(key_record) is dict
+            and "payload" in key_record
+            and "schema" in key_record
+            and len(key_record) == 2
+        ):
+            key_logical = _struct_logical(key_record["schema"])
+            key_record = key_record["payload"]
+        found = self._key_in(key_record, key_logical)
+        if found is not None:
+            return found
+        fields = ", ".join(f for _, f, _ in self._key)
+        return (
+            f"op 'd' without its primary key ({fields}): before holds "
+            f"{_holds(before)} and the Kafka key {_holds(key_record, raw is None)}"
+        )
+
+    def _key_in(self, image: Any, logical: dict[str, Logical] | None) -> dict[str, Any] | None:
+        """The primary key in `image` (column -> value), None unless it has every field."""
+        if type(image) is not dict:
+            return None
+        key: dict[str, Any] = {}
+        for column, name, type_name in self._key:
+            value = image.get(name)
+            if value is None:
+                return None
+            if logical and name in logical:
+                value = logical_value(*logical[name], value, type_name)
+            key[column] = value
+        return key
+
+
+def _holds(image: Any, missing: bool = False) -> str:
+    if missing:
+        return "is missing"
+    if image is None:
+        return "null"
+    if type(image) is dict:
+        return "not all of them"
+    return f"{show(image)}, not an object"
+
+
+def _load(payload: bytes) -> tuple[Any, Fault | None]:
+    """A value orjson refused, read by the JSON format's rules (`sink.json_values.loads`:
+    the non-standard number literals, integers beyond 64 bits), or its fault."""
+    if not is_utf8(payload):
+        return None, ("invalid_utf8", "value is not UTF-8" + utf8_error(payload))
+    try:
+        return loads(payload), None
+    except RecursionError:
+        return None, ("invalid_json", "value is not JSON, or nests too deeply to read")
+    except ValueError as exc:
+        return None, ("invalid_json", f"value is not JSON: {exc}")
+
+
+def _struct_logical(schema: Any) -> dict[str, Logical]:
+    """The fields with a logical type (`LOGICAL`) of a Connect struct schema, by name."""
+    out: dict[str, Logical] = {}
+    if type(schema) is not dict or type(schema.get("fields")) is not list:
+        return out
+    for f in schema["fields"]:
+        if type(f) is dict and f.get("name") in LOGICAL and type(f.get("field")) is str:
+            params = f.get("parameters")
+            out[f["field"]] = (f["name"], params if type(params) is dict else {})
+    return out
+
+
+def _envelope_logical(schema: Any) -> dict[str, Logical]:
+    """The logical types of the after image (else before: the same row schema) in the JSON
+    converter's schema of an envelope."""
+    if type(schema) is not dict or type(schema.get("fields")) is not list:
+        return {}
+    rows = {
+        f.get("field"): f
+        for f in schema["fields"]
+        if type(f) is dict and f.get("field") in ("after", "before")
+    }
+    return _struct_logical(rows.get("after") or rows.get("before"))
+
+
+def logical_value(schema_name: str, params: dict[str, Any], raw: Any, type_name: str) -> Any:
+    """A value of a Connect logical type as the column of `type_name` takes it.
+
+    Temporal values go into timestamp columns as epoch milliseconds (floored: a
+    sub-millisecond part before 1970 counts down), a time of day as that time on
+    1970-01-01; into string columns as ISO-8601 text; into integer columns as they are (the
+    source's unit). Decimals become `decimal.Decimal` (float columns take their nearest
+    double, string columns their plain text, integer columns an integral one). A value of
+    another kind than its logical type holds is left as it is (its column says what is
+    wrong with it).
+    """
+    if raw is None:
+        return None
+    if schema_name in _DECIMALS:
+        number = _decimal(schema_name, params, raw)
+        if not isinstance(number, decimal.Decimal):
+            return number
+        if type_name == "string":
+            return format(number, "f")
+        if type_name in ("int32", "int64") and number == number.to_integral_value():
+            return int(number)
+        return number
+    if type(raw) is not int or type_name not in ("timestamp", "string"):
+        return raw  # ZonedTimestamp text; integer columns take the source's unit
+    if schema_name in _DATES:
+        if type_name == "timestamp":
+            return raw * _DAY_MS
+        try:
+            return (dt.date(1970, 1, 1) + dt.timedelta(days=raw)).isoformat()
+        except OverflowError:
+            return raw
+    per_ms = _PER_MS[schema_name]
+    if type_name == "timestamp":
+        return raw // per_ms
+    try:
+        stamp = _EPOCH + dt.timedelta(microseconds=raw * 1000 // per_ms)
+    except OverflowError:
+        return raw
+    if schema_name in _TIMES:
+        return stamp.time().isoformat()
+    return stamp.replace(tzinfo=None).isoformat()
+
+
+def _decimal(schema_name: str, params: dict[str, Any], raw: Any) -> Any:
+    """A Connect Decimal (base64 of the unscaled big-endian two's complement integer,
+    ``parameters.scale``) or a VariableScaleDecimal as a `decimal.Decimal`; anything else
+    (``decimal.handling.mode`` double or string: a number or text) as it is."""
+    if schema_name == "io.debezium.data.VariableScaleDecimal":
+        if type(raw) is not dict:
+            return raw
+        scale, data = raw.get("scale"), raw.get("value")
+    elif schema_name == "org.apache.kafka.connect.data.Decimal":
+        scale, data = params.get("scale", 0), raw
+    else:
+        return raw
+    try:
+        scale = int(cast("Any", scale))
+        if isinstance(data, str):
+            data = base64.b64decode(data, validate=True)
+        if not isinstance(data, bytes | bytearray):
+            return raw
+    except (ValueError, TypeError, binascii.Error):
+        return raw
+    unscaled = int.from_bytes(data, "big", signed=True)
+    return decimal.Decimal(f"{unscaled}e{-scale}")  # exact (scaleb rounds to 28 digits)

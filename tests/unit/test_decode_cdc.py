@@ -1,0 +1,500 @@
+"""Debezium change events (source.envelope = "debezium", sink.cdc) into upserts and deletes:
+every op, both JSON converter shapes (with and without schemas), PostgreSQL's and MySQL's
+events, the logical types with their edge values, and the settings that refuse a table
+change events cannot drive."""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import math
+from typing import Any
+
+import orjson
+import pytest
+
+from config.settings import KeyedError, Settings
+from engine.schema import OP_DELETE, OP_UPSERT
+from sink.cdc import logical_value
+from tests.support import debezium as dbz
+from tests.unit.test_decode import Msg, decode, spec_for
+
+UTC = dt.UTC
+SCHEMA = dbz.envelope_schema()
+PG = dbz.pg_source(lsn=24023128, ts_ms=1_559_033_904_863)
+MYSQL = dbz.mysql_source(pos=154, ts_ms=1_559_033_904_863)
+
+PRODUCTS = [
+    {"name": "id", "type": "int64", "nullable": False},
+    {"name": "name", "type": "string"},
+    {"name": "price", "type": "float64"},
+    {"name": "added", "type": "timestamp"},
+    {"name": "updated", "type": "timestamp"},
+    {"name": "attrs", "type": "string"},
+]
+MAPPING = {"vec": "$.after.embedding"}
+
+
+def row(id_: int, name: str = "widget", price: str = "12.50", **extra: Any) -> dict[str, Any]:
+    """A products row as Debezium writes it."""
+    out: dict[str, Any] = {
+        "id": id_,
+        "name": name,
+        "price": dbz.decimal_b64(price, 2),
+        "added": dbz.days(dt.date(2024, 2, 29)),
+        "updated": dbz.micros(dt.datetime(2024, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)),
+        "attrs": '{"color": "red"}',
+        "embedding": [0.5, -1.0, 2.0],
+    }
+    out.update(extra)
+    return out
+
+
+def cdc(
+    messages: list[Msg],
+    columns: list[dict[str, Any]] | None = None,
+    mapping: dict[str, str] | None = None,
+    primary_key: list[str] | None = None,
+    **source: Any,
+) -> tuple[Any, list[dict[str, Any]]]:
+    extra = {} if primary_key is None else {"primary_key": primary_key}
+    spec = spec_for(columns or PRODUCTS, mode="upsert", dim=3, **extra)
+    return decode(
+        spec,
+        messages,
+        envelope="debezium",
+        columns=MAPPING if mapping is None else mapping,
+        **source,
+    )
+
+
+def event(op: str | None, before: Any, after: Any, source: dict[str, Any] = PG) -> dict:
+    return dbz.envelope(op, before, after, source)
+
+
+@pytest.mark.parametrize("schemas", [True, False])
+@pytest.mark.parametrize("op", ["c", "r", "u"])
+def test_create_read_and_update_upsert_the_after_image(op: str, schemas: bool) -> None:
+    schema = SCHEMA if schemas else None
+    before = {"id": 7} if op == "u" else None
+    image = row(7, price="-3.07")
+    if not schemas:  # decimal.handling.mode = double: the number itself
+        image["price"] = -3.07
+        del image["added"], image["updated"]
+    value = dbz.value(event(op, before, image), schema)
+    out, rows = cdc([Msg(value, 10, dbz.key(7, schemas))], mapping={"vec": "$.after.embedding"})
+    assert out.dead_letters == []
+    (got,) = rows
+    assert (got["id"], got["name"], got["_op"]) == (7, "widget", OP_UPSERT)
+    assert got["vec"] == [0.5, -1.0, 2.0]
+    assert got["attrs"] == '{"color": "red"}'
+    assert got["price"] == -3.07
+    if schemas:  # the schema block says how to read the date and the timestamp
+        assert got["added"] == dt.datetime(2024, 2, 29, tzinfo=UTC)
+        assert got["updated"] == dt.datetime(2024, 3, 1, 12, 0, 0, 123000, tzinfo=UTC)
+
+
+def test_without_schemas_logical_values_are_read_as_they_are() -> None:
+    # No schema block: the sink cannot tell a Date from an integer, nor decode a Decimal.
+    value = dbz.value(event("c", None, row(1)))
+    columns = [
+        {"name": "id", "type": "int64", "nullable": False},
+        {"name": "added", "type": "int64"},
+        {"name": "price", "type": "string"},
+    ]
+    out, rows = cdc([Msg(value, 0)], columns=columns)
+    assert out.dead_letters == []
+    assert rows[0]["added"] == dbz.days(dt.date(2024, 2, 29))
+    assert rows[0]["price"] == dbz.decimal_b64("12.50", 2)
+    out, _ = cdc([Msg(value, 0)])
+    assert [d.reason for d in out.dead_letters] == ["wrong_type"]
+    assert "'price' ($.after.price)" in out.dead_letters[0].detail
+
+
+def test_snapshot_insert_update_delete_tombstone_in_offset_order() -> None:
+    messages = [
+        Msg(dbz.value(event("r", None, row(1), dbz.pg_source(1, 1, snapshot="true")), SCHEMA), 0),
+        Msg(dbz.value(event("c", None, row(2)), SCHEMA), 1, dbz.key(2)),
+        Msg(dbz.value(event("u", {"id": 1}, row(1, name="renamed")), SCHEMA), 2, dbz.key(1)),
+        # PostgreSQL's default replica identity: before holds the key columns only.
+        Msg(dbz.value(event("d", {"id": 2}, None), SCHEMA), 3, dbz.key(2)),
+        Msg(None, 4, dbz.key(2)),  # Debezium's tombstone after the delete: a no-op
+    ]
+    out, rows = cdc(messages, mapping={"vec": "$.after.embedding", "name": "$.after.name"})
+    assert out.dead_letters == []
+    assert out.skipped_offsets == [4]
+    assert [(r["_offset"], r["id"], r["_op"]) for r in rows] == [
+        (0, 1, OP_UPSERT),
+        (1, 2, OP_UPSERT),
+        (2, 1, OP_UPSERT),
+        (3, 2, OP_DELETE),
+    ]
+    assert rows[2]["name"] == "renamed"
+    assert (rows[3]["name"], rows[3]["vec"]) == (None, None)
+
+
+def test_mysql_events_carry_the_whole_row_in_before() -> None:
+    old, new = row(5, name="old"), row(5, name="new")
+    messages = [
+        Msg(dbz.value(event("u", old, new, MYSQL), SCHEMA), 0, dbz.key(5)),
+        Msg(dbz.value(event("d", new, None, MYSQL), SCHEMA), 1, dbz.key(5)),
+    ]
+    mapping = {"vec": "$.after.embedding", "binlog_pos": "$.source.pos"}
+    columns = [*PRODUCTS, {"name": "binlog_pos", "type": "int64"}]
+    out, rows = cdc(messages, columns=columns, mapping=mapping)
+    assert out.dead_letters == []
+    assert [(r["id"], r["_op"], r["name"], r["binlog_pos"]) for r in rows] == [
+        (5, OP_UPSERT, "new", 154),
+        (5, OP_DELETE, None, None),
+    ]
+
+
+@pytest.mark.parametrize("schemas", [True, False])
+def test_a_delete_without_before_takes_the_kafka_key(schemas: bool) -> None:
+    # REPLICA IDENTITY NOTHING (or a before without the key): the key is in the Kafka key.
+    value = dbz.value(event("d", None, None), SCHEMA)
+    out, rows = cdc([Msg(value, 3, dbz.key(42, schemas))])
+    assert out.dead_letters == []
+    assert [(r["id"], r["_op"]) for r in rows] == [(42, OP_DELETE)]
+
+
+@pytest.mark.parametrize(
+    ("before", "key", "says"),
+    [
+        (None, None, "the Kafka key is missing"),
+        ({"name": "x"}, b'{"other": 1}', "before holds not all of them"),
+        (None, b"not json", "the Kafka key null"),
+        (None, b"[1, 2]", "the Kafka key [1, 2], not an object"),
+    ],
+)
+def test_a_delete_without_a_key_is_a_dead_letter(before: Any, key: bytes | None, says: str) -> None:
+    out, rows = cdc([Msg(dbz.value(event("d", before, None), SCHEMA), 3, key)])
+    assert rows == []
+    (dead,) = out.dead_letters
+    assert dead.reason == "cdc_missing_key"
+    assert "primary key (id)" in dead.detail
+    assert says in dead.detail
+
+
+def test_a_delete_key_of_the_wrong_type_is_a_dead_letter() -> None:
+    out, rows = cdc([Msg(dbz.value(event("d", {"id": "seven"}, None)), 3)])
+    assert rows == []
+    assert [d.reason for d in out.dead_letters] == ["wrong_type"]
+    assert "primary key 'id'" in out.dead_letters[0].detail
+
+
+def test_composite_keys_delete_with_every_key_column() -> None:
+    columns = [
+        {"name": "tenant", "type": "string", "nullable": False},
+        {"name": "id", "type": "int64", "nullable": False},
+        {"name": "name", "type": "string"},
+    ]
+    messages = [
+        Msg(dbz.value(event("c", None, {"tenant": "t1", "id": 1, "vec": [1, 2, 3]})), 0),
+        Msg(dbz.value(event("d", {"tenant": "t1", "id": 1}, None)), 1),
+        Msg(dbz.value(event("d", {"tenant": "t1"}, None)), 2, b'{"id": 1}'),
+    ]
+    out, rows = cdc(messages, columns=columns, mapping={}, primary_key=["tenant", "id"])
+    assert [(r["tenant"], r["id"], r["_op"]) for r in rows] == [
+        ("t1", 1, OP_UPSERT),
+        ("t1", 1, OP_DELETE),
+    ]
+    assert [(d.offset, d.reason) for d in out.dead_letters] == [(2, "cdc_missing_key")]
+
+
+def test_truncate_is_skipped_by_default_and_a_dead_letter_with_dlq(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    value = dbz.value(event("t", None, None), SCHEMA)
+    out, rows = cdc([Msg(value, 9)])
+    assert (rows, out.dead_letters, out.skipped_offsets) == ([], [], [9])
+    assert "cdc_truncate_skipped" in capsys.readouterr().out
+    out, rows = cdc([Msg(value, 9)], truncate="dlq")
+    assert [d.reason for d in out.dead_letters] == ["cdc_truncate"]
+    assert out.skipped_offsets == []
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        (dbz.value(event(None, None, row(1)), SCHEMA), "cdc_missing_op"),
+        (dbz.value(event(None, None, row(1))), "cdc_missing_op"),
+        (dbz.value(event("m", None, None)), "cdc_unknown_op"),
+        (dbz.value(event("x", None, row(1))), "cdc_unknown_op"),
+        (dbz.value({**event("c", None, row(1)), "op": 1}), "cdc_unknown_op"),
+        (dbz.value(event("c", None, None), SCHEMA), "cdc_missing_after"),
+        (dbz.value(event("u", {"id": 1}, None)), "cdc_missing_after"),
+        (dbz.value(event("c", None, [1])), "cdc_missing_after"),
+        (b'{"schema": null, "payload": null}', "not_an_object"),
+        (b"[1]", "not_an_object"),
+        (b"null", "not_an_object"),
+        (b"{", "invalid_json"),
+        (b'{"op": "c", "after": {"id": 1}, "x": 01}', "invalid_json"),
+        (b'{"op": "c", "after": {"id": "\xff"}}', "invalid_utf8"),
+        (dbz.value(event("c", None, {"name": "no key"})), "missing_primary_key"),
+        (dbz.value(event("c", None, row(1, embedding=[1.0, 2.0]))), "wrong_vector_dimension"),
+        (dbz.value(event("c", None, row(1, embedding=None))), "missing_required"),
+    ],
+)
+def test_what_is_not_a_change_event_is_a_dead_letter(value: bytes, reason: str) -> None:
+    out, rows = cdc([Msg(value, 0)], columns=PRODUCTS[:2], mapping=MAPPING)
+    assert rows == []
+    assert [d.reason for d in out.dead_letters] == [reason], out.dead_letters
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"1e39"])
+def test_nan_or_infinity_in_a_vector_is_a_dead_letter(literal: bytes) -> None:
+    text = dbz.value(event("c", None, row(1, embedding=[1.0, 2.0, 3.0])))
+    value = text.replace(b"[1.0,2.0,3.0]", b"[1.0," + literal + b",3.0]")
+    assert value != text
+    out, rows = cdc([Msg(value, 0)], columns=PRODUCTS[:2])
+    assert rows == []
+    assert [d.reason for d in out.dead_letters] == ["nan_in_vector"]
+    out, rows = cdc([Msg(value, 0)], columns=PRODUCTS[:2], mapping=MAPPING)
+    assert [d.reason for d in out.dead_letters] == ["nan_in_vector"]
+
+
+def test_metadata_paths_address_the_envelope() -> None:
+    columns = [
+        {"name": "id", "type": "int64", "nullable": False},
+        {"name": "op", "type": "string"},
+        {"name": "changed_at", "type": "timestamp"},
+        {"name": "lsn", "type": "int64"},
+        {"name": "source_table", "type": "string"},
+        {"name": "emitted", "type": "int64"},
+        {"name": "title", "type": "string"},
+    ]
+    mapping = {
+        "vec": "$.after.embedding",
+        "op": "$.op",
+        "changed_at": "$.source.ts_ms",
+        "lsn": "$.source.lsn",
+        "source_table": "$.source.table",
+        "emitted": "$.ts_ms",
+        "title": "$.after.name",
+    }
+    for schema in (SCHEMA, None):
+        value = dbz.value(event("u", None, row(3, name="lamp")), schema)
+        out, rows = cdc([Msg(value, 0)], columns=columns, mapping=mapping)
+        assert out.dead_letters == []
+        got = rows[0]
+        assert (got["op"], got["lsn"], got["source_table"], got["title"]) == (
+            "u",
+            24023128,
+            "products",
+            "lamp",
+        )
+        assert got["changed_at"] == dt.datetime(2019, 5, 28, 8, 58, 24, 863000, tzinfo=UTC)
+        assert got["emitted"] == 1_700_000_000_000
+
+
+def _one(logical: str, raw: Any, type_name: str, params: dict[str, str] | None = None) -> Any:
+    """`raw` of Connect schema name `logical` through a whole decode into a column
+    (``time.X``/``data.X`` are Debezium's ``io.debezium.*``, ``connect.X`` Connect's)."""
+    if logical.startswith("connect."):
+        logical = "org.apache.kafka.connect.data." + logical.removeprefix("connect.")
+    elif not logical.startswith("org."):
+        logical = "io.debezium." + logical
+    fields = [
+        ("id", "int32", None, None),
+        ("v", "int64" if not isinstance(raw, str) else "string", logical, params),
+        ("embedding", "array", "io.debezium.data.DoubleVector", None),
+    ]
+    schema = dbz.envelope_schema(fields)
+    value = dbz.value(event("c", None, {"id": 1, "v": raw, "embedding": [1, 2, 3]}), schema)
+    columns = [
+        {"name": "id", "type": "int64", "nullable": False},
+        {"name": "v", "type": type_name},
+    ]
+    out, rows = cdc([Msg(value, 0)], columns=columns)
+    assert out.dead_letters == [], out.dead_letters
+    return rows[0]["v"]
+
+
+def _ms(n: int) -> dt.timedelta:
+    return dt.timedelta(milliseconds=n)
+
+
+def _ts(*args: int) -> dt.datetime:
+    return dt.datetime(*args, tzinfo=UTC)  # type: ignore[misc]
+
+
+LAST_MS_OF_1969 = dt.datetime(1969, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)
+NOON_123 = dt.datetime(2024, 3, 1, 12, 0, 0, 123000, tzinfo=UTC)
+UUID = "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"
+
+
+@pytest.mark.parametrize(
+    ("logical", "raw", "type_name", "expected"),
+    [
+        ("time.Date", 0, "timestamp", _ts(1970, 1, 1)),
+        ("time.Date", -25567, "timestamp", _ts(1900, 1, 1)),
+        ("time.Date", -1, "string", "1969-12-31"),
+        ("time.Date", 19782, "int32", 19782),
+        ("connect.Date", 19782, "timestamp", _ts(2024, 2, 29)),
+        ("time.Time", 3_723_004, "timestamp", _ts(1970, 1, 1, 1, 2, 3) + _ms(4)),
+        ("time.MicroTime", 86_399_999_999, "string", "23:59:59.999999"),
+        ("time.NanoTime", 1_500_000, "timestamp", _ts(1970, 1, 1) + _ms(1)),
+        ("time.MicroTime", 5, "int64", 5),
+        ("time.Timestamp", -1, "timestamp", LAST_MS_OF_1969),
+        ("time.MicroTimestamp", -1, "timestamp", LAST_MS_OF_1969),
+        ("time.MicroTimestamp", 1_001_999, "timestamp", _ts(1970, 1, 1, 0, 0, 1, 1000)),
+        ("time.NanoTimestamp", 1_709_294_400_123_456_789, "timestamp", NOON_123),
+        ("time.MicroTimestamp", -2_208_988_800_000_000, "string", "1900-01-01T00:00:00"),
+        ("time.ZonedTimestamp", "2024-03-01T12:00:00.123456789Z", "timestamp", NOON_123),
+        ("time.ZonedTimestamp", "2024-03-01T14:00:00+02:00", "timestamp", _ts(2024, 3, 1, 12)),
+        ("time.ZonedTimestamp", "1969-12-31T23:59:59.9995-00:00", "timestamp", LAST_MS_OF_1969),
+        ("time.ZonedTimestamp", "2024-03-01T14:00:00+02:00", "string", "2024-03-01T14:00:00+02:00"),
+        ("data.Json", '{"a": [1, 2]}', "string", '{"a": [1, 2]}'),
+        ("data.Uuid", UUID, "string", UUID),
+        ("data.Enum", "shipped", "string", "shipped"),
+    ],
+)  # fmt: skip
+def test_temporal_and_text_logical_types(
+    logical: str, raw: Any, type_name: str, expected: Any
+) -> None:
+    assert _one(logical, raw, type_name) == expected
+
+
+@pytest.mark.parametrize(
+    ("number", "scale", "type_name", "expected"),
+    [
+        ("-12.50", 2, "float64", -12.5),
+        ("-12.50", 2, "string", "-12.50"),
+        ("0.01", 2, "string", "0.01"),
+        ("-0.01", 2, "float64", -0.01),
+        ("-128", 0, "int64", -128),
+        ("255", 0, "int32", 255),
+        ("123456789012345678901234567890", 0, "string", "123456789012345678901234567890"),
+        ("-0.0000000001", 10, "string", "-0.0000000001"),
+        ("12345678901234567890.1234567890", 10, "string", "12345678901234567890.1234567890"),
+        ("3.1415926535", 10, "float64", 3.1415926535),
+    ],
+)
+def test_decimals(number: str, scale: int, type_name: str, expected: Any) -> None:
+    params = {"scale": str(scale), "connect.decimal.precision": "38"}
+    raw = dbz.decimal_b64(number, scale)
+    got = _one("org.apache.kafka.connect.data.Decimal", raw, type_name, params)
+    assert got == expected
+    assert type(got) is type(expected)
+
+
+def test_decimal_handling_modes_and_variable_scale() -> None:
+    # decimal.handling.mode = double / string: plain numbers and text, no schema name.
+    value = dbz.value(event("c", None, {"id": 1, "price": -0.5, "embedding": [1, 2, 3]}))
+    _, rows = cdc([Msg(value, 0)], columns=PRODUCTS[:3])
+    assert rows[0]["price"] == -0.5
+    # VariableScaleDecimal (PostgreSQL numeric without a scale).
+    raw = {"scale": 3, "value": dbz.decimal_b64("-1.234", 3)}
+    assert logical_value("io.debezium.data.VariableScaleDecimal", {}, raw, "string") == "-1.234"
+    assert logical_value("io.debezium.data.VariableScaleDecimal", {}, raw, "float64") == (
+        decimal.Decimal("-1.234")
+    )
+    # Not base64, or not what the logical type holds: left for the column to refuse.
+    bad = "not base64!"
+    assert (
+        logical_value("org.apache.kafka.connect.data.Decimal", {"scale": "2"}, bad, "float64")
+        == bad
+    )
+    assert logical_value("io.debezium.time.Date", {}, True, "timestamp") is True
+
+
+def test_a_date_beyond_the_timestamp_range_is_wrong_type() -> None:
+    fields = [("id", "int32", None, None), ("v", "int32", "io.debezium.time.Date", None)]
+    value = dbz.value(
+        event("c", None, {"id": 1, "v": 2**31 - 1, "embedding": [1, 2, 3]}),
+        dbz.envelope_schema([*fields, ("embedding", "array", None, None)]),
+    )
+    columns = [
+        {"name": "id", "type": "int64", "nullable": False},
+        {"name": "v", "type": "timestamp"},
+    ]
+    out, rows = cdc([Msg(value, 0)], columns=columns)
+    assert rows == []
+    assert [d.reason for d in out.dead_letters] == ["wrong_type"]
+    assert "outside the timestamp range" in out.dead_letters[0].detail
+
+
+def test_logical_key_values_in_before_are_converted() -> None:
+    # A date primary key kept as text: before's Date deletes the row its after upserted.
+    fields = [("day", "int32", "io.debezium.time.Date", None), ("embedding", "array", None, None)]
+    schema = dbz.envelope_schema(fields)
+    day = dbz.days(dt.date(1969, 7, 20))
+    messages = [
+        Msg(dbz.value(event("c", None, {"day": day, "embedding": [1, 2, 3]}), schema), 0),
+        Msg(dbz.value(event("d", {"day": day}, None), schema), 1),
+    ]
+    columns = [{"name": "day", "type": "string", "nullable": False}]
+    out, rows = cdc(messages, columns=columns, primary_key=["day"])
+    assert out.dead_letters == []
+    assert [r["day"] for r in rows] == ["1969-07-20"] * 2
+    assert [r["_op"] for r in rows] == [OP_UPSERT, OP_DELETE]
+
+
+def test_vectors_from_pgvector_arrays() -> None:
+    vec = [1e-7, -3.5, 2.0]
+    value = dbz.value(event("c", None, row(1, embedding=vec)), SCHEMA)
+    _, rows = cdc([Msg(value, 0)], columns=PRODUCTS[:1])
+    assert rows[0]["vec"] == [pytest.approx(v, rel=1e-6) for v in vec]
+    assert not any(math.isnan(v) for v in rows[0]["vec"])
+
+
+def _settings(**over: Any) -> dict[str, Any]:
+    raw: dict[str, Any] = {
+        "kafka": {"bootstrap_servers": "localhost:9092", "topics": ["dbserver1.public.products"]},
+        "source": {"envelope": "debezium", "columns": {"vec": "$.after.embedding"}},
+        "table": {
+            "uri": "/tmp/unused",
+            "mode": "upsert",
+            "primary_key": ["id"],
+            "columns": [{"name": "id", "type": "int64", "nullable": False}],
+            "vector": {"column": "vec", "dim": 3},
+        },
+    }
+    for key, value in over.items():
+        section, name = key.split("__")
+        raw[section][name] = value
+    return raw
+
+
+APPEND = {"table__mode": "append", "table__primary_key": None, "table__source_columns": True}
+
+
+def test_settings_take_a_debezium_upsert_table() -> None:
+    settings = Settings.model_validate(_settings())
+    assert (settings.source.envelope, settings.source.truncate) == ("debezium", "skip")
+
+
+@pytest.mark.parametrize(
+    ("over", "key", "says"),
+    [
+        (APPEND, "table.mode", "upsert table"),
+        ({"source__columns": {"id": "$.source.lsn"}}, "source.columns.id", "a field of the row"),
+        ({"source__columns": {"id": "@key"}}, "source.columns.id", "a field of the row"),
+        ({"source__format": "raw", "source__columns": {"id": "@value"}}, "source.envelope", "raw"),
+    ],
+)  # fmt: skip
+def test_settings_refuse_what_change_events_cannot_drive(
+    over: dict[str, Any], key: str, says: str
+) -> None:
+    with pytest.raises(Exception) as caught:  # noqa: PT011 - pydantic wraps KeyedError
+        Settings.model_validate(_settings(**over))
+    error = caught.value
+    cause = error if isinstance(error, KeyedError) else _keyed(error)
+    assert cause is not None, error
+    assert says in str(cause)
+    assert key.endswith(cause.key), (key, cause.key)
+
+
+def _keyed(error: BaseException) -> KeyedError | None:
+    for item in getattr(error, "errors", list)():
+        ctx = item.get("ctx") or {}
+        if isinstance(ctx.get("error"), KeyedError):
+            return ctx["error"]
+    return None
+
+
+def test_the_kafka_key_alone_is_enough_for_mysql_deletes_with_schemas_off() -> None:
+    value = orjson.dumps({"op": "d", "before": None, "after": None, "source": MYSQL})
+    _, rows = cdc([Msg(value, 0, b'{"id": 9}')])
+    assert [(r["id"], r["_op"]) for r in rows] == [(9, OP_DELETE)]
