@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import decimal
+import json
 from typing import Any
 
 import orjson
@@ -147,9 +148,11 @@ def envelope(
 
 def value(event: dict[str, Any], schema: dict[str, Any] | None = None) -> bytes:
     """The event as the JSON converter writes it (`schema` given: schemas.enable=true)."""
-    if schema is None:
-        return orjson.dumps(event)
-    return orjson.dumps({"schema": schema, "payload": event})
+    whole = event if schema is None else {"schema": schema, "payload": event}
+    try:
+        return orjson.dumps(whole)
+    except TypeError:  # an integer beyond 64 bits (fuzzing): Python's json writes it
+        return json.dumps(whole, separators=(",", ":")).encode()
 
 
 def key(id_: Any, schemas: bool = True) -> bytes:

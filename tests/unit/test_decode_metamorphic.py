@@ -45,6 +45,7 @@ from sink.decode import Decoded, Decoder
 from sink.decode_process import ProcessDecoder
 from sink.demo import Embedder, review
 from sink.formats.registry import build_client
+from tests.support import debezium as dbz
 from tests.support.registry import FakeRegistry
 from tests.unit.test_decode import Msg
 from tests.unit.test_decode_vector_json import (
@@ -642,3 +643,147 @@ def test_unknown_schema_guids_are_each_their_own(fmt: str) -> None:
     assert ("02" * 12) in out.dead_letters[0].detail
     assert ("07" * 12) in out.dead_letters[1].detail
     check_fates([decoder.decode], values, REGISTRY_BAD, [], [0])
+
+
+# -- Debezium change events (source.envelope = "debezium") ---------------------------
+
+CDC_COLUMNS = [
+    {"name": "id", "type": "int64", "nullable": False},
+    {"name": "name", "type": "string"},
+    {"name": "price", "type": "float64"},
+    {"name": "price_text", "type": "string"},
+    {"name": "added", "type": "timestamp"},
+    {"name": "lsn", "type": "int64"},
+    {"name": "op", "type": "string"},
+]
+CDC_SOURCE = SourceSettings(
+    envelope="debezium",
+    columns={"price_text": "$.after.label", "lsn": "$.source.lsn", "op": "$.op"},
+)
+CDC_FIELDS = [
+    ("id", "int32", None, None),
+    ("name", "string", None, None),
+    ("price", "bytes", "org.apache.kafka.connect.data.Decimal", {"scale": "3"}),
+    ("label", "bytes", "org.apache.kafka.connect.data.Decimal", {"scale": "0"}),
+    ("added", "int32", "io.debezium.time.Date", None),
+    ("vec", "array", "io.debezium.data.FloatVector", None),
+]
+CDC_SCHEMA = dbz.envelope_schema(CDC_FIELDS)
+
+
+def cdc_table() -> TableSpec:
+    raw: dict[str, Any] = {
+        "uri": "/tmp/unused",
+        "columns": CDC_COLUMNS,
+        "mode": "upsert",
+        "primary_key": ["id"],
+        "vector": {"column": "vec", "dim": DIM},
+    }
+    return TableSpec.from_settings(TableSettings.model_validate(raw))
+
+
+_NUMBERS = st.one_of(
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=False, allow_infinity=False, width=32),
+    st.sampled_from([0, -0.0, 1e39, 2**63, -(2**63) - 1]),
+)
+
+
+@st.composite
+def cdc_image(draw: st.DrawFn) -> dict[str, Any]:
+    """A row image in Debezium's representation, sometimes with fields of the wrong kind."""
+    decimal_text = st.decimals(allow_nan=False, allow_infinity=False, places=3).map(str)
+    image: dict[str, Any] = {
+        "id": draw(
+            st.one_of(
+                st.integers(-5, 5), st.integers(0, 3), st.sampled_from([None, "7", 2**64, 1.5])
+            )
+        ),
+        "name": draw(st.one_of(st.text(max_size=5), st.none(), st.integers(0, 3))),
+        "price": draw(
+            st.one_of(
+                decimal_text.map(lambda d: dbz.decimal_b64(d, 3)),
+                _NUMBERS,
+                st.sampled_from(["not base64", None, "AA=="]),
+            )
+        ),
+        "label": draw(
+            st.one_of(
+                st.integers(-(2**70), 2**70).map(lambda n: dbz.decimal_b64(str(n), 0)), st.none()
+            )
+        ),
+        "added": draw(
+            st.one_of(st.integers(-(10**6), 10**6), st.integers(-(2**31), 2**31 - 1), st.just("x"))
+        ),
+        "vec": draw(
+            st.one_of(
+                st.lists(_NUMBERS, min_size=DIM, max_size=DIM),
+                st.lists(st.floats(-10, 10, width=32), min_size=DIM, max_size=DIM),
+                st.lists(st.floats(width=32), min_size=DIM - 1, max_size=DIM + 1),
+                st.none(),
+            )
+        ),
+    }
+    drop = draw(st.lists(st.sampled_from(sorted(image)), max_size=1))
+    return {k: v for k, v in image.items() if k not in drop}
+
+
+@st.composite
+def cdc_message(draw: st.DrawFn) -> tuple[bytes | None, bytes | None]:
+    """A change event (any op, either converter shape, PostgreSQL or MySQL, maybe broken)
+    or Debezium's tombstone, with a Kafka key of Debezium's shapes or none or garbage."""
+    op = draw(st.sampled_from(["c", "r", "u", "u", "d", "d", "t", None, "x", 1]))
+    after = draw(st.one_of(cdc_image(), cdc_image(), st.none())) if op != "d" else None
+    before = draw(
+        st.one_of(st.none(), cdc_image(), st.builds(lambda i: {"id": i}, st.integers(-5, 5)))
+    )
+    source = draw(
+        st.sampled_from([dbz.pg_source(123456, 1_700_000_000_000), dbz.mysql_source(154, 1)])
+    )
+    schema = draw(st.sampled_from([CDC_SCHEMA, None]))
+    key_id = draw(st.one_of(st.integers(-5, 5), st.just("k")))
+    key = draw(
+        st.sampled_from(
+            [dbz.key(key_id), dbz.key(key_id, schemas=False), None, b"\xff", b"[1]", b"{}"]
+        )
+    )
+    if draw(st.integers(0, 9)) == 0:
+        return None, key
+    value = dbz.value(dbz.envelope(op, before, after, source), schema)  # type: ignore[arg-type]
+    return draw(st.one_of(st.just(value), mutated(value))), key
+
+
+CDC_BAD: list[bytes | None] = [
+    b"{not json",
+    b"null",
+    b'{"op": "c", "after": {"id": "x"}}',
+    b'{"op": "c", "after": {"id": 1, "price": "zz", "vec": [1, 2, 3, 4]}}',
+    b'{"op": "d", "before": null}',
+    b'{"op": "q"}',
+    None,
+]
+
+
+@pytest.fixture(scope="module")
+def cdc_process() -> Iterator[ProcessDecoder]:
+    decoder = ProcessDecoder(cdc_table(), CDC_SOURCE, schema_check="off", workers=2)
+    yield decoder
+    decoder.close()
+
+
+@fuzz_settings(20)
+@given(
+    st.lists(cdc_message(), min_size=1, max_size=14),
+    st.lists(st.integers(0, 200), max_size=4),
+    st.lists(st.integers(0, 200), max_size=4),
+)
+def test_debezium_change_events(
+    cdc_process: ProcessDecoder,
+    pairs: list[tuple[bytes | None, bytes | None]],
+    cuts: list[int],
+    bad_at: list[int],
+) -> None:
+    decoders: list[Decode] = [Decoder(cdc_table(), CDC_SOURCE).decode, cdc_process.decode]
+    values = [v for v, _ in pairs]
+    keys = [k for _, k in pairs]
+    check_fates(decoders, values, CDC_BAD, cuts, bad_at, keys)
