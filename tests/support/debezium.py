@@ -182,3 +182,84 @@ def days(date: dt.date) -> int:
 
 def micros(stamp: dt.datetime) -> int:
     return (stamp - EPOCH) // dt.timedelta(microseconds=1)
+
+
+def product_image(id_: int, version: int, dim: int) -> dict[str, Any]:
+    """Row `id_` of the products table at its `version`-th change, in Debezium's form."""
+    return {
+        "id": id_,
+        "name": f"product {id_} v{version}",
+        "price": decimal_b64(f"{(id_ * 7919 + version) % 100000 - 50000}.{version % 100:02d}", 2),
+        "added": days(dt.date(1965, 1, 1)) + id_,
+        "updated": micros(dt.datetime(2024, 1, 1, tzinfo=dt.UTC)) + version * 1_000_001,
+        "attrs": json.dumps({"v": version}),
+        "embedding": [
+            round(((id_ + 1) * (k + 1) * (version + 1)) % 97 / 97.0, 4) for k in range(dim)
+        ],
+    }
+
+
+def history(
+    changes: int,
+    keys: int,
+    dim: int,
+    *,
+    seed: int = 7,
+    schemas: bool = True,
+    updates: float = 0.7,
+    deletes: float = 0.1,
+) -> tuple[list[tuple[bytes, bytes | None]], dict[int, dict[str, Any]]]:
+    """A PostgreSQL products table's change history as Debezium writes it: a snapshot of
+    half the keys (op r), then `changes` random changes (`updates` of them updates of a
+    live row, `deletes` deletes, each followed by its tombstone, the rest inserts of a
+    missing key, or updates when every key is live), keyed like Debezium (the Kafka key
+    holds the id). Returns the (key, value) messages and the final table, id -> after image.
+    """
+    import random  # noqa: PLC0415 - tests and benches only
+
+    rng = random.Random(seed)
+    schema = envelope_schema() if schemas else None
+    table: dict[int, dict[str, Any]] = {}
+    version: dict[int, int] = {}
+    out: list[tuple[bytes, bytes | None]] = []
+    lsn = 1000
+
+    def emit(
+        op: str, id_: int, before: dict[str, Any] | None, after: dict[str, Any] | None
+    ) -> None:
+        nonlocal lsn
+        lsn += 8
+        source = pg_source(lsn, 1_700_000_000_000 + lsn, snapshot="true" if op == "r" else "false")
+        out.append((key(id_, schemas), value(envelope(op, before, after, source), schema)))
+
+    for id_ in range(0, keys, 2):
+        version[id_] = 0
+        table[id_] = product_image(id_, 0, dim)
+        emit("r", id_, None, table[id_])
+    for _ in range(changes):
+        roll = rng.random()
+        live = sorted(table)
+        missing = [k for k in range(keys) if k not in table]
+        if live and (roll < updates or not missing):
+            id_ = rng.choice(live)
+            version[id_] += 1
+            image = product_image(id_, version[id_], dim)
+            emit("u", id_, {"id": id_}, image)
+            table[id_] = image
+        elif live and roll < updates + deletes:
+            id_ = rng.choice(live)
+            emit("d", id_, {"id": id_}, None)  # default replica identity: the key only
+            out.append((key(id_, schemas), None))  # Debezium's tombstone
+            del table[id_]
+        else:
+            id_ = rng.choice(missing)
+            version[id_] = version.get(id_, 0) + 1
+            table[id_] = product_image(id_, version[id_], dim)
+            emit("c", id_, None, table[id_])
+    return out, table
+
+
+def key_id(raw: bytes) -> Any:
+    """The id in a products key (`key`), either shape."""
+    record = orjson.loads(raw)
+    return record["payload"]["id"] if "payload" in record else record["id"]

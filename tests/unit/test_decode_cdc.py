@@ -8,14 +8,17 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import math
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
+from config.loader import load_settings
 from config.settings import KeyedError, Settings
-from engine.schema import OP_DELETE, OP_UPSERT
+from engine.schema import OP_DELETE, OP_UPSERT, TableSpec
 from sink.cdc import logical_value
+from sink.decode import Decoder
 from tests.support import debezium as dbz
 from tests.unit.test_decode import Msg, decode, spec_for
 
@@ -498,3 +501,49 @@ def test_the_kafka_key_alone_is_enough_for_mysql_deletes_with_schemas_off() -> N
     value = orjson.dumps({"op": "d", "before": None, "after": None, "source": MYSQL})
     _, rows = cdc([Msg(value, 0, b'{"id": 9}')])
     assert [(r["id"], r["_op"]) for r in rows] == [(9, OP_DELETE)]
+
+
+def test_the_postgres_example_mirrors_a_products_table() -> None:
+    settings = load_settings(
+        Path(__file__).resolve().parents[2] / "config/examples/postgres-cdc.toml"
+    )
+    spec = TableSpec.from_settings(settings.table)
+    fields = [
+        ("id", "int32", None, None),
+        ("name", "string", None, None),
+        ("price", "bytes", "org.apache.kafka.connect.data.Decimal", {"scale": "2"}),
+        ("status", "string", "io.debezium.data.Enum", {"allowed": "draft,active"}),
+        ("added", "int32", "io.debezium.time.Date", None),
+        ("updated", "int64", "io.debezium.time.MicroTimestamp", None),
+        ("embedding", "array", "io.debezium.data.DoubleVector", None),
+    ]
+    image = {
+        "id": 1,
+        "name": "lamp",
+        "price": dbz.decimal_b64("19.99", 2),
+        "status": "active",
+        "added": dbz.days(dt.date(1999, 12, 31)),
+        "updated": dbz.micros(dt.datetime(2024, 5, 1, 8, 30, tzinfo=UTC)),
+        "embedding": [0.25] * 384,
+    }
+    schema = dbz.envelope_schema(fields)
+    messages = [
+        Msg(dbz.value(event("c", None, image), schema), 0, dbz.key(1)),
+        Msg(dbz.value(event("d", {"id": 1}, None), schema), 1, dbz.key(1)),
+        Msg(None, 2, dbz.key(1)),
+    ]
+    out = Decoder(spec, settings.source).decode(messages)
+    assert out.dead_letters == []
+    assert out.skipped_offsets == [2]
+    assert out.batch is not None
+    rows = out.batch.to_pylist()
+    assert [(r["id"], r["_op"]) for r in rows] == [(1, OP_UPSERT), (1, OP_DELETE)]
+    first = rows[0]
+    assert (first["price"], first["status"], first["op"], first["lsn"]) == (
+        19.99,
+        "active",
+        "c",
+        24023128,
+    )
+    assert first["added"] == dt.datetime(1999, 12, 31, tzinfo=UTC)
+    assert first["changed_at"] == dt.datetime(2019, 5, 28, 8, 58, 24, 863000, tzinfo=UTC)

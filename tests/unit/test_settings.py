@@ -41,7 +41,9 @@ def problems(path: Path, overrides: list[str] | None = None) -> list[tuple[str, 
     return [(p.key, p.origin, p.reason) for p in info.value.problems]
 
 
-@pytest.mark.parametrize("name", ["quickstart.toml", "production.toml", "avro.toml"])
+@pytest.mark.parametrize(
+    "name", ["quickstart.toml", "production.toml", "avro.toml", "postgres-cdc.toml"]
+)
 def test_examples_load(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LANCE_SINK__KAFKA__SASL_PASSWORD", "hunter2")  # production: SCRAM
     if name == "avro.toml":

@@ -1,0 +1,136 @@
+"""Debezium change events through the real `lance-sink run` into a real Lance table: the
+table ends as the simulated source table's final state (every surviving key with its last
+image, no deleted key) across a SIGKILL and a rebalance with maintenance on, and the same
+events delivered again (a connector restart) end in the same table."""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sink.cdc import logical_value
+from tests.support import debezium as dbz
+from tests.support.brokers import Broker
+from tests.support.kafka import committed_offsets, produce
+from tests.support.sink import SinkProcess, table_rows, wait_caught_up, write_config
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
+
+DIM = 8
+TABLE = """[table]
+uri = {uri}
+mode = "upsert"
+primary_key = ["id"]
+fts_columns = ["name"]
+columns = [
+  {{ name = "id", type = "int64", nullable = false }},
+  {{ name = "name", type = "string" }},
+  {{ name = "price", type = "float64" }},
+  {{ name = "added", type = "timestamp" }},
+  {{ name = "updated", type = "timestamp" }},
+  {{ name = "changed_at", type = "timestamp" }},
+  {{ name = "lsn", type = "int64" }},
+]
+vector = {{ column = "vec", dim = {dim}, metric = "l2" }}
+"""
+
+
+def cdc_config(tmp_path: Path, bootstrap: str, topic: str, group: str) -> tuple[Path, str]:
+    """The products table fed by `topic`'s change events (maintenance on)."""
+    uri = str(tmp_path / "products.lance")
+    path = write_config(
+        tmp_path / "sink.toml",
+        bootstrap=bootstrap,
+        topics=[topic],
+        group=group,
+        table_uri=uri,
+        extra={
+            "source": {
+                "envelope": "debezium",
+                "columns": {
+                    "vec": "$.after.embedding",
+                    "changed_at": "$.source.ts_ms",
+                    "lsn": "$.source.lsn",
+                },
+            },
+            "kafka": {"consume_batch_size": 300},
+            "memtable": {"max_rows": 400},
+            "maintenance": {"scalar_indexes": {"lsn": "BTREE"}},
+        },
+    )
+    text = path.read_text()
+    text = text[: text.index("[table]")] + TABLE.format(uri=f'"{uri}"', dim=DIM)
+    path.write_text(text)
+    return path, uri
+
+
+def check_table(uri: str, final: dict[int, dict[str, Any]]) -> None:
+    """The table holds exactly the source table's final rows, each its last image."""
+    rows = table_rows(uri)
+    by_id = {r["id"]: r for r in rows}
+    assert len(by_id) == len(rows), "a key is in the table twice"
+    assert sorted(by_id) == sorted(final), "deleted keys present or surviving keys missing"
+    for id_, image in final.items():
+        row = by_id[id_]
+        assert row["name"] == image["name"], id_
+        price = logical_value(
+            "org.apache.kafka.connect.data.Decimal", {"scale": "2"}, image["price"], "float64"
+        )
+        assert row["price"] == float(decimal.Decimal(price)), id_
+        assert row["added"] == dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(
+            days=image["added"]
+        )
+        assert row["updated"] == dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(
+            milliseconds=image["updated"] // 1000
+        )
+        assert row["vec"] == pytest.approx(image["embedding"], rel=1e-6, abs=1e-7)
+        assert row["lsn"] is not None
+        assert row["changed_at"] is not None
+
+
+def test_change_history_across_a_sigkill_and_a_rebalance_then_redelivered(
+    mock_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    events, final = dbz.history(4000, 1000, DIM, seed=41)
+    ever = {id_ for key, _ in events for id_ in [dbz.key_id(key)]}
+    assert len(ever) - len(final) > 50, "the history must end with deleted keys"
+    config, uri = cdc_config(tmp_path, mock_broker.bootstrap, topic, group)
+    half = len(events) // 2
+    produce(mock_broker.bootstrap, topic, events[:half])
+    first = SinkProcess(config, tmp_path / "first.log")
+    second: SinkProcess | None = None
+    try:
+        deadline = time.monotonic() + 90
+        while sum(committed_offsets(mock_broker.bootstrap, group, topic, 4).values()) < half // 4:
+            assert first.alive(), first.log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "nothing was committed"
+            time.sleep(0.05)
+        # A second member joins (a rebalance), then the first is killed mid-stream.
+        second = SinkProcess(config, tmp_path / "second.log")
+        produce(mock_broker.bootstrap, topic, events[half : 3 * half // 2])
+        time.sleep(3)
+        first.kill()
+        produce(mock_broker.bootstrap, topic, events[3 * half // 2 :])
+        wait_caught_up(mock_broker.bootstrap, group, topic, timeout=180, procs=[second])
+    finally:
+        first.kill()
+        code = second.stop() if second is not None else 0
+    assert code == 0, second.log_path.read_text()[-3000:] if second else ""
+    check_table(uri, final)
+
+    # The connector restarts and delivers the whole history again: the same table.
+    produce(mock_broker.bootstrap, topic, events)
+    third = SinkProcess(config, tmp_path / "third.log")
+    try:
+        wait_caught_up(mock_broker.bootstrap, group, topic, timeout=180, procs=[third])
+    finally:
+        assert third.stop() == 0, third.log_path.read_text()[-3000:]
+    check_table(uri, final)
+    for sink in (second, third):  # (no dead-letter topic: a bad message would stop there)
+        events = {e.get("event") for e in sink.events()}
+        assert "partition_stopped_on_bad_message" not in events
