@@ -92,6 +92,15 @@ columns each new writer schema is fitted to the table's columns: with ``table.ev
 with new fields raises `sink.formats.SchemaEvolution`, without they are logged once.
 Everything else below is the JSON format's.
 
+Change events (``source.envelope = "debezium"``, `sink.cdc`, docs/formats.md "Change data
+capture"): each value (json, or a registry format's record) is read as Debezium's
+envelope; unmapped columns read ``$.after.<column>`` and mapped paths address the
+envelope. Ops c, r and u give a row from the after image, whose columns are built like a
+registry format's (`sink.formats.record_column`); d gives a delete row of the key in
+before or the Kafka key; Debezium's tombstones, and truncates with ``source.truncate =
+"skip"``, are skipped offsets. Reasons of their own: ``cdc_missing_op``,
+``cdc_unknown_op``, ``cdc_missing_after``, ``cdc_missing_key``, ``cdc_truncate``.
+
 How it is fast: the per-message Python work is reading the Message accessors. On a table
 with a vector column, `sink.vector_scan` reads each value's vector (simdjson's On-Demand
 reader in C++, outside the interpreter lock, straight into one float32 matrix per batch; a
