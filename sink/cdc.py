@@ -98,6 +98,8 @@ _DECIMALS: Final = frozenset(
     {"org.apache.kafka.connect.data.Decimal", "io.debezium.data.VariableScaleDecimal"}
 )
 _EPOCH: Final = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+#: Bytes of the Confluent framing that name a value's writer schema.
+_HEADER_BYTES: Final = 5
 
 #: A field's Connect schema name and parameters.
 Logical = tuple[str, dict[str, Any]]
@@ -146,6 +148,8 @@ class Debezium:
     ) -> None:
         self._truncate = truncate
         self._records = records
+        #: Logical types of the row fields per writer schema (registry framing bytes).
+        self._by_schema: dict[bytes, dict[str, Logical]] = {}
         self._after: dict[str, str] = {}
         for c in columns:
             if c.kind == "json" and len(c.path) == 2 and c.path[0] == "after":
@@ -176,7 +180,7 @@ class Debezium:
         positions, events, faults = self._events(payloads)
         out.faults.update(faults)
         for pos, value in zip(positions, events, strict=True):
-            logical: dict[str, Logical] | None = None
+            logical = self._writer_logical(payloads[pos]) if self._records is not None else None
             event = value
             if type(value) is dict and "payload" in value and "schema" in value and len(value) == 2:
                 logical = _envelope_logical(value["schema"])
@@ -227,6 +231,18 @@ class Debezium:
                     f"op is {show(op)}; a change event's op is c, r, u, d or t",
                 )
         return out
+
+    def _writer_logical(self, payload: bytes) -> dict[str, Logical] | None:
+        """The logical types of the row fields of `payload`'s writer schema (Avro: the
+        ``connect.name`` Kafka Connect's converter writes), once per schema id."""
+        writer_schema = getattr(self._records, "writer_schema", None)
+        if writer_schema is None:
+            return None
+        header = payload[:_HEADER_BYTES]
+        if header not in self._by_schema:
+            # A race computes the same map twice; either is kept.
+            self._by_schema[header] = _avro_logical(writer_schema(payload))
+        return self._by_schema[header]
 
     def _events(self, payloads: Sequence[bytes]) -> tuple[list[int], list[Any], dict[int, Fault]]:
         """Each payload decoded: the positions that decoded, their values, others' faults."""
@@ -354,6 +370,30 @@ def _envelope_logical(schema: Any) -> dict[str, Logical]:
         if type(f) is dict and f.get("field") in ("after", "before")
     }
     return _struct_logical(rows.get("after") or rows.get("before"))
+
+
+def _avro_logical(schema: Any) -> dict[str, Logical]:
+    """The logical types (``connect.name``, ``connect.parameters``) of the row fields of a
+    parsed Avro envelope schema (the record of after or before; by name if referenced)."""
+    if type(schema) is not dict or type(schema.get("fields")) is not list:
+        return {}
+    named = schema.get("__named_schemas") or {}
+    row: Any = None
+    for f in schema["fields"]:
+        if type(f) is dict and f.get("name") in ("after", "before"):
+            kinds: Any = f.get("type")
+            for kind in kinds if type(kinds) is list else [kinds]:
+                branch = named.get(kind, kind) if type(kind) is str else kind
+                if type(branch) is dict and branch.get("type") == "record":
+                    row = branch
+    out: dict[str, Logical] = {}
+    for f in (row or {}).get("fields", ()):
+        types: Any = f.get("type")
+        for kind in types if type(types) is list else [types]:
+            if type(kind) is dict and kind.get("connect.name") in LOGICAL:
+                params = kind.get("connect.parameters")
+                out[f["name"]] = (kind["connect.name"], params if type(params) is dict else {})
+    return out
 
 
 def logical_value(schema_name: str, params: dict[str, Any], raw: Any, type_name: str) -> Any:

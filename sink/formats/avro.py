@@ -81,6 +81,19 @@ class AvroFormat:
         text = writer_schema_text(self._client, payload)
         return None if text is None else text_leaves("avro", text)
 
+    def writer_schema(self, payload: bytes) -> Any:
+        """The parsed writer schema `payload` names by id (as fastavro reads it: extra
+        attributes such as Kafka Connect's ``connect.name`` kept), or None when there is
+        none to read (not framed by id, an unknown id, a schema that does not parse).
+
+        Raises:
+            RegistryUnavailable: the registry could not be asked.
+        """
+        if len(payload) < _HEADER_BYTES or payload[0] != _MAGIC_ID:
+            return None
+        reader = self._reader(payload)
+        return None if isinstance(reader, tuple) else reader.parsed
+
     def records(
         self, payloads: Sequence[bytes], epoch_ms: frozenset[tuple[str, ...]] = frozenset()
     ) -> tuple[list[int], list[Any], dict[int, Fault]]:
@@ -208,6 +221,11 @@ class _Reader:
         #: Readers of this schema with timestamp-millis longs read as they are, per set of
         #: record paths (one per decoder, in practice).
         self._epoch_ms: dict[frozenset[tuple[str, ...]], _Reader] = {}
+
+    @property
+    def parsed(self) -> Any:
+        """The parsed writer schema."""
+        return self._parsed
 
     def with_epoch_ms(self, paths: frozenset[tuple[str, ...]]) -> _Reader:
         """This reader, with the timestamp-millis longs at `paths` read as epoch

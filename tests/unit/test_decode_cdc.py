@@ -7,18 +7,23 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import json
 import math
+import uuid
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
+from confluent_kafka.schema_registry.avro import AvroSerializer
+from confluent_kafka.serialization import MessageField, SerializationContext
 
 from config.loader import load_settings
-from config.settings import KeyedError, Settings
+from config.settings import KeyedError, SchemaRegistrySettings, Settings, SourceSettings
 from engine.schema import OP_DELETE, OP_UPSERT, TableSpec
 from sink.cdc import logical_value
 from sink.decode import Decoder
+from sink.formats.registry import build_client
 from tests.support import debezium as dbz
 from tests.unit.test_decode import Msg, decode, spec_for
 
@@ -547,3 +552,161 @@ def test_the_postgres_example_mirrors_a_products_table() -> None:
     )
     assert first["added"] == dt.datetime(1999, 12, 31, tzinfo=UTC)
     assert first["changed_at"] == dt.datetime(2019, 5, 28, 8, 58, 24, 863000, tzinfo=UTC)
+
+
+# -- Avro through the registry (Debezium's AvroConverter) ------------------------------
+
+AVRO_VALUE = {
+    "type": "record",
+    "name": "Value",
+    "namespace": "dbserver1.public.products",
+    "fields": [
+        {"name": "id", "type": "int"},
+        {"name": "name", "type": ["null", "string"], "default": None},
+        {
+            "name": "price",
+            "type": [
+                "null",
+                {
+                    "type": "bytes",
+                    "scale": 2,
+                    "precision": 10,
+                    "connect.version": 1,
+                    "connect.parameters": {"scale": "2", "connect.decimal.precision": "10"},
+                    "connect.name": "org.apache.kafka.connect.data.Decimal",
+                    "logicalType": "decimal",
+                },
+            ],
+            "default": None,
+        },
+        {
+            "name": "added",
+            "type": [
+                "null",
+                {"type": "int", "connect.version": 1, "connect.name": "io.debezium.time.Date"},
+            ],
+            "default": None,
+        },
+        {
+            "name": "updated",
+            "type": [
+                "null",
+                {
+                    "type": "long",
+                    "connect.version": 1,
+                    "connect.name": "io.debezium.time.MicroTimestamp",
+                },
+            ],
+            "default": None,
+        },
+        {"name": "embedding", "type": ["null", {"type": "array", "items": "double"}]},
+    ],
+    "connect.name": "dbserver1.public.products.Value",
+}
+AVRO_ENVELOPE = {
+    "type": "record",
+    "name": "Envelope",
+    "namespace": "dbserver1.public.products",
+    "fields": [
+        {"name": "before", "type": ["null", AVRO_VALUE], "default": None},
+        {"name": "after", "type": ["null", "Value"], "default": None},
+        {
+            "name": "source",
+            "type": {
+                "type": "record",
+                "name": "Source",
+                "namespace": "io.debezium.connector.postgresql",
+                "fields": [
+                    {"name": "ts_ms", "type": "long"},
+                    {"name": "table", "type": "string"},
+                    {"name": "lsn", "type": ["null", "long"], "default": None},
+                ],
+            },
+        },
+        {"name": "op", "type": "string"},
+        {"name": "ts_ms", "type": ["null", "long"], "default": None},
+    ],
+    "connect.name": "dbserver1.public.products.Envelope",
+}
+AVRO_KEY = {
+    "type": "record",
+    "name": "Key",
+    "namespace": "dbserver1.public.products",
+    "fields": [{"name": "id", "type": "int"}],
+}
+
+
+def test_avro_change_events_through_the_registry() -> None:
+    url = f"mock://{uuid.uuid4().hex}"
+    client = build_client(SchemaRegistrySettings(url=url))
+    topic = "dbserver1.public.products"
+    values = AvroSerializer(client, json.dumps(AVRO_ENVELOPE))
+    keys = AvroSerializer(client, json.dumps(AVRO_KEY))
+
+    def value(op: str, before: Any, after: Any) -> bytes:
+        event = {
+            "before": before,
+            "after": after,
+            "source": {"ts_ms": 1_559_033_904_863, "table": "products", "lsn": 77},
+            "op": op,
+            "ts_ms": 1,
+        }
+        return values(event, SerializationContext(topic, MessageField.VALUE))
+
+    def key(id_: int) -> bytes:
+        return keys({"id": id_}, SerializationContext(topic, MessageField.KEY))
+
+    image = {
+        "id": 3,
+        "name": "lamp",
+        "price": decimal.Decimal("-12.50"),
+        "added": -1,
+        "updated": -1,
+        "embedding": [0.5, 1.0, 2.0],
+    }
+    with_key = {"id": 3, **dict.fromkeys(("name", "price", "added", "updated", "embedding"))}
+    messages = [
+        Msg(value("r", None, image), 0, key(3)),
+        Msg(value("u", with_key, {**image, "name": "desk"}), 1, key(3)),
+        Msg(value("d", with_key, None), 2, key(3)),
+        Msg(None, 3, key(3)),
+        Msg(value("d", None, None), 4, key(9)),  # the key from the Avro Kafka key
+        Msg(value("t", None, None), 5, None),
+        Msg(b"\x00\x00\x00\x00\x07garbage", 6, None),
+    ]
+    columns = [*PRODUCTS[:5], {"name": "lsn", "type": "int64"}, {"name": "op", "type": "string"}]
+    spec = spec_for(columns, mode="upsert", dim=3)
+    mapping = {"vec": "$.after.embedding", "lsn": "$.source.lsn", "op": "$.op"}
+    registry = {"url": url}
+    out = Decoder(
+        spec,
+        SourceSettings(
+            format="avro",
+            key_format="avro",
+            envelope="debezium",
+            schema_registry=registry,
+            columns=mapping,
+        ),
+    ).decode(messages)
+    assert out.batch is not None
+    rows = out.batch.to_pylist()
+    assert [(r["_offset"], r["id"], r["_op"], r["name"]) for r in rows] == [
+        (0, 3, OP_UPSERT, "lamp"),
+        (1, 3, OP_UPSERT, "desk"),
+        (2, 3, OP_DELETE, None),
+        (4, 9, OP_DELETE, None),
+    ]
+    first = rows[0]
+    assert (first["price"], first["lsn"], first["op"]) == (-12.5, 77, "r")
+    assert first["added"] == dt.datetime(1969, 12, 31, tzinfo=UTC)
+    assert first["updated"] == LAST_MS_OF_1969
+    assert out.skipped_offsets == [3, 5]
+    assert [(d.offset, d.reason) for d in out.dead_letters] == [(6, "unknown_schema_id")]
+    # Without a key_format the Avro key is not JSON: a delete without before has no key.
+    out = Decoder(
+        spec,
+        SourceSettings(
+            format="avro", envelope="debezium", schema_registry=registry, columns=mapping
+        ),
+    ).decode(messages[4:5])
+    assert [d.reason for d in out.dead_letters] == ["cdc_missing_key"]
