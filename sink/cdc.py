@@ -100,6 +100,12 @@ _DECIMALS: Final = frozenset(
 _EPOCH: Final = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 #: Bytes of the Confluent framing that name a value's writer schema.
 _HEADER_BYTES: Final = 5
+#: How the JSON converter's compact wrapper starts, and what separates its two parts.
+_WRAPPED: Final = b'{"schema":'
+_PAYLOAD: Final = b',"payload":'
+#: Schema blocks whose logical types are kept (a table has one per version): enough for
+#: the tables of a topic pattern; beyond, the map starts over.
+_SCHEMAS_KEPT: Final = 256
 
 #: A field's Connect schema name and parameters.
 Logical = tuple[str, dict[str, Any]]
@@ -150,6 +156,8 @@ class Debezium:
         self._records = records
         #: Logical types of the row fields per writer schema (registry framing bytes).
         self._by_schema: dict[bytes, dict[str, Logical]] = {}
+        #: Logical types of the row fields per JSON converter schema block (its bytes).
+        self._schemas: dict[bytes, dict[str, Logical]] = {}
         self._after: dict[str, str] = {}
         for c in columns:
             if c.kind == "json" and len(c.path) == 2 and c.path[0] == "after":
@@ -177,14 +185,9 @@ class Debezium:
             RegistryUnavailable: from a registry format.
         """
         out = Split()
-        positions, events, faults = self._events(payloads)
+        positions, events, logicals, faults = self._events(payloads)
         out.faults.update(faults)
-        for pos, value in zip(positions, events, strict=True):
-            logical = self._writer_logical(payloads[pos]) if self._records is not None else None
-            event = value
-            if type(value) is dict and "payload" in value and "schema" in value and len(value) == 2:
-                logical = _envelope_logical(value["schema"])
-                event = value["payload"]
+        for pos, event, logical in zip(positions, events, logicals, strict=True):
             if type(event) is not dict:
                 what = "JSON null" if event is None else show(event)
                 out.faults[pos] = ("not_an_object", f"value is {what}, not an object")
@@ -244,25 +247,75 @@ class Debezium:
             self._by_schema[header] = _avro_logical(writer_schema(payload))
         return self._by_schema[header]
 
-    def _events(self, payloads: Sequence[bytes]) -> tuple[list[int], list[Any], dict[int, Fault]]:
-        """Each payload decoded: the positions that decoded, their values, others' faults."""
+    def _events(
+        self, payloads: Sequence[bytes]
+    ) -> tuple[list[int], list[Any], list[dict[str, Logical] | None], dict[int, Fault]]:
+        """Each payload decoded: the positions that decoded, their envelopes (the JSON
+        converter's wrapper taken off), the logical types of their row fields (None: no
+        schema), and the other payloads' faults."""
         if self._records is not None:
             positions, records, record_faults = self._records.records(payloads)
-            return positions, records, {p: cast("Fault", f) for p, f in record_faults.items()}
+            writers = [self._writer_logical(payloads[p]) for p in positions]
+            faults = {p: cast("Fault", f) for p, f in record_faults.items()}
+            return positions, records, writers, faults
         positions = []
         events: list[Any] = []
-        faults: dict[int, Fault] = {}
+        logicals: list[dict[str, Logical] | None] = []
+        faults = {}
         for pos, payload in enumerate(payloads):
+            split = self._split_wrapper(payload)
+            if split is not None:
+                positions.append(pos)
+                events.append(split[1])
+                logicals.append(split[0])
+                continue
             try:
-                event = orjson.loads(payload)
+                value = orjson.loads(payload)
             except orjson.JSONDecodeError:
-                event, fault = _load(payload)
+                value, fault = _load(payload)
                 if fault is not None:
                     faults[pos] = fault
                     continue
+            logical = None
+            if type(value) is dict and "payload" in value and "schema" in value and len(value) == 2:
+                logical = _envelope_logical(value["schema"])
+                value = value["payload"]
             positions.append(pos)
-            events.append(event)
-        return positions, events, faults
+            events.append(value)
+            logicals.append(logical)
+        return positions, events, logicals, faults
+
+    def _split_wrapper(self, payload: bytes) -> tuple[dict[str, Logical], Any] | None:
+        """A wrapped event as the JSON converter writes it, ``{"schema":S,"payload":P}``
+        compact, read without parsing S again when it was seen before (S is the same for
+        every event of a table version, and most of the bytes): the logical types of S and
+        P parsed. None when the value is not in exactly that form, or S or P does not parse
+        alone; the caller then parses the whole value, to the same result.
+
+        The cut is right: S is a JSON object, and no proper prefix of an object's text is a
+        whole JSON value, so only the first ``,"payload":`` after S's closing brace leaves
+        an S that parses (if one inside S did, S would parse cut short)."""
+        if not payload.startswith(_WRAPPED) or not payload.endswith(b"}"):
+            return None
+        cut = payload.find(_PAYLOAD, len(_WRAPPED))
+        while cut > 0:
+            schema = payload[len(_WRAPPED) : cut]
+            logical = self._schemas.get(schema)
+            if logical is None:
+                try:
+                    parsed = orjson.loads(schema)
+                except orjson.JSONDecodeError:
+                    cut = payload.find(_PAYLOAD, cut + 1)
+                    continue
+                logical = _envelope_logical(parsed)
+                if len(self._schemas) >= _SCHEMAS_KEPT:
+                    self._schemas.clear()  # (a topic of many table versions: start over)
+                self._schemas[schema] = logical
+            try:
+                return logical, orjson.loads(payload[cut + len(_PAYLOAD) : -1])
+            except orjson.JSONDecodeError:
+                return None
+        return None
 
     def _convert(self, image: dict[str, Any], logical: dict[str, Logical]) -> None:
         """Convert the fields of `image` that columns read and that have a logical type."""

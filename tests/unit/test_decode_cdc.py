@@ -710,3 +710,45 @@ def test_avro_change_events_through_the_registry() -> None:
         ),
     ).decode(messages[4:5])
     assert [d.reason for d in out.dead_letters] == ["cdc_missing_key"]
+
+
+TRICKY = [',"payload":', ',"payload":{"op":"c"}}', '"}', "\\", ',"payload":null}']
+
+
+@pytest.mark.parametrize("where", ["doc", "name", "data", "both"])
+@pytest.mark.parametrize("text", TRICKY)
+def test_the_schema_block_read_once_reads_as_the_whole_value(where: str, text: str) -> None:
+    """The compact wrapper is cut at ``,"payload":`` (the schema block's logical types are
+    kept by its bytes): text like that inside the schema or the row changes nothing; the
+    same value with a space in front (parsed whole) gives the same row."""
+    schema = dbz.envelope_schema()
+    if where in ("doc", "both"):
+        schema = {**schema, "doc": text}
+    image = row(4, name=text if where in ("name", "both") else "plain")
+    if where == "data":
+        image["attrs"] = text
+    value = dbz.value(event("c", None, image), schema)
+    assert value.startswith(b'{"schema":')
+    spaced = b" " + value
+    out, rows = cdc([Msg(value, 0), Msg(value, 1), Msg(spaced, 2)])
+    assert out.dead_letters == []
+    assert [r["added"] for r in rows] == [dt.datetime(2024, 2, 29, tzinfo=UTC)] * 3
+    assert [{k: v for k, v in r.items() if k != "_offset"} for r in rows[1:]] == [
+        {k: v for k, v in rows[0].items() if k != "_offset"}
+    ] * 2
+
+
+def test_a_broken_wrapper_is_read_whole() -> None:
+    good = dbz.value(event("c", None, row(1)), SCHEMA)
+    payload = good[good.index(b',"payload":') + len(b',"payload":') : -1]
+    cases = {
+        # a second payload key: the last one wins, as in the whole parse
+        good[:-1] + b',"payload":' + payload + b"}": None,
+        good[:-1] + b',"extra":1}': "cdc_missing_op",  # three keys: not the wrapper
+        good[:-1] + b"}}": "invalid_json",
+        good.replace(b'"op":"c"', b'"op":NaN'): "cdc_unknown_op",
+    }
+    for value, reason in cases.items():
+        out, rows = cdc([Msg(value, 0)])
+        assert [d.reason for d in out.dead_letters] == ([] if reason is None else [reason])
+        assert len(rows) == (1 if reason is None else 0)
