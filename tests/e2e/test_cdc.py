@@ -14,14 +14,16 @@ from typing import Any
 import pytest
 
 from sink.cdc import logical_value
+from tests.e2e.test_fanout import TOKEN, post, wait_serving
 from tests.support import debezium as dbz
-from tests.support.brokers import Broker
+from tests.support.brokers import Broker, free_ports
 from tests.support.kafka import committed_offsets, produce
 from tests.support.sink import SinkProcess, table_rows, wait_caught_up, write_config
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
 
 DIM = 8
+SCHEMA = dbz.envelope_schema()
 TABLE = """[table]
 uri = {uri}
 mode = "upsert"
@@ -40,28 +42,38 @@ vector = {{ column = "vec", dim = {dim}, metric = "l2" }}
 """
 
 
-def cdc_config(tmp_path: Path, bootstrap: str, topic: str, group: str) -> tuple[Path, str]:
+def cdc_config(
+    tmp_path: Path,
+    bootstrap: str,
+    topic: str,
+    group: str,
+    name: str = "sink",
+    extra: dict[str, dict[str, Any]] | None = None,
+) -> tuple[Path, str]:
     """The products table fed by `topic`'s change events (maintenance on)."""
     uri = str(tmp_path / "products.lance")
+    sections: dict[str, dict[str, Any]] = {
+        "source": {
+            "envelope": "debezium",
+            "columns": {
+                "vec": "$.after.embedding",
+                "changed_at": "$.source.ts_ms",
+                "lsn": "$.source.lsn",
+            },
+        },
+        "kafka": {"consume_batch_size": 300},
+        "memtable": {"max_rows": 400},
+        "maintenance": {"scalar_indexes": {"lsn": "BTREE"}},
+    }
+    for section, values in (extra or {}).items():
+        sections.setdefault(section, {}).update(values)
     path = write_config(
-        tmp_path / "sink.toml",
+        tmp_path / f"{name}.toml",
         bootstrap=bootstrap,
         topics=[topic],
         group=group,
         table_uri=uri,
-        extra={
-            "source": {
-                "envelope": "debezium",
-                "columns": {
-                    "vec": "$.after.embedding",
-                    "changed_at": "$.source.ts_ms",
-                    "lsn": "$.source.lsn",
-                },
-            },
-            "kafka": {"consume_batch_size": 300},
-            "memtable": {"max_rows": 400},
-            "maintenance": {"scalar_indexes": {"lsn": "BTREE"}},
-        },
+        extra=sections,
     )
     text = path.read_text()
     text = text[: text.index("[table]")] + TABLE.format(uri=f'"{uri}"', dim=DIM)
@@ -123,11 +135,42 @@ def test_change_history_across_a_sigkill_and_a_rebalance_then_redelivered(
     assert code == 0, second.log_path.read_text()[-3000:] if second else ""
     check_table(uri, final)
 
-    # The connector restarts and delivers the whole history again: the same table.
-    produce(mock_broker.bootstrap, topic, events)
-    third = SinkProcess(config, tmp_path / "third.log")
+    # The connector restarts and delivers the whole history again: the same table. The
+    # redelivered changes stay in memtables (no flush until the stop), where a lookup
+    # already answers with each key's newest image, and without the deleted keys.
+    port, metrics_port = free_ports(2)
+    fresh, _ = cdc_config(
+        tmp_path,
+        mock_broker.bootstrap,
+        topic,
+        group,
+        name="fresh",
+        extra={
+            "memtable": {"max_rows": 1_000_000, "max_age_s": 3600},
+            "query": {"enabled": True, "port": port},
+            "observability": {"metrics_port": metrics_port},
+        },
+    )
+    # Then two changes no table holds yet: an insert and an update (memtable rows only).
+    source = dbz.pg_source(10**9, 1_800_000_000_000)
+    survivor = min(final)
+    final[survivor] = dbz.product_image(survivor, 999, DIM)
+    final[10_000] = dbz.product_image(10_000, 1, DIM)
+    news = [
+        (dbz.key(survivor), dbz.value(dbz.envelope("u", None, final[survivor], source), SCHEMA)),
+        (dbz.key(10_000), dbz.value(dbz.envelope("c", None, final[10_000], source), SCHEMA)),
+    ]
+    produce(mock_broker.bootstrap, topic, [*events, *news])
+    third = SinkProcess(fresh, tmp_path / "third.log", env={"LANCE_SINK__QUERY__AUTH_TOKEN": TOKEN})
+    url = f"http://127.0.0.1:{port}"
     try:
         wait_caught_up(mock_broker.bootstrap, group, topic, timeout=180, procs=[third])
+        wait_serving([third], [url])
+        gone = sorted(ever - set(final))[:20]
+        last = [dbz.key_id(key) for key, value in events[-40:] if value is not None]
+        kept = sorted({i for i in last if i in final} | {survivor, 10_000})
+        got = post(url, "/v1/lookup", {"keys": kept + gone, "columns": ["id", "name"]})
+        assert {r["id"]: r["name"] for r in got["rows"]} == {i: final[i]["name"] for i in kept}
     finally:
         assert third.stop() == 0, third.log_path.read_text()[-3000:]
     check_table(uri, final)

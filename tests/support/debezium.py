@@ -232,31 +232,64 @@ def history(
         source = pg_source(lsn, 1_700_000_000_000 + lsn, snapshot="true" if op == "r" else "false")
         out.append((key(id_, schemas), value(envelope(op, before, after, source), schema)))
 
+    live, missing = _Pool(), _Pool(range(1, keys, 2))
+
+    def add(id_: int) -> None:
+        live.add(id_)
+        missing.remove(id_)
+
+    def remove(id_: int) -> None:
+        live.remove(id_)
+        missing.add(id_)
+
     for id_ in range(0, keys, 2):
         version[id_] = 0
         table[id_] = product_image(id_, 0, dim)
+        add(id_)
         emit("r", id_, None, table[id_])
     for _ in range(changes):
         roll = rng.random()
-        live = sorted(table)
-        missing = [k for k in range(keys) if k not in table]
-        if live and (roll < updates or not missing):
-            id_ = rng.choice(live)
+        if live.items and (roll < updates or not missing.items):
+            id_ = rng.choice(live.items)
             version[id_] += 1
             image = product_image(id_, version[id_], dim)
             emit("u", id_, {"id": id_}, image)
             table[id_] = image
-        elif live and roll < updates + deletes:
-            id_ = rng.choice(live)
+        elif live.items and roll < updates + deletes:
+            id_ = rng.choice(live.items)
             emit("d", id_, {"id": id_}, None)  # default replica identity: the key only
             out.append((key(id_, schemas), None))  # Debezium's tombstone
             del table[id_]
+            remove(id_)
         else:
-            id_ = rng.choice(missing)
+            id_ = rng.choice(missing.items)
             version[id_] = version.get(id_, 0) + 1
             table[id_] = product_image(id_, version[id_], dim)
+            add(id_)
             emit("c", id_, None, table[id_])
     return out, table
+
+
+class _Pool:
+    """A set of keys to draw from at random: a list, and where each key is in it."""
+
+    def __init__(self, keys: Any = ()) -> None:
+        self.items: list[int] = list(keys)
+        self._at = {k: i for i, k in enumerate(self.items)}
+
+    def add(self, key: int) -> None:
+        if key not in self._at:
+            self._at[key] = len(self.items)
+            self.items.append(key)
+
+    def remove(self, key: int) -> None:
+        at = self._at.pop(key, None)
+        if at is None:
+            return
+        last = self.items.pop()
+        if last != key:
+            self.items[at] = last
+            self._at[last] = at
 
 
 def key_id(raw: bytes) -> Any:
