@@ -483,9 +483,15 @@ class Decoder:
         rows = Rows(index=np.asarray(candidates[split.upserts], dtype=np.int64))
         leaves: dict[Path, pa.Array] = {}
         column_faults: dict[Path, dict[int, Fault]] = {}
+        # Every upsert's after is a dict: its fields are read one step deep (one C loop
+        # per column, `column_values`), not walked from the envelope per record.
+        afters = [r["after"] for r in split.records]
         for path, c in self._path_columns.items():
             describe = f"{c.name!r} ({c.where})"
-            leaves[path], bad = record_column(split.records, path, c.type_name, describe)
+            if len(path) == 2 and path[0] == "after":
+                leaves[path], bad = record_column(afters, path[1:], c.type_name, describe)
+            else:
+                leaves[path], bad = record_column(split.records, path, c.type_name, describe)
             column_faults[path] = cast("dict[int, Fault]", bad)
         for col in self._columns:
             if col.kind == "json":
