@@ -901,6 +901,16 @@ class WalSettings(_Section):
         "storage I/O for it. 0 checks on every read of every shard instead (strict; one LIST "
         "per shard per query on S3).",
     )
+    workers: PositiveInt | None = Field(
+        default=None,
+        le=64,
+        description="WAL workers: the threads that write every shard's WAL entries (group "
+        "commit, memtable inserts, seals, idle fence checks), shared by all shards with one "
+        "timer, so the thread count does not grow with the partitions. A shard is run by one "
+        "worker at a time; this bounds how many shards append at once. Default: 4 per core, "
+        "4 to 32. Raise it on an object store with many busy partitions (each append waits "
+        "a round trip).",
+    )
 
     @field_validator("uri")
     @classmethod

@@ -48,7 +48,7 @@ class ShardMemory:
         self._on_seal_request: Callable[[], None] | None = None
 
     def request_seal(self) -> None:
-        """Ask the writer to seal the active memtable soon (wakes its WAL thread)."""
+        """Ask the writer to seal the active memtable soon (schedules its WAL step)."""
         self.seal_required = True
         if self._on_seal_request is not None:
             self._on_seal_request()

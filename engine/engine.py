@@ -1,9 +1,11 @@
-"""The engine of one process: the table, the WAL storage, the backpressure controller and the
-flush pool shared by every shard writer it opens.
+"""The engine of one process: the table, the WAL storage, the backpressure controller, the
+flush pool and the WAL scheduler (`engine.wal_scheduler`: the WAL workers and their timer)
+shared by every shard writer it opens.
 
 Lifecycle: build with `Engine.from_settings` (or the constructor), call `open_shard` per
 topic-partition the process owns (the sink does so on assign), `close_shard` when it loses
-it, and `close` once at shutdown. Several shards write to the same Lance table.
+it, and `close` once at shutdown (it closes the writers, then stops the flush pool and the
+WAL scheduler). Several shards write to the same Lance table.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from engine.shard_ids import legacy_shard_ids, moved_shard_ids, shard_id
 from engine.shard_stats import EngineEvents
 from engine.storage import Storage, canonical_uri, open_storage
 from engine.table import BaseTable
+from engine.wal_scheduler import WalScheduler
 
 log = structlog.get_logger("lance_sink.engine")
 
@@ -61,6 +64,7 @@ class Engine:
         *,
         durable: bool = True,
         own_wal_storage: bool = False,
+        wal_workers: int | None = None,
     ) -> None:
         self.spec = spec
         #: The WAL storage is the table's own (`<table.uri>/_lance_sink`): shard state in it
@@ -72,6 +76,9 @@ class Engine:
         self.controller = controller
         self.events = events
         self.flusher = Flusher(flush_workers)
+        #: Runs every shard's WAL work (`wal.workers` threads and one timer, started with the
+        #: first shard): the thread count does not grow with the shards.
+        self.wal_scheduler = WalScheduler(wal_workers)
         self._writers: dict[str, ShardWriter] = {}
         self._lock = threading.Lock()
         self.table.open()
@@ -103,6 +110,7 @@ class Engine:
             events,
             durable=settings.wal.durable_writes,
             own_wal_storage=settings.wal.uri is None,
+            wal_workers=settings.wal.workers,
         )
 
     def shard_id(self, topic: str, partition: int) -> str:
@@ -179,6 +187,7 @@ class Engine:
             self.flusher,
             self.events,
             origin=ShardOrigin(canonical_uri(self.spec.uri), topic, partition),
+            scheduler=self.wal_scheduler,
         )
         with self._lock:
             self._writers[shard] = writer
@@ -194,7 +203,8 @@ class Engine:
             return list(self._writers.values())
 
     def close(self, *, flush: bool = True, timeout: float = 30.0) -> None:
-        """Close every open writer, then the flush pool."""
+        """Close every open writer, then the flush pool and the WAL scheduler."""
         for writer in self.writers():
             self.close_shard(writer, flush=flush, timeout=timeout)
         self.flusher.shutdown()
+        self.wal_scheduler.close(timeout)

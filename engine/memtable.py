@@ -8,7 +8,7 @@ A memtable is one generation. It holds:
   per-row `dead` flag (superseded by a newer row of the same key, or a delete);
 - the WAL positions and source offset ranges it covers.
 
-Only the shard writer's WAL thread (live path) or `ShardWriter.open` (replay) inserts, under
+Only the shard writer's WAL step (live path) or `ShardWriter.open` (replay) inserts, under
 the writer lock. Readers take an immutable `MemtableView` under the same lock and then read
 without it. `should_seal` (before an insert) and `is_full` (after it) are the one seal rule,
 used by both the live path and replay (invariant I4).

@@ -2,7 +2,7 @@
 did not flush, and the fence entry that ends them.
 
 `ShardWriter.open` calls `replay_wal` once, after the claim found the flushed watermark and
-before the writer's WAL thread starts:
+before the writer's WAL steps are scheduled:
 
 1. Every entry after the flushed position is read in position order and handed to `apply`,
    which inserts it exactly as the live path did (the live seal predicate, flushing each

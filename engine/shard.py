@@ -9,28 +9,34 @@ Lifecycle (who calls what, and when):
   fence entry at the next WAL position (`engine.replay`). It returns a writer whose
   `durable_offsets` say where the source must resume: **resume after the last durable
   offset**, i.e. at `durable_offsets[(topic, p)] + 1`.
-  If open raises, nothing was acknowledged by this writer and it holds no threads.
+  If open raises, nothing was acknowledged by this writer and it is not scheduled.
 - `put(batch, source_range)` (the consumer loop) validates the batch, asks the
   backpressure controller for admission, and buffers it for the next WAL entry; it returns
   a future that resolves once the rows are durable **and** visible (one step: rows enter the
   memtable only after their WAL entry is durable, I2). `put` raises `InvalidRecord` (bad
   batch; nothing accepted), `Backpressure` (refused; nothing accepted) or the poison error.
-- The WAL thread (internal) group-commits buffered puts every `max_wal_flush_interval`
-  (or when `max_wal_buffer_size` is reached), appends the entry create-only, inserts the
-  rows into the active memtable (sealing it first when `should_seal` says so, and after
-  when `is_full` says it reached a limit, if the controller's `may_seal` allows; a refused
-  seal is asked again at every wake of the WAL thread and by the next put), and resolves
-  the futures in put order.
+- The WAL steps (internal, `_wal_step`, run by the process's `WalScheduler`: a pool of WAL
+  workers and one timer shared by every shard, never two workers on one shard) group-commit
+  buffered puts every `max_wal_flush_interval` (or when `max_wal_buffer_size` is reached),
+  append the entry create-only, insert the rows into the active memtable (sealing it first
+  when `should_seal` says so, and after when `is_full` says it reached a limit, if the
+  controller's `may_seal` allows; a refused seal is asked again every `IDLE_WAKE_S` and by
+  the next put), and resolve the futures in put order. A put schedules the step (at once
+  when the buffer is full, else at its group-commit deadline), so do a seal request, the
+  active memtable's `max_age_s` and close; an idle writer's step runs only for its fence
+  probe.
 - Flushes run on the shared `Flusher` pool, oldest frozen memtable first, one at a time per
   shard. A failed flush keeps its memtable frozen and counted (I8) and is retried with
   backoff; after `max_attempts` the writer is poisoned (I6). `engine.flusher` tells the
   flush's own steps and what close waits for.
 - `view()` (readers) returns the visible memtables; fails with the poison error. With
   `fence_check_interval_s` = 0 it first probes the manifest for a fence (storage I/O on
-  every read); otherwise it does no I/O and relies on the WAL thread, which probes at most
-  that often while idle (a busy writer finds a fence at its next append).
+  every read); otherwise it does no I/O and relies on the WAL step, which probes at most
+  that often (and at least `IDLE_WAKE_S` apart) while idle (a busy writer finds a fence at
+  its next append).
 - `close(flush=...)` (the sink on revoke/shutdown; always called, also after poisoning)
-  stops accepting puts, writes what is buffered, force-seals the active memtable and,
+  stops accepting puts, writes what is buffered (on the scheduler, or on the caller's thread
+  if the engine's scheduler already stopped), force-seals the active memtable and,
   with `flush=True`, waits (bounded) for every frozen memtable to flush; what is left is
   replayed by the next owner. `stats()` stays readable after close and poisoning.
 
@@ -58,19 +64,21 @@ from engine.backpressure import BackpressureController, ShardMemory
 from engine.errors import Backpressure, Fenced, LanceSinkError, PersistenceError, Poisoned
 from engine.flusher import Flusher, ShardFlush
 from engine.manifest import ManifestStore, ShardOrigin
-from engine.memtable import SealLimits, entry_batches, should_seal
+from engine.memtable import SealLimits, entry_batches, is_full, should_seal
 from engine.replay import replay_wal
 from engine.schema import TableSpec
 from engine.shard_memtables import ShardMemtables, ShardView
 from engine.shard_stats import EngineEvents, NoEvents, ShardStats
 from engine.storage import AlreadyExists, Storage
 from engine.table import BaseTable
-from engine.threads import name_os_thread
 from engine.wal import EntryEncoder, SourceRange, Wal, WalEntry, merge_ranges
+from engine.wal_scheduler import ScheduledShard, WalScheduler, default_scheduler
 
 log = structlog.get_logger("lance_sink.engine")
 
-#: How often an idle WAL thread wakes to probe for a fence (when the interval allows).
+#: The shortest period of an idle writer's background fence probe (with a shorter
+#: `fence_check_interval_s`, 0 included: reads then probe themselves), and how soon a seal
+#: the controller refused (a full memtable, or one `max_age_s` old) is asked again.
 IDLE_WAKE_S = 0.5
 
 
@@ -138,7 +146,6 @@ class ShardWriter:
         self.memory = ShardMemory(shard)
         self.log = log.bind(shard=shard)
         self._lock = threading.RLock()
-        self._wake = threading.Condition(self._lock)
         self._schema = spec.batch_schema
         self._encoder = EntryEncoder()
         self._next_position = 1
@@ -149,7 +156,10 @@ class ShardWriter:
         self._closing = False
         self._closed = False
         self._last_fence_check = 0.0
-        self._wal_thread: threading.Thread | None = None
+        self._scheduler: WalScheduler | None = None
+        self._task: ScheduledShard | None = None
+        #: Set by the last WAL step after close: everything buffered was written (or failed).
+        self._wal_done = threading.Event()
         self._counters = {"wal_entries": 0, "wal_bytes": 0, "replayed_rows": 0}
         self._replay_seconds = 0.0
         self._memtables = ShardMemtables(
@@ -197,11 +207,13 @@ class ShardWriter:
         events: EngineEvents | None = None,
         *,
         origin: ShardOrigin | None = None,
+        scheduler: WalScheduler | None = None,
     ) -> ShardWriter:
         """Claim the shard, replay its WAL, fence older writers; see the module docstring.
 
         `origin` (the table, topic and partition; `Engine.open_shard` passes it) is recorded
-        in the manifest; without it the previous version's is kept.
+        in the manifest; without it the previous version's is kept. `scheduler` runs the
+        writer's WAL work (`Engine` passes its own); without it the process-wide default.
 
         Raises:
             PersistenceError: storage failed during claim or replay (nothing acknowledged).
@@ -209,12 +221,13 @@ class ShardWriter:
         """
         writer = cls(shard, spec, table, storage, config, controller, flusher, events)
         writer._claim_and_replay(origin)
-        writer.memory.on_seal_request(writer._wake_wal_thread)
+        writer._scheduler = scheduler or default_scheduler()
+        writer._task = writer._scheduler.register(shard, writer._wal_step)
+        writer.memory.on_seal_request(writer._wake_wal)
         controller.register(writer.memory)
-        writer._wal_thread = threading.Thread(
-            target=writer._wal_loop, name=f"wal-{shard}", daemon=True
-        )
-        writer._wal_thread.start()
+        # The first step: the memtable replay left may be due for an age seal, and the
+        # first idle fence probe (IDLE_WAKE_S after open, not all at once on a big assign).
+        writer._scheduler.wake_at(writer._task, time.monotonic() + IDLE_WAKE_S)
         return writer
 
     def _claim_and_replay(self, origin: ShardOrigin | None) -> None:
@@ -297,8 +310,10 @@ class ShardWriter:
             self._pending_bytes += nbytes
             self._pending_rows += batch.num_rows
             self._memtables.account()
-            if len(self._pending) == 1 or self._pending_bytes >= self.config.max_wal_buffer_bytes:
-                self._wake.notify_all()
+            if self._pending_bytes >= self.config.max_wal_buffer_bytes:
+                self._wake_wal()
+            elif len(self._pending) == 1:
+                self._wake_wal_at(put.arrived + self.config.max_wal_flush_interval_s)
         return put.future
 
     def _raise_if_unusable(self) -> None:
@@ -307,44 +322,92 @@ class ShardWriter:
         if self._closing:
             raise Poisoned("the shard writer is closed", shard=self.shard)
 
-    # ------------------------------------------------------------------ WAL thread
+    # ------------------------------------------------------------------ WAL steps
 
-    def _wake_wal_thread(self) -> None:
-        with self._lock:
-            self._wake.notify_all()
+    def _wake_wal(self) -> None:
+        """Run the WAL step soon (a full buffer, a seal request, close)."""
+        if self._task is not None and self._scheduler is not None:
+            self._scheduler.wake(self._task)
+
+    def _wake_wal_at(self, when: float) -> None:
+        if self._task is not None and self._scheduler is not None:
+            self._scheduler.wake_at(self._task, when)
 
     def _idle(self) -> bool:
         return not self._pending and not self._closing and not self.memory.seal_required
 
-    def _wal_loop(self) -> None:
-        name_os_thread("wal")  # its Python name holds the shard: too long for the OS
-        interval = self.config.max_wal_flush_interval_s
-        while True:
-            with self._lock:
-                self._memtables.seal_if_due()
-                if self._idle():
-                    self._wake.wait(timeout=IDLE_WAKE_S)
-                    idle = self._idle()
-                else:
-                    idle = False
-                if not idle:
-                    if self._pending:
-                        deadline = self._pending[0].arrived + interval
-                        while (
-                            not self._closing
-                            and self._pending_bytes < self.config.max_wal_buffer_bytes
-                            and (remaining := deadline - time.monotonic()) > 0
-                        ):
-                            self._wake.wait(timeout=remaining)
-                    taken = self._take_group_locked()
-                    if not taken:
-                        self._memtables.honour_seal_request()
-                        if self._closing:
-                            return
-            if idle:
-                self._maybe_check_fence()  # storage I/O: outside the writer lock
-            elif taken:
-                self._commit_group(taken)
+    def _wal_step(self) -> float | None:
+        """One pass of the WAL work, run by a `WalScheduler` worker (never two at once for
+        a shard): seal the active memtable if due, write one WAL entry of the buffered puts
+        once the first is `max_wal_flush_interval_s` old or they fill `max_wal_buffer_bytes`
+        (at once when closing), honour a seal request, and when idle probe for a fence (at
+        most every `max(fence_check_interval_s, IDLE_WAKE_S)`). Returns when it next wants
+        to run (see `_next_wake`). An unexpected failure poisons the writer (I6)."""
+        try:
+            return self._wal_step_once()
+        except Exception as exc:  # noqa: BLE001 - nothing more is acknowledged (I6)
+            error = Poisoned(f"WAL step failed: {exc}", shard=self.shard)
+            error.__cause__ = exc
+            self.poison(error)
+            if self._closing:
+                self._wal_done.set()
+            return None
+
+    def _wal_step_once(self) -> float | None:
+        taken: list[_Put] = []
+        probe = False
+        with self._lock:
+            self._memtables.seal_if_due()
+            now = time.monotonic()
+            if self._pending and (
+                self._closing
+                or self._pending_bytes >= self.config.max_wal_buffer_bytes
+                or now >= self._pending[0].arrived + self.config.max_wal_flush_interval_s
+            ):
+                taken = self._take_group_locked()
+            if not taken:
+                self._memtables.honour_seal_request()
+                if self._closing and not self._pending:
+                    self._wal_done.set()
+                    return None
+                probe = self._idle() and self._fence_probe_due(now)
+        if taken:
+            self._commit_group(taken)
+        elif probe:
+            self._maybe_check_fence()  # storage I/O: outside the writer lock
+        with self._lock:
+            return self._next_wake()
+
+    def _fence_probe_due(self, now: float) -> bool:
+        period = max(self.config.fence_check_interval_s, IDLE_WAKE_S)
+        return self._poison is None and now - self._last_fence_check >= period
+
+    def _next_wake(self) -> float | None:
+        """When the WAL step must run next (the caller holds the lock): now while closing
+        or a full buffer waits, the group-commit deadline of the first buffered put, the
+        active memtable's max-age seal (or a retry of a seal the controller refused), the
+        next idle fence probe; None when poisoned (nothing more to do until close)."""
+        now = time.monotonic()
+        if self._closing:
+            return now
+        if self._poison is not None:
+            return None
+        wakes = []
+        if self._idle():
+            period = max(self.config.fence_check_interval_s, IDLE_WAKE_S)
+            wakes.append(max(self._last_fence_check + period, now))
+        if self._pending:
+            if self._pending_bytes >= self.config.max_wal_buffer_bytes:
+                return now
+            wakes.append(self._pending[0].arrived + self.config.max_wal_flush_interval_s)
+        active = self._memtables.active
+        if active.rows:
+            if is_full(active.rows, active.memory_size, len(active.batches), self.config.limits):
+                wakes.append(now + IDLE_WAKE_S)  # the controller refused the seal
+            elif self.config.max_age_s > 0 and active.first_insert_at is not None:
+                due = active.first_insert_at + self.config.max_age_s
+                wakes.append(due if due > now else now + IDLE_WAKE_S)
+        return min(wakes, default=None)
 
     def _take_group_locked(self) -> list[_Put]:
         """The oldest pending puts that fit one WAL entry: at least one, then as many as
@@ -405,8 +468,8 @@ class ShardWriter:
             put.future.set_result(PutResult(position, put.rows, durable_at))
 
     def _schedule_flush(self) -> None:
-        """After a seal: flush on the pool once the WAL thread runs (replay flushes inline)."""
-        if self._wal_thread is not None:
+        """After a seal: flush on the pool once the writer is live (replay flushes inline)."""
+        if self._task is not None:
             self._flush.schedule()
 
     # ------------------------------------------------------------------ poison / fence
@@ -416,7 +479,7 @@ class ShardWriter:
         later put and read raises it, and nothing more is acknowledged or flushed (a flush
         already running finishes). The first error stays; later calls do nothing.
 
-        Called by the WAL thread (an append failed, or found its position taken), the
+        Called by the WAL step (an append failed, or found its position taken), the
         flushes (a fence, or `flush_max_attempts` failures) and the fence probe; a caller
         may poison a writer to stop it at an instant as a crash would (nothing buffered is
         written), then `close` it: recovery is close-and-reopen.
@@ -428,7 +491,6 @@ class ShardWriter:
             pending, self._pending = self._pending, []
             self._pending_bytes = self._pending_rows = 0
             self._memtables.account()
-            self._wake.notify_all()
         self._fail(pending, error)
         self.memory.notify()
         self.events.poisoned(self.shard, error)
@@ -508,9 +570,7 @@ class ShardWriter:
             return
         with self._lock:
             self._closing = True
-            self._wake.notify_all()
-        if self._wal_thread is not None:
-            self._wal_thread.join(timeout)
+        self._finish_wal(timeout)
         if flush and self._poison is None:
             self.seal()
             if not self.wait_flushed(timeout):
@@ -532,6 +592,28 @@ class ShardWriter:
         self.log.info(
             "shard_closed", epoch=self.epoch, flushed_position=self._flush.flushed_position
         )
+
+    def _finish_wal(self, timeout: float) -> None:
+        """Close: let the WAL steps write what is buffered, then leave the scheduler. With
+        the scheduler stopped (the engine closed first) the steps run on this thread."""
+        task, scheduler = self._task, self._scheduler
+        if task is None or scheduler is None:
+            return
+        scheduler.wake(task)
+        deadline = time.monotonic() + timeout
+        while not self._wal_done.wait(0.1):
+            if time.monotonic() >= deadline:
+                self.log.warning("close_wal_incomplete", pending=len(self._pending))
+                break
+            if scheduler.closed:
+                scheduler.unregister(task)
+                while not self._wal_done.is_set() and time.monotonic() < deadline:
+                    if task.state == ScheduledShard.RUNNING:  # a worker not yet stopped
+                        time.sleep(0.01)
+                    else:
+                        self._wal_step()
+                break
+        scheduler.unregister(task)
 
     @property
     def durable_offsets(self) -> dict[tuple[str, int], int]:

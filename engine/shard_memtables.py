@@ -1,4 +1,4 @@
-"""The memtables of one shard writer: the active memtable the WAL thread inserts durable
+"""The memtables of one shard writer: the active memtable the WAL step inserts durable
 entries into, the frozen ones waiting for their flush (oldest first), the durable cursors of
 what they hold, and the view readers take of them (`ShardView`, with the rule that decides
 which memtables a base table version already holds).
@@ -9,8 +9,9 @@ When the active memtable seals (who asks, and when):
   that needed it asked the controller's `may_seal` first, in `ShardWriter.put`).
 - After an insert, when `is_full` says it reached a limit: replay seals outright, the live
   path asks `may_seal` (`seal_if_due`).
-- At every wake of the WAL thread (`seal_if_due`): full, or its first row `max_age_s` old,
-  if `may_seal` allows; a refused seal is asked again at the next wake.
+- At every WAL step (`seal_if_due`): full, or its first row `max_age_s` old, if `may_seal`
+  allows; the step is scheduled at that age, and a refused seal is asked again every
+  `engine.shard.IDLE_WAKE_S`.
 - When the controller asked (`honour_seal_request`, `ShardMemory.request_seal`), and forced
   by drain, close and revoke (`ShardWriter.seal`, which ignores `may_seal`).
 
@@ -19,7 +20,7 @@ schedules the flush, `engine.flusher`). A frozen memtable leaves `frozen` only o
 committed, so readers keep seeing its rows until the base holds them.
 
 Every method runs under the writer's lock (the caller holds it): the caller's thread, the
-WAL thread and a flush share these fields through it.
+WAL step and a flush share these fields through it.
 """
 
 from __future__ import annotations
@@ -177,8 +178,9 @@ class ShardMemtables:
         its first row is `max_age_s` old, so a quiet partition's rows reach the Lance table
         (and other pods' queries) without waiting for another put: a full one at once, a
         slow one within about `max_age_s` plus one flush. Checked after every live insert
-        and on every WAL-thread wake (at least every `engine.shard.IDLE_WAKE_S`); a seal the
-        controller refuses now is asked again at the next. Returns True if it sealed."""
+        and at every WAL step (scheduled at the `max_age_s` deadline); a seal the
+        controller refuses now is asked again `engine.shard.IDLE_WAKE_S` later. Returns True
+        if it sealed."""
         active = self.active
         if not active.rows or self._poisoned() is not None:
             return False

@@ -2,7 +2,7 @@
 sink's metrics facade from the writer's own threads) and a snapshot of its state on demand
 (`ShardStats`, pulled by `ShardWriter.stats()`, readable after close and poisoning).
 
-Event methods are called on the thread that did the work (the WAL thread, a flush thread,
+Event methods are called on the thread that did the work (a WAL worker, a flush thread,
 the caller of `open`, `seal` or `close`), `memtable_sealed` while it holds the writer's lock:
 an implementation must be thread-safe and quick, and must never call back into the writer.
 """

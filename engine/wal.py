@@ -70,7 +70,8 @@ class EntryEncoder:
     Serialising into a fresh buffer page-faults on every entry (the kernel zeroes each new
     page), which costs more than the copy itself; the encoder keeps one scratch buffer and
     reuses it. The returned buffer is valid until the next `encode` call, so one encoder
-    belongs to one WAL thread, which writes each entry before encoding the next.
+    belongs to one shard writer, whose WAL steps (never two at once) write each entry
+    before encoding the next.
     """
 
     def __init__(self) -> None:

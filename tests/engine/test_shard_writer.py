@@ -408,13 +408,13 @@ def _os_thread_names() -> set[str]:
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="Linux: OS thread names")
 def test_the_wal_and_flush_threads_carry_os_names(local_harness: MakeHarness) -> None:
-    """`top -H` and per-thread CPU tell the WAL writer and the flushes from the rest of the
-    process (every Python thread otherwise carries the interpreter's name)."""
+    """`top -H` and per-thread CPU tell the WAL workers, their timer and the flushes from the
+    rest of the process (every Python thread otherwise carries the interpreter's name)."""
     h = local_harness(config=writer_config(max_rows=50))
     writer = h.open()
     for i in range(2):
         writer.put(make_batch(h.spec, i * 60, 60), source(i * 60, 60)).result(10)
     assert writer.wait_flushed(30)
     assert writer.stats().flushes_total >= 1
-    assert {"wal", "flush_0"} <= _os_thread_names()
+    assert {"wal_0", "wal_timer", "flush_0"} <= _os_thread_names()
     writer.close(flush=False)

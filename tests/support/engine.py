@@ -139,6 +139,7 @@ class Harness:
             overrides.get("controller", self.controller),
             self.flusher,
             overrides.get("events"),
+            scheduler=overrides.get("scheduler"),
         )
 
     def base_rows(self) -> pa.Table:

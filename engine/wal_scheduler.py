@@ -1,0 +1,259 @@
+"""The WAL scheduler: a pool of WAL workers and one timer shared by every shard writer of
+a process, so the threads and the idle cost do not grow with the number of shards.
+
+A shard writer registers a *step* (`WalScheduler.register`): one non-blocking pass of its
+WAL work (seal a memtable that is due, write one WAL entry of its buffered puts and resolve
+their futures, honour a seal request, probe for a fence). The step returns when the shard
+next wants to run (a `time.monotonic()` deadline: the group-commit deadline of its first
+buffered put, its active memtable's max-age seal, its next idle fence probe), or None.
+
+Lifecycle (who calls what, and when):
+
+- `register(name, step)` (`ShardWriter.open`, once the shard is live) returns the shard's
+  `ScheduledShard` handle. The pool threads start with the first registration.
+- `wake(handle)` (a put that filled the WAL buffer, a seal request, close) queues the shard
+  for the next free worker; `wake_at(handle, when)` (the first buffered put) puts a
+  deadline in the timer's heap. Both are cheap, never block on I/O, and may be called with
+  the writer's lock held (the scheduler's lock is taken last and never held while a step
+  runs).
+- A worker runs the step of one shard at a time, and **a shard is never run by two workers
+  at once**: a shard woken while its step runs is queued again after it (`again`), so its
+  WAL positions are written and its futures resolved in order. A step that raises is
+  logged and not retried (the writer's step poisons the writer itself first, I6).
+- `unregister(handle)` (the writer's close, after its last step) drops the shard: its
+  deadlines are ignored and wakes do nothing.
+- `close(timeout)` (`Engine.close`, after every writer closed) stops the workers and the
+  timer; a step already running finishes first. A writer closed later finishes its WAL
+  work on its own thread (`ShardWriter.close`).
+
+A shard with nothing buffered and no deadline costs nothing: no thread waits for it and no
+timer entry fires for it (its idle fence probe, when the writer asks for one, is one timer
+entry every `fence_check_interval`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import structlog
+
+from engine.threads import name_os_thread
+
+log = structlog.get_logger("lance_sink.engine")
+
+#: A step: one pass of a shard's WAL work; returns when it next wants to run, or None.
+Step = Callable[[], float | None]
+
+#: Rebuild the timer heap once this many of its entries were superseded (and they are the
+#: majority): a busy shard moves its deadline earlier at every first put, and the old
+#: entries would otherwise wait in the heap until their (possibly far) time.
+_STALE_REBUILD = 256
+
+
+def default_wal_workers() -> int:
+    """The pool size when `wal.workers` is unset: 4 per core, at least 4, at most 32.
+
+    A WAL worker mostly waits on storage (an fsync, or a PUT to an object store), so the
+    pool is a few times the cores; it bounds how many WAL appends of different shards are
+    in flight at once, not how many shards there are.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(32, max(4, 4 * (cores or 1)))
+
+
+class ScheduledShard:
+    """One registered shard: its step and its scheduling state (under the scheduler lock)."""
+
+    __slots__ = ("again", "closed", "name", "state", "step", "timer_at")
+
+    IDLE, QUEUED, RUNNING = 0, 1, 2
+
+    def __init__(self, name: str, step: Step) -> None:
+        self.name = name
+        self.step = step
+        self.state = ScheduledShard.IDLE
+        #: Woken while its step ran: queue it again after the step.
+        self.again = False
+        #: The deadline of its live timer entry (None: none).
+        self.timer_at: float | None = None
+        self.closed = False
+
+
+class WalScheduler:
+    """The WAL workers and the timer; see the module docstring."""
+
+    def __init__(self, workers: int | None = None, name: str = "wal") -> None:
+        self.workers = workers or default_wal_workers()
+        self.name = name
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._timer = threading.Condition(self._lock)
+        self._ready: deque[ScheduledShard] = deque()
+        self._heap: list[tuple[float, int, ScheduledShard]] = []
+        self._stale = 0
+        self._seq = itertools.count()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self._registered = 0
+        #: Steps run (all shards): a test counts them to check an idle engine stays idle.
+        self.steps_total = 0
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def registered(self) -> int:
+        """How many shards are registered now."""
+        return self._registered
+
+    # ------------------------------------------------------------------ shards
+
+    def register(self, name: str, step: Step) -> ScheduledShard:
+        """Register a shard's step (see the module docstring); starts the pool if needed."""
+        handle = ScheduledShard(name, step)
+        with self._lock:
+            if self._closed:
+                handle.closed = True
+                return handle
+            self._registered += 1
+            if not self._threads:
+                self._start_locked()
+        return handle
+
+    def unregister(self, handle: ScheduledShard) -> None:
+        """Drop a shard: no further step runs for it (one running now finishes)."""
+        with self._lock:
+            if not handle.closed:
+                handle.closed = True
+                self._registered -= 1
+                if handle.timer_at is not None:
+                    handle.timer_at = None
+                    self._stale += 1
+
+    def wake(self, handle: ScheduledShard) -> None:
+        """Run the shard's step as soon as a worker is free (once, however often woken)."""
+        with self._lock:
+            self._wake_locked(handle)
+
+    def wake_at(self, handle: ScheduledShard, when: float) -> None:
+        """Run the shard's step at `when` (`time.monotonic()`) at the latest."""
+        with self._lock:
+            self._wake_at_locked(handle, when)
+
+    def _wake_locked(self, handle: ScheduledShard) -> None:
+        if handle.closed or self._closed:
+            return
+        if handle.state == ScheduledShard.IDLE:
+            handle.state = ScheduledShard.QUEUED
+            self._ready.append(handle)
+            self._work.notify()
+        elif handle.state == ScheduledShard.RUNNING:
+            handle.again = True
+
+    def _wake_at_locked(self, handle: ScheduledShard, when: float) -> None:
+        if handle.closed or self._closed:
+            return
+        if when <= time.monotonic():
+            self._wake_locked(handle)
+            return
+        if handle.timer_at is not None:
+            if handle.timer_at <= when:
+                return  # an earlier entry is live: the step then asks again
+            self._stale += 1
+        handle.timer_at = when
+        heapq.heappush(self._heap, (when, next(self._seq), handle))
+        if self._heap[0][2] is handle:
+            self._timer.notify()
+        if self._stale > _STALE_REBUILD and self._stale * 2 > len(self._heap):
+            self._heap = [e for e in self._heap if e[2].timer_at == e[0] and not e[2].closed]
+            heapq.heapify(self._heap)
+            self._stale = 0
+
+    # ------------------------------------------------------------------ threads
+
+    def _start_locked(self) -> None:
+        for i in range(self.workers):
+            t = threading.Thread(target=self._work_loop, name=f"{self.name}_{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        t = threading.Thread(target=self._timer_loop, name=f"{self.name}_timer", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _timer_loop(self) -> None:
+        name_os_thread()
+        with self._lock:
+            while not self._closed:
+                if not self._heap:
+                    self._timer.wait()
+                    continue
+                wait = self._heap[0][0] - time.monotonic()
+                if wait > 0:
+                    self._timer.wait(wait)
+                    continue
+                when, _, handle = heapq.heappop(self._heap)
+                if handle.timer_at != when or handle.closed:
+                    self._stale = max(self._stale - 1, 0)
+                    continue
+                handle.timer_at = None
+                self._wake_locked(handle)
+
+    def _work_loop(self) -> None:
+        name_os_thread()
+        while True:
+            with self._lock:
+                while not self._ready and not self._closed:
+                    self._work.wait()
+                if self._closed:
+                    return
+                handle = self._ready.popleft()
+                if handle.closed:
+                    handle.state = ScheduledShard.IDLE
+                    continue
+                handle.state = ScheduledShard.RUNNING
+                handle.again = False
+                self.steps_total += 1
+            try:
+                when = handle.step()
+            except Exception as exc:  # noqa: BLE001 - a worker must not die with a shard
+                log.error("wal_step_failed", shard=handle.name, error=str(exc))
+                when = None
+            with self._lock:
+                handle.state = ScheduledShard.IDLE
+                if handle.again:
+                    self._wake_locked(handle)
+                elif when is not None:
+                    self._wake_at_locked(handle, when)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the workers and the timer (idempotent); a running step finishes first."""
+        with self._lock:
+            self._closed = True
+            self._work.notify_all()
+            self._timer.notify_all()
+            threads, self._threads = self._threads, []
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(max(deadline - time.monotonic(), 0))
+
+
+_default: WalScheduler | None = None
+_default_lock = threading.Lock()
+
+
+def default_scheduler() -> WalScheduler:
+    """The process-wide scheduler of writers opened without one (tests, benches, embedded
+    use without an `Engine`): started on first use, never closed (daemon threads)."""
+    global _default  # noqa: PLW0603 - one lazily built process-wide pool
+    with _default_lock:
+        if _default is None:
+            _default = WalScheduler()
+        return _default

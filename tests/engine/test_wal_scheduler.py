@@ -1,0 +1,107 @@
+"""The WAL scheduler (`engine.wal_scheduler`): shards share a pool of WAL workers and one
+timer, so opening shards adds no threads and an idle shard costs no wake-ups; the WAL
+contracts (group commit, futures resolved in put order, close writes what is buffered) hold
+with many shards on few workers (real Lance and real files on tmp_path)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+from engine.engine import Engine
+from engine.shard import PutResult
+from engine.wal_scheduler import WalScheduler
+from tests.engine.conftest import MakeHarness
+from tests.engine.test_shard_ids import TOPIC, settings
+from tests.support.engine import make_batch, source, writer_config
+
+SHARDS = 64
+
+
+def test_opening_64_shards_adds_no_thread_per_shard(local_harness: MakeHarness) -> None:
+    """Writers opened without an engine share the process-wide scheduler: the threads do
+    not grow with the shards (they did by one WAL thread each)."""
+    harness = local_harness()
+    first = harness.open(shard="t-first-test")
+    before = threading.active_count()
+    writers = [harness.open(shard=f"t-{i}-test") for i in range(SHARDS)]
+    assert threading.active_count() - before <= 2, threading.enumerate()
+    futures = [
+        w.put(make_batch(harness.spec, 0, 5, partition=i), source(0, 5, partition=i))
+        for i, w in enumerate(writers)
+    ]
+    assert all(f.result(30).rows == 5 for f in futures)
+    for w in [first, *writers]:
+        w.close(flush=False)
+
+
+def test_an_idle_shard_is_not_woken(local_harness: MakeHarness) -> None:
+    """An idle shard's WAL step runs only for its fence probe (every
+    `fence_check_interval_s`), never on a short poll: 64 idle shards, no step in a second."""
+    scheduler = WalScheduler(2)
+    harness = local_harness(config=writer_config(fence_check_interval_s=3.0))
+    try:
+        writers = [harness.open(shard=f"t-{i}-test", scheduler=scheduler) for i in range(SHARDS)]
+        time.sleep(1.0)  # the first step of each (+0.5 s): its first fence probe
+        steps = scheduler.steps_total
+        assert steps >= SHARDS
+        time.sleep(1.2)
+        assert scheduler.steps_total == steps
+        for w in writers:
+            w.close(flush=False)
+    finally:
+        scheduler.close()
+
+
+def test_many_shards_on_two_workers_keep_put_order_and_group_commit(
+    local_harness: MakeHarness,
+) -> None:
+    """Puts to 64 shards on 2 workers: each shard's futures resolve in put order with
+    non-decreasing WAL positions, puts within the window share entries, and close writes
+    what is still buffered."""
+    scheduler = WalScheduler(2)
+    harness = local_harness(config=writer_config(max_rows=10**6, interval_s=0.05))
+    try:
+        writers = [harness.open(shard=f"t-{i}-test", scheduler=scheduler) for i in range(SHARDS)]
+        futures: list[list[Future[PutResult]]] = [[] for _ in writers]
+        for n in range(10):
+            for i, w in enumerate(writers):
+                batch = make_batch(harness.spec, n * 3, 3, partition=i)
+                futures[i].append(w.put(batch, source(n * 3, 3, partition=i)))
+        last = [
+            w.put(make_batch(harness.spec, 30, 1, partition=i), source(30, 1, partition=i))
+            for i, w in enumerate(writers)
+        ]
+        for w in writers:
+            w.close(flush=False)  # writes the buffered puts before returning
+        for i, w in enumerate(writers):
+            results = [f.result(0) for f in [*futures[i], last[i]]]
+            positions = [r.position for r in results]
+            assert positions == sorted(positions)
+            assert len(set(positions)) < len(positions)  # group commit
+            assert w.stats().wal_entries_total == len(set(positions))
+            assert w.durable_offsets[("t", i)] == 30
+    finally:
+        scheduler.close()
+
+
+def test_engine_close_stops_the_wal_workers(tmp_path: Path) -> None:
+    """The engine's scheduler runs its shards (workers and timer start with the first) and
+    stops with `Engine.close`, after the writers wrote what they buffered."""
+    others = set(threading.enumerate())  # e.g. the default scheduler of other tests
+    engine = Engine.from_settings(settings(str(tmp_path / "t.lance")))
+    writers = [engine.open_shard(TOPIC, p) for p in range(8)]
+    futures = [
+        w.put(make_batch(engine.spec, 0, 5, topic=TOPIC, partition=p), source(0, 5, TOPIC, p))
+        for p, w in enumerate(writers)
+    ]
+    assert all(f.result(30).rows == 5 for f in futures)
+    assert engine.wal_scheduler.registered == 8
+    threads = [t for t in set(threading.enumerate()) - others if t.name.startswith("wal_")]
+    assert len(threads) == engine.wal_scheduler.workers + 1  # the workers and the timer
+    engine.close(timeout=10)
+    assert engine.wal_scheduler.registered == 0
+    assert not any(t.is_alive() for t in threads)
+    assert all(w.durable_offsets[(TOPIC, p)] == 4 for p, w in enumerate(writers))
