@@ -156,6 +156,7 @@ class ShardWriter:
         self._closing = False
         self._closed = False
         self._last_fence_check = 0.0
+        self._probing = False  # a background fence probe is queued or running
         self._scheduler: WalScheduler | None = None
         self._task: ScheduledShard | None = None
         #: Set by the last WAL step after close: everything buffered was written (or failed).
@@ -341,7 +342,8 @@ class ShardWriter:
         a shard): seal the active memtable if due, write one WAL entry of the buffered puts
         once the first is `max_wal_flush_interval_s` old or they fill `max_wal_buffer_bytes`
         (at once when closing), honour a seal request, and when idle probe for a fence (at
-        most every `max(fence_check_interval_s, IDLE_WAKE_S)`). Returns when it next wants
+        most every `max(fence_check_interval_s, IDLE_WAKE_S)`, on the scheduler's probe
+        lane: `WalScheduler.probe`). Returns when it next wants
         to run (see `_next_wake`). An unexpected failure poisons the writer (I6)."""
         try:
             return self._wal_step_once()
@@ -371,16 +373,29 @@ class ShardWriter:
                     self._wal_done.set()
                     return None
                 probe = self._idle() and self._fence_probe_due(now)
+                if probe:
+                    self._probing = True
+                    self._last_fence_check = now
         if taken:
             self._commit_group(taken)
-        elif probe:
-            self._maybe_check_fence()  # storage I/O: outside the writer lock
+        elif probe and self._scheduler is not None:
+            # Storage I/O (a LIST on S3) on the scheduler's probe lane, never in the way
+            # of another shard's WAL append.
+            self._scheduler.probe(self._background_fence_probe)
         with self._lock:
             return self._next_wake()
 
+    def _background_fence_probe(self) -> None:
+        try:
+            if not self._closing:
+                self._probe_fence()
+        finally:
+            self._probing = False
+            self._wake_wal()  # the step schedules the next probe
+
     def _fence_probe_due(self, now: float) -> bool:
         period = max(self.config.fence_check_interval_s, IDLE_WAKE_S)
-        return self._poison is None and now - self._last_fence_check >= period
+        return self._poison is None and not self._probing and now - self._last_fence_check >= period
 
     def _next_wake(self) -> float | None:
         """When the WAL step must run next (the caller holds the lock): now while closing
@@ -393,7 +408,7 @@ class ShardWriter:
         if self._poison is not None:
             return None
         wakes = []
-        if self._idle():
+        if self._idle() and not self._probing:
             period = max(self.config.fence_check_interval_s, IDLE_WAKE_S)
             wakes.append(max(self._last_fence_check + period, now))
         if self._pending:
@@ -511,6 +526,9 @@ class ShardWriter:
         ):
             return
         self._last_fence_check = now
+        self._probe_fence()
+
+    def _probe_fence(self) -> None:
         try:
             superseded = self._flush.superseded()
         except Exception as exc:  # noqa: BLE001 - a failed probe is retried, not fatal

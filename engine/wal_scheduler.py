@@ -20,6 +20,9 @@ Lifecycle (who calls what, and when):
   at once**: a shard woken while its step runs is queued again after it (`again`), so its
   WAL positions are written and its futures resolved in order. A step that raises is
   logged and not retried (the writer's step poisons the writer itself first, I6).
+- `probe(fn)` (a shard's step, when its idle fence probe is due) runs the probe on the
+  probe lane (`PROBE_WORKERS` threads), so storage round trips of idle shards never queue
+  before the WAL steps of busy ones.
 - `unregister(handle)` (the writer's close, after its last step) drops the shard: its
   deadlines are ignored and wakes do nothing.
 - `close(timeout)` (`Engine.close`, after every writer closed) stops the workers and the
@@ -40,6 +43,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
@@ -49,6 +53,11 @@ log = structlog.get_logger("lance_sink.engine")
 
 #: A step: one pass of a shard's WAL work; returns when it next wants to run, or None.
 Step = Callable[[], float | None]
+
+#: Threads of the probe lane: idle shards' fence probes (a LIST each, a round trip on S3)
+#: run there, so they never delay a WAL append; with many shards on an object store they
+#: fall behind (each shard then probes less often than asked), never the appends.
+PROBE_WORKERS = 2
 
 #: Rebuild the timer heap once this many of its entries were superseded (and they are the
 #: majority): a busy shard moves its deadline earlier at every first put, and the old
@@ -100,6 +109,7 @@ class WalScheduler:
         self._seq = itertools.count()
         self._threads: list[threading.Thread] = []
         self._closed = False
+        self._probes: ThreadPoolExecutor | None = None
         self._registered = 0
         #: Steps run (all shards): a test counts them to check an idle engine stays idle.
         self.steps_total = 0
@@ -147,6 +157,15 @@ class WalScheduler:
         with self._lock:
             self._wake_at_locked(handle, when)
 
+    def probe(self, fn: Callable[[], None]) -> None:
+        """Run `fn` (a shard's fence probe: storage I/O) on the probe lane, not a WAL
+        worker. The caller keeps at most one queued per shard. Ignored once closed."""
+        with self._lock:
+            pool = self._probes
+            if pool is None or self._closed:
+                return
+            pool.submit(fn)
+
     def _wake_locked(self, handle: ScheduledShard) -> None:
         if handle.closed or self._closed:
             return
@@ -186,6 +205,9 @@ class WalScheduler:
         t = threading.Thread(target=self._timer_loop, name=f"{self.name}_timer", daemon=True)
         t.start()
         self._threads.append(t)
+        self._probes = ThreadPoolExecutor(
+            PROBE_WORKERS, thread_name_prefix="fence_probe", initializer=name_os_thread
+        )
 
     def _timer_loop(self) -> None:
         name_os_thread()
@@ -239,6 +261,9 @@ class WalScheduler:
             self._work.notify_all()
             self._timer.notify_all()
             threads, self._threads = self._threads, []
+            probes = self._probes
+        if probes is not None:
+            probes.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + timeout
         for t in threads:
             if t is not threading.current_thread():
