@@ -388,10 +388,17 @@ class Pipeline:
 
     # ------------------------------------------------------------------ advance
 
-    def advance(self) -> None:
-        """Move each partition's `done` over puts that became durable, in order."""
+    def advance(self) -> bool:
+        """Move each partition's `done` over puts that became durable, in order. Returns
+        whether every partition is quiet: ACTIVE and settled (nothing parked, decoding,
+        held or in flight; `PartitionState.settled`), so the loop has nothing to wait for
+        but new messages."""
+        quiet = True
         for state in self.partitions.states():
             self.advance_one(state)
+            if quiet and (state.phase is not Phase.ACTIVE or not state.settled):
+                quiet = False
+        return quiet
 
     def advance_one(self, state: PartitionState) -> None:
         while state.inflight:

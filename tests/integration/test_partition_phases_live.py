@@ -112,3 +112,25 @@ def test_a_commit_publishes_the_views_before_it_is_sent(
     view = service.board.views[0]
     assert view.pending_timestamp_ms is None
     assert service.board.partition_offsets(view).lag_seconds() == 0.0
+
+
+def test_a_quiet_loop_publishes_the_views_less_often(
+    service: SinkService, kafka_broker: Broker, topic: str
+) -> None:
+    # A view per partition every 20 ms was a quarter of an idle loop's CPU at 1,024
+    # partitions (issue #39): with no row made durable for PUBLISH_BUSY_S, the views are
+    # published every PUBLISH_IDLE_INTERVAL_S; while rows flow, every 20 ms as before.
+    active(service, topic)
+    board = service.board
+    board.publish()
+    start = board.published_at
+    board.ticked(start)  # the first tick sees the row count: counted as rows moving
+    views = board.views
+    board.ticked(start + 0.15)  # quiet for 0.15 s: not yet PUBLISH_IDLE_INTERVAL_S
+    assert board.views is views
+    board.ticked(start + 0.3)
+    assert board.views is not views
+    views, start = board.views, board.published_at
+    service.metrics.rows_total += 1  # a row became durable
+    board.ticked(start + 0.03)
+    assert board.views is not views
