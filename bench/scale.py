@@ -1,0 +1,287 @@
+"""Cost by partition count: one `lance-sink run` process reading one topic of P partitions.
+
+    python -m bench.scale [--partitions 8,64,256,1024] [--messages N] [--idle-s S]
+                          [--compare ROOT] [--out FILE]
+
+One tansu broker (memory storage) for the whole run. For each partition count P, a topic of
+P partitions gets N small vector messages (16-dim JSON vectors, ~200 B), spread evenly;
+`lance-sink run` (query API on, maintenance off: its child process is not what is measured)
+consumes them from a fresh group. Measured on the sink process (not its children):
+
+- catch-up: N / (seconds from the first durable row to every offset committed), and the
+  seconds from the process start to the first durable row (the group join and the opening
+  of P shards);
+- then, with nothing to consume, after `--settle-s`: the threads (`/proc/PID/status`), the
+  CPU it uses over `--idle-s` seconds (% of one core, utime + stime of `/proc/PID/stat`),
+  its RSS, and the number of series `/metrics` exposes.
+
+With `--compare ROOT` (another checkout, e.g. a worktree of main), every partition count
+runs there too, right before this checkout's, so the two columns of each row share the
+machine's state. Targets (issue #39): at 1,024 partitions idle CPU <= 5% of a core and
+<= 100 threads; catch-up rate at 256 partitions >= 0.8x the rate at 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import confluent_kafka
+import numpy as np
+import orjson
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from bench.e2e import cpu_split, free_port, ingested, scrape, tansu, thread_cpu
+from bench.engine import WORDS
+
+ROOT = Path(__file__).resolve().parents[1]
+DIM = 16
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def payloads(n: int) -> list[bytes]:
+    rng = np.random.default_rng(7)
+    vectors = rng.standard_normal((n, DIM), dtype=np.float32).round(5)
+    out = []
+    for i in range(n):
+        text = " ".join(rng.choice(WORDS, 8))[:60]
+        out.append(
+            orjson.dumps(
+                {"id": f"v-{i:09d}", "n": i, "text": text, "vec": vectors[i]},
+                option=orjson.OPT_SERIALIZE_NUMPY,
+            )
+        )
+    return out
+
+
+def create_topic(bootstrap: str, topic: str, partitions: int) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
+        future.result(60)
+    deadline = time.monotonic() + 60
+    while True:
+        meta = admin.list_topics(topic, timeout=10).topics.get(topic)
+        if meta is not None and meta.error is None and len(meta.partitions) == partitions:
+            return
+        assert time.monotonic() < deadline, f"topic {topic} not ready"
+        time.sleep(0.2)
+
+
+def produce(bootstrap: str, topic: str, partitions: int, values: list[bytes]) -> None:
+    producer = confluent_kafka.Producer(
+        {"bootstrap.servers": bootstrap, "linger.ms": 20, "batch.size": 1 << 20}
+    )
+    for i, value in enumerate(values):
+        while True:
+            try:
+                producer.produce(topic, value=value, key=str(i).encode(), partition=i % partitions)
+                break
+            except BufferError:
+                producer.poll(0.05)
+    producer.flush(600)
+
+
+class Committed:
+    """The group's committed offsets summed over the topic's partitions."""
+
+    def __init__(self, bootstrap: str, group: str, topic: str, partitions: int) -> None:
+        self._consumer = confluent_kafka.Consumer(
+            {"bootstrap.servers": bootstrap, "group.id": group}
+        )
+        self._partitions = [confluent_kafka.TopicPartition(topic, p) for p in range(partitions)]
+
+    def total(self) -> int:
+        tps = self._consumer.committed(self._partitions, timeout=30)
+        return sum(max(tp.offset, 0) for tp in tps)
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+def write_config(path: Path, bootstrap: str, topic: str, group: str, uri: str) -> int:
+    port = free_port()
+    lines = [
+        "[kafka]",
+        f'bootstrap_servers = "{bootstrap}"',
+        f'group_id = "{group}"',
+        f'topics = ["{topic}"]',
+        "session_timeout_ms = 10000",
+        "[backpressure]",
+        'process_budget_bytes = "1GiB"',
+        "[query]",
+        'host = "127.0.0.1"',
+        f"port = {free_port()}",
+        "[maintenance]",
+        "enabled = false",
+        "[observability]",
+        f"metrics_port = {port}",
+        'log_format = "json"',
+        'log_level = "warning"',
+        "[table]",
+        f'uri = "{uri}"',
+        (
+            'columns = [{ name = "id", type = "string", nullable = false }, '
+            '{ name = "n", type = "int64", nullable = true }, '
+            '{ name = "text", type = "string", nullable = true }]'
+        ),
+        f'vector = {{ column = "vec", dim = {DIM}, metric = "l2" }}',
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return port
+
+
+def proc_stat(pid: int) -> tuple[float, int, int]:
+    """(CPU seconds used, threads, RSS bytes) of process `pid` (not its children)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    values = {line.split(":")[0]: line.split(":")[1].strip() for line in status if ":" in line}
+    return cpu, int(values["Threads"]), int(values["VmRSS"].split()[0]) * 1024
+
+
+def scrape_slowly(port: int) -> str:
+    """/metrics with a long timeout: at 1,024 partitions (37,000 series, and on main 1,000
+    WAL threads) one exposition took longer than bench.e2e's 5 s."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=120) as r:
+        return str(r.read().decode())
+
+
+def series(text: str) -> int:
+    return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+
+
+def one_run(
+    root: Path, bootstrap: str, partitions: int, messages: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix=f"lance-sink-scale-{partitions}-"))
+    topic = f"scale-{partitions}-{uuid.uuid4().hex[:6]}"
+    group = f"scale-{uuid.uuid4().hex[:6]}"
+    create_topic(bootstrap, topic, partitions)
+    produce(bootstrap, topic, partitions, payloads(messages))
+    config = workdir / "sink.toml"
+    port = write_config(config, bootstrap, topic, group, str(workdir / "t.lance"))
+    log = (workdir / "sink.log").open("wb")
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sink.cli", "run", "--config", str(config)],
+        cwd=root,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    committed = Committed(bootstrap, group, topic, partitions)
+    first: float | None = None
+    try:
+        deadline = started + args.timeout
+        while True:
+            assert proc.poll() is None, (workdir / "sink.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no catch-up within the timeout"
+            if first is None:
+                try:
+                    if ingested(scrape(port)) > 0:
+                        first = time.monotonic()
+                except (urllib.error.URLError, OSError):
+                    pass
+            elif committed.total() >= messages:
+                break
+            time.sleep(0.05)
+        done = time.monotonic()
+        time.sleep(args.settle_s)
+        cpu0, _, _ = proc_stat(proc.pid)
+        split0 = thread_cpu(proc.pid)
+        t0 = time.monotonic()
+        time.sleep(args.idle_s)
+        cpu1, threads, rss = proc_stat(proc.pid)
+        seconds = time.monotonic() - t0
+        idle_cpu = (cpu1 - cpu0) / seconds * 100
+        split = cpu_split(split0, thread_cpu(proc.pid), seconds)
+        metrics = series(scrape_slowly(port))
+        return {
+            "partitions": partitions,
+            "threads": threads,
+            "idle_cpu_pct": idle_cpu,
+            "rss_mib": rss / (1 << 20),
+            "series": metrics,
+            "to_first_row_s": first - started,
+            "catchup_s": done - first,
+            "rate": messages / (done - first),
+            "idle_split": split,
+        }
+    finally:
+        committed.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+
+
+def fmt(r: dict[str, Any]) -> str:
+    return (
+        f"{r['threads']:>7} {r['idle_cpu_pct']:>8.1f} {r['rss_mib']:>7.0f} {r['series']:>7} "
+        f"{r['to_first_row_s']:>7.1f} {r['rate']:>9,.0f}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--partitions", default="8,64,256,1024")
+    parser.add_argument("--messages", type=int, default=40_000)
+    parser.add_argument("--settle-s", type=float, default=5.0)
+    parser.add_argument("--idle-s", type=float, default=10.0)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--compare", type=Path, default=None, help="another checkout (base)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    counts = [int(p) for p in args.partitions.split(",")]
+    roots = [("base", args.compare)] if args.compare else []
+    roots.append(("this", ROOT))
+    lines: list[str] = []
+
+    def report(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    report(
+        f"bench/scale: {args.messages:,} messages of {DIM}-dim vectors per run, one "
+        f"`lance-sink run`, idle measured over {args.idle_s:.0f} s after {args.settle_s:.0f} s "
+        f"settling; {os.cpu_count()} CPUs"
+    )
+    header = (
+        f"{'checkout':>8} {'parts':>6} {'threads':>7} {'idle%':>8} {'RSS MiB':>7} "
+        f"{'series':>7} {'start s':>7} {'msg/s':>9}"
+    )
+    report(header)
+    broker, bootstrap = tansu()
+    results: dict[str, dict[int, dict[str, Any]]] = {name: {} for name, _ in roots}
+    try:
+        for partitions in counts:
+            for name, root in roots:
+                r = one_run(root, bootstrap, partitions, args.messages, args)
+                results[name][partitions] = r
+                report(f"{name:>8} {partitions:>6} {fmt(r)}")
+                print(f"         idle CPU by thread: {r['idle_split']}", flush=True)
+    finally:
+        broker.terminate()
+        broker.wait(30)
+    for name, by_count in results.items():
+        if 8 in by_count and 256 in by_count:
+            ratio = by_count[256]["rate"] / by_count[8]["rate"]
+            report(f"{name}: catch-up rate at 256 / at 8 partitions = {ratio:.2f} (target >= 0.8)")
+    if args.out is not None:
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
