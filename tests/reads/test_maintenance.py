@@ -343,7 +343,10 @@ def test_the_thread_optimizes_between_full_runs(make_harness: MakeHarness) -> No
     # Only the optimize tasks ran in between (the creations found their indexes): the
     # full run is an hour away.
     between = events.events[full_run:]
-    assert {t for t, o in between if o != "skipped"} == {"optimize_indices", "optimize_vector_index"}
+    assert {t for t, o in between if o != "skipped"} == {
+        "optimize_indices",
+        "optimize_vector_index",
+    }
     assert {t for t, _ in between} <= {
         "optimize_indices",
         "optimize_vector_index",
