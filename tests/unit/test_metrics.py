@@ -82,6 +82,10 @@ EXPECTED = {
         "(error) or does not hold them (unheld: a rebalance in progress), or because their "
         "writer advertised no URL to ask (unadvertised), by cause."
     ),
+    "lance_sink_ingest_paused_seconds": (
+        "Seconds the consumer loop paused so that the queries running on this pod get "
+        "their share of its time (query.ingest_share)."
+    ),
     "lance_sink_query_unindexed_cache_bytes": (
         "Bytes of base rows the indexes do not cover yet, held in memory for queries "
         "(vector matrices, flushed memtables kept for text search)."
