@@ -419,8 +419,13 @@ def exact_knn(
         sub_norms = all_norms if index is None else all_norms[index]
         qn = query / max(float(np.linalg.norm(query)), 1e-30)
         with np.errstate(invalid="ignore", divide="ignore"):
-            dist_all = 1.0 - (sub @ qn) / sub_norms
-        dist_all = np.where(np.isfinite(dist_all), dist_all, 1.0).astype(np.float32)
+            dist_all = (1.0 - (sub @ qn) / sub_norms).astype(np.float32)
+        # A zero row has no direction: no cosine neighbour of any query (its distance is
+        # NaN, which Lance leaves out of every answer too; docs/reads.md).
+        directed = np.flatnonzero(sub_norms > 0.0)
+        if len(directed) < len(dist_all):
+            index = directed if index is None else index[directed]
+            dist_all = dist_all[directed]
         kk = min(k, len(dist_all))
         top = np.argpartition(dist_all, kk - 1)[:kk] if kk < len(dist_all) else np.arange(kk)
         top = top[np.argsort(dist_all[top], kind="stable")]
