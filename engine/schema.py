@@ -122,6 +122,17 @@ class TableSpec:
         return self.mode == "upsert"
 
     @property
+    def row_identity(self) -> tuple[str, ...]:
+        """Columns whose values tell a visible row from every other: the primary key of an
+        upsert table (one live row per key); an append table's source coordinates, where
+        rows may share a key; an append table stored without them, every column."""
+        if self.upsert:
+            return self.primary_key
+        if all(name in self.table_schema.names for name in SOURCE_COLUMNS):
+            return SOURCE_COLUMNS
+        return tuple(self.table_schema.names)
+
+    @property
     def batch_schema(self) -> pa.Schema:
         """The schema of batches given to `put`, WAL entries and memtables."""
         if not self.upsert:

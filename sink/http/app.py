@@ -227,8 +227,8 @@ def _hybrid(
     assert body.vector is not None
     assert body.text is not None
     out_cols = reader.columns(columns)
-    key_cols = list(reader.spec.primary_key)
-    fetch = list(dict.fromkeys([*out_cols, *key_cols]))
+    identity = list(reader.spec.row_identity)  # an append table's rows may share a key
+    fetch = list(dict.fromkeys([*out_cols, *identity]))
     lists = reader.search_hybrid(
         body.vector,
         body.text,
@@ -245,7 +245,10 @@ def _hybrid(
     fused: dict[Any, float] = {}
     rows: dict[Any, dict[str, Any]] = {}
     for table in lists:
-        keys = reader.keys_of(table)
+        keys = [
+            tuple(tuple(v) if isinstance(v, list) else v for v in row.values())
+            for row in table.select(identity).to_pylist()
+        ]
         selected = table.select(out_cols).to_pylist()
         for rank, (key, row) in enumerate(zip(keys, selected, strict=True)):
             fused[key] = fused.get(key, 0.0) + 1.0 / (RRF_K + rank + 1)

@@ -695,3 +695,52 @@ def test_a_rare_terms_count_in_an_unindexed_base_tokenises_as_the_index(tmp_path
         assert reader.text.base_df(base, BODY.name, "late") == 1
     finally:
         tiers.close()
+
+
+def test_a_hybrid_answer_keeps_append_rows_that_share_a_key(tmp_path: Path) -> None:
+    """An append table's key may repeat (each message is a row): the fusion tells rows apart
+    by their source coordinates, as both lists hold them. It fused by the primary key, so
+    rows 0 and 2 (key 7) became one row with both rows' ranks summed."""
+    docs = ["alpha", "bravo", "alpha bravo", "charlie"]
+    rows = tuple(
+        {"id": 7 if i in (0, 2) else i, BODY.name: d, NUM.name: i} for i, d in enumerate(docs)
+    )
+    vectors = ((1.0, 0.0), (0.0, 1.0), (1.0, 1.0), (2.0, 2.0))
+    table = ScoreTable(KEY, (BODY, NUM), rows, vectors=vectors)
+    tiers = Tiers(tmp_path, table)
+    try:
+        for name, parts in [("fresh", [(0, 4, False)]), ("base", [(0, 4, True)])]:
+            reader = tiers.reader(name, parts)
+            with TestClient(create_query_app(reader, QuerySettings())) as app:
+                body = {"vector": [1.0, 0.0], "text": "alpha", "k": 10, "columns": ["id", "n"]}
+                response = app.post("/v1/search", json=body)
+            assert response.status_code == 200, response.text
+            got = [(r["id"], r["n"]) for r in response.json()["rows"]]
+            # Every row is in the kNN list; rows 0 and 2 in the text list too.
+            assert sorted(got) == [(1, 1), (3, 3), (7, 0), (7, 2)], f"{name}: {got}"
+            assert got[0] == (7, 0), f"{name}: {got}"  # nearest and a text match
+    finally:
+        tiers.close()
+
+
+@pytest.mark.parametrize(
+    ("mode", "source_columns", "identity"),
+    [
+        ("upsert", True, ("id",)),
+        ("append", True, ("_topic", "_partition", "_offset")),
+        ("append", False, ("id", "n", "vec")),
+    ],
+)
+def test_what_tells_a_row_from_the_others(
+    mode: str, source_columns: bool, identity: tuple[str, ...]
+) -> None:
+    raw = {
+        "uri": "never-opened.lance",
+        "mode": mode,
+        "columns": [{"name": "id", "type": "int64"}, {"name": "n", "type": "int32"}],
+        "primary_key": ["id"],
+        "source_columns": source_columns,
+        "vector": {"column": "vec", "dim": 2},
+    }
+    spec = TableSpec.from_settings(TableSettings.model_validate(raw))
+    assert spec.row_identity == identity
