@@ -55,9 +55,11 @@ outcome ``done`` / ``skipped`` / ``conflict`` / ``failed``:
   once an index has `MAX_INDEX_SEGMENTS` segments, the run merges them instead (bounded
   segments per query).
 - ``compact``: once `compact_min_fragments` fragments are small (below
-  `SMALL_FRAGMENT_ROWS`): `compact_files`, at most `COMPACT_MAX_SOURCE_FRAGMENTS` source
-  fragments per run (bounded work); ``skipped`` when Lance merged none (it merges only
-  adjacent fragments covered by the same indexes).
+  `SMALL_FRAGMENT_ROWS`) or a fragment has `DELETED_SHARE` of its rows deleted (upsert
+  tables): `compact_files`, at most `COMPACT_MAX_SOURCE_FRAGMENTS` source fragments per
+  run (bounded work; Lance rewrites such a fragment without its deleted rows);
+  ``skipped`` when Lance merged none (it merges only adjacent fragments covered by the
+  same indexes).
 - ``cleanup``: delete old table versions, see "Version retention" below.
 
 Version retention. A shard writer's open (`BaseTable.find_flush`) reads the transaction
@@ -113,6 +115,11 @@ SMALL_FRAGMENT_ROWS = 100_000
 #: run rewrites (bounds a run's IO to ~64 small fragments).
 TARGET_ROWS_PER_FRAGMENT = 1 << 20
 COMPACT_MAX_SOURCE_FRAGMENTS = 64
+#: A fragment with this share of its rows deleted (an upsert table's superseded and deleted
+#: rows) is compacted whatever its size: Lance's own threshold for materialising deletions.
+#: Until then its deleted rows cost storage and scan time, and the text index keeps counting
+#: them in its BM25 statistics (docs/reads.md).
+DELETED_SHARE = 0.1
 #: Versions always kept below the latest, whatever their age: more than the commits that
 #: can land during one flush's find/commit window on a busy table.
 MIN_RETAINED_VERSIONS = 32
@@ -485,12 +492,16 @@ class Maintenance:
     # ------------------------------------------------------------------ compaction
 
     def compact(self) -> None:
-        """Merge small fragments (bounded per run). Skipped when Lance merges none: it
-        compacts only runs of adjacent fragments covered by the same indexes, so small
-        fragments can be left that it will not merge (nothing committed then)."""
+        """Merge small fragments, and rewrite fragments with `DELETED_SHARE` of their rows
+        deleted (bounded per run). Skipped when Lance merges none: it compacts only runs of
+        adjacent fragments covered by the same indexes, so small fragments can be left that
+        it will not merge (nothing committed then)."""
         ds = self.table.dataset()
-        small = [f for f in ds.get_fragments() if f.metadata.physical_rows < SMALL_FRAGMENT_ROWS]
-        if len(small) < self.settings.compact_min_fragments:
+        fragments = ds.get_fragments()
+        small = [f for f in fragments if f.metadata.physical_rows < SMALL_FRAGMENT_ROWS]
+        if len(small) < self.settings.compact_min_fragments and not any(
+            map(_deletions_due, fragments)
+        ):
             raise _Skip
         metrics = ds.optimize.compact_files(
             target_rows_per_fragment=TARGET_ROWS_PER_FRAGMENT,
@@ -553,3 +564,9 @@ class Maintenance:
             through=versions[-1],
             bytes_removed=stats.bytes_removed,
         )
+
+
+def _deletions_due(fragment: Any) -> bool:
+    """Has `fragment` `DELETED_SHARE` of its rows deleted?"""
+    meta = fragment.metadata
+    return bool(meta.physical_rows) and meta.num_deletions >= DELETED_SHARE * meta.physical_rows

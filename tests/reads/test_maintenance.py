@@ -401,6 +401,32 @@ def test_compaction_merges_small_fragments(make_harness: MakeHarness) -> None:
     assert m.run_once()["compact"] == "skipped"
 
 
+def test_compaction_rewrites_a_fragment_an_upsert_left_a_tenth_deleted(
+    make_harness: MakeHarness,
+) -> None:
+    """Upserts and deletes of flushed keys leave deleted rows in their fragments: storage,
+    scan time and, with a text index, BM25 statistics that still count them. A fragment
+    with a tenth of its rows deleted is compacted whatever the number of small fragments;
+    before, such a fragment was rewritten only if `compact_min_fragments` small ones
+    happened to be there."""
+    h = make_harness(mode="upsert")
+    w = h.open()
+    h.put(w, range(1000))
+    h.flush(w)
+    h.index_text()
+    h.put(w, range(1000, 1150), key_of=lambda o: f"k{o - 1000}", version=2)  # 15 % of them
+    h.flush(w)
+    deleted = [f.metadata.num_deletions for f in h.table.dataset().get_fragments()]
+    assert deleted == [150, 0]
+    before = answers(h)
+    m = maintenance(h, vector_index_min_rows=10_000, compact_min_fragments=100)
+    assert m.run_once()["compact"] == "done"
+    fragments = h.table.dataset().get_fragments()
+    assert [f.metadata.num_deletions for f in fragments] == [0] * len(fragments)
+    assert answers(h) == before
+    assert m.run_once()["compact"] == "skipped"
+
+
 def test_compaction_that_merges_nothing_is_skipped(make_harness: MakeHarness) -> None:
     """Lance compacts indexed and unindexed fragments apart: a run over small fragments it
     cannot merge rewrites nothing (no commit), and reports ``skipped``, not ``done``
