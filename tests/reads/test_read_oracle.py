@@ -2,8 +2,9 @@
 
 Hypothesis generates a table (a key column and scalar columns of every filterable type the
 settings offer: int32, int64, float32, float64, string, bool, timestamp; each nullable or
-not; an append table, or an upsert table whose keys are written several times, some
-versions deletes: the newest version of a key decides it, in whichever tier it is), rows
+not; an append table, whose keys may repeat (every row is visible), or an upsert table
+whose keys are written several times, some versions deletes: the newest version of a key
+decides it, in whichever tier it is), rows
 full of edge values (NaN, +-inf, -0.0, the integer and timestamp extremes, empty strings,
 `%`, `_`, quotes, backslashes, NUL and non-ASCII text, nulls everywhere), and filters from
 the whole grammar (every comparison operator, `[NOT] IN`, `[NOT] BETWEEN`, each `LIKE`
@@ -24,6 +25,7 @@ disk):
   owner evaluates the filter over its memtables and says which keys they decide, whose
   base rows the coordinator hides (`decides`: upsert tables). One owner query server is
   started per module (stopping one takes ~0.2 s) and serves each example's owner reader.
+  With the scalar indexes of (b) on the base of (c) and (d) too, they are asked again.
 
 Each filter-only scan, and each kNN query pre-filtered by it with k = every row (a vector
 column of two dimensions), must return exactly the rows a reference model selects (Python
@@ -236,8 +238,10 @@ def tables(draw: st.DrawFn) -> Table:
     if upsert:  # a few keys, each written a few times, some deleted
         pool = draw(st.lists(values(key_kind), min_size=1, max_size=6, unique=True))
         keys = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=24))
-    else:
-        keys = draw(st.lists(values(key_kind), min_size=1, max_size=24, unique=True))
+    else:  # unique keys, or keys that repeat: each message of an append table is a row
+        unique = draw(st.booleans())
+        pool = draw(st.lists(values(key_kind), min_size=1, max_size=24, unique=True))
+        keys = pool if unique else draw(st.lists(st.sampled_from(pool), min_size=1, max_size=24))
     rows = []
     for k in keys:
         row: dict[str, Any] = {"id": k}
@@ -708,12 +712,23 @@ def run_case(case: Case, owner: OwnerServer) -> None:
             if any(e.refused() is None for e in case.filters) or case.keys:
                 assert owner.answered > answered, "the coordinator did not ask the owner"
             if case.indexes:
-                base = readers["base"].table.dataset()
-                for column, kind in case.indexes.items():
-                    base.create_scalar_index(column, kind, name=f"{column}_{kind.lower()}")
-                    base = readers["base"].table.dataset()
+                # (b) and the base of (c) and (d) with the scalar indexes.
+                for name in ("base", "half"):
+                    table_of = readers[name].table
+                    for column, kind in case.indexes.items():
+                        table_of.dataset().create_scalar_index(
+                            column, kind, name=f"{column}_{kind.lower()}"
+                        )
                 tell(f"indexes: {case.indexes}")
-                check_queries(case, {"indexed base": readers["base"]})
+                answered = owner.answered
+                indexed = {
+                    "indexed base": readers["base"],
+                    "half, indexed base": readers["half"],
+                    "fan-out, indexed base": readers["fan-out"],
+                }
+                check_queries(case, indexed)
+                if any(e.refused() is None for e in case.filters) or case.keys:
+                    assert owner.answered > answered, "the coordinator did not ask the owner"
         finally:
             tiers.close()
 

@@ -1,9 +1,11 @@
 """The differential oracle of scores and ordering: one ranking whatever tier a row is in
 (issue 38, item 2; the filter-set oracle is `tests/reads/test_read_oracle.py`).
 
-Hypothesis generates an append table (an int64 key, a nullable text column under full-text
+Hypothesis generates an append table, or an upsert table of a few keys written several
+times with some versions deletes (an int64 key, a nullable text column under full-text
 search, a nullable int32 column, a 2-dimensional vector per row on a small integer grid
-so that equal vectors and equal distances occur) with documents made of a small
+so that equal vectors and equal distances occur; zero vectors too, which cosine leaves
+out) with documents made of a small
 vocabulary (terms repeat; stop words, upper case, accents and stems of one word: `run`,
 `runs`, `running`; empty and null texts), and queries: text (one or more words, phrase or
 not), kNN (l2, cosine or dot) and hybrid (both in one request), each with or without a
@@ -25,7 +27,8 @@ What docs/reads.md promises, checked against a reference model:
 - Text (BM25): rows match when they hold a query term (a phrase: the terms at their
   relative positions), tokenised as Lance tokenises; scores follow the documented formula
   (k1 = 1.2, b = 0.75, `idf = ln(1 + (N - df + 0.5) / (df + 0.5))`, N the documents with a
-  non-null text, a filter not changing the statistics). With every row in one tier, the
+  non-null text, a filter not changing the statistics; an upsert table's visible rows
+  only: its keys' newest versions that are not deletes). With every row in one tier, the
   matched rows, their scores (rel. 1e-3) and their order agree with the model whichever
   tier; with k below the matches, the k scores are the model's k best and the rows may
   differ only among rows tied with the k-th. Split between tiers the scores differ by
@@ -149,7 +152,7 @@ class ScoreTable(Table):
     def spec(self, uri: str) -> TableSpec:
         raw = {
             "uri": uri,
-            "mode": "append",
+            "mode": "upsert" if self.upsert else "append",
             "columns": [
                 {"name": c.name, "type": c.kind, "nullable": c.nullable} for c in self.all_columns
             ],
@@ -204,15 +207,20 @@ def sizes(draw: st.DrawFn, n: int) -> tuple[int, ...]:
 def score_cases(draw: st.DrawFn) -> ScoreCase:
     metric = draw(st.sampled_from(["l2", "cosine", "dot"]))
     n = draw(st.integers(1, 24))
+    # An append table, or an upsert table of a few keys written several times, some
+    # versions deletes (the newest version of a key decides it, in whichever tier it is).
+    upsert = draw(st.booleans())
+    keys = draw(st.lists(st.integers(0, 5), min_size=n, max_size=n)) if upsert else range(n)
     rows = tuple(
-        {"id": i, BODY.name: draw(documents()), NUM.name: draw(st.none() | st.integers(0, 3))}
-        for i in range(n)
+        {"id": key, BODY.name: draw(documents()), NUM.name: draw(st.none() | st.integers(0, 3))}
+        for key in keys
     )
+    deletes = frozenset(draw(st.sets(st.integers(0, n - 1)))) if upsert else frozenset()
     # Cosine has no direction for a zero vector: a query of one is refused (a 400), a row
     # of one is no cosine neighbour of any query (as Lance leaves it out).
     point = GRID.filter(lambda v: v != (0.0, 0.0)) if metric == "cosine" else GRID
     vectors = tuple(draw(st.lists(GRID, min_size=n, max_size=n)))
-    table = ScoreTable(KEY, (BODY, NUM), rows, vectors=vectors, metric=metric)
+    table = ScoreTable(KEY, (BODY, NUM), rows, upsert, deletes, vectors=vectors, metric=metric)
     condition = st.none() | filters(leaves(table), 2)
     # k = every row, below the matches (a few rows), or any.
     k = st.none() | st.integers(1, max(1, n // 4)) | st.integers(1, n)
@@ -253,19 +261,22 @@ def score_cases(draw: st.DrawFn) -> ScoreCase:
 
 
 def selected(table: Table, condition: Expr | None) -> set[int]:
-    """Rows a filter selects (SQL's three-valued logic: only true)."""
-    rows = range(len(table.rows))
+    """Visible rows a filter selects (SQL's three-valued logic: only true); an upsert
+    table's visible rows are its keys' newest versions that are not deletes."""
+    rows = table.visible()
     if condition is None:
         return set(rows)
     return {i for i in rows if condition.truth(table.rows[i]) is True}
 
 
 def bm25_model(table: Table, query: TextQuery) -> dict[int, float]:
-    """The rows a text query matches and their BM25 scores, by the documented formula over
-    every document with a token (a filter selects among the matches; it is no part of the
-    statistics)."""
+    """The rows a text query matches (by key) and their BM25 scores, by the documented
+    formula over every visible document with a token (a filter selects among the matches;
+    it is no part of the statistics)."""
     docs = {
-        i: fts.tokenize(r[BODY.name]) for i, r in enumerate(table.rows) if r[BODY.name] is not None
+        i: fts.tokenize(table.rows[i][BODY.name])
+        for i in table.visible()
+        if table.rows[i][BODY.name] is not None
     }
     words = fts.tokenize(query.text)
     terms = list(dict.fromkeys(t for t, _ in words))
@@ -292,22 +303,23 @@ def bm25_model(table: Table, query: TextQuery) -> dict[int, float]:
                 idf = math.log(1.0 + (n - df[t] + 0.5) / (df[t] + 0.5))
                 norm = fts.K1 * (1.0 - fts.B + fts.B * len(doc) / avgdl)
                 score += idf * tf[t] * (fts.K1 + 1.0) / (tf[t] + norm)
-        out[i] = score
+        out[table.rows[i]["id"]] = score
     return out
 
 
 def distance_model(table: ScoreTable, query: VectorQuery) -> dict[int, float]:
-    """Every selected row's distance to the query (docs/reads.md "Vector search")."""
+    """Every selected row's distance to the query, by key (docs/reads.md "Vector search")."""
     q = np.array(query.vector, dtype=np.float64)
     out = {}
     for i in selected(table, query.filter):
         v = np.array(table.vectors[i], dtype=np.float64)
+        key = table.rows[i]["id"]
         if table.metric == "l2":
-            out[i] = float(((v - q) ** 2).sum())
+            out[key] = float(((v - q) ** 2).sum())
         elif table.metric == "dot":
-            out[i] = float(1.0 - v @ q)
+            out[key] = float(1.0 - v @ q)
         elif np.linalg.norm(v) > 0.0:  # a zero row has no direction: never a neighbour
-            out[i] = float(1.0 - v @ q / (np.linalg.norm(v) * np.linalg.norm(q)))
+            out[key] = float(1.0 - v @ q / (np.linalg.norm(v) * np.linalg.norm(q)))
     return out
 
 
@@ -515,8 +527,9 @@ def run_score_case(case: ScoreCase) -> None:
     table = case.table
     n = len(table.rows)
     tell(f"metric {table.metric}; split {case.split}; puts {case.puts}; flushes {case.flushes}")
+    tell(f"upsert: {table.upsert}; deletes: {sorted(table.deletes)}")
     for i, row in enumerate(table.rows):
-        tell(f"row {i}: {row[BODY.name]!r} n={row[NUM.name]} vec={table.vectors[i]}")
+        tell(f"row {i}: id={row['id']} {row[BODY.name]!r} n={row[NUM.name]} vec={table.vectors[i]}")
     with tempfile.TemporaryDirectory(prefix="lance-sink-score-oracle-") as folder:
         tiers = Tiers(Path(folder), table)
         apps: list[TestClient] = []
