@@ -1073,7 +1073,9 @@ class MaintenanceSettings(_Section):
         "flushed rows get indexed within seconds (Lance searches unindexed rows flat).",
     )
     compact_min_fragments: PositiveInt = Field(
-        default=16, description="Compact once this many small fragments exist."
+        default=16,
+        description="Compact once this many small fragments exist (a fragment with 10 % of "
+        "its rows deleted is compacted anyway).",
     )
     cleanup_retention_s: PositiveInt = Field(
         default=3_600, description="Old table versions younger than this are kept."
