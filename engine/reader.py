@@ -132,7 +132,7 @@ class Reader:
             self.unindexed.close(timeout)
         if self.flushed_text is not None:
             self.table.unwatch_appends(self.flushed_text)
-            self.flushed_text.clear()
+            self.flushed_text.close(timeout)
         self.ctx.close()
 
     @property

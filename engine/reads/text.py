@@ -141,6 +141,7 @@ class TextSearch:
                 room,
                 terms,
                 None if self.spec.vector is None else self.spec.vector.name,
+                read_back=(self.spec, ctx.open_base),
             )
 
     def close(self, timeout: float) -> None:

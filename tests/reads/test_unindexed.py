@@ -430,6 +430,58 @@ def test_flushed_memtables_answer_text_until_the_index_covers_them(
     assert holder.views(held.table.dataset(), "text") == []
 
 
+def test_fragments_flushed_elsewhere_are_read_back_for_text_once(
+    make_harness: MakeHarness,
+) -> None:
+    """Fragments the text index lacks that no flush of this process handed over (another
+    pod's; every fragment for `lance-sink serve`) are read back and tokenised once by the
+    background loader, then scored as held memtables: Lance no longer searches them flat,
+    re-tokenising on every query, and the answers are Lance's. Before, `views` stayed None
+    for them and every text query fell back to Lance's flat search."""
+    held = make_harness("held", dim=DIM)
+    lance_only = make_harness("lance", dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=0))
+    for h in (held, lance_only):
+        w = h.open()
+        h.put(w, range(1000))
+        h.flush(w)
+        h.index_text()
+        append_elsewhere(h, range(1000, 1300))
+        append_elsewhere(h, range(1300, 1600))
+    holder = held.reader.flushed_text
+    assert holder is not None
+    assert holder.views(held.table.dataset(), "text") is None  # starts the loader
+    deadline = time.monotonic() + 10
+    while holder.loads < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert holder.loads == 2, "the fragments flushed elsewhere were not read back"
+    assert holder.handoffs == 0
+    views = holder.views(held.table.dataset(), "text")
+    assert views is not None
+    assert sorted(v.fragments[0][1] for v in views) == [300, 300]
+    fallbacks = holder.fallbacks
+    for text, kw in [
+        ("row1234", {}),
+        ("alpha", {}),
+        ("bravo delta", {"filter": "n >= 1100 AND n < 1500"}),
+        ("delta golf", {"phrase": True}),
+    ]:
+        got = offsets_found(held, text, **kw)
+        assert got == offsets_found(lance_only, text, **kw), text
+        assert any(o >= 1000 for o in got), text
+    assert holder.fallbacks == fallbacks  # every query used the read-back rows
+    # A row asked for with its vector takes it from its fragment.
+    top = held.reader.search_text("row1500", k=1, columns=["_offset", "vec"])
+    want = lance_only.reader.search_text("row1500", k=1, columns=["_offset", "vec"])
+    assert top.column("_offset").to_pylist() == [1500]
+    assert top.column("vec").to_pylist() == want.column("vec").to_pylist()
+    # Once the index covers them, they are let go and not read again.
+    held.table.dataset().optimize.optimize_indices()
+    assert offsets_found(held, "row1234") == [1234]
+    assert holder.nbytes == 0
+    time.sleep(0.5)  # two loader passes
+    assert holder.loads == 2
+
+
 def test_flushed_memtables_are_held_only_within_the_bound(make_harness: MakeHarness) -> None:
     small = make_harness("small", dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=4096))
     text_indexed_then_flushed(small)
