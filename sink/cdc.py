@@ -73,6 +73,15 @@ LOGICAL: Final = frozenset(
         "io.debezium.data.VariableScaleDecimal",  # {"scale": n, "value": base64}
     }
 )
+#: The messages Confluent's Protobuf converter writes Connect's logical types as (it keeps
+#: no Connect schema name: Debezium's own types, ``io.debezium.time.*``, are plain ints).
+_PROTO_LOGICAL: Final = frozenset(
+    {
+        "confluent.type.Decimal",  # {value: unscaled big-endian bytes, precision, scale}
+        "google.type.Date",  # {year, month, day}
+        "google.type.TimeOfDay",  # {hours, minutes, seconds, nanos}
+    }
+)
 
 #: Per unit: how many of them make a millisecond (timestamp columns are ms).
 _PER_MS: Final = {
@@ -236,15 +245,20 @@ class Debezium:
         return out
 
     def _writer_logical(self, payload: bytes) -> dict[str, Logical] | None:
-        """The logical types of the row fields of `payload`'s writer schema (Avro: the
-        ``connect.name`` Kafka Connect's converter writes), once per schema id."""
+        """The logical types of the row fields of `payload`'s writer schema, once per
+        schema id: what Kafka Connect's converter for the format writes (Avro:
+        ``connect.name``; JSON Schema: ``title``; Protobuf: the message types of
+        `_PROTO_LOGICAL`)."""
         writer_schema = getattr(self._records, "writer_schema", None)
         if writer_schema is None:
             return None
-        header = payload[:_HEADER_BYTES]
+        # Framed payloads by their schema id; a plain Protobuf message (a descriptor set,
+        # one type) never starts with a zero byte (no field number 0): one map for all.
+        header = payload[:_HEADER_BYTES] if payload[:1] == b"\x00" else b""
         if header not in self._by_schema:
+            walk = _WRITER_LOGICAL.get(getattr(self._records, "name", ""), _avro_logical)
             # A race computes the same map twice; either is kept.
-            self._by_schema[header] = _avro_logical(writer_schema(payload))
+            self._by_schema[header] = walk(writer_schema(payload))
         return self._by_schema[header]
 
     def _events(
@@ -449,6 +463,87 @@ def _avro_logical(schema: Any) -> dict[str, Logical]:
     return out
 
 
+def _json_branch(node: Any) -> Any:
+    """A JSON Schema node without the ``oneOf`` (or ``anyOf``) with null that Kafka
+    Connect's converter wraps an optional field in: the branch that is not null."""
+    if type(node) is dict:
+        for key in ("oneOf", "anyOf"):
+            if type(node.get(key)) is list:
+                for branch in node[key]:
+                    if type(branch) is dict and branch.get("type") != "null":
+                        return branch
+    return node
+
+
+def _json_schema_logical(schema: Any) -> dict[str, Logical]:
+    """The logical types (``title``, ``connect.parameters``) of the row fields of a parsed
+    JSON Schema envelope as Kafka Connect's JSON Schema converter writes it (the object
+    of after, else before)."""
+    root = _json_branch(schema)
+    if type(root) is not dict or type(root.get("properties")) is not dict:
+        return {}
+    props = root["properties"]
+    row: Any = None
+    for which in ("after", "before"):
+        branch = _json_branch(props.get(which))
+        if type(branch) is dict and type(branch.get("properties")) is dict:
+            row = branch
+            break
+    out: dict[str, Logical] = {}
+    for name, node in (row or {}).get("properties", {}).items():
+        kind = _json_branch(node)
+        if type(kind) is dict and kind.get("title") in LOGICAL:
+            params = kind.get("connect.parameters")
+            out[name] = (kind["title"], params if type(params) is dict else {})
+    return out
+
+
+def _proto_logical(desc: Any) -> dict[str, Logical]:
+    """The row fields of a Protobuf envelope's descriptor (the message type of after, else
+    before) whose message type is one of `_PROTO_LOGICAL`."""
+    fields = getattr(desc, "fields_by_name", None)
+    if not fields:
+        return {}
+    row: Any = None
+    for which in ("after", "before"):
+        found = fields.get(which)
+        if found is not None and found.message_type is not None:
+            row = found.message_type
+            break
+    out: dict[str, Logical] = {}
+    for f in row.fields if row is not None else ():
+        if f.message_type is not None and f.message_type.full_name in _PROTO_LOGICAL:
+            out[f.name] = (f.message_type.full_name, {})
+    return out
+
+
+_WRITER_LOGICAL: Final[dict[str, Callable[[Any], dict[str, Logical]]]] = {
+    "Avro": _avro_logical,
+    "JSON Schema": _json_schema_logical,
+    "Protobuf": _proto_logical,
+}
+
+
+def _from_proto(schema_name: str, raw: Any) -> tuple[str, Any]:
+    """A logical value of a `_PROTO_LOGICAL` message (a record) as the Connect type it
+    was written from holds it; a record that is not one is left as it is."""
+    if type(raw) is not dict:
+        return schema_name, raw
+    try:
+        if schema_name == "google.type.Date":
+            days = (dt.date(raw["year"], raw["month"], raw["day"]) - dt.date(1970, 1, 1)).days
+            return "org.apache.kafka.connect.data.Date", days
+        if schema_name == "google.type.TimeOfDay":
+            seconds = (raw["hours"] * 60 + raw["minutes"]) * 60 + raw["seconds"]
+            return "io.debezium.time.NanoTime", seconds * 1_000_000_000 + raw["nanos"]
+        if schema_name == "confluent.type.Decimal":
+            scaled = {"scale": raw["scale"], "value": raw["value"]}
+            return "io.debezium.data.VariableScaleDecimal", scaled
+    except (KeyError, TypeError, ValueError):
+        pass  # (year 0: a date without a year; the column refuses the record)
+    return schema_name, raw
+
+
 def logical_value(schema_name: str, params: dict[str, Any], raw: Any, type_name: str) -> Any:
     """A value of a Connect logical type as the column of `type_name` takes it.
 
@@ -462,6 +557,10 @@ def logical_value(schema_name: str, params: dict[str, Any], raw: Any, type_name:
     """
     if raw is None:
         return None
+    if schema_name in _PROTO_LOGICAL:
+        schema_name, raw = _from_proto(schema_name, raw)
+        if schema_name in _PROTO_LOGICAL:
+            return raw
     if schema_name in _DECIMALS:
         number = _decimal(schema_name, params, raw)
         if not isinstance(number, decimal.Decimal):

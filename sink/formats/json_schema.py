@@ -28,9 +28,23 @@ class JsonSchemaFormat:
 
     name = "JSON Schema"
 
-    def __init__(self, client: SchemaRegistryClient) -> None:
+    def __init__(self, client: SchemaRegistryClient, *, validate: bool = True) -> None:
+        """`validate`: check each document against its writer schema (a document that
+        does not validate is ``not_matching_schema``); off for change events, which Kafka
+        Connect's converter writes without validating (`sink.cdc`)."""
         self._client = client
-        self._deserializer = JSONDeserializer(None, schema_registry_client=client)
+        self._deserializer = JSONDeserializer(
+            None, schema_registry_client=client, conf={"validate": validate}
+        )
+
+    def writer_schema(self, payload: bytes) -> Any:
+        """The parsed writer schema `payload` names by id (fetched once per id by the
+        client), or None when it names none by id or does not parse."""
+        text = writer_schema_text(self._client, payload)
+        try:
+            return None if text is None else json.loads(text)
+        except ValueError:
+            return None
 
     def writer_leaves(self, payload: bytes) -> list[tuple[tuple[str, ...], str | None]] | None:
         """The leaves of `payload`'s writer schema (fetched once per id by the client)."""

@@ -172,6 +172,16 @@ class ProtobufFormat:
             derived_from = first is not None and first.full_name == desc.full_name
         return proto_leaves(desc) if derived_from else None
 
+    def writer_schema(self, payload: bytes) -> Descriptor | None:
+        """The message type `payload` was written with: the writer's (framed, with a
+        registry; None when not framed) or the descriptor set's."""
+        if self._cls is not None:
+            desc: Descriptor = self._cls.DESCRIPTOR
+            return desc
+        if self._deserializer is None or payload[:1] != b"\x00":
+            return None
+        return self._deserializer.descriptor(payload)
+
     def records(
         self, payloads: Sequence[bytes], epoch_ms: frozenset[tuple[str, ...]] = frozenset()
     ) -> tuple[list[int], list[Any], dict[int, Fault]]:

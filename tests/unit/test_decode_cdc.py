@@ -16,6 +16,8 @@ from typing import Any
 import orjson
 import pytest
 from confluent_kafka.schema_registry.avro import AvroSerializer
+from confluent_kafka.schema_registry.json_schema import JSONSerializer
+from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from config.loader import load_settings
@@ -752,3 +754,382 @@ def test_a_broken_wrapper_is_read_whole() -> None:
         out, rows = cdc([Msg(value, 0)])
         assert [d.reason for d in out.dead_letters] == ([] if reason is None else [reason])
         assert len(rows) == (1 if reason is None else 0)
+
+
+# -- JSON Schema through the registry (Confluent's JsonSchemaConverter) --------------
+
+
+def _opt(schema: dict[str, Any], index: int) -> dict[str, Any]:
+    """An optional Connect field as JsonSchemaData writes it: oneOf null and the type."""
+    return {"oneOf": [{"type": "null"}, schema], "connect.index": index}
+
+
+JS_VALUE = {
+    "type": "object",
+    "title": "dbserver1.public.products.Value",
+    "properties": {
+        "id": {"type": "integer", "connect.index": 0, "connect.type": "int32"},
+        "name": _opt({"type": "string"}, 1),
+        "price": _opt(
+            {
+                "type": "number",
+                "title": "org.apache.kafka.connect.data.Decimal",
+                "connect.version": 1,
+                "connect.parameters": {"scale": "2", "connect.decimal.precision": "10"},
+                "connect.type": "bytes",
+            },
+            2,
+        ),
+        "added": _opt(
+            {
+                "type": "integer",
+                "title": "io.debezium.time.Date",
+                "connect.version": 1,
+                "connect.type": "int32",
+            },
+            3,
+        ),
+        "updated": _opt(
+            {
+                "type": "integer",
+                "title": "io.debezium.time.MicroTimestamp",
+                "connect.version": 1,
+                "connect.type": "int64",
+            },
+            4,
+        ),
+        "changed": _opt(
+            {"type": "string", "title": "io.debezium.time.ZonedTimestamp", "connect.version": 1},
+            5,
+        ),
+        "embedding": _opt(
+            {
+                "type": "array",
+                "title": "io.debezium.data.DoubleVector",
+                "items": {"type": "number", "connect.type": "float64"},
+            },
+            6,
+        ),
+    },
+}
+JS_ENVELOPE = {
+    "type": "object",
+    "title": "dbserver1.public.products.Envelope",
+    "properties": {
+        "before": _opt(JS_VALUE, 0),
+        "after": _opt(JS_VALUE, 1),
+        "source": {
+            "type": "object",
+            "title": "io.debezium.connector.postgresql.Source",
+            "properties": {
+                "ts_ms": {"type": "integer", "connect.index": 0, "connect.type": "int64"},
+                "table": {"type": "string", "connect.index": 1},
+                "lsn": _opt({"type": "integer", "connect.type": "int64"}, 2),
+            },
+            "connect.index": 2,
+        },
+        "op": {"type": "string", "connect.index": 3},
+        "ts_ms": _opt({"type": "integer", "connect.type": "int64"}, 4),
+    },
+}
+JS_KEY = {
+    "type": "object",
+    "title": "dbserver1.public.products.Key",
+    "properties": {"id": {"type": "integer", "connect.index": 0, "connect.type": "int32"}},
+}
+CDC_COLUMNS = [
+    *PRODUCTS[:5],
+    {"name": "changed", "type": "timestamp"},
+    {"name": "lsn", "type": "int64"},
+    {"name": "op", "type": "string"},
+]
+CDC_MAPPING = {"vec": "$.after.embedding", "lsn": "$.source.lsn", "op": "$.op"}
+TOPIC = "dbserver1.public.products"
+
+
+def _registry_cdc(
+    fmt: str, value: Any, key: Any, rows: list[tuple[str, Any, Any, Any]], **source: Any
+) -> tuple[Any, list[dict[str, Any]]]:
+    """Decode a history of (op, before, after, Kafka key id or None; None op: tombstone)
+    written by `value` and `key` (serializers), with ``source.format = fmt``."""
+    ctx = SerializationContext(TOPIC, MessageField.VALUE)
+    kctx = SerializationContext(TOPIC, MessageField.KEY)
+    messages = []
+    for offset, (op, before, after, id_) in enumerate(rows):
+        kafka_key = None if id_ is None else key({"id": id_}, kctx)
+        if op is None:
+            messages.append(Msg(None, offset, kafka_key))
+            continue
+        event = {
+            "before": before,
+            "after": after,
+            "source": {"ts_ms": 1_559_033_904_863, "table": "products", "lsn": 77 + offset},
+            "op": op,
+            "ts_ms": 1,
+        }
+        messages.append(Msg(value(event, ctx), offset, kafka_key))
+    spec = spec_for(CDC_COLUMNS, mode="upsert", dim=3)
+    return decode(
+        spec,
+        messages,
+        format=fmt,
+        key_format=fmt,
+        envelope="debezium",
+        columns=CDC_MAPPING,
+        **source,
+    )
+
+
+def _history(image: dict[str, Any], key_only: dict[str, Any]) -> list[tuple[str, Any, Any, Any]]:
+    return [
+        ("r", None, image, 3),
+        ("c", None, {**image, "id": 4}, 4),
+        ("u", key_only, {**image, "name": "desk"}, 3),
+        ("d", key_only, None, 3),
+        (None, None, None, 3),  # Debezium's tombstone
+        ("d", None, None, 9),  # REPLICA IDENTITY NOTHING: the key from the Kafka key
+        ("t", None, None, None),
+    ]
+
+
+def _check_history(out: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    assert out.dead_letters == []
+    assert out.skipped_offsets == [4, 6]
+    assert [(r["_offset"], r["id"], r["_op"], r["name"], r["op"]) for r in rows] == [
+        (0, 3, OP_UPSERT, "lamp", "r"),
+        (1, 4, OP_UPSERT, "lamp", "c"),
+        (2, 3, OP_UPSERT, "desk", "u"),
+        (3, 3, OP_DELETE, None, None),
+        (5, 9, OP_DELETE, None, None),
+    ]
+    assert [r["lsn"] for r in rows[:3]] == [77, 78, 79]
+    assert rows[0]["vec"] == [0.5, 1.0, 2.0]
+    return rows[0]
+
+
+def test_json_schema_change_events_through_the_registry() -> None:
+    url = f"mock://{uuid.uuid4().hex}"
+    client = build_client(SchemaRegistrySettings(url=url))
+    # Kafka Connect's converter does not validate what it writes: with its default
+    # decimal.format (BASE64) a Decimal is base64 text where its schema says number.
+    no_check = {"validate": False}
+    values = JSONSerializer(json.dumps(JS_ENVELOPE), client, conf=no_check)
+    keys = JSONSerializer(json.dumps(JS_KEY), client)
+    image = {
+        "id": 3,
+        "name": "lamp",
+        "price": dbz.decimal_b64("-12.50", 2),
+        "added": -1,
+        "updated": -1,
+        "changed": "2024-03-01T14:00:00+02:00",
+        "embedding": [0.5, 1.0, 2.0],
+    }
+    key_only = {"id": 3, **dict.fromkeys(("name", "price", "added", "updated", "changed"))}
+    out, rows = _registry_cdc(
+        "json_schema", values, keys, _history(image, key_only), schema_registry={"url": url}
+    )
+    first = _check_history(out, rows)
+    assert first["price"] == -12.5
+    assert first["added"] == dt.datetime(1969, 12, 31, tzinfo=UTC)
+    assert first["updated"] == LAST_MS_OF_1969
+    assert first["changed"] == dt.datetime(2024, 3, 1, 12, tzinfo=UTC)
+    # decimal.format = NUMERIC: the number itself, valid against the schema.
+    numeric = JSONSerializer(json.dumps(JS_ENVELOPE), client)
+    out, rows = _registry_cdc(
+        "json_schema",
+        numeric,
+        keys,
+        [("c", None, {**image, "price": -0.5}, 3)],
+        schema_registry={"url": url},
+    )
+    assert out.dead_letters == []
+    assert rows[0]["price"] == -0.5
+
+
+# -- Protobuf through the registry (Confluent's ProtobufConverter) --------------------
+
+
+def _proto_envelope(extra: bool = False) -> Any:
+    """The envelope as ProtobufData writes it for a products table (decimal.handling.mode
+    precise: confluent.type.Decimal; time.precision.mode connect: google.type.Date,
+    google.type.TimeOfDay, google.protobuf.Timestamp; the adaptive mode's
+    MicroTimestamp is a plain int64, its name lost), with optional.for.nullables on."""
+    from confluent_kafka.schema_registry.confluent.type import decimal_pb2  # noqa: PLC0415
+    from google.protobuf import descriptor_pb2, timestamp_pb2  # noqa: PLC0415
+    from google.protobuf.descriptor_pool import DescriptorPool  # noqa: PLC0415
+    from google.protobuf.message_factory import GetMessageClass  # noqa: PLC0415
+    from google.type import date_pb2, timeofday_pb2  # noqa: PLC0415
+
+    f = descriptor_pb2.FieldDescriptorProto
+    fd = descriptor_pb2.FileDescriptorProto(
+        name="dbserver1.public.products.Envelope.proto" + ("2" if extra else ""),
+        package="dbserver1.public.products",
+        syntax="proto3",
+        dependency=[
+            "confluent/type/decimal.proto",
+            "google/type/date.proto",
+            "google/type/timeofday.proto",
+            "google/protobuf/timestamp.proto",
+        ],
+    )
+    env = fd.message_type.add(name="Envelope")
+
+    def optional(msg: Any, name: str, number: int, type_: int, type_name: str = "") -> None:
+        """A nullable field: a message (presence of its own) or a proto3 optional."""
+        if type_name:
+            msg.field.add(
+                name=name, number=number, type=type_, label=f.LABEL_OPTIONAL, type_name=type_name
+            )
+            return
+        msg.field.add(
+            name=name, number=number, type=type_, label=f.LABEL_OPTIONAL, proto3_optional=True,
+            oneof_index=len(msg.oneof_decl),
+        )  # fmt: skip
+        msg.oneof_decl.add(name=f"_{name}")
+
+    value = env.nested_type.add(name="Value")
+    value.field.add(name="id", number=1, type=f.TYPE_INT32, label=f.LABEL_OPTIONAL)
+    optional(value, "name", 2, f.TYPE_STRING)
+    optional(value, "price", 3, f.TYPE_MESSAGE, ".confluent.type.Decimal")
+    optional(value, "added", 4, f.TYPE_MESSAGE, ".google.type.Date")
+    optional(value, "updated", 5, f.TYPE_MESSAGE, ".google.protobuf.Timestamp")
+    optional(value, "opens", 6, f.TYPE_MESSAGE, ".google.type.TimeOfDay")
+    optional(value, "micros", 7, f.TYPE_INT64)
+    value.field.add(name="embedding", number=8, type=f.TYPE_DOUBLE, label=f.LABEL_REPEATED)
+    if extra:
+        optional(value, "color", 9, f.TYPE_STRING)
+    source = env.nested_type.add(name="Source")
+    source.field.add(name="ts_ms", number=1, type=f.TYPE_INT64, label=f.LABEL_OPTIONAL)
+    source.field.add(name="table", number=2, type=f.TYPE_STRING, label=f.LABEL_OPTIONAL)
+    optional(source, "lsn", 3, f.TYPE_INT64)
+    env.field.add(name="before", number=1, type=f.TYPE_MESSAGE, type_name="Value")
+    env.field.add(name="after", number=2, type=f.TYPE_MESSAGE, type_name="Value")
+    env.field.add(name="source", number=3, type=f.TYPE_MESSAGE, type_name="Source")
+    env.field.add(name="op", number=4, type=f.TYPE_STRING)
+    optional(env, "ts_ms", 5, f.TYPE_INT64)
+    key = descriptor_pb2.FileDescriptorProto(
+        name="dbserver1.public.products.Key.proto", package="dbserver1.public.products",
+        syntax="proto3",
+    )  # fmt: skip
+    key.message_type.add(name="Key").field.add(
+        name="id", number=1, type=f.TYPE_INT32, label=f.LABEL_OPTIONAL
+    )
+    pool = DescriptorPool()
+    for dep in (decimal_pb2, date_pb2, timeofday_pb2, timestamp_pb2):
+        pool.AddSerializedFile(dep.DESCRIPTOR.serialized_pb)
+    pool.Add(fd)
+    pool.Add(key)
+    return (
+        GetMessageClass(pool.FindMessageTypeByName("dbserver1.public.products.Envelope")),
+        GetMessageClass(pool.FindMessageTypeByName("dbserver1.public.products.Key")),
+    )
+
+
+def _proto_serializers(client: Any, extra: bool = False) -> tuple[Any, Any]:
+    from google.protobuf import json_format  # noqa: PLC0415
+
+    envelope_cls, key_cls = _proto_envelope(extra)
+    conf = {"use.deprecated.format": False}
+    values = ProtobufSerializer(envelope_cls, client, conf)
+    keys = ProtobufSerializer(key_cls, client, conf)
+
+    def value(event: dict[str, Any], ctx: Any) -> bytes:
+        return values(json_format.ParseDict(_no_nulls(event), envelope_cls()), ctx)
+
+    def key(record: dict[str, Any], ctx: Any) -> bytes:
+        return keys(key_cls(**record), ctx)
+
+    return value, key
+
+
+def _no_nulls(value: Any) -> Any:
+    """A record without its null fields (unset in the message)."""
+    if isinstance(value, dict):
+        return {k: _no_nulls(v) for k, v in value.items() if v is not None}
+    return value
+
+
+def _proto_decimal(number: str) -> dict[str, Any]:
+    """confluent.type.Decimal in protobuf's JSON form (bytes as base64)."""
+    exact = decimal.Decimal(number)
+    scale = -exact.as_tuple().exponent  # type: ignore[operator]
+    return {"value": dbz.decimal_b64(number, scale), "precision": 10, "scale": scale}
+
+
+PROTO_IMAGE = {
+    "id": 3,
+    "name": "lamp",
+    "price": _proto_decimal("-12.50"),
+    "added": {"year": 1969, "month": 12, "day": 31},
+    "updated": "1969-12-31T23:59:59.999Z",
+    "opens": {"hours": 9, "minutes": 30, "seconds": 5, "nanos": 250_000_000},
+    "micros": -1,
+    "embedding": [0.5, 1.0, 2.0],
+}
+
+
+def test_protobuf_change_events_through_the_registry() -> None:
+    url = f"mock://{uuid.uuid4().hex}"
+    client = build_client(SchemaRegistrySettings(url=url))
+    value, key = _proto_serializers(client)
+    out, rows = _registry_cdc(
+        "protobuf", value, key, _history(PROTO_IMAGE, {"id": 3}), schema_registry={"url": url}
+    )
+    first = _check_history(out, rows)
+    assert first["price"] == -12.5
+    assert first["added"] == dt.datetime(1969, 12, 31, tzinfo=UTC)
+    assert first["updated"] == LAST_MS_OF_1969
+    # A time of day and the adaptive mode's plain integers, into string and int64 columns.
+    columns = [
+        {"name": "id", "type": "int64", "nullable": False},
+        {"name": "opens", "type": "string"},
+        {"name": "micros", "type": "int64"},
+        {"name": "price", "type": "string"},
+        {"name": "added", "type": "string"},
+    ]
+    ctx = SerializationContext(TOPIC, MessageField.VALUE)
+    event = {"after": PROTO_IMAGE, "source": {"ts_ms": 1, "table": "t"}, "op": "c"}
+    out, rows = decode(
+        spec_for(columns, mode="upsert", dim=3),
+        [Msg(value(event, ctx), 0)],
+        format="protobuf",
+        envelope="debezium",
+        schema_registry={"url": url},
+        columns={"vec": "$.after.embedding"},
+    )
+    assert out.dead_letters == []
+    got = rows[0]
+    assert (got["opens"], got["micros"], got["price"], got["added"]) == (
+        "09:30:05.250000",
+        -1,
+        "-12.50",
+        "1969-12-31",
+    )
+
+
+def test_protobuf_change_events_from_a_descriptor_set(tmp_path: Path) -> None:
+    from confluent_kafka.schema_registry.confluent.type import decimal_pb2  # noqa: PLC0415
+    from google.protobuf import descriptor_pb2, json_format, timestamp_pb2  # noqa: PLC0415
+    from google.type import date_pb2, timeofday_pb2  # noqa: PLC0415
+
+    envelope_cls, _ = _proto_envelope()
+    files = descriptor_pb2.FileDescriptorSet()
+    for dep in (decimal_pb2, date_pb2, timeofday_pb2, timestamp_pb2):
+        files.file.add().ParseFromString(dep.DESCRIPTOR.serialized_pb)
+    files.file.add().ParseFromString(envelope_cls.DESCRIPTOR.file.serialized_pb)
+    path = tmp_path / "products.desc"
+    path.write_bytes(files.SerializeToString())
+    event = {"after": PROTO_IMAGE, "source": {"ts_ms": 1, "table": "t"}, "op": "r"}
+    value = json_format.ParseDict(event, envelope_cls()).SerializeToString()
+    out, rows = decode(
+        spec_for(PRODUCTS[:5], mode="upsert", dim=3),
+        [Msg(value, 0), Msg(value, 1)],
+        format="protobuf",
+        envelope="debezium",
+        protobuf={"descriptor_set": str(path), "message": "dbserver1.public.products.Envelope"},
+        columns={"vec": "$.after.embedding"},
+    )
+    assert out.dead_letters == []
+    assert [(r["price"], r["added"]) for r in rows] == [
+        (-12.5, dt.datetime(1969, 12, 31, tzinfo=UTC))
+    ] * 2
