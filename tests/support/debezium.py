@@ -296,3 +296,51 @@ def key_id(raw: bytes) -> Any:
     """The id in a products key (`key`), either shape."""
     record = orjson.loads(raw)
     return record["payload"]["id"] if "payload" in record else record["id"]
+
+
+_JSON_TYPES = {
+    "int8": "integer",
+    "int16": "integer",
+    "int32": "integer",
+    "int64": "integer",
+    "float32": "number",
+    "float64": "number",
+    "boolean": "boolean",
+    "string": "string",
+    "bytes": "string",
+}
+
+
+def json_schema_of(schema: dict[str, Any], index: int | None = None) -> dict[str, Any]:
+    """A Connect schema (the JSON converter's form, e.g. `envelope_schema`) as Confluent's
+    JSON Schema converter registers it: structs as objects, ``title`` for the Connect name,
+    ``connect.type``/``connect.version``/``connect.parameters``/``connect.index``, an
+    optional field as ``oneOf`` null and its type, a Decimal as a number."""
+    kind = schema["type"]
+    out: dict[str, Any]
+    if kind == "struct":
+        out = {
+            "type": "object",
+            "properties": {
+                f["field"]: json_schema_of(f, i) for i, f in enumerate(schema["fields"])
+            },
+        }
+    elif kind == "array":
+        out = {"type": "array", "items": json_schema_of(schema["items"])}
+    elif schema.get("name") == "org.apache.kafka.connect.data.Decimal":
+        out = {"type": "number", "connect.type": "bytes"}
+    else:
+        out = {"type": _JSON_TYPES[kind]}
+        if kind not in ("string", "boolean"):
+            out["connect.type"] = kind
+    if "name" in schema:
+        out["title"] = schema["name"]
+    if "version" in schema:
+        out["connect.version"] = schema["version"]
+    if "parameters" in schema:
+        out["connect.parameters"] = schema["parameters"]
+    if schema.get("optional"):
+        out = {"oneOf": [{"type": "null"}, out]}
+    if index is not None:
+        out["connect.index"] = index
+    return out
