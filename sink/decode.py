@@ -370,10 +370,12 @@ class Decoder:
         meta = Metadata(messages, offsets, values, topic, partition)
         skipped: list[int] = []
         deletes: list[tuple[int, tuple[Any, ...]]] = []
+        truncates = 0
         if self._cdc is not None:
             rows, early = self._decode_changes(
                 messages, candidates, payloads, meta, deletes, skipped
             )
+            truncates = len(skipped)  # (tombstones are added below)
         else:
             rows, early = self._decode_candidates(candidates, payloads, sizes[candidates], meta)
         dead.update(early)
@@ -402,6 +404,7 @@ class Decoder:
             skipped_offsets=skipped,
             first_offset=int(offsets[0]),
             last_offset=int(offsets[-1]),
+            truncates=truncates,
         )
 
     def _decode_candidates(

@@ -122,4 +122,5 @@ def joined(parts: Sequence[Decoded]) -> Decoded:
         [o for p in parts for o in p.skipped_offsets],
         parts[0].first_offset,
         parts[-1].last_offset,
+        sum(p.truncates for p in parts),
     )

@@ -101,6 +101,8 @@ class Decoded:
             ``source.envelope = "debezium"`` Debezium's tombstones and skipped truncates.
         first_offset: offset of the first message given (good, dead or skipped).
         last_offset: offset of the last message given.
+        truncates: how many of `skipped_offsets` are skipped truncates (``source.truncate =
+            "skip"``), counted by the consumer loop (``lance_sink_cdc_truncates_total``).
     """
 
     batch: pa.RecordBatch | None
@@ -108,6 +110,7 @@ class Decoded:
     skipped_offsets: list[int]
     first_offset: int
     last_offset: int
+    truncates: int = 0
 
 
 def value_sizes(values: Sequence[bytes | None]) -> np.ndarray:

@@ -191,6 +191,13 @@ class Metrics:
             "Messages sent to the dead-letter topic, by reason.",
             ["topic", "reason"],
         )
+        self.cdc_truncates = counter(
+            "cdc_truncates_total",
+            "Truncate events (op t) of Debezium change streams skipped (source.truncate = "
+            "skip): the table keeps its rows; a truncate decoded again (a redelivery) counts "
+            "again.",
+            ["topic"],
+        )
         self.decode_errors = counter(
             "decode_errors_total",
             "Messages whose decoding raised (no decode path foresaw the value); each is a "
@@ -435,6 +442,10 @@ class Metrics:
 
     def dead_lettered(self, topic: str, reason: str) -> None:
         self.dlq_messages.labels(topic, reason).inc()
+
+    def cdc_truncates_skipped(self, topic: str, count: int) -> None:
+        """`count` truncate events of `topic` were skipped (``source.truncate = "skip"``)."""
+        self.cdc_truncates.labels(topic).inc(count)
 
     def decode_failed(self, topic: str, count: int) -> None:
         """`count` messages of `topic` raised in decoding (decode_error dead letters)."""

@@ -13,6 +13,7 @@ every row.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -73,7 +74,7 @@ def split_refused(
     left = np.flatnonzero(keep)
     rest = batch.take(pa.array(left)) if len(left) else None
     dead = sorted([*decoded.dead_letters, *letters], key=lambda d: d.offset)
-    kept = Decoded(rest, dead, decoded.skipped_offsets, decoded.first_offset, decoded.last_offset)
+    kept = dataclasses.replace(decoded, batch=rest, dead_letters=dead)
     return kept, sorted(letters, key=lambda d: d.offset)
 
 

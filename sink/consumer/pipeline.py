@@ -279,6 +279,8 @@ class Pipeline:
         self, state: PartitionState, messages: list[Any], decoded: Decoded, stages: Stages
     ) -> None:
         held = Held(decoded, messages, stages=stages)
+        if decoded.truncates:
+            self.metrics.cdc_truncates_skipped(state.topic, decoded.truncates)
         if decoded.dead_letters:
             if errors := sum(d.reason == "decode_error" for d in decoded.dead_letters):
                 self.metrics.decode_failed(state.topic, errors)

@@ -218,10 +218,14 @@ def test_truncate_is_skipped_by_default_and_a_dead_letter_with_dlq(
     value = dbz.value(event("t", None, None), SCHEMA)
     out, rows = cdc([Msg(value, 9)])
     assert (rows, out.dead_letters, out.skipped_offsets) == ([], [], [9])
+    assert out.truncates == 1  # (counted by the consumer loop: lance_sink_cdc_truncates_total)
     assert "cdc_truncate_skipped" in capsys.readouterr().out
+    # Debezium's tombstones are skipped offsets too, but not truncates.
+    out, _ = cdc([Msg(value, 9), Msg(None, 10, dbz.key(1)), Msg(value, 11)])
+    assert (out.skipped_offsets, out.truncates) == ([9, 10, 11], 2)
     out, rows = cdc([Msg(value, 9)], truncate="dlq")
     assert [d.reason for d in out.dead_letters] == ["cdc_truncate"]
-    assert out.skipped_offsets == []
+    assert (out.skipped_offsets, out.truncates) == ([], 0)
 
 
 @pytest.mark.parametrize(

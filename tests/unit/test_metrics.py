@@ -17,6 +17,10 @@ EXPECTED = {
     "lance_sink_committed_offset": "Offset committed to Kafka.",
     "lance_sink_consumed_offset": "Next offset the consumer will hand to the sink (position).",
     "lance_sink_consumer_lag_messages": "Log end offset minus consumed position.",
+    "lance_sink_cdc_truncates": (
+        "Truncate events (op t) of Debezium change streams skipped (source.truncate = skip): "
+        "the table keeps its rows; a truncate decoded again (a redelivery) counts again."
+    ),
     "lance_sink_decode_errors": (
         "Messages whose decoding raised (no decode path foresaw the value); each is a "
         "decode_error dead letter."
