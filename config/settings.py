@@ -1432,13 +1432,6 @@ class Settings(BaseSettings):
                 "primary_key): change events update and delete rows by key",
                 ("source.envelope",),
             )
-        if not self.table.columns:
-            raise KeyedError(
-                "table.columns",
-                "source.envelope = 'debezium' needs the columns configured (they are not "
-                "derived from the event's schema)",
-                ("source.envelope",),
-            )
         if self.table.vector is not None and self.table.vector.encoding != "json":
             raise KeyedError(
                 "table.vector.encoding",

@@ -45,10 +45,21 @@ from typing import Any, Final, Literal, cast
 import orjson
 
 from sink.decode_plan import ColumnPlan, Fault
-from sink.formats import RecordFormat
+from sink.formats import RecordFormat, SchemaCheck, check_writer_schemas
+from sink.formats.leaves import Leaf
 from sink.json_values import is_utf8, loads, show, utf8_error
 
-__all__ = ["LOGICAL", "OPS", "Debezium", "Split", "logical_value"]
+__all__ = [
+    "DERIVED",
+    "LOGICAL",
+    "OPS",
+    "ROW",
+    "Debezium",
+    "Split",
+    "logical_value",
+    "row_leaves",
+    "schema_logical",
+]
 
 #: The ops of a change event: create, snapshot read, update, delete, truncate.
 OPS: Final = frozenset({"c", "r", "u", "d", "t"})
@@ -106,6 +117,43 @@ _DATES: Final = frozenset({"io.debezium.time.Date", "org.apache.kafka.connect.da
 _DECIMALS: Final = frozenset(
     {"org.apache.kafka.connect.data.Decimal", "io.debezium.data.VariableScaleDecimal"}
 )
+#: The column type a row field of each logical type derives (``table.columns`` left out):
+#: what `logical_value` makes of it best.
+DERIVED: Final = {
+    **dict.fromkeys(
+        (
+            "io.debezium.time.Date",
+            "io.debezium.time.Timestamp",
+            "io.debezium.time.MicroTimestamp",
+            "io.debezium.time.NanoTimestamp",
+            "io.debezium.time.ZonedTimestamp",
+            "org.apache.kafka.connect.data.Date",
+            "org.apache.kafka.connect.data.Timestamp",
+            "google.type.Date",
+        ),
+        "timestamp",
+    ),
+    **dict.fromkeys(
+        (
+            "io.debezium.time.Time",
+            "io.debezium.time.MicroTime",
+            "io.debezium.time.NanoTime",
+            "org.apache.kafka.connect.data.Time",
+            "google.type.TimeOfDay",
+        ),
+        "string",  # a time of day: ISO text
+    ),
+    **dict.fromkeys(
+        (
+            "org.apache.kafka.connect.data.Decimal",
+            "io.debezium.data.VariableScaleDecimal",
+            "confluent.type.Decimal",
+        ),
+        "float64",
+    ),
+}
+#: The record path of the row image whose fields derived columns read.
+ROW: Final = ("after",)
 _EPOCH: Final = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 #: Bytes of the Confluent framing that name a value's writer schema.
 _HEADER_BYTES: Final = 5
@@ -149,6 +197,9 @@ class Debezium:
             ``("after", name)``).
         truncate: ``source.truncate``.
         records: the registry format the events are encoded in, or None for JSON.
+        check: derived columns: what each new writer schema is checked against (its
+            leaves as `writer_leaves` gives them, fitted with ``row = ROW``), raising
+            `sink.formats.SchemaEvolution` from `split` when the table must evolve.
 
     Raises:
         ValueError: a primary key column that does not read a top-level field of after.
@@ -160,9 +211,11 @@ class Debezium:
         *,
         truncate: Literal["skip", "dlq"],
         records: RecordFormat | None,
+        check: SchemaCheck | None = None,
     ) -> None:
         self._truncate = truncate
         self._records = records
+        self._check = check
         #: Logical types of the row fields per writer schema (registry framing bytes).
         self._by_schema: dict[bytes, dict[str, Logical]] = {}
         #: Logical types of the row fields per JSON converter schema block (its bytes).
@@ -182,6 +235,16 @@ class Debezium:
                 )
             self._key.append((c.name, c.path[1], c.type_name))
 
+    def writer_leaves(self, payload: bytes) -> list[Leaf] | None:
+        """The leaves of `payload`'s writer schema (its format's), the row fields of a
+        logical type as one leaf each of the type they derive (`row_leaves`); None when the
+        format cannot tell."""
+        assert self._records is not None
+        leaves = self._records.writer_leaves(payload)
+        if leaves is None:
+            return None
+        return row_leaves(leaves, self._writer_logical(payload) or {})
+
     def split(self, payloads: Sequence[bytes], key_of: Callable[[int], Any]) -> Split:
         """Sort the change events `payloads` into upserts, deletes, skips and faults.
 
@@ -192,9 +255,13 @@ class Debezium:
 
         Raises:
             RegistryUnavailable: from a registry format.
+            SchemaEvolution: (derived columns, ``table.evolve``) a writer schema has row
+                fields the table lacks.
         """
         out = Split()
         positions, events, logicals, faults = self._events(payloads)
+        if self._check is not None and self._records is not None:
+            check_writer_schemas(self, [payloads[p] for p in positions], self._check)
         out.faults.update(faults)
         for pos, event, logical in zip(positions, events, logicals, strict=True):
             if type(event) is not dict:
@@ -522,6 +589,35 @@ _WRITER_LOGICAL: Final[dict[str, Callable[[Any], dict[str, Logical]]]] = {
     "JSON Schema": _json_schema_logical,
     "Protobuf": _proto_logical,
 }
+
+
+#: `_WRITER_LOGICAL` by ``source.format``.
+_FORMATS: Final = {"avro": "Avro", "json_schema": "JSON Schema", "protobuf": "Protobuf"}
+
+
+def schema_logical(fmt: str, schema: Any) -> dict[str, Logical]:
+    """The logical types of the row fields of an envelope schema in the registry format
+    `fmt` (``source.format``): a parsed Avro or JSON Schema schema, a Protobuf message
+    descriptor."""
+    return _WRITER_LOGICAL[_FORMATS[fmt]](schema)
+
+
+def row_leaves(leaves: list[Leaf], logical: dict[str, Logical]) -> list[Leaf]:
+    """An envelope schema's leaves (`sink.formats.leaves`) with each row field (of before
+    and after) of a logical type (`logical`, by field) as one leaf of the column type it
+    derives (`DERIVED`; None: no column type), in place of what its plain type gives (a
+    Protobuf message's own fields, an Avro int)."""
+    out: list[Leaf] = []
+    done: set[tuple[str, ...]] = set()
+    for path, type_name in leaves:
+        if len(path) >= 2 and path[0] in ("after", "before") and path[1] in logical:
+            field = path[:2]
+            if field not in done:
+                done.add(field)
+                out.append((field, DERIVED.get(logical[path[1]][0], type_name)))
+            continue
+        out.append((path, type_name))
+    return out
 
 
 def _from_proto(schema_name: str, raw: Any) -> tuple[str, Any]:

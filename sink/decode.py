@@ -152,7 +152,7 @@ from engine.schema import (
     SOURCE_COLUMNS,
     TableSpec,
 )
-from sink.cdc import Debezium
+from sink.cdc import ROW, Debezium
 from sink.decode_columns import (
     Metadata,
     Rows,
@@ -288,25 +288,32 @@ class Decoder:
         # Primary key columns first: a row missing its key reports that before anything else.
         self._columns = sorted(columns, key=lambda c: not c.primary_key)
         self._source_columns = all(n in spec.table_schema.names for n in SOURCE_COLUMNS)
+        # Derived columns: new writer schemas are checked against all columns (sink.formats;
+        # change events' against the after image's fields).
+        self._schema_check = (
+            SchemaCheck(
+                {c.name: Column(c.where, c.type_name) for c in self._columns},
+                evolve=schema_check == "evolve",
+                row=ROW if cdc else (),
+            )
+            if schema_check != "off" and self._records is not None
+            else None
+        )
         # Change events: read as records (JSON ones by orjson), so JSON's Arrow leaves'
         # extra steps (base64 text, float32 range) are the record path's here.
         self._cdc = (
-            Debezium(self._columns, truncate=source.truncate, records=self._records)
+            Debezium(
+                self._columns,
+                truncate=source.truncate,
+                records=self._records,
+                check=self._schema_check,
+            )
             if cdc
             else None
         )
         self._json_leaves = self._json and self._cdc is None
         json_columns = [c for c in self._columns if c.kind == "json"]
         self._path_columns = {c.path: c for c in reversed(json_columns)}
-        # Derived columns: new writer schemas are checked against all columns (sink.formats).
-        self._schema_check = (
-            SchemaCheck(
-                {c.name: Column(c.where, c.type_name) for c in self._columns},
-                evolve=schema_check == "evolve",
-            )
-            if schema_check != "off" and self._records is not None
-            else None
-        )
         # Vector tables in the JSON format take the vector fast paths (`JsonParser`).
         # (Its checks of overlapping paths run for every format: registry formats read
         # record paths the same way.)

@@ -31,6 +31,8 @@ __all__ = [
     "SchemaCheck",
     "SchemaCheckMode",
     "SchemaEvolution",
+    "WriterLeaves",
+    "check_writer_schemas",
     "epoch_ms_paths",
     "parse_records",
     "record_column",
@@ -80,8 +82,19 @@ class SchemaCheck:
 
     columns: dict[str, Column]
     evolve: bool
+    #: Change events (`sink.cdc`): the row image whose fields get columns (`fit_leaves`).
+    row: tuple[str, ...] = ()
     checked: set[bytes] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class WriterLeaves(Protocol):
+    """What tells the leaves of a payload's writer schema (a `RecordFormat`, or change
+    events' `sink.cdc.Debezium`)."""
+
+    def writer_leaves(self, payload: bytes) -> list[tuple[tuple[str, ...], str | None]] | None:
+        """See `RecordFormat.writer_leaves`."""
+        ...
 
 
 class RecordFormat(Protocol):
@@ -233,7 +246,7 @@ def _parse_chunk(
     format's own."""
     positions, records, faults = fmt.records(payloads, epoch_ms)
     if check is not None:
-        _check_writer_schemas(fmt, [payloads[p] for p in positions], check)
+        check_writer_schemas(fmt, [payloads[p] for p in positions], check)
     if set(map(type, records)) - {dict}:
         not_records = [i for i, r in enumerate(records) if not isinstance(r, dict)]
         for i in not_records:
@@ -272,10 +285,10 @@ def record_column(
 _HEADER_BYTES = 5
 
 
-def _check_writer_schemas(fmt: RecordFormat, payloads: list[bytes], check: SchemaCheck) -> None:
-    """Fit each writer schema among `payloads` not checked yet to the table's columns:
-    raise `SchemaEvolution` if one needs the table evolved and `check.evolve`, else log what
-    the table will not hold, once per schema."""
+def check_writer_schemas(fmt: WriterLeaves, payloads: list[bytes], check: SchemaCheck) -> None:
+    """Fit each writer schema among `payloads` (which decoded) not checked yet to the
+    table's columns: raise `SchemaEvolution` if one needs the table evolved and
+    `check.evolve`, else log what the table will not hold, once per schema."""
 
     new = {p[:_HEADER_BYTES]: p for p in payloads} if payloads else {}
     needs: dict[int, list[str]] = {}
@@ -283,7 +296,7 @@ def _check_writer_schemas(fmt: RecordFormat, payloads: list[bytes], check: Schem
         if header in check.checked:
             continue
         leaves = fmt.writer_leaves(payload)
-        fit = None if leaves is None else fit_leaves(leaves, check.columns)
+        fit = None if leaves is None else fit_leaves(leaves, check.columns, check.row)
         schema_id = int.from_bytes(header[1:], "big")
         if fit is not None and fit.changes and check.evolve:
             needs[schema_id] = fit.changes

@@ -21,18 +21,25 @@ column, maps, unions of several types), whose derived name a Lance column cannot
 would read another field (a field ``a__b`` would be read from ``$.a.b``), or whose name is
 taken by a column that reads something else are skipped and logged. The full mapping is
 in docs/formats.md.
+
+Change events (``source.envelope = "debezium"``, `sink.cdc`): the columns are the fields of
+the envelope schema's after image (``$.after.<field>``, columns named as the fields), a
+field of a Connect logical type typed as `sink.cdc.DERIVED` says; the envelope's other
+fields (``$.source.ts_ms``, ``$.op``) only type the columns ``source.columns`` maps to them.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
-from typing import Final
+from typing import Any, Final
 
 import pyarrow as pa
 import structlog
 
 from config.settings import Settings
 from engine.schema import SOURCE_COLUMNS, arrow_type
+from sink.cdc import ROW, row_leaves, schema_logical
 from sink.formats import RegistryUnavailable
 from sink.formats.leaves import (
     NESTED,
@@ -75,11 +82,12 @@ def derive_settings(settings: Settings, schema_ids: tuple[int, ...] = ()) -> Set
     """
     if settings.table.columns:
         return settings
+    row = _row(settings)
     configured = _configured_columns(settings)
     existing = _table_schema(settings)
     if existing is None:
         origin = "schema"
-        fit = _fit(schema_columns(settings), configured)
+        fit = _fit(schema_columns(settings), configured, row)
         # The schema's columns in its order, then the mapped ones.
         columns = {n: c for n, c in fit.columns.items() if n not in configured}
         columns.update((n, fit.columns[n]) for n in configured)
@@ -99,7 +107,7 @@ def derive_settings(settings: Settings, schema_ids: tuple[int, ...] = ()) -> Set
                 log.warning("registry_unavailable_at_start", error=str(exc), columns="table")
                 columns |= mapped
             else:
-                columns = _fit(leaves, columns | mapped).columns
+                columns = _fit(leaves, columns | mapped, row).columns
     columns = _key_columns(settings, columns)
     if settings.table.vector is not None:
         columns.pop(settings.table.vector.column, None)  # table.vector declares it
@@ -122,12 +130,22 @@ def derive_settings(settings: Settings, schema_ids: tuple[int, ...] = ()) -> Set
     return Settings.model_validate(data)
 
 
-def _fit(leaves: list[Leaf], columns: dict[str, Column]) -> Fit:
+def _fit(leaves: list[Leaf], columns: dict[str, Column], row: Path = ()) -> Fit:
     """`fit_leaves`, logging the leaves skipped."""
-    fit = fit_leaves(leaves, columns)
+    fit = fit_leaves(leaves, columns, row)
     for field, type_name, reason in fit.skipped:
         log.warning("schema_field_skipped", field=field, type=type_name, reason=reason)
     return fit
+
+
+def _row(settings: Settings) -> Path:
+    """The record path below which fields get columns: change events' after image."""
+    return ROW if settings.source.envelope == "debezium" else ()
+
+
+def _field_source(settings: Settings, name: str) -> str:
+    """What an unmapped column `name` reads (``a__b``: ``$.a.b``, below `_row`)."""
+    return "$." + ".".join((*_row(settings), *name.split(NESTED)))
 
 
 #: Column types of the Kafka metadata sources a mapped column may read.
@@ -158,7 +176,8 @@ def _configured_columns(settings: Settings) -> dict[str, Column]:
     vector = settings.table.vector
     if vector is not None:
         out[vector.column] = Column(
-            settings.source.columns.get(vector.column, "$." + vector.column), "vector"
+            settings.source.columns.get(vector.column, _field_source(settings, vector.column)),
+            "vector",
         )
     return out
 
@@ -187,7 +206,7 @@ def _from_table(schema: pa.Schema, settings: Settings) -> dict[str, Column]:
             type_name = next((n for t, n in names.items() if t.equals(field.type)), None)
         if field.name in SOURCE_COLUMNS or type_name is None:
             continue
-        src = settings.source.columns.get(field.name, "$." + field.name.replace(NESTED, "."))
+        src = settings.source.columns.get(field.name, _field_source(settings, field.name))
         columns[field.name] = Column(src, type_name, field.nullable)
     return columns
 
@@ -217,7 +236,7 @@ def schema_columns(settings: Settings, schema_ids: tuple[int, ...] = ()) -> list
         assert pb.descriptor_set is not None
         assert pb.message is not None
         desc = load_descriptor(pb.descriptor_set, pb.message)
-        return proto_leaves(desc)
+        return _cdc_leaves(settings, proto_leaves(desc), "protobuf", desc)
     message = None if pb is None else pb.message
     return _subject_leaves(settings, "value", source.format, message, schema_ids)
 
@@ -260,13 +279,32 @@ def _subject_leaves(
     if fmt in {"avro", "json_schema"}:
         texts = [registered.schema.schema_str]
         texts += [client.get_schema(schema_id).schema_str for schema_id in schema_ids]
-        return [leaf for text in texts for leaf in text_leaves(fmt, text)]
+        if kind == "key":
+            return [leaf for text in texts for leaf in text_leaves(fmt, text)]
+        return [
+            leaf
+            for text in texts
+            for leaf in _cdc_leaves(settings, text_leaves(fmt, text), fmt, text)
+        ]
     from sink.formats.protobuf import registry_descriptor  # noqa: PLC0415
 
     schemas = [registered.schema]
     schemas += [client.get_schema(i, fmt="serialized") for i in schema_ids]
+    descriptors = [registry_descriptor(client, schema, message) for schema in schemas]
+    if kind == "key":
+        return [leaf for desc in descriptors for leaf in proto_leaves(desc)]
     return [
         leaf
-        for schema in schemas
-        for leaf in proto_leaves(registry_descriptor(client, schema, message))
+        for desc in descriptors
+        for leaf in _cdc_leaves(settings, proto_leaves(desc), fmt, desc)
     ]
+
+
+def _cdc_leaves(settings: Settings, leaves: list[Leaf], fmt: str, schema: Any) -> list[Leaf]:
+    """A value schema's `leaves`; of change events, with the after image's fields of a
+    logical type typed as they derive (`sink.cdc.row_leaves`). `schema`: the schema text
+    (Avro, JSON Schema) or the message descriptor (Protobuf)."""
+    if settings.source.envelope != "debezium":
+        return leaves
+    parsed = json.loads(schema) if isinstance(schema, str) else schema
+    return row_leaves(leaves, schema_logical(fmt, parsed))

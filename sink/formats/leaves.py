@@ -127,7 +127,7 @@ class Fit:
     skipped: list[tuple[str, str | None, str]]
 
 
-def fit_leaves(leaves: list[Leaf], columns: dict[str, Column]) -> Fit:
+def fit_leaves(leaves: list[Leaf], columns: dict[str, Column], row: Path = ()) -> Fit:
     """Fit a schema's leaves to a table's columns (by name). The one rule of both
     `derive_settings`, which creates and evolves the table, and the check of each new
     writer schema while running (`sink.formats`): what the check finds missing is what a
@@ -139,6 +139,10 @@ def fit_leaves(leaves: list[Leaf], columns: dict[str, Column]) -> Fit:
     gets a new column named ``<parent>__<field>``, unless it has no column type, the name
     would not read the leaf back (``a__b`` reads ``$.a.b``, never a field ``a__b``), or a
     column of that name reads something else: then the leaf is skipped, with the reason.
+
+    With a `row` (change events: ``("after",)``, `sink.cdc`) only the leaves under it get
+    columns of their own, named by their path below it (``$.after.a.b``: ``a__b``); the
+    others only type the columns that read them.
     """
     out = dict(columns)
     reads = {c.path: name for name, c in out.items() if c.path is not None}
@@ -154,8 +158,10 @@ def fit_leaves(leaves: list[Leaf], columns: dict[str, Column]) -> Fit:
                 if have is not None:
                     changes.append(f"{field} ({have} -> {type_name})")
             continue
-        name = NESTED.join(path)
-        reason = _no_column(path, type_name, name, out)
+        if path[: len(row)] != row or len(path) == len(row):
+            continue  # (an envelope's own fields: only the columns mapped to them)
+        name = NESTED.join(path[len(row) :])
+        reason = _no_column(path, type_name, name, out, row)
         if reason is not None:
             skipped[field, type_name] = reason
             continue
@@ -166,9 +172,10 @@ def fit_leaves(leaves: list[Leaf], columns: dict[str, Column]) -> Fit:
 
 
 def _no_column(
-    path: Path, type_name: str | None, name: str, columns: dict[str, Column]
+    path: Path, type_name: str | None, name: str, columns: dict[str, Column], row: Path = ()
 ) -> str | None:
-    """Why the leaf `path` gets no column `name` of its own (None: it gets one)."""
+    """Why the leaf `path` gets no column `name` of its own (None: it gets one); `name`
+    is its path below `row`."""
     if type_name is None:
         return (
             "its type has no column type (arrays, maps, unions of several types, times of "
@@ -185,8 +192,8 @@ def _no_column(
     if not name[:1].isalpha() or not set(name) <= _NAME_OK:
         return f"{name!r} is not a column name; {mapping}"
     named = tuple(name.split(NESTED))
-    if named != path:
-        return f"a column named {name} reads $.{'.'.join(named)}; {mapping}"
+    if named != path[len(row) :]:
+        return f"a column named {name} reads $.{'.'.join((*row, *named))}; {mapping}"
     if name in columns:
         return f"column {name} reads {columns[name].source}; {mapping}"
     return None
@@ -235,6 +242,17 @@ def _avro_leaves(schema: Any, path: tuple[str, ...], named: dict[str, Any]) -> I
 
 
 def _json_leaves(schema: Any, path: tuple[str, ...]) -> Iterator[Leaf]:
+    if isinstance(schema, dict) and "type" not in schema:
+        # oneOf (anyOf) null and one type: an optional field as Kafka Connect's JSON Schema
+        # converter writes it, that type; any other combination has no column.
+        branches = schema.get("oneOf", schema.get("anyOf"))
+        if isinstance(branches, list):
+            others = [b for b in branches if not (isinstance(b, dict) and b.get("type") == "null")]
+            if len(others) == 1:
+                yield from _json_leaves(others[0], path)
+            else:
+                yield path, None
+            return
     kind = schema.get("type") if isinstance(schema, dict) else None
     if isinstance(kind, list):
         others = [k for k in kind if k != "null"]

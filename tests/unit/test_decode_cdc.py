@@ -11,10 +11,11 @@ import json
 import math
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import pytest
+import structlog
 from confluent_kafka.schema_registry.avro import AvroSerializer
 from confluent_kafka.schema_registry.json_schema import JSONSerializer
 from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
@@ -477,6 +478,13 @@ APPEND = {"table__mode": "append", "table__primary_key": None, "table__source_co
 def test_settings_take_a_debezium_upsert_table() -> None:
     settings = Settings.model_validate(_settings())
     assert (settings.source.envelope, settings.source.truncate) == ("debezium", "skip")
+    # A registry format may leave the columns out: derived from the after image at start.
+    derived = Settings.model_validate(
+        _settings(
+            source__format="avro", source__schema_registry={"url": "mock://x"}, table__columns=[]
+        )
+    )
+    assert (derived.source.format, derived.table.columns) == ("avro", [])
 
 
 @pytest.mark.parametrize(
@@ -486,6 +494,7 @@ def test_settings_take_a_debezium_upsert_table() -> None:
         ({"source__columns": {"id": "$.source.lsn"}}, "source.columns.id", "a field of the row"),
         ({"source__columns": {"id": "@key"}}, "source.columns.id", "a field of the row"),
         ({"source__format": "raw", "source__columns": {"id": "@value"}}, "source.envelope", "raw"),
+        ({"table__columns": []}, "table.columns", "only the registry formats"),
     ],
 )  # fmt: skip
 def test_settings_refuse_what_change_events_cannot_drive(
@@ -1137,3 +1146,199 @@ def test_protobuf_change_events_from_a_descriptor_set(tmp_path: Path) -> None:
     assert [(r["price"], r["added"]) for r in rows] == [
         (-12.5, dt.datetime(1969, 12, 31, tzinfo=UTC))
     ] * 2
+
+
+# -- derived columns: the after image's fields (table.columns left out) ---------------
+
+
+def _envelope_values(fmt: str, url: str, extra: bool = False) -> Any:
+    """The products envelope's serializer in `fmt` (`extra`: its Value with a new field
+    ``color``), registering it as ``<topic>-value``: event -> framed value."""
+    client = build_client(SchemaRegistrySettings(url=url))
+    ctx = SerializationContext(TOPIC, MessageField.VALUE)
+    if fmt == "protobuf":
+        value, _ = _proto_serializers(client, extra)
+        return lambda event: value(event, ctx)
+    schema: Any = AVRO_ENVELOPE if fmt == "avro" else JS_ENVELOPE
+    if extra:
+        schema = json.loads(json.dumps(schema))
+        if fmt == "avro":
+            row_ = schema["fields"][0]["type"][1]
+            row_["fields"].append({"name": "color", "type": ["null", "string"], "default": None})
+        else:
+            for which in ("before", "after"):
+                props = schema["properties"][which]["oneOf"][1]["properties"]
+                props["color"] = _opt({"type": "string"}, 7)
+    serializer = (
+        AvroSerializer(client, json.dumps(schema))
+        if fmt == "avro"
+        else JSONSerializer(json.dumps(schema), client, conf={"validate": False})
+    )
+    return lambda event: serializer(event, ctx)
+
+
+def _registered_envelope(fmt: str, url: str, extra: bool = False) -> bytes:
+    """`_envelope_values` registered by writing an insert of id 1 (returned)."""
+    return cast(
+        "bytes",
+        _envelope_values(fmt, url, extra)(
+            {
+                "before": None,
+                "after": {"id": 1, "embedding": [1.0, 2.0, 3.0]},
+                "source": {"ts_ms": 1, "table": "t"},
+                "op": "c",
+            }
+        ),
+    )
+
+
+def _derived_settings(tmp_path: Path, fmt: str, url: str, **table: Any) -> Settings:
+    return Settings.model_validate(
+        {
+            "kafka": {"bootstrap_servers": "localhost:9092", "topics": [TOPIC]},
+            "source": {
+                "format": fmt,
+                "envelope": "debezium",
+                "schema_registry": {"url": url},
+                "columns": CDC_MAPPING,
+            },
+            "table": {
+                "uri": str(tmp_path / "products.lance"),
+                "mode": "upsert",
+                "primary_key": ["id"],
+                "vector": {"column": "vec", "dim": 3},
+                **table,
+            },
+        }
+    )
+
+
+#: The derived columns of each format's products envelope, by Debezium's logical types
+#: (the vector column is table.vector's; embedding's array gets none).
+DERIVED_COLUMNS = {
+    "avro": {
+        "id": "int32",
+        "name": "string",
+        "price": "float64",
+        "added": "timestamp",
+        "updated": "timestamp",
+    },
+    "json_schema": {
+        "id": "int64",
+        "name": "string",
+        "price": "float64",
+        "added": "timestamp",
+        "updated": "timestamp",
+        "changed": "timestamp",
+    },
+    "protobuf": {
+        "id": "int32",
+        "name": "string",
+        "price": "float64",
+        "added": "timestamp",
+        "updated": "timestamp",
+        "opens": "string",
+        "micros": "int64",
+    },
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(DERIVED_COLUMNS))
+def test_derived_columns_are_the_after_images_fields(fmt: str, tmp_path: Path) -> None:
+    from sink.formats.derive import derive_settings  # noqa: PLC0415
+
+    url = f"mock://{uuid.uuid4().hex}"
+    _registered_envelope(fmt, url)
+    derived = derive_settings(_derived_settings(tmp_path, fmt, url))
+    got = {c.name: c.type for c in derived.table.columns}
+    assert got == {**DERIVED_COLUMNS[fmt], "lsn": "int64", "op": "string"}
+    # Each reads its field of after; the mapped ones stay as mapped.
+    assert derived.source.columns == {
+        **{name: f"$.after.{name}" for name in DERIVED_COLUMNS[fmt]},
+        **CDC_MAPPING,
+    }
+    spec = TableSpec.from_settings(derived.table)
+    client = build_client(SchemaRegistrySettings(url=url))
+    ctx = SerializationContext(TOPIC, MessageField.VALUE)
+    image: dict[str, Any]
+    if fmt == "protobuf":
+        value, _ = _proto_serializers(client)
+        image = PROTO_IMAGE
+    else:
+        value = (
+            AvroSerializer(client, json.dumps(AVRO_ENVELOPE))
+            if fmt == "avro"
+            else JSONSerializer(json.dumps(JS_ENVELOPE), client, conf={"validate": False})
+        )
+        image = {
+            "id": 3,
+            "name": "lamp",
+            "price": decimal.Decimal("-12.50") if fmt == "avro" else dbz.decimal_b64("-12.5", 2),
+            "added": -1,
+            "updated": -1,
+            "embedding": [0.5, 1.0, 2.0],
+        }
+    event = {"after": image, "source": {"ts_ms": 1, "table": "t", "lsn": 5}, "op": "r"}
+    if fmt == "protobuf":
+        event["before"] = None
+    else:
+        event.update(before=None, ts_ms=1)
+    out = Decoder(spec, derived.source, schema_check="evolve").decode([Msg(value(event, ctx), 0)])
+    assert out.dead_letters == []
+    assert out.batch is not None
+    (got_row,) = out.batch.to_pylist()
+    assert (got_row["id"], got_row["name"], got_row["price"], got_row["lsn"]) == (
+        3,
+        "lamp",
+        -12.5,
+        5,
+    )
+    assert got_row["added"] == dt.datetime(1969, 12, 31, tzinfo=UTC)
+    assert got_row["updated"] == LAST_MS_OF_1969
+    assert got_row["vec"] == [0.5, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("fmt", sorted(DERIVED_COLUMNS))
+def test_evolve_adds_a_column_when_the_source_table_gains_one(fmt: str, tmp_path: Path) -> None:
+    import lance  # noqa: PLC0415
+
+    from sink.formats import SchemaEvolution  # noqa: PLC0415
+    from sink.formats.derive import derive_settings  # noqa: PLC0415
+
+    url = f"mock://{uuid.uuid4().hex}"
+    _registered_envelope(fmt, url)
+    first = derive_settings(_derived_settings(tmp_path, fmt, url))
+    spec = TableSpec.from_settings(first.table)
+    lance.write_dataset(spec.table_schema.empty_table(), first.table.uri)
+    # The source table gains a column: a new writer schema with it in after (and before).
+    newer = _registered_envelope(fmt, url, extra=True)
+    event = _registered_envelope(fmt, url)  # an event of the first schema: nothing new
+    schema_id = int.from_bytes(newer[1:5], "big")
+    for mode, settings_ in (("evolve", first), ("warn", first)):
+        decoder = Decoder(spec, settings_.source, schema_check=mode)
+        assert decoder.decode([Msg(event, 0)]).dead_letters == []
+        if mode == "evolve":
+            with pytest.raises(SchemaEvolution) as caught:
+                decoder.decode([Msg(newer, 1)])
+            assert caught.value.schema_ids == (schema_id,)
+            assert "after.color (new, string)" in caught.value.message
+        else:  # without table.evolve: read without it, logged once per schema
+            with structlog.testing.capture_logs() as logs:
+                out = decoder.decode([Msg(newer, 1), Msg(newer, 2)])
+            assert out.dead_letters == []
+            assert [e["fields"] for e in logs if e["event"] == "schema_fields_not_in_table"] == [
+                ["after.color (new, string)"]
+            ]
+    # The restart to evolve derives the new column from the schema the message named;
+    # a start without evolve keeps the table's columns, read from after.
+    evolved = derive_settings(_derived_settings(tmp_path, fmt, url, evolve=True), (schema_id,))
+    kept = derive_settings(_derived_settings(tmp_path, fmt, url))
+    assert {c.name: c.type for c in evolved.table.columns} == {
+        **{c.name: c.type for c in first.table.columns},
+        "color": "string",
+    }
+    assert evolved.source.columns["color"] == "$.after.color"
+    assert {c.name for c in kept.table.columns} == {c.name for c in first.table.columns}
+    assert kept.source.columns == first.source.columns
+    decoder = Decoder(TableSpec.from_settings(evolved.table), evolved.source, schema_check="evolve")
+    assert decoder.decode([Msg(newer, 1)]).dead_letters == []
