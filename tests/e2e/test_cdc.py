@@ -7,18 +7,26 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import json
 import time
 from pathlib import Path
 from typing import Any
 
+import lance
 import pytest
+from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry.avro import AvroSerializer
+from confluent_kafka.serialization import MessageField, SerializationContext
 
 from sink.cdc import logical_value
 from tests.e2e.test_fanout import TOKEN, post, wait_serving
+from tests.e2e.test_maintenance_role import metrics
 from tests.support import debezium as dbz
 from tests.support.brokers import Broker, free_ports
 from tests.support.kafka import committed_offsets, produce
+from tests.support.registry import FakeRegistry
 from tests.support.sink import SinkProcess, table_rows, wait_caught_up, write_config
+from tests.unit.test_decode_cdc import AVRO_ENVELOPE, AVRO_KEY
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -159,6 +167,7 @@ def test_change_history_across_a_sigkill_and_a_rebalance_then_redelivered(
     news = [
         (dbz.key(survivor), dbz.value(dbz.envelope("u", None, final[survivor], source), SCHEMA)),
         (dbz.key(10_000), dbz.value(dbz.envelope("c", None, final[10_000], source), SCHEMA)),
+        (None, dbz.value(dbz.envelope("t", None, None, source), SCHEMA)),  # skipped, counted
     ]
     produce(mock_broker.bootstrap, topic, [*events, *news])
     third = SinkProcess(fresh, tmp_path / "third.log", env={"LANCE_SINK__QUERY__AUTH_TOKEN": TOKEN})
@@ -171,9 +180,125 @@ def test_change_history_across_a_sigkill_and_a_rebalance_then_redelivered(
         kept = sorted({i for i in last if i in final} | {survivor, 10_000})
         got = post(url, "/v1/lookup", {"keys": kept + gone, "columns": ["id", "name"]})
         assert {r["id"]: r["name"] for r in got["rows"]} == {i: final[i]["name"] for i in kept}
+        sample = f'lance_sink_cdc_truncates_total{{topic="{topic}"}} 1.0'
+        assert sample in metrics(metrics_port).splitlines()
     finally:
         assert third.stop() == 0, third.log_path.read_text()[-3000:]
     check_table(uri, final)
     for sink in (second, third):  # (no dead-letter topic: a bad message would stop there)
         events = {e.get("event") for e in sink.events()}
         assert "partition_stopped_on_bad_message" not in events
+
+
+# -- Avro through the registry, the columns derived and evolved -----------------------
+
+
+def test_avro_change_events_derive_the_table_and_evolve_it(
+    kafka_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    """Debezium with Confluent's AvroConverter, no table.columns: the table is derived from
+    the envelope's after image; the source table gains a column mid-stream (a new writer
+    schema) and the sink restarts itself to add it; the table ends as the source table."""
+    registry = FakeRegistry().start()
+    client = SchemaRegistryClient({"url": registry.url})
+    newer = json.loads(json.dumps(AVRO_ENVELOPE))
+    newer["fields"][0]["type"][1]["fields"].append(
+        {"name": "color", "type": ["null", "string"], "default": None}
+    )
+    values = {
+        1: AvroSerializer(client, json.dumps(AVRO_ENVELOPE)),
+        2: AvroSerializer(client, json.dumps(newer)),
+    }
+    keys = AvroSerializer(client, json.dumps(AVRO_KEY))
+    vctx = SerializationContext(topic, MessageField.VALUE)
+    kctx = SerializationContext(topic, MessageField.KEY)
+    final: dict[int, dict[str, Any]] = {}
+
+    def change(version: int, op: str, id_: int, lsn: int) -> list[tuple[bytes, bytes | None]]:
+        image = None
+        if op != "d":
+            image = {
+                "id": id_,
+                "name": f"product {id_} at {lsn}",
+                "price": decimal.Decimal(f"{id_}.{lsn % 100:02d}"),
+                "added": id_ - 100,  # days: some before 1970
+                "updated": lsn * 1_000_000,
+                "embedding": [float(id_), float(lsn), 0.5],
+            }
+            if version == 2:
+                image["color"] = f"c{lsn}"
+            final[id_] = image
+        else:
+            final.pop(id_, None)
+        event = {
+            "before": {"id": id_} | dict.fromkeys(("name", "price", "added", "updated"))
+            if op == "d"
+            else None,
+            "after": image,
+            "source": {"ts_ms": lsn, "table": "products", "lsn": lsn},
+            "op": op,
+            "ts_ms": lsn,
+        }
+        key = keys({"id": id_}, kctx)
+        out = [(key, values[version](event, vctx))]
+        return [*out, (key, None)] if op == "d" else out  # Debezium's tombstone
+
+    first = [m for i in range(60) for m in change(1, "r", i, 1000 + i)]
+    first += [m for i in range(0, 60, 3) for m in change(1, "d", i, 2000 + i)]
+    try:
+        produce(kafka_broker.bootstrap, topic, first)
+        path = write_config(
+            tmp_path / "sink.toml",
+            bootstrap=kafka_broker.bootstrap,
+            topics=[topic],
+            group=group,
+            table_uri="unused",
+            extra={
+                "source": {
+                    "format": "avro",
+                    "key_format": "avro",
+                    "envelope": "debezium",
+                    "schema_registry": {"url": registry.url},
+                    "columns": {"vec": "$.after.embedding", "lsn": "$.source.lsn"},
+                },
+                "maintenance": {"scalar_indexes": {"lsn": "BTREE"}},
+            },
+        )
+        uri = str(tmp_path / "products.lance")
+        text = path.read_text()
+        path.write_text(
+            text[: text.index("[table]")]
+            + f'[table]\nuri = "{uri}"\nmode = "upsert"\nprimary_key = ["id"]\nevolve = true\n'
+            'vector = { column = "vec", dim = 3, metric = "l2" }\n'
+        )
+        sink = SinkProcess(path, tmp_path / "sink.log")
+        try:
+            wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[sink])
+            columns = set(lance.dataset(uri).schema.names)
+            assert {"id", "name", "price", "added", "updated", "lsn", "vec"} <= columns
+            assert "color" not in columns
+            # ALTER TABLE products ADD COLUMN color: the connector's next events carry it.
+            later = [m for i in range(1, 60, 2) for m in change(2, "u", i, 3000 + i)]
+            later += [m for i in range(60, 70) for m in change(2, "c", i, 4000 + i)]
+            produce(kafka_broker.bootstrap, topic, later)
+            wait_caught_up(kafka_broker.bootstrap, group, topic, timeout=120, procs=[sink])
+        finally:
+            assert sink.stop() == 0, sink.log_path.read_text()[-3000:]
+    finally:
+        registry.stop()
+    events = [e.get("event") for e in sink.events()]
+    assert "schema_evolution_restart" in events
+    assert "table_evolved" in events
+    rows = {r["id"]: r for r in table_rows(uri)}
+    assert sorted(rows) == sorted(final)
+    for id_, image in final.items():
+        row = rows[id_]
+        assert (row["name"], row["color"]) == (image["name"], image.get("color")), id_
+        assert row["price"] == float(image["price"])
+        assert row["added"] == dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(
+            days=image["added"]
+        )
+        assert row["updated"] == dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(
+            seconds=image["updated"] // 1_000_000
+        )
+        assert row["vec"] == pytest.approx(image["embedding"])
