@@ -422,7 +422,9 @@ class TableSettings(_Section):
         description="Scalar columns, each { name, type, nullable }; type is one of string, "
         "int32, int64, float32, float64, bool, binary, timestamp (milliseconds, UTC). Empty "
         "with a registry format: derived from the subject's latest schema when the table is "
-        "created, from the table afterwards (docs/formats.md).",
+        "created, from the table afterwards (docs/formats.md); with source.envelope = "
+        "'debezium' from the after image, in json of the schema blocks of the topic's newest "
+        "events.",
     )
     vector: VectorSpec | None = None
     fts_columns: list[str] = Field(
@@ -1363,11 +1365,13 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _cross(self) -> Settings:
         if not self.table.columns:  # derived at start (sink.formats.derive), checked then
-            if self.source.format not in REGISTRY_FORMATS:
+            cdc_json = self.source.format == "json" and self.source.envelope == "debezium"
+            if self.source.format not in REGISTRY_FORMATS and not cdc_json:
                 raise KeyedError(
                     "table.columns",
                     "needs at least one column (only the registry formats avro, protobuf and "
-                    "json_schema derive the columns from a schema)",
+                    "json_schema, and json change events with envelope 'debezium', derive "
+                    "the columns from a schema)",
                 )
         else:
             table_columns = {c.name for c in self.table.columns}

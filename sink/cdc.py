@@ -38,14 +38,15 @@ import base64
 import binascii
 import datetime as dt
 import decimal
-from collections.abc import Callable, Sequence
+import hashlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, cast
 
 import orjson
 
 from sink.decode_plan import ColumnPlan, Fault
-from sink.formats import RecordFormat, SchemaCheck, check_writer_schemas
+from sink.formats import RecordFormat, SchemaCheck, check_schema_block, check_writer_schemas
 from sink.formats.leaves import Leaf
 from sink.json_values import is_utf8, loads, show, utf8_error
 
@@ -56,6 +57,7 @@ __all__ = [
     "ROW",
     "Debezium",
     "Split",
+    "connect_leaves",
     "logical_value",
     "row_leaves",
     "schema_logical",
@@ -359,6 +361,8 @@ class Debezium:
                     continue
             logical = None
             if type(value) is dict and "payload" in value and "schema" in value and len(value) == 2:
+                if self._check is not None:
+                    self._check_block(orjson.dumps(value["schema"]), value["schema"])
                 logical = _envelope_logical(value["schema"])
                 value = value["payload"]
             positions.append(pos)
@@ -388,6 +392,7 @@ class Debezium:
                 except orjson.JSONDecodeError:
                     cut = payload.find(_PAYLOAD, cut + 1)
                     continue
+                self._check_block(schema, parsed)
                 logical = _envelope_logical(parsed)
                 if len(self._schemas) >= _SCHEMAS_KEPT:
                     self._schemas.clear()  # (a topic of many table versions: start over)
@@ -397,6 +402,15 @@ class Debezium:
             except orjson.JSONDecodeError:
                 return None
         return None
+
+    def _check_block(self, schema: bytes, parsed: Any) -> None:
+        """Derived columns: fit a schema block not seen yet (`schema`: its bytes) to the
+        table's columns (`sink.formats.check_schema_block`, by a digest of its bytes)."""
+        if self._check is None:
+            return
+        key = hashlib.blake2b(schema, digest_size=16).digest()
+        if key not in self._check.checked:
+            check_schema_block(key, connect_leaves(parsed), self._check)
 
     def _convert(self, image: dict[str, Any], logical: dict[str, Logical]) -> None:
         """Convert the fields of `image` that columns read and that have a logical type."""
@@ -589,6 +603,39 @@ _WRITER_LOGICAL: Final[dict[str, Callable[[Any], dict[str, Logical]]]] = {
     "JSON Schema": _json_schema_logical,
     "Protobuf": _proto_logical,
 }
+
+
+#: Leaf column types of the Connect schema types (`connect_leaves`).
+_CONNECT_TYPES: Final = {
+    "int8": "int32",
+    "int16": "int32",
+    "int32": "int32",
+    "int64": "int64",
+    "float32": "float32",
+    "float64": "float64",
+    "boolean": "bool",
+    "string": "string",
+    "bytes": "binary",
+}
+
+
+def connect_leaves(schema: Any) -> list[Leaf]:
+    """The leaves (`sink.formats.leaves`) of a JSON converter schema block of an envelope:
+    every field by its path (structs walked; arrays and maps have no column type), the row
+    fields of a logical type as they derive (`row_leaves`)."""
+    return row_leaves(list(_connect_leaves(schema, ())), _envelope_logical(schema))
+
+
+def _connect_leaves(schema: Any, path: tuple[str, ...]) -> Iterator[Leaf]:
+    if type(schema) is not dict:
+        return
+    if schema.get("type") == "struct":
+        for f in schema.get("fields") or ():
+            if type(f) is dict and type(f.get("field")) is str:
+                yield from _connect_leaves(f, (*path, f["field"]))
+        return
+    if path:
+        yield path, _CONNECT_TYPES.get(str(schema.get("type")))
 
 
 #: `_WRITER_LOGICAL` by ``source.format``.

@@ -235,7 +235,11 @@ def available_cpus() -> int:
 
 
 def _derive_waiting(
-    settings: Settings, schema_ids: tuple[int, ...], signals: list[int], log: Any
+    settings: Settings,
+    schema_ids: tuple[int, ...],
+    signals: list[int],
+    log: Any,
+    leaves: tuple[Any, ...] = (),
 ) -> Settings | None:
     """`derive_settings`, tried again while the Schema Registry cannot answer (a new table's
     columns come from it): the registry's outage is not the configuration's fault, so the
@@ -254,7 +258,7 @@ def _derive_waiting(
     wait = 1.0
     while not signals:
         try:
-            return derive_settings(settings, schema_ids)
+            return derive_settings(settings, schema_ids, leaves)
         except RegistryUnavailable as exc:
             log.warning("registry_unavailable_at_start", error=str(exc), retry_in_s=wait)
         deadline = time.monotonic() + wait
@@ -301,11 +305,15 @@ def _with_columns(
     if settings.table.columns:
         return settings
     from engine.errors import LanceSinkError  # noqa: PLC0415 - keep `check-config` light
-    from sink.formats.derive import EVOLVE_SCHEMA_IDS_ENV  # noqa: PLC0415
+    from sink.formats.derive import EVOLVE_LEAVES_ENV, EVOLVE_SCHEMA_IDS_ENV  # noqa: PLC0415
 
     ids = tuple(int(i) for i in os.environ.pop(EVOLVE_SCHEMA_IDS_ENV, "").split(",") if i)
+    leaves = tuple(
+        (tuple(path), type_name)
+        for path, type_name in json.loads(os.environ.pop(EVOLVE_LEAVES_ENV, "[]"))
+    )
     try:
-        derived = _derive_waiting(settings, ids, early, log)
+        derived = _derive_waiting(settings, ids, early, log, leaves)
     except ValidationError as exc:  # the derived columns do not fit the other settings
         problems = validation_problems(exc, args.config, args.overrides)
         raise ConfigError(problems) from exc
@@ -367,11 +375,13 @@ def _run(args: argparse.Namespace) -> int:
     if service.evolution is not None:
         # Restart in place (same pid, arguments and environment) to evolve the table; the
         # schema ids the messages need are passed on so the new columns cannot be missed.
-        from sink.formats.derive import EVOLVE_SCHEMA_IDS_ENV  # noqa: PLC0415
+        from sink.formats.derive import EVOLVE_LEAVES_ENV, EVOLVE_SCHEMA_IDS_ENV  # noqa: PLC0415
 
         met = ",".join(str(i) for i in service.evolution.schema_ids)
         log.info("restarting_to_evolve", schema_ids=met)
         os.environ[EVOLVE_SCHEMA_IDS_ENV] = met
+        # (json change events' schema blocks have no id: their leaves are passed on)
+        os.environ[EVOLVE_LEAVES_ENV] = json.dumps(service.evolution.leaves)
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])  # noqa: S606 - the same program
     os._exit(code)
 

@@ -210,8 +210,9 @@ class Decoder:
     Args:
         spec: the table's shape (`TableSpec.from_settings`).
         source: how messages become rows (`Settings.source`).
-        schema_check: registry formats with derived columns: each new writer schema is
-            fitted to the table's columns; "evolve" (``table.evolve``) raises
+        schema_check: registry formats (and json change events) with derived columns: each
+            new writer schema (schema block) is fitted to the table's columns; "evolve"
+            (``table.evolve``) raises
             `sink.formats.SchemaEvolution` for fields that would add or widen one, "warn"
             logs them once per schema (`sink.formats.SchemaCheck`).
         vector_fast_path: parse vector tables' JSON with `sink.vector_scan` (vectors as
@@ -289,14 +290,14 @@ class Decoder:
         self._columns = sorted(columns, key=lambda c: not c.primary_key)
         self._source_columns = all(n in spec.table_schema.names for n in SOURCE_COLUMNS)
         # Derived columns: new writer schemas are checked against all columns (sink.formats;
-        # change events' against the after image's fields).
+        # change events' against the after image's fields, json ones' schema blocks too).
         self._schema_check = (
             SchemaCheck(
                 {c.name: Column(c.where, c.type_name) for c in self._columns},
                 evolve=schema_check == "evolve",
                 row=ROW if cdc else (),
             )
-            if schema_check != "off" and self._records is not None
+            if schema_check != "off" and (self._records is not None or cdc)
             else None
         )
         # Change events: read as records (JSON ones by orjson), so JSON's Arrow leaves'

@@ -32,6 +32,7 @@ __all__ = [
     "SchemaCheckMode",
     "SchemaEvolution",
     "WriterLeaves",
+    "check_schema_block",
     "check_writer_schemas",
     "epoch_ms_paths",
     "parse_records",
@@ -61,11 +62,19 @@ class SchemaEvolution(ControlFlow):
 
     Attributes:
         schema_ids: the writer schema ids that need the evolution.
+        leaves: the leaves (`sink.formats.leaves`) of schemas that have no id (change
+            events' schema blocks in the json format, `sink.cdc`) that need it.
     """
 
-    def __init__(self, message: str, schema_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        message: str,
+        schema_ids: tuple[int, ...],
+        leaves: tuple[tuple[tuple[str, ...], str | None], ...] = (),
+    ) -> None:
         super().__init__(message)
         self.schema_ids = schema_ids
+        self.leaves = leaves
 
 
 @dataclass
@@ -325,3 +334,33 @@ def check_writer_schemas(fmt: WriterLeaves, payloads: list[bytes], check: Schema
     if needs:
         what = "; ".join(f"schema id {i}: {', '.join(f)}" for i, f in sorted(needs.items()))
         raise SchemaEvolution(f"writer schemas need the table evolved: {what}", tuple(needs))
+
+
+def check_schema_block(
+    key: bytes, leaves: list[tuple[tuple[str, ...], str | None]], check: SchemaCheck
+) -> None:
+    """`check_writer_schemas` for a schema that travels in the messages (change events'
+    schema blocks in the json format), known by `key` (its bytes, or a digest of them):
+    raise `SchemaEvolution` carrying its `leaves` if it needs the table evolved and
+    `check.evolve`, else log what the table will not hold, once per schema."""
+    if key in check.checked:
+        return
+    fit = fit_leaves(leaves, check.columns, check.row)
+    if fit.changes and check.evolve:
+        raise SchemaEvolution(
+            f"a schema block needs the table evolved: {', '.join(fit.changes)}",
+            (),
+            tuple(leaves),
+        )
+    with check.lock:
+        if key in check.checked:
+            return
+        check.checked.add(key)
+    for name, type_name, reason in fit.skipped:
+        log.warning("schema_field_skipped", field=name, type=type_name, reason=reason)
+    if fit.changes:
+        log.warning(
+            "schema_fields_not_in_table",
+            fields=fit.changes,
+            hint="not read; table.evolve = true would add or widen their columns",
+        )

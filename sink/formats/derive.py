@@ -26,20 +26,26 @@ Change events (``source.envelope = "debezium"``, `sink.cdc`): the columns are th
 the envelope schema's after image (``$.after.<field>``, columns named as the fields), a
 field of a Connect logical type typed as `sink.cdc.DERIVED` says; the envelope's other
 fields (``$.source.ts_ms``, ``$.op``) only type the columns ``source.columns`` maps to them.
+In the json format the schema is the JSON converter's schema block, which travels in the
+messages: a new table's columns come from the blocks of the first topic's newest events
+(`peek_schema_blocks`), an evolution's from the blocks the running sink met (passed as
+leaves).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 from typing import Any, Final
 
+import orjson
 import pyarrow as pa
 import structlog
 
 from config.settings import Settings
 from engine.schema import SOURCE_COLUMNS, arrow_type
-from sink.cdc import ROW, row_leaves, schema_logical
+from sink.cdc import ROW, connect_leaves, row_leaves, schema_logical
 from sink.formats import RegistryUnavailable
 from sink.formats.leaves import (
     NESTED,
@@ -52,18 +58,36 @@ from sink.formats.leaves import (
     text_leaves,
 )
 
-__all__ = ["EVOLVE_SCHEMA_IDS_ENV", "derive_settings", "schema_columns"]
+__all__ = [
+    "EVOLVE_LEAVES_ENV",
+    "EVOLVE_SCHEMA_IDS_ENV",
+    "derive_settings",
+    "peek_schema_blocks",
+    "schema_columns",
+]
 
 #: Schema ids a sink that restarted to evolve (`SchemaEvolution`) met in its messages: their
 #: fields are added too, so the restart cannot repeat (the writer schema need not be the
 #: subject's latest version). Set by `sink.cli` for the re-executed process only.
 EVOLVE_SCHEMA_IDS_ENV = "LANCE_SINK_EVOLVE_SCHEMA_IDS"
+#: The same for schemas without an id (json change events' schema blocks): their leaves,
+#: as JSON (``[[["after", "color"], "string"], ...]``).
+EVOLVE_LEAVES_ENV = "LANCE_SINK_EVOLVE_LEAVES"
+#: Newest messages read per partition of the first topic to find schema blocks in
+#: (`peek_schema_blocks`): a tombstone or a truncate has none, a few events past them do.
+_PEEK_PER_PARTITION: Final = 20
+#: How long the peek reads at most: long enough for a broker's first fetch, short next to
+#: a sink's start (it runs once, when the table is created).
+_PEEK_TIMEOUT_S: Final = 15.0
 
 log = structlog.get_logger("lance_sink.formats")
 
 
-def derive_settings(settings: Settings, schema_ids: tuple[int, ...] = ()) -> Settings:
+def derive_settings(
+    settings: Settings, schema_ids: tuple[int, ...] = (), leaves: tuple[Leaf, ...] = ()
+) -> Settings:
     """`settings` with ``table.columns`` derived (unchanged when columns are configured).
+    `schema_ids` and `leaves`: of the schemas a restart to evolve was for.
 
     With ``table.evolve`` and an existing table, the leaves of the subject's latest schema
     (and of `schema_ids`) are fitted to the table's columns (`fit_leaves`): new fields are
@@ -87,7 +111,8 @@ def derive_settings(settings: Settings, schema_ids: tuple[int, ...] = ()) -> Set
     existing = _table_schema(settings)
     if existing is None:
         origin = "schema"
-        fit = _fit(schema_columns(settings), configured, row)
+        # (json change events: the topic's schema blocks, unless a restart brought some)
+        fit = _fit(schema_columns(settings, leaves=leaves, peek=not leaves), configured, row)
         # The schema's columns in its order, then the mapped ones.
         columns = {n: c for n, c in fit.columns.items() if n not in configured}
         columns.update((n, fit.columns[n]) for n in configured)
@@ -97,7 +122,7 @@ def derive_settings(settings: Settings, schema_ids: tuple[int, ...] = ()) -> Set
         if settings.table.evolve:
             mapped = {n: c for n, c in configured.items() if n not in columns}
             try:
-                leaves = schema_columns(settings, schema_ids)
+                found = schema_columns(settings, schema_ids, leaves)
             except RegistryUnavailable as exc:
                 # The table's columns suffice to start (a message whose writer schema has
                 # fields they lack restarts the sink to evolve once the registry answers),
@@ -107,7 +132,7 @@ def derive_settings(settings: Settings, schema_ids: tuple[int, ...] = ()) -> Set
                 log.warning("registry_unavailable_at_start", error=str(exc), columns="table")
                 columns |= mapped
             else:
-                columns = _fit(leaves, columns | mapped, row).columns
+                columns = _fit(found, columns | mapped, row).columns
     columns = _key_columns(settings, columns)
     if settings.table.vector is not None:
         columns.pop(settings.table.vector.column, None)  # table.vector declares it
@@ -223,11 +248,35 @@ _TYPE_NAMES: Final = (
 )
 
 
-def schema_columns(settings: Settings, schema_ids: tuple[int, ...] = ()) -> list[Leaf]:
+def schema_columns(
+    settings: Settings,
+    schema_ids: tuple[int, ...] = (),
+    leaves: tuple[Leaf, ...] = (),
+    *,
+    peek: bool = False,
+) -> list[Leaf]:
     """The leaves of the value schema the table would be derived from: registry subject
     ``<first topic>-value`` at its latest version (plus the schemas `schema_ids`), or the
-    descriptor set's message."""
+    descriptor set's message; for json change events `leaves` and, with `peek`, the schema
+    blocks of the topic's newest events.
+
+    Raises:
+        LookupError: (json change events, `peek`) no event with a schema block was found.
+    """
     source = settings.source
+    if source.format == "json":  # change events (the settings allow no other json)
+        found = list(leaves)
+        if peek:
+            blocks = peek_schema_blocks(settings)
+            if not blocks and not found:
+                raise LookupError(
+                    f"no change event with a schema block in topic {settings.kafka.topics[0]!r} "
+                    "to derive table.columns from (the JSON converter's schemas.enable must be "
+                    "on): declare table.columns, or start the sink once the connector has "
+                    "written to the topic"
+                )
+            found += [leaf for block in blocks for leaf in connect_leaves(block)]
+        return found
     pb = source.protobuf
     if source.format == "protobuf" and source.schema_registry is None:
         from sink.formats.protobuf import load_descriptor  # noqa: PLC0415
@@ -308,3 +357,86 @@ def _cdc_leaves(settings: Settings, leaves: list[Leaf], fmt: str, schema: Any) -
         return leaves
     parsed = json.loads(schema) if isinstance(schema, str) else schema
     return row_leaves(leaves, schema_logical(fmt, parsed))
+
+
+def peek_schema_blocks(settings: Settings) -> list[Any]:
+    """The distinct JSON converter schema blocks (parsed) of the newest change events of
+    the first topic: up to `_PEEK_PER_PARTITION` messages read from the end of each
+    partition, for at most `_PEEK_TIMEOUT_S`. The partitions are assigned, not subscribed,
+    and nothing is committed: the consumer group is not touched.
+
+    Raises:
+        ValueError: the first topic is a pattern (``^...``).
+        LookupError: the topic could not be read (the broker's error).
+    """
+    import confluent_kafka  # noqa: PLC0415 - `check-config` stays light
+
+    from sink.kafka_conf import kafka_security_conf  # noqa: PLC0415
+
+    topic = settings.kafka.topics[0]
+    if topic.startswith("^"):
+        raise ValueError(
+            f"kafka.topics[0] is a pattern ({topic!r}): the columns of json change events are "
+            "derived from a topic's schema blocks; declare table.columns"
+        )
+    conf = kafka_security_conf(settings) | {
+        "group.id": settings.kafka.group_id,
+        "enable.auto.commit": False,
+        "enable.partition.eof": True,
+    }
+    conf.update(settings.kafka.librdkafka)
+    consumer = confluent_kafka.Consumer(conf)
+    try:
+        return _peek(consumer, topic)
+    except confluent_kafka.KafkaException as exc:
+        raise LookupError(f"cannot read topic {topic!r} for its schema blocks: {exc}") from exc
+    finally:
+        consumer.close()
+
+
+def _peek(consumer: Any, topic: str) -> list[Any]:
+    """`peek_schema_blocks` with its consumer (closed by the caller)."""
+    import confluent_kafka  # noqa: PLC0415
+
+    blocks: dict[bytes, Any] = {}
+    deadline = time.monotonic() + _PEEK_TIMEOUT_S
+    meta = consumer.list_topics(topic, timeout=_PEEK_TIMEOUT_S)
+    found = meta.topics.get(topic)
+    if found is None or found.error is not None:
+        return []
+    assign = []
+    for partition in sorted(found.partitions):
+        low, high = consumer.get_watermark_offsets(
+            confluent_kafka.TopicPartition(topic, partition), timeout=_PEEK_TIMEOUT_S
+        )
+        if high > low:
+            start = max(low, high - _PEEK_PER_PARTITION)
+            assign.append(confluent_kafka.TopicPartition(topic, partition, start))
+    if assign:
+        consumer.assign(assign)
+    pending = {tp.partition for tp in assign}
+    while pending and time.monotonic() < deadline:
+        for message in consumer.consume(500, timeout=0.5):
+            error = message.error()
+            if error is not None:
+                if error.code() == confluent_kafka.KafkaError._PARTITION_EOF:
+                    pending.discard(message.partition())
+                continue
+            block = _schema_block(message.value())
+            if block is not None:
+                blocks.setdefault(orjson.dumps(block), block)
+    log.info("schema_blocks_peeked", topic=topic, blocks=len(blocks))
+    return list(blocks.values())
+
+
+def _schema_block(value: bytes | None) -> Any:
+    """The schema block of a change event as the JSON converter wraps it, or None."""
+    if not value:
+        return None
+    try:
+        parsed = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return None
+    if type(parsed) is dict and type(parsed.get("schema")) is dict and "payload" in parsed:
+        return parsed["schema"]
+    return None

@@ -302,3 +302,78 @@ def test_avro_change_events_derive_the_table_and_evolve_it(
             seconds=image["updated"] // 1_000_000
         )
         assert row["vec"] == pytest.approx(image["embedding"])
+
+
+def test_json_change_events_derive_the_table_from_schema_blocks_and_evolve_it(
+    kafka_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    """The JSON converter with schemas.enable, no table.columns: the table is derived from
+    the schema blocks of the topic's newest events; the source table gains a column
+    mid-stream (events with a new block) and the sink restarts itself to add it (the
+    block's fields passed on to the restarted process); the table ends as the source."""
+    fields = [*dbz.PRODUCT_FIELDS, ("color", "string", None, None)]
+    newer = dbz.envelope_schema(fields)
+    final: dict[int, dict[str, Any]] = {}
+
+    def change(schema: dict[str, Any], op: str, id_: int, lsn: int) -> list[Any]:
+        image = None
+        if op != "d":
+            image = dbz.product_image(id_, lsn, DIM)
+            if schema is newer:
+                image["color"] = f"c{lsn}"
+            final[id_] = image
+        else:
+            final.pop(id_, None)
+        source = dbz.pg_source(lsn, 1_700_000_000_000 + lsn)
+        before = {"id": id_} if op == "d" else None
+        value = dbz.value(dbz.envelope(op, before, image, source), schema)
+        out = [(dbz.key(id_), value)]
+        return [*out, (dbz.key(id_), None)] if op == "d" else out
+
+    first = [m for i in range(60) for m in change(SCHEMA, "r", i, 1000 + i)]
+    first += [m for i in range(0, 60, 3) for m in change(SCHEMA, "d", i, 2000 + i)]
+    produce(kafka_broker.bootstrap, topic, first)
+    path = write_config(
+        tmp_path / "sink.toml",
+        bootstrap=kafka_broker.bootstrap,
+        topics=[topic],
+        group=group,
+        table_uri="unused",
+        extra={
+            "source": {
+                "envelope": "debezium",
+                "columns": {
+                    "vec": "$.after.embedding",
+                    "lsn": "$.source.lsn",
+                    "changed_at": "$.source.ts_ms",  # (derived: int64)
+                },
+            },
+            "maintenance": {"scalar_indexes": {"lsn": "BTREE"}},
+        },
+    )
+    uri = str(tmp_path / "products.lance")
+    text = path.read_text()
+    path.write_text(
+        text[: text.index("[table]")]
+        + f'[table]\nuri = "{uri}"\nmode = "upsert"\nprimary_key = ["id"]\nevolve = true\n'
+        f'vector = {{ column = "vec", dim = {DIM}, metric = "l2" }}\n'
+    )
+    sink = SinkProcess(path, tmp_path / "sink.log")
+    try:
+        wait_caught_up(kafka_broker.bootstrap, group, topic, procs=[sink])
+        columns = set(lance.dataset(uri).schema.names)
+        assert {"id", "name", "price", "added", "updated", "attrs", "lsn", "vec"} <= columns
+        assert "color" not in columns
+        later = [m for i in range(1, 60, 2) for m in change(newer, "u", i, 3000 + i)]
+        later += [m for i in range(60, 70) for m in change(newer, "c", i, 4000 + i)]
+        produce(kafka_broker.bootstrap, topic, later)
+        wait_caught_up(kafka_broker.bootstrap, group, topic, timeout=120, procs=[sink])
+    finally:
+        assert sink.stop() == 0, sink.log_path.read_text()[-3000:]
+    events = [e.get("event") for e in sink.events()]
+    assert "schema_blocks_peeked" in events
+    assert "schema_evolution_restart" in events
+    assert "table_evolved" in events
+    check_table(uri, final)
+    rows = {r["id"]: r for r in table_rows(uri)}
+    assert {i: rows[i]["color"] for i in final} == {i: final[i].get("color") for i in final}

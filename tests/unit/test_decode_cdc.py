@@ -24,7 +24,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from config.loader import load_settings
 from config.settings import KeyedError, SchemaRegistrySettings, Settings, SourceSettings
 from engine.schema import OP_DELETE, OP_UPSERT, TableSpec
-from sink.cdc import logical_value
+from sink.cdc import connect_leaves, logical_value
 from sink.decode import Decoder
 from sink.formats.registry import build_client
 from tests.support import debezium as dbz
@@ -485,6 +485,10 @@ def test_settings_take_a_debezium_upsert_table() -> None:
         )
     )
     assert (derived.source.format, derived.table.columns) == ("avro", [])
+    # json too (from the schema blocks of the topic's events), but no other format.
+    assert Settings.model_validate(_settings(table__columns=[])).table.columns == []
+    with pytest.raises(Exception, match="only the registry formats"):
+        Settings.model_validate(_settings(source__envelope="none", table__columns=[]))
 
 
 @pytest.mark.parametrize(
@@ -494,7 +498,6 @@ def test_settings_take_a_debezium_upsert_table() -> None:
         ({"source__columns": {"id": "$.source.lsn"}}, "source.columns.id", "a field of the row"),
         ({"source__columns": {"id": "@key"}}, "source.columns.id", "a field of the row"),
         ({"source__format": "raw", "source__columns": {"id": "@value"}}, "source.envelope", "raw"),
-        ({"table__columns": []}, "table.columns", "only the registry formats"),
     ],
 )  # fmt: skip
 def test_settings_refuse_what_change_events_cannot_drive(
@@ -1342,3 +1345,96 @@ def test_evolve_adds_a_column_when_the_source_table_gains_one(fmt: str, tmp_path
     assert kept.source.columns == first.source.columns
     decoder = Decoder(TableSpec.from_settings(evolved.table), evolved.source, schema_check="evolve")
     assert decoder.decode([Msg(newer, 1)]).dead_letters == []
+
+
+# -- derived columns from the JSON converter's schema blocks ---------------------------
+
+
+def test_the_leaves_of_a_schema_block() -> None:
+    leaves = dict(connect_leaves(SCHEMA))
+    assert {path: t for path, t in leaves.items() if path[0] == "after"} == {
+        ("after", "id"): "int32",
+        ("after", "name"): "string",
+        ("after", "price"): "float64",
+        ("after", "added"): "timestamp",
+        ("after", "updated"): "timestamp",
+        ("after", "attrs"): "string",
+        ("after", "embedding"): None,
+    }
+    assert (leaves[("source", "ts_ms")], leaves[("source", "lsn")], leaves[("op",)]) == (
+        "int64",
+        "int64",
+        "string",
+    )
+
+
+def _json_settings(tmp_path: Path, **table: Any) -> Settings:
+    return Settings.model_validate(
+        {
+            "kafka": {"bootstrap_servers": "localhost:9092", "topics": [TOPIC]},
+            "source": {
+                "envelope": "debezium",
+                "columns": {"vec": "$.after.embedding", "lsn": "$.source.lsn"},
+            },
+            "table": {
+                "uri": str(tmp_path / "products.lance"),
+                "mode": "upsert",
+                "primary_key": ["id"],
+                "vector": {"column": "vec", "dim": 3},
+                **table,
+            },
+        }
+    )
+
+
+def test_json_change_events_evolve_the_table_by_their_schema_blocks(tmp_path: Path) -> None:
+    import lance  # noqa: PLC0415
+
+    from sink.formats import SchemaEvolution  # noqa: PLC0415
+    from sink.formats.derive import derive_settings  # noqa: PLC0415
+
+    # The table as a first start derived it from the products' schema block.
+    first = derive_settings(_json_settings(tmp_path), leaves=tuple(connect_leaves(SCHEMA)))
+    assert {c.name: c.type for c in first.table.columns} == {
+        "id": "int32",
+        "name": "string",
+        "price": "float64",
+        "added": "timestamp",
+        "updated": "timestamp",
+        "attrs": "string",
+        "lsn": "int64",
+    }
+    spec = TableSpec.from_settings(first.table)
+    lance.write_dataset(spec.table_schema.empty_table(), first.table.uri)
+    again = derive_settings(_json_settings(tmp_path))  # the table exists: no peek
+    assert again.table.columns == first.table.columns
+    assert again.source.columns == first.source.columns
+    # ALTER TABLE products ADD COLUMN color: events with a new schema block.
+    fields = [*dbz.PRODUCT_FIELDS, ("color", "string", None, None)]
+    newer = dbz.envelope_schema(fields)
+    value = dbz.value(event("c", None, row(4, color="red")), newer)
+    old = dbz.value(event("c", None, row(5)), SCHEMA)
+    for compact in (True, False):  # the wrapper cut once per block, or parsed whole
+        payload = value if compact else b" " + value
+        decoder = Decoder(spec, first.source, schema_check="evolve")
+        assert decoder.decode([Msg(old, 0)]).dead_letters == []
+        with pytest.raises(SchemaEvolution) as caught:
+            decoder.decode([Msg(payload, 1)])
+        assert caught.value.schema_ids == ()
+        assert (("after", "color"), "string") in caught.value.leaves
+        assert "after.color (new, string)" in caught.value.message
+        with structlog.testing.capture_logs() as logs:
+            out = Decoder(spec, first.source, schema_check="warn").decode(
+                [Msg(payload, 1), Msg(payload, 2)]
+            )
+        assert out.dead_letters == []
+        assert [e["fields"] for e in logs if e["event"] == "schema_fields_not_in_table"] == [
+            ["after.color (new, string)"]
+        ]
+    # The restart to evolve: the leaves the decoder met add the column.
+    evolved = derive_settings(_json_settings(tmp_path, evolve=True), (), caught.value.leaves)
+    assert {c.name: c.type for c in evolved.table.columns}["color"] == "string"
+    evolved_spec = TableSpec.from_settings(evolved.table)
+    out = Decoder(evolved_spec, evolved.source, schema_check="evolve").decode([Msg(value, 1)])
+    assert out.batch is not None
+    assert out.batch.to_pylist()[0]["color"] == "red"
