@@ -18,7 +18,9 @@ the record the value decodes to. By ``op``:
               ``source.key_format``, holding the key fields); neither: ``cdc_missing_key``
     t         truncate: never applied (a table-wide event has no order against the other
               partitions); ``source.truncate = "skip"`` skips its offset (the decoder logs
-              ``cdc_truncate_skipped``), ``"dlq"`` makes it a ``cdc_truncate`` dead letter
+              ``cdc_truncate_skipped`` and counts it in `sink.decoded.Decoded.truncates`,
+              the loop's ``lance_sink_cdc_truncates_total``), ``"dlq"`` makes it a
+              ``cdc_truncate`` dead letter
     missing   ``cdc_missing_op``; any other op (``m`` included): ``cdc_unknown_op``
 
 Paths: ``$.a.b`` in ``source.columns`` addresses the envelope (``$.op``, ``$.ts_ms``,
@@ -26,10 +28,19 @@ Paths: ``$.a.b`` in ``source.columns`` addresses the envelope (``$.op``, ``$.ts_
 its name in ``after`` (``$.after.<column>``). A primary key column reads a top-level field
 of ``after``, so that a delete finds the same field in ``before`` and in the key.
 
-Logical types: with the JSON converter's schema block, each field of ``after`` and
-``before`` (and of a wrapped Kafka key) that a column reads is converted by its Connect
-schema name (`LOGICAL`) for the column's type before the column is built; without a schema
-block the values are read as they are (docs/formats.md, "Change data capture").
+Logical types: each field of ``after`` and ``before`` (and of a wrapped Kafka key) that a
+column reads is converted for the column's type before the column is built, by the logical
+type its converter's schema names: the JSON converter's schema block (Connect schema
+names, `LOGICAL`), once per distinct block; in a registry format the writer schema, once
+per schema id (`_WRITER_LOGICAL`: Avro's ``connect.name``, JSON Schema's ``title``,
+Protobuf's messages of `_PROTO_LOGICAL`). Without a schema block the values are read as
+they are (docs/formats.md, "Change data capture").
+
+Derived columns (``table.columns`` left out, `sink.formats.derive`): the fields of the
+envelope schema's after image (`ROW`), typed by their logical types (`DERIVED`,
+`row_leaves`; a schema block's by `connect_leaves`). With a `SchemaCheck` each new writer
+schema (json: schema block) is fitted to the table's columns, and `split` raises
+`sink.formats.SchemaEvolution` when ``table.evolve`` must add one.
 """
 
 from __future__ import annotations

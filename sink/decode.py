@@ -98,8 +98,10 @@ envelope; unmapped columns read ``$.after.<column>`` and mapped paths address th
 envelope. Ops c, r and u give a row from the after image, whose columns are built like a
 registry format's (`sink.formats.record_column`); d gives a delete row of the key in
 before or the Kafka key; Debezium's tombstones, and truncates with ``source.truncate =
-"skip"``, are skipped offsets. Reasons of their own: ``cdc_missing_op``,
-``cdc_unknown_op``, ``cdc_missing_after``, ``cdc_missing_key``, ``cdc_truncate``.
+"skip"``, are skipped offsets (the truncates counted in `Decoded.truncates`). With derived
+columns each new writer schema (json: schema block) is fitted to the after image's fields.
+Reasons of their own: ``cdc_missing_op``, ``cdc_unknown_op``, ``cdc_missing_after``,
+``cdc_missing_key``, ``cdc_truncate``.
 
 How it is fast: the per-message Python work is reading the Message accessors. On a table
 with a vector column, `sink.vector_scan` reads each value's vector (simdjson's On-Demand
