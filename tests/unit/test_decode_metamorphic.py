@@ -48,6 +48,7 @@ from sink.formats.registry import build_client
 from tests.support import debezium as dbz
 from tests.support.registry import FakeRegistry
 from tests.unit.test_decode import Msg
+from tests.unit.test_decode_cdc import _no_nulls, _proto_decimal, _proto_envelope
 from tests.unit.test_decode_vector_json import (
     COLUMNS,
     DIM,
@@ -830,6 +831,94 @@ def test_debezium_change_events_in_json_schema(
         update={"format": "json_schema", "schema_registry": SchemaRegistrySettings(**REGISTRY)}
     )
     decoder = Decoder(cdc_table(), source)
+    values = [v for v, _ in pairs]
+    keys = [k for _, k in pairs]
+    check_fates([decoder.decode], values, [*REGISTRY_BAD, *CDC_BAD], cuts, bad_at, keys)
+
+
+#: The same change events in Protobuf through the registry (Confluent's ProtobufConverter:
+#: confluent.type.Decimal, google.type.Date, ...; `tests.unit.test_decode_cdc`).
+CDC_PROTO_ENVELOPE, _ = _proto_envelope()
+CDC_PROTO = ProtobufSerializer(
+    CDC_PROTO_ENVELOPE,
+    build_client(SchemaRegistrySettings(**REGISTRY)),
+    {"use.deprecated.format": False},
+)
+CDC_PROTO_SOURCE = SourceSettings(
+    format="protobuf",
+    envelope="debezium",
+    schema_registry=SchemaRegistrySettings(**REGISTRY),
+    columns={"vec": "$.after.embedding", "lsn": "$.source.lsn", "op": "$.op"},
+)
+
+
+#: Floats as Protobuf's JSON form takes them (NaN and the infinities quoted).
+_proto_floats = st.floats(width=32).map(
+    lambda f: (
+        f if np.isfinite(f) else {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}[str(f)]
+    )
+)
+
+
+@st.composite
+def cdc_proto_image(draw: st.DrawFn) -> dict[str, Any]:
+    """A row image as Protobuf's JSON form writes it (fields left out: unset)."""
+    size = draw(st.sampled_from([DIM, DIM, DIM, DIM - 1, DIM + 1]))
+    image: dict[str, Any] = {
+        "id": draw(st.integers(-5, 5)),
+        "name": draw(st.text(max_size=5)),
+        "price": draw(
+            st.decimals(
+                allow_nan=False, allow_infinity=False, places=2, min_value=-1e6, max_value=1e6
+            ).map(lambda d: _proto_decimal(str(d)))
+        ),
+        "added": draw(
+            st.sampled_from(
+                [
+                    {"year": 1969, "month": 12, "day": 31},
+                    {"year": 2024, "month": 2, "day": 29},
+                    {"year": 0, "month": 1, "day": 1},
+                ]
+            )
+        ),
+        "updated": draw(st.sampled_from(["1969-12-31T23:59:59.999Z", "2024-03-01T12:00:00Z"])),
+        "embedding": draw(st.lists(_proto_floats, min_size=size, max_size=size)),
+    }
+    drop = draw(st.lists(st.sampled_from(sorted(image)), max_size=2))
+    return {k: v for k, v in image.items() if k not in drop}
+
+
+@st.composite
+def cdc_proto_message(draw: st.DrawFn) -> tuple[bytes | None, bytes | None]:
+    """A change event in Protobuf (any op, maybe broken) or a tombstone, keyed as JSON."""
+    from google.protobuf import json_format  # noqa: PLC0415
+
+    op = draw(st.sampled_from(["c", "r", "u", "d", "d", "t", "", "x"]))
+    event: dict[str, Any] = {"source": {"ts_ms": 1, "table": "t", "lsn": 7}, "op": op}
+    if op != "d" and draw(st.booleans()):
+        event["after"] = draw(cdc_proto_image())
+    if draw(st.booleans()):
+        event["before"] = {"id": draw(st.integers(-5, 5))}
+    key = draw(st.sampled_from([dbz.key(draw(st.integers(-5, 5)), schemas=False), None, b"{}"]))
+    if draw(st.integers(0, 9)) == 0:
+        return None, key
+    message = json_format.ParseDict(
+        _no_nulls(event), CDC_PROTO_ENVELOPE(), ignore_unknown_fields=False
+    )
+    value = CDC_PROTO(message, CONTEXT)
+    return draw(st.one_of(st.just(value), mutated(value))), key
+
+
+@fuzz_settings(20)
+@given(
+    st.lists(cdc_proto_message(), min_size=1, max_size=14),
+    st.lists(st.integers(0, 200), max_size=4),
+    st.lists(st.integers(0, 200), max_size=4),
+)
+def test_debezium_change_events_in_protobuf(
+    pairs: list[tuple[bytes | None, bytes | None]], cuts: list[int], bad_at: list[int]
+) -> None:
+    decoder = Decoder(cdc_table(), CDC_PROTO_SOURCE)
     values = [v for v, _ in pairs]
     keys = [k for _, k in pairs]
     check_fates([decoder.decode], values, [*REGISTRY_BAD, *CDC_BAD], cuts, bad_at, keys)
