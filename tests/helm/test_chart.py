@@ -52,6 +52,7 @@ KUBE_VERSIONS = ("1.29.0", "1.35.0")
 CORE_KINDS = {
     "ConfigMap",
     "Deployment",
+    "HorizontalPodAutoscaler",
     "NetworkPolicy",
     "PodDisruptionBudget",
     "Service",
@@ -248,6 +249,7 @@ def test_scenarios_cover_the_modes() -> None:
         "sasl-ssl-values",
         "production-values",
         "serve-values",
+        "serve-autoscaling-values",
     }
 
 
@@ -713,6 +715,58 @@ INVALID = {
     "serve CPU request above its limit": (
         {"serve": {"enabled": True, "resources": {"limits": {"cpu": "500m"}}}},
         "serve.resources.requests.cpu (1) is above serve.resources.limits.cpu (500m)",
+    ),
+    "serve autoscaling below one replica": (
+        {"serve": {"enabled": True, "autoscaling": {"enabled": True, "minReplicas": 0}}},
+        "at '/serve/autoscaling/minReplicas': minimum: got 0, want 1",
+    ),
+    "serve autoscaling max below min": (
+        {
+            "serve": {
+                "enabled": True,
+                "autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 3},
+            }
+        },
+        "serve.autoscaling.maxReplicas (3) is below serve.autoscaling.minReplicas (5)",
+    ),
+    "serve autoscaling on CPU without a CPU request": (
+        {
+            "serve": {
+                "enabled": True,
+                "resources": {"requests": {"cpu": None}},
+                "autoscaling": {"enabled": True},
+            }
+        },
+        (
+            "serve.autoscaling.targetCPUUtilizationPercentage (70) needs "
+            "serve.resources.requests.cpu (above 0)"
+        ),
+    ),
+    "serve autoscaling on CPU with a zero CPU request": (
+        {
+            "serve": {
+                "enabled": True,
+                "resources": {"requests": {"cpu": "0"}},
+                "autoscaling": {"enabled": True},
+            }
+        },
+        (
+            "serve.autoscaling.targetCPUUtilizationPercentage (70) needs "
+            "serve.resources.requests.cpu (above 0)"
+        ),
+    ),
+    "serve autoscaling without a target": (
+        {
+            "serve": {
+                "enabled": True,
+                "autoscaling": {"enabled": True, "targetCPUUtilizationPercentage": None},
+            }
+        },
+        "serve.autoscaling.enabled needs a target to scale on",
+    ),
+    "unknown serve autoscaling key": (
+        {"serve": {"enabled": True, "autoscaling": {"enabled": True, "maxReplica": 4}}},
+        "additional properties 'maxReplica' not allowed",
     ),
     "unknown serve key": (
         {"serve": {"enabled": True, "replica": 2}},
@@ -1493,6 +1547,120 @@ def test_grafana_dashboard(rendered: dict[str, list[dict[str, Any]]]) -> None:
         }, f"{scenario}: monitoring objects are opt-in"
 
 
+def _hpas(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+
+
+def test_serve_autoscaling_is_off_by_default(
+    helm: str, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """Without serve.autoscaling.enabled no HorizontalPodAutoscaler renders and the serve
+    Deployment (when serve.enabled) keeps its fixed serve.replicas."""
+    assert _chart_values()["serve"]["autoscaling"]["enabled"] is False
+    for scenario, docs in rendered.items():
+        values = _values(scenario)
+        if values["serve"]["autoscaling"]["enabled"]:
+            continue
+        assert _hpas(docs) == [], scenario
+        if values["serve"]["enabled"]:
+            assert _serve(docs)["spec"]["replicas"] == values["serve"]["replicas"], scenario
+    assert "serve-values" in rendered  # the serve tier on, autoscaling left at its default
+    # Asked for explicitly off: the same.
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"serve": {"autoscaling": {"enabled": False}}}))
+    docs = _template(helm, _scenario("serve-values"), path)
+    assert _hpas(docs) == []
+    assert _serve(docs)["spec"]["replicas"] == 3
+
+
+def test_serve_autoscaling_hpa_owns_the_serve_replicas(
+    helm: str, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """serve.autoscaling.enabled: an autoscaling/v2 HorizontalPodAutoscaler targets the serve
+    Deployment (never the writers'), with the values' bounds and one Utilization metric per
+    target; the serve Deployment leaves replicas to it, the writers keep theirs."""
+    docs = rendered["serve-autoscaling-values"]
+    values = _values("serve-autoscaling-values")["serve"]["autoscaling"]
+    serve, writers = _serve(docs), _workload(docs)
+    assert "replicas" not in serve["spec"], "the HorizontalPodAutoscaler owns the replica count"
+    assert writers["spec"]["replicas"] == 2
+    (hpa,) = _hpas(docs)
+    assert hpa == _one(docs, "HorizontalPodAutoscaler", SERVE)
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["metadata"]["labels"] == serve["metadata"]["labels"]
+    assert hpa["spec"] == {
+        "scaleTargetRef": {
+            "apiVersion": serve["apiVersion"],
+            "kind": serve["kind"],
+            "name": serve["metadata"]["name"],
+        },
+        "minReplicas": values["minReplicas"],
+        "maxReplicas": values["maxReplicas"],
+        "metrics": [
+            {
+                "type": "Resource",
+                "resource": {
+                    "name": name,
+                    "target": {"type": "Utilization", "averageUtilization": target},
+                },
+            }
+            for name, target in (("cpu", 60), ("memory", 85))
+        ],
+    }
+    assert (values["minReplicas"], values["maxReplicas"]) == (2, 8)
+    # Utilization is a share of the request: the serve container requests both.
+    (container,) = serve["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["requests"]["cpu"] == "500m"
+    assert container["resources"]["requests"]["memory"]
+    for version in KUBE_VERSIONS:
+        _validate(hpa, version)
+    bad = copy.deepcopy(hpa)
+    bad["spec"]["minReplica"] = 1
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, KUBE_VERSIONS[0], strict=True)
+
+    # On memory only, the CPU request may be null; the chart's defaults (2..10 on 70% CPU).
+    path = tmp_path / "values.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "serve": {
+                    "resources": {"requests": {"cpu": None}},
+                    "autoscaling": {
+                        "targetCPUUtilizationPercentage": None,
+                        "targetMemoryUtilizationPercentage": 75,
+                    },
+                }
+            }
+        )
+    )
+    docs = _template(helm, _scenario("serve-autoscaling-values"), path)
+    (hpa,) = _hpas(docs)
+    assert [m["resource"]["name"] for m in hpa["spec"]["metrics"]] == ["memory"]
+    assert hpa["spec"]["metrics"][0]["resource"]["target"]["averageUtilization"] == 75
+    assert (
+        "cpu"
+        not in _serve(docs)["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]
+    )
+    for doc in docs:
+        for version in KUBE_VERSIONS:
+            _validate(doc, version)
+    defaults = _chart_values()["serve"]["autoscaling"]
+    path.write_text(yaml.safe_dump({"serve": {"autoscaling": {"enabled": True}}}))
+    (hpa,) = _hpas(_template(helm, _scenario("serve-values"), path))
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 10)
+    assert defaults["targetMemoryUtilizationPercentage"] is None
+    assert hpa["spec"]["metrics"] == [
+        {
+            "type": "Resource",
+            "resource": {
+                "name": "cpu",
+                "target": {"type": "Utilization", "averageUtilization": 70},
+            },
+        }
+    ]
+
+
 # ---------------------------------------------------------------- docs of the chart
 
 
@@ -1555,6 +1723,17 @@ def test_notes_point_queries_at_the_serve_service(helm: str) -> None:
     notes = proc.stdout.split("NOTES:", 1)[1]
     assert f"port-forward svc/{RELEASE}-lance-sink-serve 8080:query" in notes
     assert "3 `lance-sink serve` pod(s)" in notes
+
+
+def test_notes_give_the_serve_autoscaling_range(helm: str) -> None:
+    proc = _helm(
+        helm, "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
+        "--values", str(_scenario("serve-autoscaling-values")),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert f"port-forward svc/{RELEASE}-lance-sink-serve 8080:query" in notes
+    assert "2 to 8 (scaled by a HorizontalPodAutoscaler) `lance-sink serve` pod(s)" in notes
 
 
 def test_registry_format_derives_columns_and_gets_its_secrets(helm: str, tmp_path: Path) -> None:

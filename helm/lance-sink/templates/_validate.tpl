@@ -98,6 +98,21 @@ checks only cover what is about how Kubernetes runs it, or what would leak a sec
 {{- fail (printf "serve.resources.requests.cpu (%v) is above serve.resources.limits.cpu (%v): the API server refuses a pod whose request exceeds its limit" $serveRes.requests.cpu $serveRes.limits.cpu) -}}
 {{- end -}}
 {{- end -}}
+{{- with .Values.serve.autoscaling -}}
+{{- if .enabled -}}
+{{- if gt (int64 .minReplicas) (int64 .maxReplicas) -}}
+{{- fail (printf "serve.autoscaling.maxReplicas (%v) is below serve.autoscaling.minReplicas (%v): raise maxReplicas or lower minReplicas" .maxReplicas .minReplicas) -}}
+{{- end -}}
+{{- if and (kindIs "invalid" .targetCPUUtilizationPercentage) (kindIs "invalid" .targetMemoryUtilizationPercentage) -}}
+{{- fail "serve.autoscaling.enabled needs a target to scale on: set serve.autoscaling.targetCPUUtilizationPercentage and/or serve.autoscaling.targetMemoryUtilizationPercentage" -}}
+{{- end -}}
+{{- if not (kindIs "invalid" .targetCPUUtilizationPercentage) -}}
+{{- if or (not $serveRes.requests.cpu) (eq (include "lance-sink.cpuMillis" (list "serve.resources.requests.cpu" (default "0" $serveRes.requests.cpu)) | float64) 0.0) -}}
+{{- fail (printf "serve.autoscaling.targetCPUUtilizationPercentage (%v) needs serve.resources.requests.cpu (above 0): the HorizontalPodAutoscaler measures CPU use as a share of the request, and without one it never scales. Set serve.resources.requests.cpu (e.g. 500m), or set targetCPUUtilizationPercentage to null and scale on targetMemoryUtilizationPercentage" .targetCPUUtilizationPercentage) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{/* KEDA */}}
