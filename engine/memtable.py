@@ -227,14 +227,14 @@ class Memtable:
         return out
 
     @classmethod
-    def of_rows(cls, spec: TableSpec, rows: pa.Table) -> Memtable:
-        """A frozen memtable holding `rows` (some of the table's columns) as one batch, at
-        no WAL position: base rows read back for full-text search
+    def of_rows(cls, spec: TableSpec, rows: pa.Table, batch_rows: int) -> Memtable:
+        """A frozen memtable holding `rows` (some of the table's columns) in batches of
+        `batch_rows`, at no WAL position: base rows read back for full-text search
         (`engine.unindexed.FlushedText.refresh`). Append tables only (no primary-key map)."""
         out = cls(spec, 0)
         if rows.num_rows:
-            out.batches = rows.combine_chunks().to_batches(max_chunksize=rows.num_rows)
-            out.batch_positions = [0]
+            out.batches = rows.combine_chunks().to_batches(max_chunksize=batch_rows)
+            out.batch_positions = [0] * len(out.batches)
         out.rows = rows.num_rows
         out.data_bytes = sum(b.get_total_buffer_size() for b in out.batches)
         out.frozen = True

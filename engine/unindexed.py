@@ -75,6 +75,10 @@ VERSIONS_KEPT = 8
 #: over before it loads the fragment itself (a flush commit takes well under a second).
 HANDOFF_WAIT_S = 2.0
 
+#: `FlushedText.refresh` tokenises a read-back fragment in batches of this many rows: one
+#: tokenizer call holds the interpreter lock for its whole batch (~7.5-30 us a row), and the
+#: queries of the process wait for it meanwhile.
+READ_BACK_BATCH_ROWS = 512
 #: (fragment id, deletion file identity or None)
 FragmentKey = tuple[int, Any]
 T = TypeVar("T")
@@ -723,7 +727,13 @@ class FlushedText:
         for fragment in sorted(todo, key=lambda f: int(f.fragment_id)):
             if self._loader.closed:
                 return
-            memtable = Memtable.of_rows(spec, fragment.to_table(columns=columns))
+            rows = fragment.to_table(columns=columns)
+            if not self._fits(self.nbytes + rows.nbytes):  # its tokens would add more
+                with self._lock:
+                    self._unfit.add(int(fragment.fragment_id))
+                    self.refused += 1
+                return
+            memtable = Memtable.of_rows(spec, rows, READ_BACK_BATCH_ROWS)
             for name in self.columns:
                 self._terms.terms(memtable, name, tuple(memtable.batches))
             loaded = HeldText(memtable.view(), ((int(fragment.fragment_id), memtable.rows),))

@@ -482,6 +482,29 @@ def test_fragments_flushed_elsewhere_are_read_back_for_text_once(
     assert holder.loads == 2
 
 
+def test_fragments_read_back_for_text_are_held_only_within_the_bound(
+    make_harness: MakeHarness,
+) -> None:
+    """A fragment that does not fit in the bound is not held (nor read again until room is
+    freed): Lance searches the unindexed part itself, and the answers stay Lance's."""
+    small = make_harness("small", dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=4096))
+    w = small.open()
+    small.put(w, range(1000))
+    small.flush(w)
+    small.index_text()
+    append_elsewhere(small, range(1000, 1300))
+    holder = small.reader.flushed_text
+    assert holder is not None
+    assert holder.views(small.table.dataset(), "text") is None  # starts the loader
+    deadline = time.monotonic() + 10
+    while holder.refused < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert holder.refused == 1
+    time.sleep(0.5)  # two more loader passes: not read again
+    assert (holder.refused, holder.loads, holder.nbytes) == (1, 0, 0)
+    assert offsets_found(small, "row1234") == [1234]
+
+
 def test_flushed_memtables_are_held_only_within_the_bound(make_harness: MakeHarness) -> None:
     small = make_harness("small", dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=4096))
     text_indexed_then_flushed(small)
