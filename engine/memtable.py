@@ -232,11 +232,12 @@ class Memtable:
         `batch_rows`, at no WAL position: base rows read back for full-text search
         (`engine.unindexed.FlushedText.refresh`). Append tables only (no primary-key map)."""
         out = cls(spec, 0)
+        rows = rows.combine_chunks()
         if rows.num_rows:
-            out.batches = rows.combine_chunks().to_batches(max_chunksize=batch_rows)
+            out.batches = rows.to_batches(max_chunksize=batch_rows)  # slices of one buffer
             out.batch_positions = [0] * len(out.batches)
         out.rows = rows.num_rows
-        out.data_bytes = sum(b.get_total_buffer_size() for b in out.batches)
+        out.data_bytes = rows.get_total_buffer_size()  # once, not once per slice
         out.frozen = True
         return out
 

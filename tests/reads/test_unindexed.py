@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lance
@@ -16,9 +17,10 @@ import pytest
 
 from engine import prune
 from engine import unindexed as unindexed_module
+from engine.memtable import Memtable
 from engine.reader import ReaderSettings
 from engine.unindexed import HeldText, UnindexedFragments
-from tests.reads.conftest import ReadHarness, rows_batch, vectors, wait_for
+from tests.reads.conftest import ReadHarness, read_spec, rows_batch, vectors, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -677,3 +679,14 @@ def test_a_handed_over_matrix_lives_in_arrows_memory_pool() -> None:
     assert float(matrix.sum()) == 1.5 * 1000 * 64
     del matrix
     assert pa.total_allocated_bytes() - before < 1000 * 64 * 4
+
+
+def test_a_read_back_memtable_counts_its_rows_once(tmp_path: Path) -> None:
+    """Its batches are slices of one buffer: summing each slice's buffer size counted the
+    fragment once per batch (100k short rows held 322 MiB instead of 22 in bench.text_tail)."""
+    spec = read_spec(str(tmp_path / "t.lance"), dim=DIM)
+    rows = pa.Table.from_batches([rows_batch(spec, list(range(2_000)))]).drop_columns(["vec"])
+    memtable = Memtable.of_rows(spec, rows, 512)
+    assert [b.num_rows for b in memtable.batches] == [512, 512, 512, 464]
+    assert memtable.data_bytes == rows.combine_chunks().get_total_buffer_size()
+    assert memtable.frozen
