@@ -394,6 +394,20 @@ def offsets_found(h: ReadHarness, text: str, **kw: object) -> list[int]:
     return sorted(got.column("_offset").to_pylist())
 
 
+def answers_as_lance(held: ReadHarness, lance_only: ReadHarness) -> None:
+    """Text queries (plain, filtered, phrase) find the same rows through `held`'s held
+    memtables as Lance finds in `lance_only`'s base, rows past offset 1,000 among them."""
+    for text, kw in [
+        ("row1234", {}),
+        ("alpha", {}),
+        ("bravo delta", {"filter": "n >= 1100 AND n < 1500"}),
+        ("delta golf", {"phrase": True}),
+    ]:
+        got = offsets_found(held, text, **kw)
+        assert got == offsets_found(lance_only, text, **kw), text
+        assert any(o >= 1000 for o in got), text
+
+
 def test_flushed_memtables_answer_text_until_the_index_covers_them(
     make_harness: MakeHarness,
 ) -> None:
@@ -411,15 +425,7 @@ def test_flushed_memtables_answer_text_until_the_index_covers_them(
     assert views is not None
     assert sum(b.num_rows for v in views for b in v.view.batches) == 600
     assert held.reader.unindexed_bytes >= holder.nbytes > 0  # under the shared bound
-    for text, kw in [
-        ("row1234", {}),
-        ("alpha", {}),
-        ("bravo delta", {"filter": "n >= 1100 AND n < 1500"}),
-        ("delta golf", {"phrase": True}),
-    ]:
-        got = offsets_found(held, text, **kw)
-        assert got == offsets_found(lance_only, text, **kw), text
-        assert any(o >= 1000 for o in got), text
+    answers_as_lance(held, lance_only)
     top = held.reader.search_text("row1234", k=1, columns=["_offset"])
     want = lance_only.reader.search_text("row1234", k=1, columns=["_offset"])
     assert top.column("_offset").to_pylist() == [1234]
@@ -461,15 +467,7 @@ def test_fragments_flushed_elsewhere_are_read_back_for_text_once(
     assert views is not None
     assert sorted(v.fragments[0][1] for v in views) == [300, 300]
     fallbacks = holder.fallbacks
-    for text, kw in [
-        ("row1234", {}),
-        ("alpha", {}),
-        ("bravo delta", {"filter": "n >= 1100 AND n < 1500"}),
-        ("delta golf", {"phrase": True}),
-    ]:
-        got = offsets_found(held, text, **kw)
-        assert got == offsets_found(lance_only, text, **kw), text
-        assert any(o >= 1000 for o in got), text
+    answers_as_lance(held, lance_only)
     assert holder.fallbacks == fallbacks  # every query used the read-back rows
     # A row asked for with its vector takes it from its fragment.
     top = held.reader.search_text("row1500", k=1, columns=["_offset", "vec"])
