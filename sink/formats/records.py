@@ -341,10 +341,12 @@ def convert(value: Any, type_name: str) -> tuple[Any, str | None]:
                 return None, f"is {len(value)} bytes, not a whole number of float32 components"
             return np.frombuffer(value, "<f4").tolist(), None
         if isinstance(value, list):
+            # A null component stays null, as in the bulk conversion: the decoder's vector
+            # checks then fault it (after the length), whichever way the column was built.
             for index, item in enumerate(value):
-                if type(item) not in {int, float}:
+                if item is not None and type(item) not in {int, float}:
                     return None, f"component {index} is {_kind(item)}, expected a number"
-            return [to_float(x) for x in value], None
+            return [None if x is None else to_float(x) for x in value], None
     return None, f"is {_described(value)}, expected {_EXPECTED[type_name]}"
 
 

@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import orjson
 import pytest
 import structlog
@@ -452,6 +453,37 @@ def test_vectors_from_pgvector_arrays() -> None:
     _, rows = cdc([Msg(value, 0)], columns=PRODUCTS[:1])
     assert rows[0]["vec"] == [pytest.approx(v, rel=1e-6) for v in vec]
     assert not any(math.isnan(v) for v in rows[0]["vec"])
+
+
+def _fates(decoder: Decoder, messages: list[Msg]) -> dict[int, Any]:
+    """Each message's fate by offset: its row (floats by their bits) or dead letter."""
+    out = decoder.decode(messages)
+    fates: dict[int, Any] = {d.offset: (d.reason, d.detail) for d in out.dead_letters}
+    if out.batch is not None:
+        for r in out.batch.to_pylist():
+            vec = r["vec"] and np.asarray(r["vec"], np.float32).view(np.uint32).tolist()
+            fates[r["_offset"]] = (r["id"], r["_op"], vec)
+    return fates
+
+
+def test_a_vector_with_a_null_component_has_one_fate_whatever_its_neighbours() -> None:
+    """A vector the record path builds value by value (a neighbour's component beyond 64
+    bits makes the bulk conversion refuse the batch) is checked as in bulk."""
+    spec = spec_for(PRODUCTS[:1], mode="upsert", dim=3, source_columns=True)
+    decoder = Decoder(spec, SourceSettings(envelope="debezium", columns=MAPPING))
+    short = dbz.value(event("c", None, row(1, embedding=[0.5, None])))
+    nulls = dbz.value(event("c", None, row(2, embedding=[0.5, None, 1.0])))
+    huge = dbz.value(event("c", None, row(3, embedding=[0.5, 2**64, "x"])))
+    messages = [Msg(short, 0), Msg(nulls, 1), Msg(huge, 2)]
+    alone: dict[int, Any] = {}
+    for m in messages:
+        alone.update(_fates(decoder, [m]))
+    assert _fates(decoder, messages) == alone
+    assert alone[0] == (
+        "wrong_vector_dimension",
+        "vector 'vec' ($.after.embedding) has 2 components, expected 3",
+    )
+    assert alone[1] == ("wrong_type", "vector 'vec' ($.after.embedding) component 1 is null")
 
 
 def _settings(**over: Any) -> dict[str, Any]:
