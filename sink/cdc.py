@@ -7,6 +7,17 @@ own (its fate depends on its bytes and its Kafka key alone, never on its neighbo
 upserting events' columns are then built by the registry formats' record path
 (`sink.formats.record_column`), in bulk per column.
 
+In json, the table's vector (a top-level field of after, ``vector``) is first read by
+`sink.vector_scan` (at ``after.<field>``, or ``payload.after.<field>`` in the JSON
+converter's compact wrapper) into one float32 matrix, and the event by orjson from the
+stripped text (the vector null); `Split.vectors` says which upserts' vectors it holds. The
+scan reads a vector only when its float32 values are those orjson's doubles round to (it
+leaves out components whose double is halfway between two float32 values, the integer -0,
+NaN, infinities, other lengths: see there), and a stripped text is used
+only when orjson takes it and it is wrapped as the scan's path said; any other event is
+read whole as before. So every event's fate is the same scanned or not, alone or in any
+batch (tests/unit/test_decode_metamorphic.py decodes each way).
+
 A change event is Debezium's envelope, ``{"before", "after", "source", "op", "ts_ms",
 "transaction"}``: in the ``json`` format with or without the JSON converter's wrapper
 ``{"schema": ..., "payload": <envelope>}`` (told apart per message), in a registry format
@@ -54,12 +65,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, cast
 
+import numpy as np
 import orjson
 
 from sink.decode_plan import ColumnPlan, Fault
 from sink.formats import RecordFormat, SchemaCheck, check_schema_block, check_writer_schemas
 from sink.formats.leaves import Leaf
 from sink.json_values import is_utf8, loads, show, utf8_error
+from sink.vector_scan import scan
 
 __all__ = [
     "DERIVED",
@@ -192,6 +205,9 @@ class Split:
         keys: the key each deletes, primary key column -> value (converted), aligned.
         skipped: positions of the truncates skipped (``source.truncate = "skip"``).
         faults: the dead letters' (reason, detail) by position.
+        vectors: (json, with ``vector``) the upserts whose after image's vector the scan
+            read: their indices in `upserts` (ascending) and their vectors (a float32
+            matrix, row by row); their records hold null in its place.
     """
 
     upserts: list[int] = field(default_factory=list)
@@ -200,6 +216,7 @@ class Split:
     keys: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
     faults: dict[int, Fault] = field(default_factory=dict)
+    vectors: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class Debezium:
@@ -213,6 +230,10 @@ class Debezium:
         check: derived columns: what each new writer schema is checked against (its
             leaves as `writer_leaves` gives them, fitted with ``row = ROW``), raising
             `sink.formats.SchemaEvolution` from `split` when the table must evolve.
+        vector: (json) the after image's field holding the table's vector (a top-level
+            field, read by no other column) and its dimension: read by `sink.vector_scan`
+            (`Split.vectors`); None parses every event whole with orjson.
+        scan_simd: let the scan read short decimals with its SSSE3 reader.
 
     Raises:
         ValueError: a primary key column that does not read a top-level field of after.
@@ -225,10 +246,14 @@ class Debezium:
         truncate: Literal["skip", "dlq"],
         records: RecordFormat | None,
         check: SchemaCheck | None = None,
+        vector: tuple[str, int] | None = None,
+        scan_simd: bool = True,
     ) -> None:
         self._truncate = truncate
         self._records = records
         self._check = check
+        self._vector = vector if records is None else None
+        self._scan_simd = scan_simd
         #: Logical types of the row fields per writer schema (registry framing bytes).
         self._by_schema: dict[bytes, dict[str, Logical]] = {}
         #: Logical types of the row fields per JSON converter schema block (its bytes).
@@ -272,10 +297,12 @@ class Debezium:
                 fields the table lacks.
         """
         out = Split()
-        positions, events, logicals, faults = self._events(payloads)
+        positions, events, logicals, faults, scanned = self._events(payloads)
         if self._check is not None and self._records is not None:
             check_writer_schemas(self, [payloads[p] for p in positions], self._check)
         out.faults.update(faults)
+        vector_at: list[int] = []  # indices in upserts of the scanned vectors
+        vector_row: list[int] = []  # their rows in the scans' matrices, stacked
         for pos, event, logical in zip(positions, events, logicals, strict=True):
             if type(event) is not dict:
                 what = "JSON null" if event is None else show(event)
@@ -300,6 +327,9 @@ class Debezium:
                     continue
                 if logical:
                     self._convert(after, logical)
+                if scanned is not None and pos in scanned[0]:
+                    vector_at.append(len(out.upserts))
+                    vector_row.append(scanned[0][pos])
                 out.upserts.append(pos)
                 out.records.append(event)
             elif op == "d" and type(op) is str:
@@ -322,6 +352,12 @@ class Debezium:
                     "cdc_unknown_op",
                     f"op is {show(op)}; a change event's op is c, r, u, d or t",
                 )
+        if vector_at:
+            assert scanned is not None
+            matrix, rows = scanned[1], np.asarray(vector_row, np.int64)
+            if len(rows) != len(matrix) or not np.array_equal(rows, np.arange(len(rows))):
+                matrix = matrix[rows]
+            out.vectors = (np.asarray(vector_at, np.int64), matrix)
         return out
 
     def _writer_logical(self, payload: bytes) -> dict[str, Logical] | None:
@@ -343,43 +379,106 @@ class Debezium:
 
     def _events(
         self, payloads: Sequence[bytes]
-    ) -> tuple[list[int], list[Any], list[dict[str, Logical] | None], dict[int, Fault]]:
+    ) -> tuple[
+        list[int],
+        list[Any],
+        list[dict[str, Logical] | None],
+        dict[int, Fault],
+        tuple[dict[int, int], np.ndarray] | None,
+    ]:
         """Each payload decoded: the positions that decoded, their envelopes (the JSON
         converter's wrapper taken off), the logical types of their row fields (None: no
-        schema), and the other payloads' faults."""
+        schema), the other payloads' faults, and (json, with a vector) the events whose
+        vector the scan read: their rows in a float32 matrix by position, and the matrix
+        (`_scan`)."""
         if self._records is not None:
             positions, records, record_faults = self._records.records(payloads)
             writers = [self._writer_logical(payloads[p]) for p in positions]
             faults = {p: cast("Fault", f) for p, f in record_faults.items()}
-            return positions, records, writers, faults
+            return positions, records, writers, faults, None
         positions = []
         events: list[Any] = []
         logicals: list[dict[str, Logical] | None] = []
         faults = {}
+        scanned = self._scan(payloads) if self._vector is not None and payloads else None
+        read: dict[int, int] = {}
         for pos, payload in enumerate(payloads):
-            split = self._split_wrapper(payload)
-            if split is not None:
-                positions.append(pos)
-                events.append(split[1])
-                logicals.append(split[0])
-                continue
-            try:
-                value = orjson.loads(payload)
-            except orjson.JSONDecodeError:
-                value, fault = _load(payload)
-                if fault is not None:
-                    faults[pos] = fault
+            if scanned is not None and pos in scanned[0]:
+                row, wrapped, stripped = scanned[0][pos]
+                # The stripped text is read as the event only if it is read the way the
+                # scan's path took it (wrapped or not) and orjson takes it; else the value
+                # is read whole, as if not scanned (a fault then names the value sent).
+                decoded = self._decode(stripped, strict=True)
+                if decoded is not None and decoded[2] == wrapped and decoded[3] is None:
+                    read[pos] = row
+                    positions.append(pos)
+                    events.append(decoded[0])
+                    logicals.append(decoded[1])
                     continue
-            logical = None
-            if type(value) is dict and "payload" in value and "schema" in value and len(value) == 2:
-                if self._check is not None:
-                    self._check_block(orjson.dumps(value["schema"]), value["schema"])
-                logical = _envelope_logical(value["schema"])
-                value = value["payload"]
+            whole = self._decode(payload, strict=False)
+            assert whole is not None  # (not strict: a value orjson refuses is read again)
+            if whole[3] is not None:
+                faults[pos] = whole[3]
+                continue
             positions.append(pos)
-            events.append(value)
-            logicals.append(logical)
-        return positions, events, logicals, faults
+            events.append(whole[0])
+            logicals.append(whole[1])
+        found = (read, scanned[1]) if scanned is not None else None
+        return positions, events, logicals, faults, found
+
+    def _scan(
+        self, payloads: Sequence[bytes]
+    ) -> tuple[dict[int, tuple[int, bool, bytes]], np.ndarray]:
+        """The vectors `sink.vector_scan` reads at the after image's vector field: of an
+        event in the JSON converter's compact wrapper (it starts ``{"schema":``) at
+        ``payload.after.<field>``, of any other at ``after.<field>``. Returns, by position,
+        the row of each vector read in the matrix, whether its path was the wrapped one,
+        and its stripped text; and the matrix (the two scans' stacked)."""
+        assert self._vector is not None
+        name, dim = self._vector
+        found: dict[int, tuple[int, bool, bytes]] = {}
+        matrices: list[np.ndarray] = []
+        groups: list[list[int]] = [[], []]
+        for pos, payload in enumerate(payloads):
+            groups[payload.startswith(_WRAPPED)].append(pos)
+        done = 0
+        for wrapped, group in ((False, groups[0]), (True, groups[1])):
+            if not group:
+                continue
+            path = ("payload", "after", name) if wrapped else ("after", name)
+            texts = payloads if len(group) == len(payloads) else [payloads[p] for p in group]
+            where, matrix, stripped = scan(list(texts), path, dim, simd=self._scan_simd)
+            for row, (at, text) in enumerate(zip(where.tolist(), stripped, strict=True)):
+                found[group[at]] = (done + row, wrapped, text)
+            done += len(where)
+            matrices.append(matrix)
+        if not matrices:
+            return found, np.zeros((0, dim), np.float32)
+        return found, matrices[0] if len(matrices) == 1 else np.concatenate(matrices)
+
+    def _decode(
+        self, payload: bytes, *, strict: bool
+    ) -> tuple[Any, dict[str, Logical] | None, bool, Fault | None] | None:
+        """One value as a change event: the envelope (the JSON converter's wrapper taken
+        off), the logical types of its row fields (None: no schema), whether it was
+        wrapped, and its fault (then nothing else). `strict`: None when orjson refuses the
+        value (or the wrapper's payload), not read again by the JSON format's reader."""
+        split = self._split_wrapper(payload)
+        if split is not None:
+            return split[1], split[0], True, None
+        try:
+            value = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            if strict:
+                return None
+            value, fault = _load(payload)
+            if fault is not None:
+                return None, None, False, fault
+        if type(value) is dict and "payload" in value and "schema" in value and len(value) == 2:
+            if self._check is not None:
+                self._check_block(orjson.dumps(value["schema"]), value["schema"])
+            return value["payload"], _envelope_logical(value["schema"]), True, None
+        return value, None, False, None
 
     def _split_wrapper(self, payload: bytes) -> tuple[dict[str, Logical], Any] | None:
         """A wrapped event as the JSON converter writes it, ``{"schema":S,"payload":P}``

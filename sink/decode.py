@@ -100,8 +100,10 @@ registry format's (`sink.formats.record_column`); d gives a delete row of the ke
 before or the Kafka key; Debezium's tombstones, and truncates with ``source.truncate =
 "skip"``, are skipped offsets (the truncates counted in `Decoded.truncates`). With derived
 columns each new writer schema (json: schema block) is fitted to the after image's fields.
-Reasons of their own: ``cdc_missing_op``, ``cdc_unknown_op``, ``cdc_missing_after``,
-``cdc_missing_key``, ``cdc_truncate``.
+In json the after image's vector is read by `sink.vector_scan` (below), the rest of the
+event by orjson from the stripped text (`sink.cdc`). Reasons of their own:
+``cdc_missing_op``, ``cdc_unknown_op``, ``cdc_missing_after``, ``cdc_missing_key``,
+``cdc_truncate``.
 
 How it is fast: the per-message Python work is reading the Message accessors. On a table
 with a vector column, `sink.vector_scan` reads each value's vector (simdjson's On-Demand
@@ -303,13 +305,32 @@ class Decoder:
             else None
         )
         # Change events: read as records (JSON ones by orjson), so JSON's Arrow leaves'
-        # extra steps (base64 text, float32 range) are the record path's here.
+        # extra steps (base64 text, float32 range) are the record path's here. A JSON
+        # after image's vector (a top-level field no other column reads) is read by the
+        # vector scan, the rest of the event by orjson from the stripped text.
+        self._cdc_vector: Path | None = None
+        if cdc and self._json and vector_fast_path and spec.vector is not None:
+            vec = next(c for c in self._columns if c.type_name == "vector")
+            shared = [c for c in self._columns if c.kind == "json" and c.path == vec.path]
+            if (
+                vec.kind == "json"
+                and len(vec.path) == 2
+                and vec.path[0] == "after"
+                and len(shared) == 1
+            ):
+                self._cdc_vector = vec.path
         self._cdc = (
             Debezium(
                 self._columns,
                 truncate=source.truncate,
                 records=self._records,
                 check=self._schema_check,
+                vector=(
+                    (self._cdc_vector[1], spec.vector.dim)
+                    if self._cdc_vector is not None and spec.vector is not None
+                    else None
+                ),
+                scan_simd=scan_simd,
             )
             if cdc
             else None
@@ -501,7 +522,9 @@ class Decoder:
         afters = [r["after"] for r in split.records]
         for path, c in self._path_columns.items():
             describe = f"{c.name!r} ({c.where})"
-            if len(path) == 2 and path[0] == "after":
+            if path == self._cdc_vector and split.vectors is not None:
+                leaves[path], bad = _scanned_vectors(afters, path[1:], describe, split.vectors)
+            elif len(path) == 2 and path[0] == "after":
                 leaves[path], bad = record_column(afters, path[1:], c.type_name, describe)
             else:
                 leaves[path], bad = record_column(split.records, path, c.type_name, describe)
@@ -675,3 +698,32 @@ class Decoder:
         if n_del:
             batch = batch.take(pa.array(np.argsort(index, kind="stable")))
         return batch
+
+
+def _scanned_vectors(
+    afters: list[dict[str, Any]],
+    path: Path,
+    describe: str,
+    scanned: tuple[np.ndarray, np.ndarray],
+) -> tuple[pa.Array, dict[int, Any]]:
+    """The vector column of change events' after images (`sink.cdc.Split.vectors`): the
+    rows the vector scan read from its matrix, the others by the record path (with their
+    faults, by row)."""
+    at, matrix = scanned
+    n, dim = len(afters), matrix.shape[1]
+    offsets = np.arange(0, (len(at) + 1) * dim, dim, dtype=np.int32)
+    read = pa.ListArray.from_arrays(
+        pa.array(offsets), pa.array(matrix.ravel()), type=pa.list_(pa.float32())
+    )
+    if len(at) == n:
+        return read, {}
+    others = np.ones(n, bool)
+    others[at] = False
+    rest = np.flatnonzero(others)
+    arr, bad = record_column([afters[i] for i in rest.tolist()], path, "vector", describe)
+    # The rows in order: row i of the result is row order[i] of read + arr.
+    order = np.empty(n, np.int64)
+    order[at] = np.arange(len(at))
+    order[rest] = len(at) + np.arange(len(rest))
+    merged = take(pa.concat_arrays([read, arr.cast(read.type)]), order)
+    return merged, {int(rest[k]): f for k, f in bad.items()}

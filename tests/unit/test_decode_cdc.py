@@ -466,6 +466,59 @@ def _fates(decoder: Decoder, messages: list[Msg]) -> dict[int, Any]:
     return fates
 
 
+#: A vector component whose double (1 + 2^-24, what orjson reads) is halfway between two
+#: float32 values though the decimal is above it: rounded from the double (ties to even)
+#: it is 1.0, rounded straight from the decimal (Arrow's reader) 1.0000001.
+HALFWAY = b"1.00000005960464477539062500001"
+
+
+@pytest.mark.parametrize("schemas", [True, False])
+def test_a_vector_gets_the_same_float32_alone_in_a_batch_and_unscanned(schemas: bool) -> None:
+    spec = spec_for(PRODUCTS[:1], mode="upsert", dim=3, source_columns=True)
+    source = SourceSettings(envelope="debezium", columns=MAPPING)
+    schema = SCHEMA if schemas else None
+    halfway = dbz.value(event("c", None, row(1, embedding=[0.25, 0.5, 0.75])), schema)
+    halfway = halfway.replace(b"0.75", HALFWAY)
+    messages = [
+        Msg(dbz.value(event("c", None, row(i, embedding=[i, 0.5, -2.0])), schema), 10 * i)
+        for i in range(2, 6)
+    ]
+    messages.insert(2, Msg(halfway, 25))
+    scanned = Decoder(spec, source)
+    whole = Decoder(spec, source, vector_fast_path=False)
+    in_batch = _fates(scanned, messages)
+    alone: dict[int, Any] = {}
+    for m in messages:
+        alone.update(_fates(scanned, [m]))
+    assert in_batch == alone == _fates(whole, messages)
+    assert in_batch[25][2] == np.array([0.25, 0.5, 1.0], np.float32).view(np.uint32).tolist()
+
+
+@pytest.mark.parametrize("schemas", [True, False])
+def test_a_batch_of_change_events_reads_its_vectors_with_the_scan(schemas: bool) -> None:
+    spec = spec_for(PRODUCTS[:1], mode="upsert", dim=3)
+    decoder = Decoder(spec, SourceSettings(envelope="debezium", columns=MAPPING))
+    assert decoder._cdc is not None
+    schema = SCHEMA if schemas else None
+    values = [
+        dbz.value(event("c", None, row(1, embedding=[1.0, 2.0, 3.0])), schema),
+        dbz.value(event("d", {"id": 1}, None), schema),
+        dbz.value(event("u", None, row(2, embedding=[1.0, 7.25, 3.0])), schema),
+        dbz.value(event("u", None, row(3, embedding=[-0.5, 2.5, 3.0])), schema),
+    ]
+    values[2] = values[2].replace(b"7.25", b"NaN")
+    split = decoder._cdc.split(values, lambda pos: None)
+    assert split.upserts == [0, 2, 3]
+    assert split.vectors is not None
+    at, matrix = split.vectors
+    assert at.tolist() == [0, 2]  # (NaN is not read by the scan: orjson's, as before)
+    assert matrix.tolist() == [[1.0, 2.0, 3.0], [-0.5, 2.5, 3.0]]
+    vectors = [r["after"]["embedding"] for r in split.records]
+    assert vectors[0] is None
+    assert vectors[2] is None
+    assert math.isnan(vectors[1][1])
+
+
 def test_a_vector_with_a_null_component_has_one_fate_whatever_its_neighbours() -> None:
     """A vector the record path builds value by value (a neighbour's component beyond 64
     bits makes the bulk conversion refuse the batch) is checked as in bulk."""
