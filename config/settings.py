@@ -900,8 +900,21 @@ class WalSettings(_Section):
         description="How stale a writer's knowledge of being fenced may be on reads: an "
         "idle writer checks the shard manifest this often in the background (one LIST per "
         "shard on S3; a busy writer learns it at its next WAL append), and queries do no "
-        "storage I/O for it. 0 checks on every read of every shard instead (strict; one LIST "
+        "storage I/O for it; with more idle shards in the process than "
+        "wal.fence_probes_per_s allows, each is checked every shards / fence_probes_per_s "
+        "seconds instead. 0 checks on every read of every shard instead (strict; one LIST "
         "per shard per query on S3).",
+    )
+    fence_probes_per_s: PositiveInt = Field(
+        default=64,
+        le=10_000,
+        description="The most background fence checks (one LIST of a shard manifest each) "
+        "the process makes per second, all its idle shards together, so its idle cost does "
+        "not grow with the partitions. Up to fence_probes_per_s x fence_check_interval_ms / "
+        "1000 idle shards (64 by default) are checked every fence_check_interval_ms; more "
+        "are each checked every shards / fence_probes_per_s seconds (1,024 shards: 16 s), "
+        "which bounds how long a fenced writer whose pod lost the group may still answer "
+        "reads of its shard.",
     )
     workers: PositiveInt | None = Field(
         default=None,

@@ -26,7 +26,7 @@ from engine.shard_ids import legacy_shard_ids, moved_shard_ids, shard_id
 from engine.shard_stats import EngineEvents
 from engine.storage import Storage, canonical_uri, open_storage
 from engine.table import BaseTable
-from engine.wal_scheduler import WalScheduler
+from engine.wal_scheduler import DEFAULT_FENCE_PROBES_PER_S, WalScheduler
 
 log = structlog.get_logger("lance_sink.engine")
 
@@ -65,6 +65,7 @@ class Engine:
         durable: bool = True,
         own_wal_storage: bool = False,
         wal_workers: int | None = None,
+        fence_probes_per_s: float = DEFAULT_FENCE_PROBES_PER_S,
     ) -> None:
         self.spec = spec
         #: The WAL storage is the table's own (`<table.uri>/_lance_sink`): shard state in it
@@ -77,8 +78,9 @@ class Engine:
         self.events = events
         self.flusher = Flusher(flush_workers)
         #: Runs every shard's WAL work (`wal.workers` threads and one timer, started with the
-        #: first shard): the thread count does not grow with the shards.
-        self.wal_scheduler = WalScheduler(wal_workers)
+        #: first shard) and their idle fence probes (at most `fence_probes_per_s` a second
+        #: together): neither the threads nor the idle cost grow with the shards.
+        self.wal_scheduler = WalScheduler(wal_workers, fence_probes_per_s=fence_probes_per_s)
         self._writers: dict[str, ShardWriter] = {}
         self._lock = threading.Lock()
         self.table.open()
@@ -111,6 +113,7 @@ class Engine:
             durable=settings.wal.durable_writes,
             own_wal_storage=settings.wal.uri is None,
             wal_workers=settings.wal.workers,
+            fence_probes_per_s=settings.wal.fence_probes_per_s,
         )
 
     def shard_id(self, topic: str, partition: int) -> str:

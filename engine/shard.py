@@ -23,17 +23,20 @@ Lifecycle (who calls what, and when):
   controller's `may_seal` allows; a refused seal is asked again every `IDLE_WAKE_S` and by
   the next put), and resolve the futures in put order. A put schedules the step (at once
   when the buffer is full, else at its group-commit deadline), so do a seal request, the
-  active memtable's `max_age_s` and close; an idle writer's step runs only for its fence
-  probe.
+  active memtable's `max_age_s` and close; an idle writer's step does not run.
+- The idle fence probe (`_idle_fence_probe`, run by the scheduler's probe lane, not a WAL
+  step) lists the shard manifest for a newer epoch while the writer is idle, at most every
+  `max(fence_check_interval_s, IDLE_WAKE_S)` and within the process's probe rate
+  (`WalScheduler`, `wal.fence_probes_per_s`): with more idle shards than that rate times
+  the interval, each is probed every `shards / rate` seconds instead.
 - Flushes run on the shared `Flusher` pool, oldest frozen memtable first, one at a time per
   shard. A failed flush keeps its memtable frozen and counted (I8) and is retried with
   backoff; after `max_attempts` the writer is poisoned (I6). `engine.flusher` tells the
   flush's own steps and what close waits for.
 - `view()` (readers) returns the visible memtables; fails with the poison error. With
   `fence_check_interval_s` = 0 it first probes the manifest for a fence (storage I/O on
-  every read); otherwise it does no I/O and relies on the WAL step, which probes at most
-  that often (and at least `IDLE_WAKE_S` apart) while idle (a busy writer finds a fence at
-  its next append).
+  every read); otherwise it does no I/O and relies on the idle fence probe (a busy writer
+  finds a fence at its next append).
 - `close(flush=...)` (the sink on revoke/shutdown; always called, also after poisoning)
   stops accepting puts, writes what is buffered (on the scheduler, or on the caller's thread
   if the engine's scheduler already stopped), force-seals the active memtable and,
@@ -156,7 +159,6 @@ class ShardWriter:
         self._closing = False
         self._closed = False
         self._last_fence_check = 0.0
-        self._probing = False  # a background fence probe is queued or running
         self._scheduler: WalScheduler | None = None
         self._task: ScheduledShard | None = None
         #: Set by the last WAL step after close: everything buffered was written (or failed).
@@ -223,11 +225,15 @@ class ShardWriter:
         writer = cls(shard, spec, table, storage, config, controller, flusher, events)
         writer._claim_and_replay(origin)
         writer._scheduler = scheduler or default_scheduler()
-        writer._task = writer._scheduler.register(shard, writer._wal_step)
+        writer._task = writer._scheduler.register(
+            shard,
+            writer._wal_step,
+            probe=writer._idle_fence_probe,
+            probe_interval=max(config.fence_check_interval_s, IDLE_WAKE_S),
+        )
         writer.memory.on_seal_request(writer._wake_wal)
         controller.register(writer.memory)
-        # The first step: the memtable replay left may be due for an age seal, and the
-        # first idle fence probe (IDLE_WAKE_S after open, not all at once on a big assign).
+        # The first step: the memtable replay left may be due for an age seal.
         writer._scheduler.wake_at(writer._task, time.monotonic() + IDLE_WAKE_S)
         return writer
 
@@ -341,10 +347,9 @@ class ShardWriter:
         """One pass of the WAL work, run by a `WalScheduler` worker (never two at once for
         a shard): seal the active memtable if due, write one WAL entry of the buffered puts
         once the first is `max_wal_flush_interval_s` old or they fill `max_wal_buffer_bytes`
-        (at once when closing), honour a seal request, and when idle probe for a fence (at
-        most every `max(fence_check_interval_s, IDLE_WAKE_S)`, on the scheduler's probe
-        lane: `WalScheduler.probe`). Returns when it next wants
-        to run (see `_next_wake`). An unexpected failure poisons the writer (I6)."""
+        (at once when closing), honour a seal request. Returns when it next wants to run
+        (see `_next_wake`). An unexpected failure poisons the writer (I6). The idle fence
+        probe is not a step: the scheduler's probe lane runs `_idle_fence_probe`."""
         try:
             return self._wal_step_once()
         except Exception as exc:  # noqa: BLE001 - nothing more is acknowledged (I6)
@@ -357,7 +362,6 @@ class ShardWriter:
 
     def _wal_step_once(self) -> float | None:
         taken: list[_Put] = []
-        probe = False
         with self._lock:
             self._memtables.seal_if_due()
             now = time.monotonic()
@@ -372,45 +376,33 @@ class ShardWriter:
                 if self._closing and not self._pending:
                     self._wal_done.set()
                     return None
-                probe = self._idle() and self._fence_probe_due(now)
-                if probe:
-                    self._probing = True
-                    self._last_fence_check = now
         if taken:
             self._commit_group(taken)
-        elif probe and self._scheduler is not None:
-            # Storage I/O (a LIST on S3) on the scheduler's probe lane, never in the way
-            # of another shard's WAL append.
-            self._scheduler.probe(self._background_fence_probe)
         with self._lock:
             return self._next_wake()
 
-    def _background_fence_probe(self) -> None:
-        try:
-            if not self._closing:
-                self._probe_fence()
-        finally:
-            self._probing = False
-            self._wake_wal()  # the step schedules the next probe
-
-    def _fence_probe_due(self, now: float) -> bool:
-        period = max(self.config.fence_check_interval_s, IDLE_WAKE_S)
-        return self._poison is None and not self._probing and now - self._last_fence_check >= period
+    def _idle_fence_probe(self) -> None:
+        """The idle fence probe (the scheduler's probe lane calls it, at most every
+        `max(fence_check_interval_s, IDLE_WAKE_S)` and within the process's probe rate):
+        probe the manifest (storage I/O) if the writer is idle and usable. A busy writer is
+        not probed: its next WAL append finds the newer writer's fence entry."""
+        with self._lock:
+            if not self._idle() or self._poison is not None:
+                return
+            self._last_fence_check = time.monotonic()
+        self._probe_fence()
 
     def _next_wake(self) -> float | None:
         """When the WAL step must run next (the caller holds the lock): now while closing
         or a full buffer waits, the group-commit deadline of the first buffered put, the
-        active memtable's max-age seal (or a retry of a seal the controller refused), the
-        next idle fence probe; None when poisoned (nothing more to do until close)."""
+        active memtable's max-age seal (or a retry of a seal the controller refused); None
+        when idle or poisoned (nothing more to do until a put, a seal request or close)."""
         now = time.monotonic()
         if self._closing:
             return now
         if self._poison is not None:
             return None
         wakes = []
-        if self._idle() and not self._probing:
-            period = max(self.config.fence_check_interval_s, IDLE_WAKE_S)
-            wakes.append(max(self._last_fence_check + period, now))
         if self._pending:
             if self._pending_bytes >= self.config.max_wal_buffer_bytes:
                 return now

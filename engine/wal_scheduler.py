@@ -3,9 +3,10 @@ a process, so the threads and the idle cost do not grow with the number of shard
 
 A shard writer registers a *step* (`WalScheduler.register`): one non-blocking pass of its
 WAL work (seal a memtable that is due, write one WAL entry of its buffered puts and resolve
-their futures, honour a seal request, probe for a fence). The step returns when the shard
-next wants to run (a `time.monotonic()` deadline: the group-commit deadline of its first
-buffered put, its active memtable's max-age seal, its next idle fence probe), or None.
+their futures, honour a seal request), and its idle fence probe. The step returns when the
+shard next wants to run (a `time.monotonic()` deadline: the group-commit deadline of its
+first buffered put, its active memtable's max-age seal), or None; the probe runs on the
+probe lane, paced for the whole process (below), never through the step.
 
 Lifecycle (who calls what, and when):
 
@@ -20,9 +21,17 @@ Lifecycle (who calls what, and when):
   at once**: a shard woken while its step runs is queued again after it (`again`), so its
   WAL positions are written and its futures resolved in order. A step that raises is
   logged and not retried (the writer's step poisons the writer itself first, I6).
-- `probe(fn)` (a shard's step, when its idle fence probe is due) runs the probe on the
-  probe lane (`PROBE_WORKERS` threads), so storage round trips of idle shards never queue
-  before the WAL steps of busy ones.
+- `register(..., probe=fn, probe_interval=s)` also puts the shard on the **probe lane**:
+  `PROBE_WORKERS` threads that call each registered shard's `fn` (its idle fence probe, a
+  LIST of its manifest) at most every `probe_interval` seconds, oldest first, and all
+  shards together at most `fence_probes_per_s` times a second. So the idle cost of a
+  process is bounded by that setting, not by its shard count (at 1,024 shards one probe
+  per shard per second was a LIST plus a WAL step each, a fifth of a core idle: issue
+  #39), and storage round trips of idle shards never queue before WAL steps of busy ones.
+  A shard is probed every `max(probe_interval, probed shards / fence_probes_per_s)`
+  seconds, plus a round trip when the lane falls behind on a slow store. A probe runs
+  with no scheduler lock held, never twice at once for a shard, and one that raises is
+  logged and probed again a period later.
 - `unregister(handle)` (the writer's close, after its last step) drops the shard: its
   deadlines are ignored and wakes do nothing.
 - `close(timeout)` (`Engine.close`, after every writer closed) stops the workers and the
@@ -30,8 +39,8 @@ Lifecycle (who calls what, and when):
   work on its own thread (`ShardWriter.close`).
 
 A shard with nothing buffered and no deadline costs nothing: no thread waits for it and no
-timer entry fires for it (its idle fence probe, when the writer asks for one, is one timer
-entry every `fence_check_interval`).
+timer entry fires for it (its idle fence probe is one entry in the probe lane's heap, taken
+within the process's probe rate).
 """
 
 from __future__ import annotations
@@ -43,7 +52,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
@@ -56,8 +64,16 @@ Step = Callable[[], float | None]
 
 #: Threads of the probe lane: idle shards' fence probes (a LIST each, a round trip on S3)
 #: run there, so they never delay a WAL append; with many shards on an object store they
-#: fall behind (each shard then probes less often than asked), never the appends.
+#: fall behind (each shard then probes less often than asked), never the appends. Two, so
+#: one slow LIST does not stop the lane.
 PROBE_WORKERS = 2
+
+#: Idle fence probes per second of one process (all its shards) by default
+#: (`wal.fence_probes_per_s`): a probe costs ~0.1 ms of CPU on a local disk (a LIST and a
+#: few Python calls), so 64 a second is well under 1% of a core, and up to 64 idle shards
+#: keep the default `wal.fence_check_interval_ms` of 1 s; 1,024 shards are probed every
+#: 16 s each.
+DEFAULT_FENCE_PROBES_PER_S = 64
 
 #: Rebuild the timer heap once this many of its entries were superseded (and they are the
 #: majority): a busy shard moves its deadline earlier at every first put, and the old
@@ -79,13 +95,22 @@ def default_wal_workers() -> int:
 class ScheduledShard:
     """One registered shard: its step and its scheduling state (under the scheduler lock)."""
 
-    __slots__ = ("again", "closed", "name", "state", "step", "timer_at")
+    __slots__ = ("again", "closed", "name", "probe", "probe_interval", "state", "step", "timer_at")
 
     IDLE, QUEUED, RUNNING = 0, 1, 2
 
-    def __init__(self, name: str, step: Step) -> None:
+    def __init__(
+        self,
+        name: str,
+        step: Step,
+        probe: Callable[[], None] | None = None,
+        probe_interval: float = 1.0,
+    ) -> None:
         self.name = name
         self.step = step
+        #: Its idle fence probe (the probe lane calls it), or None.
+        self.probe = probe
+        self.probe_interval = probe_interval
         self.state = ScheduledShard.IDLE
         #: Woken while its step ran: queue it again after the step.
         self.again = False
@@ -97,22 +122,37 @@ class ScheduledShard:
 class WalScheduler:
     """The WAL workers and the timer; see the module docstring."""
 
-    def __init__(self, workers: int | None = None, name: str = "wal") -> None:
+    def __init__(
+        self,
+        workers: int | None = None,
+        name: str = "wal",
+        *,
+        fence_probes_per_s: float = DEFAULT_FENCE_PROBES_PER_S,
+    ) -> None:
+        if fence_probes_per_s <= 0:
+            raise ValueError("fence_probes_per_s must be positive")
         self.workers = workers or default_wal_workers()
         self.name = name
+        self.fence_probes_per_s = fence_probes_per_s
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._timer = threading.Condition(self._lock)
+        self._probe_cv = threading.Condition(self._lock)
+        #: The probe lane: (due, seq, shard), oldest due first; a shard being probed is out.
+        self._probe_heap: list[tuple[float, int, ScheduledShard]] = []
+        #: The earliest start of the next probe (paces the lane to `fence_probes_per_s`).
+        self._probe_slot = 0.0
         self._ready: deque[ScheduledShard] = deque()
         self._heap: list[tuple[float, int, ScheduledShard]] = []
         self._stale = 0
         self._seq = itertools.count()
         self._threads: list[threading.Thread] = []
         self._closed = False
-        self._probes: ThreadPoolExecutor | None = None
         self._registered = 0
         #: Steps run (all shards): a test counts them to check an idle engine stays idle.
         self.steps_total = 0
+        #: Probes run (all shards): a test counts them to check the lane's rate.
+        self.probes_total = 0
 
     @property
     def closed(self) -> bool:
@@ -125,9 +165,17 @@ class WalScheduler:
 
     # ------------------------------------------------------------------ shards
 
-    def register(self, name: str, step: Step) -> ScheduledShard:
-        """Register a shard's step (see the module docstring); starts the pool if needed."""
-        handle = ScheduledShard(name, step)
+    def register(
+        self,
+        name: str,
+        step: Step,
+        *,
+        probe: Callable[[], None] | None = None,
+        probe_interval: float = 1.0,
+    ) -> ScheduledShard:
+        """Register a shard's step and, if given, its idle fence probe (first run one
+        `probe_interval` from now); see the module docstring. Starts the threads if needed."""
+        handle = ScheduledShard(name, step, probe, probe_interval)
         with self._lock:
             if self._closed:
                 handle.closed = True
@@ -135,6 +183,8 @@ class WalScheduler:
             self._registered += 1
             if not self._threads:
                 self._start_locked()
+            if probe is not None:
+                self._push_probe_locked(handle, time.monotonic() + probe_interval)
         return handle
 
     def unregister(self, handle: ScheduledShard) -> None:
@@ -157,14 +207,10 @@ class WalScheduler:
         with self._lock:
             self._wake_at_locked(handle, when)
 
-    def probe(self, fn: Callable[[], None]) -> None:
-        """Run `fn` (a shard's fence probe: storage I/O) on the probe lane, not a WAL
-        worker. The caller keeps at most one queued per shard. Ignored once closed."""
-        with self._lock:
-            pool = self._probes
-            if pool is None or self._closed:
-                return
-            pool.submit(fn)
+    def _push_probe_locked(self, handle: ScheduledShard, due: float) -> None:
+        heapq.heappush(self._probe_heap, (due, next(self._seq), handle))
+        if self._probe_heap[0][2] is handle:
+            self._probe_cv.notify()
 
     def _wake_locked(self, handle: ScheduledShard) -> None:
         if handle.closed or self._closed:
@@ -205,9 +251,48 @@ class WalScheduler:
         t = threading.Thread(target=self._timer_loop, name=f"{self.name}_timer", daemon=True)
         t.start()
         self._threads.append(t)
-        self._probes = ThreadPoolExecutor(
-            PROBE_WORKERS, thread_name_prefix="fence_probe", initializer=name_os_thread
-        )
+        for i in range(PROBE_WORKERS):
+            t = threading.Thread(target=self._probe_loop, name=f"fence_probe_{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _probe_loop(self) -> None:
+        """A probe lane thread: take the shard whose probe is due first, no sooner than
+        the lane's pace allows, run its probe without the lock, put it back a period on."""
+        name_os_thread()
+        pace = 1.0 / self.fence_probes_per_s
+        while True:
+            with self._lock:
+                handle = None
+                while not self._closed:
+                    if not self._probe_heap:
+                        self._probe_cv.wait()
+                        continue
+                    due, _, head = self._probe_heap[0]
+                    if head.closed:
+                        heapq.heappop(self._probe_heap)
+                        continue
+                    now = time.monotonic()
+                    wait = max(due, self._probe_slot) - now
+                    if wait > 0:
+                        self._probe_cv.wait(wait)
+                        continue
+                    heapq.heappop(self._probe_heap)
+                    self._probe_slot = max(self._probe_slot, now) + pace
+                    self.probes_total += 1
+                    handle = head
+                    break
+                if handle is None:
+                    return
+            probe = handle.probe
+            try:
+                if probe is not None:
+                    probe()
+            except Exception as exc:  # noqa: BLE001 - the lane must not die with a shard
+                log.warning("fence_probe_failed", shard=handle.name, error=str(exc))
+            with self._lock:
+                if not handle.closed and not self._closed:
+                    self._push_probe_locked(handle, time.monotonic() + handle.probe_interval)
 
     def _timer_loop(self) -> None:
         name_os_thread()
@@ -260,10 +345,8 @@ class WalScheduler:
             self._closed = True
             self._work.notify_all()
             self._timer.notify_all()
+            self._probe_cv.notify_all()
             threads, self._threads = self._threads, []
-            probes = self._probes
-        if probes is not None:
-            probes.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + timeout
         for t in threads:
             if t is not threading.current_thread():

@@ -20,7 +20,8 @@ Two pods can run a task at the same time only briefly: the task the previous hol
 finishing (each is one or a few atomic Lance commits, and commit races are retried), or
 while a pod whose session expired has not yet learned it lost its partitions (it stands by
 once the new holder's claim fences its writer of the maintenance partition: at its next
-write, or its next manifest check when idle, `wal.fence_check_interval_ms`). No pod
+write, or its next manifest check when idle: `wal.fence_check_interval_ms`, or shards /
+`wal.fence_probes_per_s` with many idle shards). No pod
 maintains while the first topic does not exist (nothing has been assigned from it).
 
 Lifecycle: `SinkService` builds it with the maintenance runner (created standing by) and

@@ -9,9 +9,14 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from engine.engine import Engine
-from engine.shard import PutResult
+from engine.errors import Fenced
+from engine.manifest import ShardManifest
+from engine.shard import PutResult, ShardWriter
 from engine.wal_scheduler import WalScheduler
 from tests.engine.conftest import MakeHarness
 from tests.engine.test_shard_ids import TOPIC, settings
@@ -105,3 +110,67 @@ def test_engine_close_stops_the_wal_workers(tmp_path: Path) -> None:
     assert engine.wal_scheduler.registered == 0
     assert not any(t.is_alive() for t in threads)
     assert all(w.durable_offsets[(TOPIC, p)] == 4 for p, w in enumerate(writers))
+
+
+def count_probes(writers: list[ShardWriter]) -> dict[str, int]:
+    """How often each writer's manifest is probed for a fence from now on, by shard."""
+    counts = {w.shard: 0 for w in writers}
+    for w in writers:
+        superseded = w.manifests.superseded
+
+        def probe(current: ShardManifest, shard: str = w.shard, inner: Any = superseded) -> bool:
+            counts[shard] += 1
+            return bool(inner(current))
+
+        w.manifests.superseded = probe  # type: ignore[method-assign]
+    return counts
+
+
+def test_idle_fence_probes_are_paced_for_the_process_not_per_shard(
+    local_harness: MakeHarness,
+) -> None:
+    """32 idle shards asking for a probe every 0.5 s (64 a second: one per shard per
+    period, as before issue #39's pacing) on a lane paced to 16 a second: at most 16 a
+    second happen, and still every shard is probed within shards / rate (2 s)."""
+    rate, shards = 16, 32
+    scheduler = WalScheduler(2, fence_probes_per_s=rate)
+    harness = local_harness(config=writer_config(fence_check_interval_s=0.5))
+    try:
+        writers = [harness.open(shard=f"t-{i}-test", scheduler=scheduler) for i in range(shards)]
+        counts = count_probes(writers)
+        started = time.monotonic()
+        time.sleep(1.0)
+        before = sum(counts.values())
+        time.sleep(2.0)
+        probed = sum(counts.values()) - before
+        assert probed <= rate * (time.monotonic() - started - 1.0) + 2, probed
+        assert all(n >= 1 for n in counts.values()), counts
+        for w in writers:
+            w.close(flush=False)
+    finally:
+        scheduler.close()
+
+
+def test_a_fenced_idle_writer_learns_it_within_the_paced_bound(
+    local_harness: MakeHarness,
+) -> None:
+    """The bound the pacing promises (`wal.fence_probes_per_s`): an idle writer among
+    many learns of a newer writer within max(interval, shards / rate) (here 17 / 8 s),
+    plus a probe, and its reads then fail with Fenced."""
+    scheduler = WalScheduler(2, fence_probes_per_s=8)
+    harness = local_harness(config=writer_config(fence_check_interval_s=0.5))
+    try:
+        writers = [harness.open(shard=f"t-{i}-test", scheduler=scheduler) for i in range(16)]
+        newer = harness.open(shard="t-3-test", scheduler=scheduler)
+        fenced_at = time.monotonic()
+        old = writers[3]
+        while old.poisoned is None:
+            assert time.monotonic() - fenced_at < 17 / 8 + 1.0, "the fence went unnoticed"
+            time.sleep(0.02)
+        with pytest.raises(Fenced):
+            old.view()
+        assert all(w.poisoned is None for w in writers if w is not old)
+        for w in [*writers, newer]:
+            w.close(flush=False)
+    finally:
+        scheduler.close()
