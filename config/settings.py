@@ -1179,6 +1179,16 @@ class ObservabilitySettings(_Section):
         description="librdkafka statistics: broker reachability for /readyz (lags take the "
         "end offset of the newest fetch response at each scrape, not these).",
     )
+    partition_metrics: Literal["partition", "topic"] = Field(
+        default="partition",
+        description="Labels of the metrics of each topic-partition and its shard. partition: "
+        "one series per partition (topic and partition labels) and per shard (shard label), "
+        "~36 series a partition. topic: one series per topic (topic label alone, for very "
+        "wide topics), so the series do not grow with the partitions: gauges are the sum "
+        "over the topic's partitions held by the pod (the 0/1 gauges then count partitions), "
+        "lag_seconds, dlq_held_seconds and replay_seconds the largest; counters and "
+        "histograms count the topic's events.",
+    )
 
 
 class QuerySettings(_Section):

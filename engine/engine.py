@@ -180,6 +180,8 @@ class Engine:
     def open_shard(self, topic: str, partition: int) -> ShardWriter:
         """Claim and replay the shard of a topic-partition (see `ShardWriter.open`)."""
         shard = self.shard_id(topic, partition)
+        if self.events is not None:
+            self.events.shard_origin(shard, topic, partition)  # before its open's events
         writer = ShardWriter.open(
             shard,
             self.spec,

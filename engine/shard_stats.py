@@ -16,6 +16,7 @@ from typing import Protocol
 class EngineEvents(Protocol):
     """Domain events the engine reports (the sink's metrics facade implements this)."""
 
+    def shard_origin(self, shard: str, topic: str, partition: int) -> None: ...
     def wal_appended(self, shard: str, seconds: float, nbytes: int, rows: int) -> None: ...
     def memtable_sealed(self, shard: str, generation: int, rows: int, nbytes: int) -> None: ...
     def flushed(self, shard: str, seconds: float, rows: int) -> None: ...
@@ -26,6 +27,9 @@ class EngineEvents(Protocol):
 
 class NoEvents:
     """EngineEvents that records nothing."""
+
+    def shard_origin(self, shard: str, topic: str, partition: int) -> None:
+        return None
 
     def wal_appended(self, shard: str, seconds: float, nbytes: int, rows: int) -> None:
         return None

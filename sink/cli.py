@@ -344,7 +344,7 @@ def _run(args: argparse.Namespace) -> int:
 
     settings = with_advertised_url(settings)  # fan-out reaches this process's memtables
     try:
-        metrics = Metrics()
+        metrics = Metrics(partition_metrics=settings.observability.partition_metrics)
         engine = Engine.from_settings(settings, controller=controller, events=metrics)
         service = SinkService(settings, metrics=metrics, engine=engine, derived_columns=derived)
     except LanceSinkError as exc:

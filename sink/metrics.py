@@ -5,6 +5,18 @@ Every metric name lives in this module; the consumer loop, the engine (through
 Names carry their unit (`_bytes`, `_seconds`, `_messages`, `_total`), every metric has HELP
 text, and per-partition label sets are bounded by the assignment: series of a revoked
 partition are removed (`forget_partition`).
+
+`observability.partition_metrics` chooses the labels of the metrics of a topic-partition and
+of its shard. `"partition"` (the default): `topic` and `partition`, or `shard`, one series
+per partition and per shard held. `"topic"` (for very wide topics: ~36 series a partition
+were 37,000 at 1,024 partitions, issue #39): `topic` alone, so the series do not grow with
+the partitions. Each partition's and shard's gauge values are still kept here, and a
+topic's series is, at exposition, the sum over its partitions held by this process (offsets,
+lags, bytes, and the 0/1 gauges, which then count partitions), or for the ages
+`lag_seconds`, `dlq_held_seconds` and `replay_seconds` the largest; counters and histograms
+count the topic's events. A shard's topic is what the engine reported when it opened it
+(`shard_origin`). A revoked partition's gauge values leave its topic's sums; a topic's
+counters and histograms stay (they only grow).
 """
 
 from __future__ import annotations
@@ -13,8 +25,9 @@ import contextlib
 import os
 import threading
 from collections import deque
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
 
 from prometheus_client import (
     CollectorRegistry,
@@ -108,13 +121,60 @@ _FRESHNESS_BUCKETS = (
 )
 
 
-class Metrics:
-    """All lance-sink metrics, in their own registry (one per process, or per test)."""
+#: `observability.partition_metrics`: the labels of per-partition and per-shard metrics.
+PartitionMetrics = Literal["partition", "topic"]
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+
+class TopicCombined:
+    """A gauge of partitions (or shards) exported by topic: each one's value is kept, and
+    the topic's series is `combine` (sum, or max) of its values at exposition. Thread-safe
+    (the loop and the scrape threads set values)."""
+
+    def __init__(self, gauge: Gauge, combine: Callable[[Iterable[float]], float]) -> None:
+        self._gauge = gauge
+        self._combine = combine
+        self._values: dict[str, dict[object, float]] = {}
+        self._lock = threading.Lock()
+
+    def set(self, topic: str, key: object, value: float) -> None:
+        with self._lock:
+            values = self._values.get(topic)
+            if values is None:
+                values = self._values[topic] = {}
+                self._gauge.labels(topic).set_function(lambda: self._read(values))
+            values[key] = value
+
+    def _read(self, values: dict[object, float]) -> float:
+        with self._lock:
+            return float(self._combine(values.values())) if values else 0.0
+
+    def remove(self, topic: str, key: object) -> None:
+        """Drop `key`'s value; the topic's series goes with its last one."""
+        with self._lock:
+            values = self._values.get(topic)
+            if values is None or values.pop(key, None) is None or values:
+                return
+            del self._values[topic]
+            with contextlib.suppress(KeyError):
+                self._gauge.remove(topic)
+
+
+class Metrics:
+    """All lance-sink metrics, in their own registry (one per process, or per test).
+
+    `partition_metrics`: the labels of per-partition and per-shard metrics (the module
+    docstring)."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        partition_metrics: PartitionMetrics = "partition",
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        tp = ["topic", "partition"]
+        self.by_topic = partition_metrics == "topic"
+        tp = ["topic"] if self.by_topic else ["topic", "partition"]
 
         def gauge(name: str, doc: str, labels: list[str] | None = None) -> Gauge:
             return Gauge(f"{PREFIX}_{name}", doc, labels or [], registry=r)
@@ -254,7 +314,7 @@ class Metrics:
         )
 
         # Engine, per shard.
-        shard = ["shard"]
+        shard = ["topic"] if self.by_topic else ["shard"]
         self.wal_unflushed = gauge(
             "wal_unflushed_bytes", "Bytes in memtables (active and frozen) not yet flushed.", shard
         )
@@ -368,6 +428,67 @@ class Metrics:
         self._bp_seen = (0, 0.0, 0)
         self._lock = threading.Lock()
         self.rows_total = 0  # rows ingested by this process (all partitions, ever)
+        #: By topic: the topic of each shard opened (`shard_origin`).
+        self._shard_topics: dict[str, str] = {}
+        #: By topic: each gauge of partitions or shards, combined by topic (keyed by id).
+        self._combined: dict[int, TopicCombined] = {}
+        if self.by_topic:
+            largest = (self.lag_seconds, self.dlq_held, self.replay_seconds)
+            for g in (*self._partition_gauges(), *self._shard_gauges()):
+                self._combined[id(g)] = TopicCombined(g, max if g in largest else sum)
+
+    def _partition_gauges(self) -> tuple[Gauge, ...]:
+        return (
+            self.log_end_offset,
+            self.consumed_offset,
+            self.durable_offset,
+            self.committed_offset,
+            self.flushed_offset,
+            self.consumer_lag,
+            self.durable_lag,
+            self.commit_lag,
+            self.flush_lag,
+            self.lag_seconds,
+            self.paused,
+            self.writer_poisoned,
+            self.stopped,
+            self.dlq_held,
+            self.waiting_for_registry,
+        )
+
+    def _shard_gauges(self) -> tuple[Gauge, ...]:
+        return (
+            self.wal_unflushed,
+            self.wal_sealed,
+            self.memtable_bytes,
+            self.memtable_index_bytes,
+            self.replay_seconds,
+        )
+
+    # --- labels ----------------------------------------------------------------------
+
+    def _set(self, gauge: Gauge, topic: str, partition: int, value: float) -> None:
+        """Set a partition's gauge (by topic: its value in the topic's sum or max)."""
+        if self.by_topic:
+            self._combined[id(gauge)].set(topic, partition, value)
+        else:
+            gauge.labels(topic, str(partition)).set(value)
+
+    def _inc(self, counter: Counter, topic: str, partition: int, amount: float = 1) -> None:
+        if self.by_topic:
+            counter.labels(topic).inc(amount)
+        else:
+            counter.labels(topic, str(partition)).inc(amount)
+
+    def _shard(self, shard: str) -> str:
+        """The label value of a shard's series: the shard, or by topic its topic."""
+        return self._shard_topics.get(shard, "") if self.by_topic else shard
+
+    def _set_shard(self, gauge: Gauge, shard: str, value: float) -> None:
+        if self.by_topic:
+            self._combined[id(gauge)].set(self._shard(shard), shard, value)
+        else:
+            gauge.labels(shard).set(value)
 
     # --- exposition ------------------------------------------------------------------
 
@@ -380,46 +501,45 @@ class Metrics:
     def partition_offsets(self, topic: str, partition: int, offsets: PartitionOffsets) -> None:
         """Offsets of one partition (each 'next offset' style, one snapshot: see
         `sink.lag`) and the lags derived from them."""
-        labels = (topic, str(partition))
-        self.consumed_offset.labels(*labels).set(offsets.consumed)
-        self.durable_offset.labels(*labels).set(offsets.durable)
-        self.committed_offset.labels(*labels).set(offsets.committed)
-        self.flushed_offset.labels(*labels).set(offsets.flushed)
+        self._set(self.consumed_offset, topic, partition, offsets.consumed)
+        self._set(self.durable_offset, topic, partition, offsets.durable)
+        self._set(self.committed_offset, topic, partition, offsets.committed)
+        self._set(self.flushed_offset, topic, partition, offsets.flushed)
         lags = offsets.lags()
         if offsets.end is not None and lags is not None:
-            self.log_end_offset.labels(*labels).set(offsets.end)
-            self.consumer_lag.labels(*labels).set(lags["consumer"])
-            self.durable_lag.labels(*labels).set(lags["durable"])
-            self.commit_lag.labels(*labels).set(lags["commit"])
-            self.flush_lag.labels(*labels).set(lags["flush"])
-        self.lag_seconds.labels(*labels).set(offsets.lag_seconds())
+            self._set(self.log_end_offset, topic, partition, offsets.end)
+            self._set(self.consumer_lag, topic, partition, lags["consumer"])
+            self._set(self.durable_lag, topic, partition, lags["durable"])
+            self._set(self.commit_lag, topic, partition, lags["commit"])
+            self._set(self.flush_lag, topic, partition, lags["flush"])
+        self._set(self.lag_seconds, topic, partition, offsets.lag_seconds())
 
     def partition_paused(self, topic: str, partition: int, paused: bool) -> None:
-        self.paused.labels(topic, str(partition)).set(1 if paused else 0)
+        self._set(self.paused, topic, partition, 1 if paused else 0)
 
     def partition_stopped(self, topic: str, partition: int) -> None:
-        self.stopped.labels(topic, str(partition)).set(1)
+        self._set(self.stopped, topic, partition, 1)
 
     def offsets_skipped(self, topic: str, partition: int, count: int) -> None:
-        self.skipped_offsets.labels(topic, str(partition)).inc(count)
+        self._inc(self.skipped_offsets, topic, partition, count)
 
     def partition_poisoned(self, topic: str, partition: int, poisoned: bool) -> None:
-        self.writer_poisoned.labels(topic, str(partition)).set(1 if poisoned else 0)
+        self._set(self.writer_poisoned, topic, partition, 1 if poisoned else 0)
 
     def shard_open_failed(self, topic: str, partition: int) -> None:
-        self.shard_open_failures.labels(topic, str(partition)).inc()
+        self._inc(self.shard_open_failures, topic, partition)
 
     def registry_paused(self, topic: str, partition: int, paused: bool) -> None:
         """The partition was paused (a failed registry request) or resumed (decoded) while
         waiting for the schema registry."""
-        self.waiting_for_registry.labels(topic, str(partition)).set(1 if paused else 0)
+        self._set(self.waiting_for_registry, topic, partition, 1 if paused else 0)
         if paused:
-            self.registry_failures.labels(topic, str(partition)).inc()
+            self._inc(self.registry_failures, topic, partition)
 
     def ingested(self, topic: str, partition: int, rows: int, nbytes: int) -> None:
-        self.rows_ingested.labels(topic, str(partition)).inc(rows)
+        self._inc(self.rows_ingested, topic, partition, rows)
         self.rows_total += rows
-        self.bytes_ingested.labels(topic, str(partition)).inc(nbytes)
+        self._inc(self.bytes_ingested, topic, partition, nbytes)
 
     def committed(self, seconds: float) -> None:
         """An offset commit was acknowledged `seconds` after the offset became durable."""
@@ -459,7 +579,7 @@ class Metrics:
 
     def dlq_waiting(self, topic: str, partition: int, seconds: float) -> None:
         """The partition's oldest unacknowledged dead letters were sent `seconds` ago."""
-        self.dlq_held.labels(topic, str(partition)).set(seconds)
+        self._set(self.dlq_held, topic, partition, seconds)
 
     def commit_failed(self) -> None:
         self.commit_failures.inc()
@@ -468,7 +588,16 @@ class Metrics:
         self.rebalances.labels(event).inc(count)
 
     def forget_partition(self, topic: str, partition: int, shard: str | None = None) -> None:
-        """Remove every series of a partition (and its shard) no longer assigned here."""
+        """Remove every series of a partition (and its shard) no longer assigned here (by
+        topic: their gauge values leave the topic's sums; counters stay)."""
+        if self.by_topic:
+            for gauge in self._partition_gauges():
+                self._combined[id(gauge)].remove(topic, partition)
+            if shard is not None:
+                label = self._shard(shard)
+                for gauge in self._shard_gauges():
+                    self._combined[id(gauge)].remove(label, shard)
+            return
         labels = (topic, str(partition))
         for g in (
             self.log_end_offset,
@@ -513,23 +642,28 @@ class Metrics:
 
     # --- engine (EngineEvents) ---------------------------------------------------------
 
+    def shard_origin(self, shard: str, topic: str, partition: int) -> None:
+        """The engine opens `shard`, which carries `topic`'s `partition`."""
+        if self.by_topic:
+            self._shard_topics[shard] = topic
+
     def wal_appended(self, shard: str, seconds: float, nbytes: int, rows: int) -> None:
-        self.wal_append_seconds.labels(shard).observe(seconds)
-        self.wal_append_bytes.labels(shard).inc(nbytes)
+        self.wal_append_seconds.labels(self._shard(shard)).observe(seconds)
+        self.wal_append_bytes.labels(self._shard(shard)).inc(nbytes)
 
     def memtable_sealed(self, shard: str, generation: int, rows: int, nbytes: int) -> None:
         return None  # visible through wal_sealed_memtables (shard_memory)
 
     def flushed(self, shard: str, seconds: float, rows: int) -> None:
-        self.flush_seconds.labels(shard).observe(seconds)
-        self.flush_rows.labels(shard).inc(rows)
+        self.flush_seconds.labels(self._shard(shard)).observe(seconds)
+        self.flush_rows.labels(self._shard(shard)).inc(rows)
 
     def flush_failed(self, shard: str, error: BaseException) -> None:
-        self.flush_failures.labels(shard).inc()
+        self.flush_failures.labels(self._shard(shard)).inc()
 
     def replayed(self, shard: str, seconds: float, rows: int, nbytes: int) -> None:
-        self.replay_seconds.labels(shard).set(seconds)
-        self.replay_rows.labels(shard).inc(rows)
+        self._set_shard(self.replay_seconds, shard, seconds)
+        self.replay_rows.labels(self._shard(shard)).inc(rows)
 
     def poisoned(self, shard: str, error: BaseException) -> None:
         return None  # per partition: writer_poisoned, set by the sink
@@ -537,10 +671,10 @@ class Metrics:
     def shard_memory(
         self, shard: str, *, unflushed: int, frozen_count: int, active: int, index: int
     ) -> None:
-        self.wal_unflushed.labels(shard).set(unflushed)
-        self.wal_sealed.labels(shard).set(frozen_count)
-        self.memtable_bytes.labels(shard).set(active)
-        self.memtable_index_bytes.labels(shard).set(index)
+        self._set_shard(self.wal_unflushed, shard, unflushed)
+        self._set_shard(self.wal_sealed, shard, frozen_count)
+        self._set_shard(self.memtable_bytes, shard, active)
+        self._set_shard(self.memtable_index_bytes, shard, index)
 
     def backpressure(
         self, *, waits: int, wait_seconds: float, active: int, rejections: int

@@ -105,7 +105,9 @@ class SinkService:
         derived_columns: bool = False,
     ) -> None:
         self.settings = settings
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics(
+            partition_metrics=settings.observability.partition_metrics
+        )
         self.engine = engine or Engine.from_settings(settings, events=self.metrics)
         obs, query = settings.observability, settings.query
         schema_check: SchemaCheckMode = (

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from sink.lag import PartitionOffsets
 from sink.metrics import Metrics
 
 EXPECTED = {
@@ -167,3 +170,98 @@ def test_unindexed_cache_gauge_and_fallback_total_follow_the_reader() -> None:
     fallbacks = "lance_sink_query_unindexed_fallbacks_total"
     assert registry.get_sample_value(fallbacks, {"kind": "vector"}) == 5
     assert registry.get_sample_value(fallbacks, {"kind": "text"}) == 2
+
+
+def feed(metrics: Metrics, topic: str, partitions: int) -> None:
+    """Every partition-labelled and shard-labelled metric of `partitions` partitions."""
+    for p in range(partitions):
+        shard = f"{topic}-{p}-shard"
+        metrics.shard_origin(shard, topic, p)
+        metrics.partition_offsets(topic, p, PartitionOffsets(100 + p, 90, 80, 70, 60, None))
+        metrics.partition_paused(topic, p, p % 2 == 0)
+        metrics.partition_poisoned(topic, p, False)
+        metrics.partition_stopped(topic, p)
+        metrics.offsets_skipped(topic, p, 1)
+        metrics.shard_open_failed(topic, p)
+        metrics.registry_paused(topic, p, True)
+        metrics.ingested(topic, p, 10, 1000)
+        metrics.dlq_waiting(topic, p, float(p))
+        metrics.wal_appended(shard, 0.01, 100, 10)
+        metrics.flushed(shard, 0.5, 10)
+        metrics.flush_failed(shard, OSError())
+        metrics.replayed(shard, 0.1 * p, 5, 50)
+        metrics.shard_memory(shard, unflushed=10, frozen_count=1, active=5, index=2)
+
+
+def series_count(metrics: Metrics) -> int:
+    text = metrics.exposition().decode()
+    return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+
+
+def test_by_topic_the_series_do_not_grow_with_the_partitions() -> None:
+    """`observability.partition_metrics = "topic"`: 8 or 512 partitions of a topic give the
+    same series; per partition (the default) they grow with the partitions."""
+    counts = {}
+    for mode in ("partition", "topic"):
+        for partitions in (8, 512):
+            metrics = Metrics(partition_metrics=mode)  # type: ignore[arg-type]
+            feed(metrics, "wide", partitions)
+            counts[(mode, partitions)] = series_count(metrics)
+    assert counts[("topic", 8)] == counts[("topic", 512)]
+    assert counts[("partition", 512)] > 30 * counts[("partition", 8)]
+
+
+def test_by_topic_gauges_are_the_sums_of_the_partition_series_and_ages_the_largest() -> None:
+    """Each topic series equals `sum by (topic)` of the per-partition series (`max` for the
+    ages), counters and histograms count the topic's events, names and help unchanged."""
+    per_partition, by_topic = Metrics(), Metrics(partition_metrics="topic")
+    for metrics in (per_partition, by_topic):
+        feed(metrics, "a", 6)
+        feed(metrics, "b", 3)
+    assert {m.name: m.documentation for m in by_topic.registry.collect()} == EXPECTED
+    largest = {
+        "lance_sink_lag_seconds",
+        "lance_sink_dlq_held_seconds",
+        "lance_sink_replay_seconds",
+    }
+    expected: dict[tuple[str, str], float] = {}
+    shard_topic = {f"{t}-{p}-shard": t for t in ("a", "b") for p in range(6)}
+    for metric in per_partition.registry.collect():
+        for sample in metric.samples:
+            labels = dict(sample.labels)
+            topic = labels.pop("topic", None) or shard_topic.get(labels.pop("shard", ""))
+            labels.pop("partition", None)
+            if topic is None:
+                continue
+            key = (sample.name + str(sorted(labels.items())), topic)
+            if metric.name in largest:
+                expected[key] = max(expected.get(key, 0.0), sample.value)
+            else:
+                expected[key] = expected.get(key, 0.0) + sample.value
+    found: dict[tuple[str, str], float] = {}
+    for metric in by_topic.registry.collect():
+        for sample in metric.samples:
+            labels = dict(sample.labels)
+            assert "partition" not in labels, sample
+            assert "shard" not in labels, sample
+            topic = labels.pop("topic", None)
+            if topic is not None:
+                found[(sample.name + str(sorted(labels.items())), topic)] = sample.value
+    assert found == pytest.approx(expected)
+    assert by_topic.registry.get_sample_value(
+        "lance_sink_commit_lag_messages", {"topic": "a"}
+    ) == sum(100 + p - 70 for p in range(6))
+    assert by_topic.registry.get_sample_value("lance_sink_partition_paused", {"topic": "a"}) == 3
+
+
+def test_by_topic_a_revoked_partition_leaves_the_sums_and_the_last_one_the_series() -> None:
+    metrics = Metrics(partition_metrics="topic")
+    feed(metrics, "a", 2)
+    get = metrics.registry.get_sample_value
+    metrics.forget_partition("a", 0, "a-0-shard")
+    assert get("lance_sink_log_end_offset", {"topic": "a"}) == 101
+    assert get("lance_sink_wal_unflushed_bytes", {"topic": "a"}) == 10
+    metrics.forget_partition("a", 1, "a-1-shard")
+    assert get("lance_sink_log_end_offset", {"topic": "a"}) is None
+    assert get("lance_sink_wal_unflushed_bytes", {"topic": "a"}) is None
+    assert get("lance_sink_rows_ingested_total", {"topic": "a"}) == 20  # counters stay
