@@ -1,7 +1,7 @@
 """Cost by partition count: one `lance-sink run` process reading one topic of P partitions.
 
     python -m bench.scale [--partitions 8,64,256,1024] [--messages N] [--idle-s S]
-                          [--compare ROOT] [--out FILE]
+                          [--compare ROOT] [--by-topic] [--out FILE]
 
 One tansu broker (memory storage) for the whole run. For each partition count P, a topic of
 P partitions gets N small vector messages (16-dim JSON vectors, ~200 B), spread evenly;
@@ -13,12 +13,15 @@ consumes them from a fresh group. Measured on the sink process (not its children
   of P shards);
 - then, with nothing to consume, after `--settle-s`: the threads (`/proc/PID/status`), the
   CPU it uses over `--idle-s` seconds (% of one core, utime + stime of `/proc/PID/stat`),
-  its RSS, and the number of series `/metrics` exposes.
+  its RSS, the number of series `/metrics` exposes, and how long two scrapes in a row take
+  (the first sets every partition's gauges, the second only changed ones).
 
 With `--compare ROOT` (another checkout, e.g. a worktree of main), every partition count
 runs there too, right before this checkout's, so the two columns of each row share the
-machine's state. Targets (issue #39): at 1,024 partitions idle CPU <= 5% of a core and
-<= 100 threads; catch-up rate at 256 partitions >= 0.8x the rate at 8.
+machine's state. With `--by-topic`, this checkout runs once more per partition count with
+`observability.partition_metrics = "topic"` (row `topic`). Targets (issue #39): at 1,024
+partitions idle CPU <= 5% of a core and <= 100 threads; catch-up rate at 256 partitions
+>= 0.8x the rate at 8.
 """
 
 from __future__ import annotations
@@ -108,7 +111,9 @@ class Committed:
         self._consumer.close()
 
 
-def write_config(path: Path, bootstrap: str, topic: str, group: str, uri: str) -> int:
+def write_config(
+    path: Path, bootstrap: str, topic: str, group: str, uri: str, by_topic: bool = False
+) -> int:
     port = free_port()
     lines = [
         "[kafka]",
@@ -127,6 +132,7 @@ def write_config(path: Path, bootstrap: str, topic: str, group: str, uri: str) -
         f"metrics_port = {port}",
         'log_format = "json"',
         'log_level = "warning"',
+        *(['partition_metrics = "topic"'] if by_topic else []),
         "[table]",
         f'uri = "{uri}"',
         (
@@ -162,7 +168,12 @@ def series(text: str) -> int:
 
 
 def one_run(
-    root: Path, bootstrap: str, partitions: int, messages: int, args: argparse.Namespace
+    root: Path,
+    bootstrap: str,
+    partitions: int,
+    messages: int,
+    args: argparse.Namespace,
+    by_topic: bool = False,
 ) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix=f"lance-sink-scale-{partitions}-"))
     topic = f"scale-{partitions}-{uuid.uuid4().hex[:6]}"
@@ -170,7 +181,7 @@ def one_run(
     create_topic(bootstrap, topic, partitions)
     produce(bootstrap, topic, partitions, payloads(messages))
     config = workdir / "sink.toml"
-    port = write_config(config, bootstrap, topic, group, str(workdir / "t.lance"))
+    port = write_config(config, bootstrap, topic, group, str(workdir / "t.lance"), by_topic)
     log = (workdir / "sink.log").open("wb")
     started = time.monotonic()
     proc = subprocess.Popen(
@@ -205,13 +216,18 @@ def one_run(
         seconds = time.monotonic() - t0
         idle_cpu = (cpu1 - cpu0) / seconds * 100
         split = cpu_split(split0, thread_cpu(proc.pid), seconds)
+        t1 = time.monotonic()
         metrics = series(scrape_slowly(port))
+        t2 = time.monotonic()
+        scrape_slowly(port)
+        t3 = time.monotonic()
         return {
             "partitions": partitions,
             "threads": threads,
             "idle_cpu_pct": idle_cpu,
             "rss_mib": rss / (1 << 20),
             "series": metrics,
+            "scrape_s": (t2 - t1, t3 - t2),
             "to_first_row_s": first - started,
             "catchup_s": done - first,
             "rate": messages / (done - first),
@@ -230,7 +246,8 @@ def one_run(
 def fmt(r: dict[str, Any]) -> str:
     return (
         f"{r['threads']:>7} {r['idle_cpu_pct']:>8.1f} {r['rss_mib']:>7.0f} {r['series']:>7} "
-        f"{r['to_first_row_s']:>7.1f} {r['rate']:>9,.0f}"
+        f"{r['to_first_row_s']:>7.1f} {r['rate']:>9,.0f} "
+        f"{r['scrape_s'][0]:>8.2f} {r['scrape_s'][1]:>8.2f}"
     )
 
 
@@ -242,11 +259,16 @@ def main() -> None:
     parser.add_argument("--idle-s", type=float, default=10.0)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--compare", type=Path, default=None, help="another checkout (base)")
+    parser.add_argument(
+        "--by-topic", action="store_true", help='this checkout again, partition_metrics "topic"'
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     counts = [int(p) for p in args.partitions.split(",")]
-    roots = [("base", args.compare)] if args.compare else []
-    roots.append(("this", ROOT))
+    roots: list[tuple[str, Path, bool]] = [("base", args.compare, False)] if args.compare else []
+    roots.append(("this", ROOT, False))
+    if args.by_topic:
+        roots.append(("topic", ROOT, True))
     lines: list[str] = []
 
     def report(line: str) -> None:
@@ -260,21 +282,26 @@ def main() -> None:
     )
     header = (
         f"{'checkout':>8} {'parts':>6} {'threads':>7} {'idle%':>8} {'RSS MiB':>7} "
-        f"{'series':>7} {'start s':>7} {'msg/s':>9}"
+        f"{'series':>7} {'start s':>7} {'msg/s':>9} {'scrape1':>8} {'scrape2':>8}"
     )
     report(header)
     broker, bootstrap = tansu()
-    results: dict[str, dict[int, dict[str, Any]]] = {name: {} for name, _ in roots}
+    results: dict[str, dict[int, dict[str, Any]]] = {name: {} for name, _, _ in roots}
+    splits: list[str] = []
     try:
         for partitions in counts:
-            for name, root in roots:
-                r = one_run(root, bootstrap, partitions, args.messages, args)
+            for name, root, by_topic in roots:
+                r = one_run(root, bootstrap, partitions, args.messages, args, by_topic)
                 results[name][partitions] = r
                 report(f"{name:>8} {partitions:>6} {fmt(r)}")
                 print(f"         idle CPU by thread: {r['idle_split']}", flush=True)
+                splits.append(f"{name:>8} {partitions:>6}: {r['idle_split']}")
     finally:
         broker.terminate()
         broker.wait(30)
+    report("idle CPU by thread group (cores):")
+    for line in splits:
+        report(f"    {line}")
     for name, by_count in results.items():
         if 8 in by_count and 256 in by_count:
             ratio = by_count[256]["rate"] / by_count[8]["rate"]
