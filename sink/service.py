@@ -74,20 +74,13 @@ from sink.topic_shards import TopicShards
 log = structlog.get_logger("lance_sink.sink")
 
 METRICS_INTERVAL_S: Final = 1.0  # how often gauges are refreshed: matches a typical scrape
-# The consume() wait while the loop is quiet (no message consumed in the last iteration,
-# every partition ACTIVE and settled): nothing durable waits for a commit then, so
-# `kafka.consume_timeout_ms` (5 ms) only made an idle loop tick 200 times a second over
-# every partition (a fifth of a core at 1,024 partitions, measured), and 25 ms still 40
-# times (7% of a core at 1,024, py-spy). A quiet loop asks for one message
-# (`QUIET_CONSUME_SIZE`), and consume() returns as soon as that one is there, so the wait
-# costs no message any freshness (nor a commit: a loop owing one is not quiet); what it
-# delays is work that starts in a tick after a rebalance callback served inside it (the
-# shard opens): at most this much, against the seconds a rebalance takes. 10 ticks a
-# second idle.
-QUIET_CONSUME_TIMEOUT_S: Final = 0.1
-# How many messages a quiet loop's consume() waits for: the first returns it (consume()
-# returns when it holds this many, or on its timeout), and the loop is busy again.
-QUIET_CONSUME_SIZE: Final = 1
+# The longest consume() wait while the loop is quiet (no message consumed in the last
+# iteration, every partition ACTIVE and settled): nothing durable waits for a commit then,
+# so `kafka.consume_timeout_ms` (5 ms) only made an idle loop tick 200 times a second over
+# every partition (a fifth of a core at 1,024 partitions, measured). Costs the first
+# message after a quiet spell at most this much (consume() returns a full batch or on its
+# timeout); rebalance and commit callbacks are served inside the wait all the same.
+QUIET_CONSUME_TIMEOUT_S: Final = 0.025
 # What the drain keeps for the steps after the partitions and the maintenance child
 # (closing the reader, the engine and the servers): the maintenance child may use the
 # drain deadline less this (see `drain`).
@@ -344,10 +337,8 @@ class SinkService:
                 started = time.monotonic()
                 messages = []
                 if not pipeline.decoders_behind():
-                    if self._quiet:
-                        messages = self.consumer.consume(QUIET_CONSUME_SIZE, quiet_timeout)
-                    else:
-                        messages = self.consumer.consume(pipeline.consume_size, timeout)
+                    wait = quiet_timeout if self._quiet else timeout
+                    messages = self.consumer.consume(pipeline.consume_size, wait)
                     if not messages:
                         started = time.monotonic()  # waiting for messages is not ingesting
                 else:
