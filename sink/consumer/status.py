@@ -31,7 +31,6 @@ from engine.engine import Engine
 from engine.maintenance import Maintenance, MaintenanceProcess
 from engine.reader import Reader
 from engine.shard import ShardWriter
-from engine.shard_stats import ShardStats
 from sink.base_status import BaseTableStatus
 from sink.consumer.broker_stats import BrokerStats
 from sink.consumer.partition import PartitionCounts, PartitionState, PartitionTable, Phase
@@ -199,15 +198,27 @@ class StatusBoard:
             self._consumer_closed = True
 
     def refresh_metrics(self) -> None:
-        """Refresh the process-wide gauges and the views (the loop, once a second). The
-        gauges of each partition and its shard are set at each scrape instead
-        (`exposition`): setting them here cost the idle loop a pass over every partition's
-        writer statistics a second (5% of a core at 1,024 partitions, measured; issue #39)
-        for gauges nobody reads between scrapes."""
+        """Refresh every gauge (the loop, once a second)."""
         self.publish()
         # End offsets of the partitions the consumer does not fetch come from the probe.
         self.paused_ends.track(v.key for v in self.views if not v.fetched)
+        self.refresh_offsets()
         self._ingest_window.append((time.monotonic(), self.metrics.rows_total))
+        for view in self.views:
+            letters = view.letters
+            self.metrics.dlq_waiting(
+                view.topic, view.partition, letters.waiting_s() if letters else 0.0
+            )
+            if view.writer is None:
+                continue
+            stats = view.writer.stats()
+            self.metrics.shard_memory(
+                stats.shard,
+                unflushed=stats.bytes + stats.frozen_bytes,
+                frozen_count=stats.frozen_count,
+                active=stats.bytes,
+                index=stats.index_bytes,
+            )
         bp = self.engine.controller.stats.snapshot()
         self.metrics.backpressure(
             waits=bp.waits_total,
@@ -230,9 +241,7 @@ class StatusBoard:
 
     # ------------------------------------------------------------------ any thread
 
-    def partition_offsets(
-        self, view: PartitionView, stats: ShardStats | None = None
-    ) -> PartitionOffsets:
+    def partition_offsets(self, view: PartitionView) -> PartitionOffsets:
         """One consistent snapshot of a partition's offsets (any thread; see `sink.lag`):
         read from the slowest-moving to the fastest, the end offset last and from the
         newest fetch response, so no lag clamps to 0 on an end offset older than what is
@@ -248,13 +257,12 @@ class StatusBoard:
         The loop's three offsets (`position`, `committed`, `done`) are read from the
         partition's state as it is now, not from the view: each is one int the loop assigns
         whole, and a view can be a consume wait old, which would overstate the lags by
-        what was committed since (everything else the loop owns comes from the view).
-        `stats`: the view's writer's statistics if the caller just read them."""
+        what was committed since (everything else the loop owns comes from the view)."""
         key, live = view.key, view.source
         position = live.position
         committed = max(live.committed, 0)
         if view.writer is not None:
-            stats = stats if stats is not None else view.writer.stats()
+            stats = view.writer.stats()
             writer_durable = stats.durable_offsets.get(key, -1) + 1
             writer_flushed = stats.flushed_offsets.get(key, -1) + 1
         else:
@@ -276,9 +284,9 @@ class StatusBoard:
         )
 
     def refresh_offsets(self) -> None:
-        """Set every partition's gauges (offsets and lags from one snapshot each, paused,
-        writer poisoned, dead letters held) and its shard's memory gauges (each scrape,
-        just before the exposition)."""
+        """Set every partition's offset, lag, paused and writer-poisoned gauges, the
+        offsets from one snapshot each (the loop once a second, and each scrape just
+        before the exposition)."""
         with self._offsets_lock:
             self._set_offsets()
 
@@ -286,32 +294,18 @@ class StatusBoard:
         """Set the gauges of every partition whose snapshot changed since they were set
         (setting ~14 labelled gauges per partition was a tenth of a core idle at 1,024
         partitions, measured); a partition with a message pending is set every time (its
-        lag in seconds grows with the clock), one with dead letters waiting too."""
+        lag in seconds grows with the clock)."""
         last, sets = self._offsets_set, {}
         for view in self.views:
             key = view.key
             if self.partitions.get(key) is not view.source:  # released meanwhile
                 self.metrics.forget_partition(*key)
                 continue
-            stats = view.writer.stats() if view.writer is not None else None
-            offsets = self.partition_offsets(view, stats)
-            memory = (
-                None
-                if stats is None
-                else (
-                    stats.shard,
-                    stats.bytes,
-                    stats.frozen_bytes,
-                    stats.frozen_count,
-                    stats.index_bytes,
-                )
-            )
-            letters = view.letters
-            value = (offsets, view.paused, view.writer_unusable, memory, letters)
+            offsets = self.partition_offsets(view)
+            value = (offsets, view.paused, view.writer_unusable)
             sets[key] = (view.source, value)
             if (
                 offsets.oldest_pending_timestamp_ms is None
-                and letters is None
                 and last.get(key) is not None
                 and last[key][0] is view.source
                 and last[key][1] == value
@@ -320,15 +314,6 @@ class StatusBoard:
             self.metrics.partition_offsets(*key, offsets)
             self.metrics.partition_paused(*key, view.paused)
             self.metrics.partition_poisoned(*key, view.writer_unusable)
-            self.metrics.dlq_waiting(*key, letters.waiting_s() if letters else 0.0)
-            if stats is not None:
-                self.metrics.shard_memory(
-                    stats.shard,
-                    unflushed=stats.bytes + stats.frozen_bytes,
-                    frozen_count=stats.frozen_count,
-                    active=stats.bytes,
-                    index=stats.index_bytes,
-                )
         self._offsets_set = sets
 
     def exposition(self) -> bytes:
