@@ -600,23 +600,9 @@ class Metrics:
             return
         labels = (topic, str(partition))
         for g in (
-            self.log_end_offset,
-            self.consumed_offset,
-            self.durable_offset,
-            self.committed_offset,
-            self.flushed_offset,
-            self.consumer_lag,
-            self.durable_lag,
-            self.commit_lag,
-            self.flush_lag,
-            self.lag_seconds,
-            self.paused,
-            self.writer_poisoned,
-            self.stopped,
+            *self._partition_gauges(),
             self.skipped_offsets,
             self.shard_open_failures,
-            self.dlq_held,
-            self.waiting_for_registry,
             self.registry_failures,
             self.rows_ingested,
             self.bytes_ingested,
@@ -625,16 +611,12 @@ class Metrics:
                 g.remove(*labels)
         if shard is not None:
             for m in (
-                self.wal_unflushed,
-                self.wal_sealed,
-                self.memtable_bytes,
-                self.memtable_index_bytes,
+                *self._shard_gauges(),
                 self.wal_append_seconds,
                 self.wal_append_bytes,
                 self.flush_seconds,
                 self.flush_rows,
                 self.flush_failures,
-                self.replay_seconds,
                 self.replay_rows,
             ):
                 with contextlib.suppress(KeyError):
