@@ -832,7 +832,9 @@ def logical_value(schema_name: str, params: dict[str, Any], raw: Any, type_name:
             return (dt.date(1970, 1, 1) + dt.timedelta(days=raw)).isoformat()
         except OverflowError:
             return raw
-    per_ms = _PER_MS[schema_name]
+    per_ms = _PER_MS.get(schema_name)
+    if per_ms is None:
+        return raw  # a ZonedTimestamp that is not text: the column says what is wrong
     if type_name == "timestamp":
         return raw // per_ms
     try:

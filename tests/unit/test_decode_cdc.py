@@ -415,6 +415,30 @@ def test_decimal_handling_modes_and_variable_scale() -> None:
     assert logical_value("io.debezium.time.Date", {}, True, "timestamp") is True
 
 
+def test_a_zoned_timestamp_that_is_not_text_is_left_to_its_column() -> None:
+    """An integer where ZonedTimestamp holds ISO text (found by fuzzing the converters):
+    the general path raised KeyError, so the event became a decode_error dead letter
+    asking for a report; now the value goes to its column as any other integer."""
+    zoned = [
+        f if f[0] != "updated" else ("updated", "string", "io.debezium.time.ZonedTimestamp", None)
+        for f in dbz.PRODUCT_FIELDS
+    ]
+    schema = dbz.envelope_schema(zoned)
+    messages = [
+        Msg(dbz.value(event("c", None, row(1, updated=5)), schema), 0),
+        Msg(dbz.value(event("c", None, row(2, updated="2024-03-01T12:00:00Z")), schema), 1),
+    ]
+    out, rows = cdc(messages)
+    assert out.dead_letters == []
+    assert [r["updated"] for r in rows] == [
+        dt.datetime(1970, 1, 1, 0, 0, 0, 5000, tzinfo=UTC),
+        dt.datetime(2024, 3, 1, 12, tzinfo=UTC),
+    ]
+    out, rows = cdc(messages, columns=[*PRODUCTS[:4], {"name": "updated", "type": "string"}])
+    assert [d.reason for d in out.dead_letters] == ["wrong_type"]
+    assert [r["id"] for r in rows] == [2]
+
+
 def test_a_date_beyond_the_timestamp_range_is_wrong_type() -> None:
     fields = [("id", "int32", None, None), ("v", "int32", "io.debezium.time.Date", None)]
     value = dbz.value(
