@@ -415,6 +415,26 @@ def test_decimal_handling_modes_and_variable_scale() -> None:
     assert logical_value("io.debezium.time.Date", {}, True, "timestamp") is True
 
 
+def test_events_of_two_schema_blocks_interleaved_read_each_by_its_own() -> None:
+    """The block of the event before is reused only when the next event carries it: a
+    batch alternating two table versions (added a Date, then a plain int32) reads each
+    event by its own block."""
+    as_int = [f if f[0] != "added" else ("added", "int32", None, None) for f in dbz.PRODUCT_FIELDS]
+    blocks = [SCHEMA, dbz.envelope_schema(as_int)]
+    messages = [
+        Msg(dbz.value(event("c", None, row(i, added=18_000 + i)), blocks[i % 2]), i)
+        for i in range(6)
+    ]
+    out, rows = cdc(messages)
+    assert out.dead_letters == []
+    epoch = dt.datetime(1970, 1, 1, tzinfo=UTC)
+    assert [r["added"] for r in rows] == [
+        epoch
+        + (dt.timedelta(days=18_000 + i) if i % 2 == 0 else dt.timedelta(milliseconds=18_000 + i))
+        for i in range(6)
+    ]
+
+
 def test_a_zoned_timestamp_that_is_not_text_is_left_to_its_column() -> None:
     """An integer where ZonedTimestamp holds ISO text (found by fuzzing the converters):
     the general path raised KeyError, so the event became a decode_error dead letter

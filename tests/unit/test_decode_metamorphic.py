@@ -17,7 +17,9 @@ Bounded in ``make test``; ``make fuzz`` runs it long (``LANCE_SINK_FUZZ_EXAMPLES
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
+import decimal
 import itertools
 import json
 import os
@@ -41,9 +43,11 @@ from hypothesis import strategies as st
 from config.loader import load_settings
 from config.settings import SchemaRegistrySettings, SourceSettings, TableSettings
 from engine.schema import TableSpec
+from sink.cdc import LOGICAL, logical_converter, logical_value
 from sink.decode import Decoded, Decoder
 from sink.decode_process import ProcessDecoder
 from sink.demo import Embedder, review
+from sink.formats.records import convert
 from sink.formats.registry import build_client
 from tests.support import debezium as dbz
 from tests.support.registry import FakeRegistry
@@ -958,3 +962,51 @@ def test_debezium_change_events_in_protobuf(
     values = [v for v, _ in pairs]
     keys = [k for _, k in pairs]
     check_fates([decoder.decode], values, [*REGISTRY_BAD, *CDC_BAD], cuts, bad_at, keys)
+
+
+# -- the logical converters' shortcuts (sink.cdc.logical_converter) ----------------
+
+_LOGICAL_RAW = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False),
+    st.binary(max_size=12).map(lambda b: base64.b64encode(b).decode()),
+    st.text(max_size=8),
+    st.dictionaries(st.sampled_from(["scale", "value"]), st.integers(-3, 30), max_size=2),
+)
+
+
+@fuzz_settings(300)
+@given(
+    schema_name=st.sampled_from(sorted(LOGICAL)),
+    scale=st.one_of(st.integers(-3, 30).map(str), st.integers(-3, 30), st.just("x")),
+    type_name=st.sampled_from(["timestamp", "float64", "float32", "string", "int64"]),
+    raw=_LOGICAL_RAW,
+)
+def test_a_logical_converter_gives_what_the_general_path_gives(
+    schema_name: str, scale: Any, type_name: str, raw: Any
+) -> None:
+    """`logical_converter`'s shortcuts (dates and times into timestamps, short Decimals
+    into float64) end in the column's value or fault the general `logical_value` ends in."""
+    params = {"scale": scale}
+    fast = logical_converter(schema_name, params, type_name)(raw)
+    slow = logical_value(schema_name, params, raw, type_name)
+    assert convert(fast, type_name) == convert(slow, type_name)
+
+
+@pytest.mark.parametrize("scale", [0, 2, 10, 22])
+@fuzz_settings(100)
+@given(unscaled=st.integers(-(2**53) + 1, 2**53 - 1))
+def test_a_short_decimal_is_the_double_nearest_it(scale: int, unscaled: int) -> None:
+    raw = base64.b64encode(
+        unscaled.to_bytes(
+            max(1, (unscaled + (unscaled < 0)).bit_length() // 8 + 1), "big", signed=True
+        )
+    ).decode()
+    got = logical_converter(
+        "org.apache.kafka.connect.data.Decimal", {"scale": str(scale)}, "float64"
+    )(raw)
+    assert type(got) is float
+    assert got == float(decimal.Decimal(f"{unscaled}e{-scale}"))
