@@ -175,6 +175,17 @@ class ShardFlush:
         self.flushed_offsets = {_unkey(k): v for k, v in manifest.flushed_offsets.items()}
         return manifest
 
+    def release(self) -> None:
+        """Record in the manifest that the shard's rows are all in the Lance table and no
+        process serves it (`ShardManifest.released`), as the last act of a clean close.
+        Best effort: a newer claim (fenced) or a failed write leaves the manifest as it
+        was, which only makes other pods' answers name the shard as missing."""
+        with self._manifest_lock:
+            try:
+                self.manifest = self.manifests.advance(self.manifest, owner_url="", released=True)
+            except Exception as exc:  # noqa: BLE001 - see above
+                self.log.info("shard_release_not_recorded", error=str(exc))
+
     def superseded(self) -> bool:
         """True if a newer writer claimed the shard (probes the manifest: storage I/O)."""
         with self._manifest_lock:

@@ -58,6 +58,9 @@ class ShardManifest:
         origin: the table, topic and partition of the shard, as the claiming writer knew
             them; None in versions written by earlier builds (or by a writer opened without
             one, as some tests do).
+        released: written by a writer that closed with every row it held in the Lance
+            table (a clean drain): no memtable holds fresh rows of the shard until the
+            next claim, so fan-out asks nobody for it (and `owner_url` is empty).
     """
 
     version: int = 0
@@ -68,6 +71,7 @@ class ShardManifest:
     generation: int = 1
     owner_url: str = ""
     origin: ShardOrigin | None = None
+    released: bool = False
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -84,6 +88,7 @@ class ShardManifest:
             generation=int(raw["generation"]),
             owner_url=str(raw.get("owner_url", "")),  # absent before fan-out reads
             origin=_decode_origin(raw.get("origin")),  # absent before 2026-12
+            released=bool(raw.get("released", False)),  # absent before 2026-12-05
         )
 
 
@@ -144,6 +149,7 @@ class ManifestStore:
                 epoch=current.epoch + 1,
                 owner_url=owner_url,
                 origin=origin or current.origin,
+                released=False,
             )
             try:
                 self.storage.put_if_absent(self.key(claimed.version), claimed.encode())

@@ -595,6 +595,15 @@ class ShardWriter:
                 self._flush.wait_trimmed(timeout)
             except TimeoutError:
                 self.log.warning("close_wal_trim_still_running")
+            with self._lock:
+                drained = (
+                    self._poison is None
+                    and not self._pending
+                    and not self._memtables.frozen
+                    and not self._memtables.active.rows
+                )
+            if drained:  # every row in the Lance table: other pods ask nobody for it
+                self._flush.release()
         self.controller.unregister(self.memory)
         self.memory.closed = True
         self.memory.notify()

@@ -52,6 +52,9 @@ class Owner:
     #: manifest records as its origin (empty for a writer of an earlier build that never
     #: flushed).
     partitions: tuple[str, ...] = ()
+    #: The writer closed with every row in the Lance table (`ShardManifest.released`):
+    #: no process holds fresh rows of the shard until the next claim.
+    released: bool = False
 
 
 class ShardOwners:
@@ -143,4 +146,10 @@ def owner_of(shard: str, manifest: ShardManifest) -> Owner:
     partitions = set(manifest.flushed_offsets)
     if manifest.origin is not None:
         partitions.add(f"{manifest.origin.topic}:{manifest.origin.partition}")
-    return Owner(shard, manifest.owner_url, manifest.epoch, tuple(sorted(partitions)))
+    return Owner(
+        shard,
+        manifest.owner_url,
+        manifest.epoch,
+        tuple(sorted(partitions)),
+        released=manifest.released,
+    )

@@ -181,8 +181,9 @@ class Fanout:
 
     def tier(self, local: set[str], base_version: int, spec: TableSpec) -> RemoteTier | None:
         """The remote tier of a snapshot: every listed shard this process does not read
-        itself (`local`: the shards whose view it took), grouped by owner URL; None when
-        there is none (local mode: no network hop). Missing, not asked: a shard listed for
+        itself (`local`: the shards whose view it took) and no clean close released,
+        grouped by owner URL; None when there is none (local mode: no network hop).
+        Missing, not asked: a shard listed for
         this process's own URL that it does not read (released in a rebalance, or fenced),
         and a shard of the expected ones (all, while they are unknown) whose writer
         advertised no URL: its fresh rows are in no answer, so the answer says so."""
@@ -194,7 +195,7 @@ class Fanout:
             need = None if expected is None else [s for s in expected if s not in local]
         wanted = None if need is None or self.expected is None else set(need)
         for shard, owner in self.owners.current(need).items():
-            if shard in local:
+            if shard in local or owner.released:  # (released: every row is in the base)
                 continue
             if not owner.url:
                 if wanted is None or shard in wanted:

@@ -1,6 +1,7 @@
 """`lance-sink serve`: a query-only process next to a writer. It consumes nothing and holds
 no shard, yet answers with every committed row: the base's, and the fresh rows of the
-writer's memtables by fan-out (the writer's URL derived from a plain config)."""
+writer's memtables by fan-out (the writer's URL derived from a plain config); once the
+writer drained and stopped, from the base alone, complete."""
 
 from __future__ import annotations
 
@@ -86,8 +87,18 @@ def test_a_query_only_process_answers_with_every_committed_row(
         # It consumed nothing and claimed no shard: the writer holds every partition.
         assert not [e for e in serve.events() if e.get("event") == "partition_assigned"]
         assert set(owners([writer]).values()) == {0}
+
+        # The writer drains and stops: every row is in the base, and its shards say so
+        # (released), so answers stay complete without it (they named its shards missing).
+        writer_code = writer.stop()
+        deadline = time.monotonic() + 30
+        while "partial" in (got := post(urls[1], "/v1/search", {"filter": "n >= 0", "k": 1000})):
+            assert time.monotonic() < deadline, got["missing"]
+            time.sleep(0.3)
+        assert sorted(r["id"] for r in got["rows"]) == everything
     finally:
         codes = [serve.stop(), writer.stop()]
+    assert writer_code == 0, writer.log_path.read_text()[-3000:]
     assert codes == [0, 0], serve.log_path.read_text()[-3000:]
     assert [e["event"] for e in serve.events() if e["event"].startswith("serve_")] == [
         "serve_started",

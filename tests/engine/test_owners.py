@@ -16,6 +16,8 @@ from engine.reads import owners as owners_module
 from engine.reads.owners import Owner, ShardOwners
 from engine.storage import Storage
 from tests.engine.conftest import MakeHarness
+from tests.support.engine import make_batch, source
+from tests.support.fanout import coordinator_fanout
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -142,3 +144,36 @@ def test_queries_waiting_for_the_owners_share_a_read_that_began_after_them(
     assert all(r == {} for r in results)
     # The first query's read, then at most one more for those that asked while it ran.
     assert len(reads) <= 2, reads
+
+
+def test_a_clean_close_releases_the_shard_and_fan_out_asks_nobody_for_it(
+    any_harness: MakeHarness,
+) -> None:
+    """A writer that closed with every row in the Lance table records it (the manifest's
+    `released`): other pods then answer complete without it (before, its old URL stayed
+    listed and every answer named the shard missing until a new claim). A close that
+    leaves rows to the next owner's replay (a revoke: no flush) releases nothing."""
+    h = any_harness()
+    pod = dataclasses.replace(h.config, advertised_url="http://10.0.0.1:8080")
+    drained = h.open(shard="t-0-x", config=pod)
+    revoked = h.open(shard="t-1-x", config=pod)
+    for w in (drained, revoked):
+        w.put(make_batch(h.spec, 0, 5), source(0, 5)).result(10)
+    drained.close(flush=True, timeout=10)
+    revoked.close(flush=False, timeout=10)
+    listed = list_owners(h.storage)
+    assert (listed["t-0-x"].released, listed["t-0-x"].owner_url) == (True, "")
+    assert (listed["t-1-x"].released, listed["t-1-x"].owner_url) == (False, pod.advertised_url)
+    fanout = coordinator_fanout(h.storage, 200, expected=lambda: {"t-0-x", "t-1-x"})
+    try:
+        tier = fanout.tier(set(), h.table.latest_version(), h.spec)
+        assert tier is not None
+        assert set(tier.groups) == {pod.advertised_url}
+        assert set(tier.groups[pod.advertised_url]) == {"t-1-x"}
+        assert tier.missing == {}
+    finally:
+        fanout.close()
+    # The next owner's claim ends the release: it serves the shard's fresh rows again.
+    again = h.open(shard="t-0-x", config=pod)
+    assert list_owners(h.storage)["t-0-x"].released is False
+    again.close(flush=False, timeout=5)
