@@ -20,9 +20,12 @@ One loop iteration (`run`, `_tick`), top to bottom: consume a batch (or one mess
 the decoders are behind) and park it (`Pipeline.handle`); feed what was decoded, in offset
 order per partition; deliver dead letters; put held batches; install opened shards;
 act on refused fetch offsets; advance `done` over durable puts; switch the maintenance
-role; commit; once a second, notice failed writers and refresh the gauges. The loop never
-blocks on storage or on decoding, and `consume()` is called every
-`kafka.consume_timeout_ms` whatever the writers do, so commits follow durability closely.
+role; commit; once a second, notice failed writers and refresh the process-wide gauges
+(each scrape sets the partitions' own). The loop never blocks on storage or on decoding,
+and `consume()` is called every `kafka.consume_timeout_ms` whatever the writers do, so
+commits follow durability closely. A quiet loop (nothing waits but for new messages)
+waits for one message and ticks only when something happens or every
+`QUIET_TICK_INTERVAL_S` (`_wait_quietly`).
 The partitions' phases and their transitions are `sink.consumer.partition`'s.
 """
 
@@ -51,6 +54,7 @@ from sink.consumer.broker_stats import BrokerStats
 from sink.consumer.commits import Commits
 from sink.consumer.conf import consumer_conf
 from sink.consumer.flow import Flow
+from sink.consumer.lease import ConsumerLease
 from sink.consumer.lifecycle import Lifecycle
 from sink.consumer.out_of_range import OutOfRange
 from sink.consumer.partition import PartitionCounts, PartitionState, PartitionTable
@@ -73,14 +77,25 @@ from sink.topic_shards import TopicShards
 
 log = structlog.get_logger("lance_sink.sink")
 
-METRICS_INTERVAL_S: Final = 1.0  # how often gauges are refreshed: matches a typical scrape
-# The longest consume() wait while the loop is quiet (no message consumed in the last
-# iteration, every partition ACTIVE and settled): nothing durable waits for a commit then,
-# so `kafka.consume_timeout_ms` (5 ms) only made an idle loop tick 200 times a second over
-# every partition (a fifth of a core at 1,024 partitions, measured). Costs the first
-# message after a quiet spell at most this much (consume() returns a full batch or on its
-# timeout); rebalance and commit callbacks are served inside the wait all the same.
+# How often the loop notices failed writers and refreshes the process-wide gauges and the
+# status's ingest window (the per-partition gauges are set by each scrape).
+METRICS_INTERVAL_S: Final = 1.0
+# While the loop is quiet (no message consumed in the last iteration, every partition
+# ACTIVE and settled with its `done` committed, no fetch offset refused: nothing waits but
+# for new messages) it asks consume() for one message in waits of this length, and runs
+# a tick (a pass over every partition) only when one returns, a rebalance or error
+# callback ran inside it, a stop is asked for, or QUIET_TICK_INTERVAL_S passed. consume()
+# returns as soon as the one message is there, so no message waits for the quiet wait
+# (nor a commit: a loop owing one is not quiet). The wait is short because a /metrics
+# scrape waits for the consume() in progress before its pass over the consumer
+# (`sink.consumer.lease`): 25 ms at most; 40 bare consume() calls a second cost an idle
+# consumer well under 1% of a core at 1,024 partitions (measured), the ticks were what
+# cost (40 a second over every partition, a tenth of a core; issue #39).
 QUIET_CONSUME_TIMEOUT_S: Final = 0.025
+# How often a quiet loop ticks all the same: what comes due without a message or a
+# callback (a transaction's last marker to step over, `Commits.skip_records_without_data`;
+# the views' idle republish, `status.PUBLISH_IDLE_INTERVAL_S`) waits at most this much more.
+QUIET_TICK_INTERVAL_S: Final = 0.25
 # What the drain keeps for the steps after the partitions and the maintenance child
 # (closing the reader, the engine and the servers): the maintenance child may use the
 # drain deadline less this (see `drain`).
@@ -196,9 +211,12 @@ class SinkService:
         self._stop_at: float | None = None  # when the drain was asked for (monotonic)
         self._fatal: str | None = None
         self._last_metrics = 0.0
-        # Every partition ACTIVE and settled and no message consumed: consume() waits
-        # up to QUIET_CONSUME_TIMEOUT_S.
+        # Every partition ACTIVE and settled with `done` committed and no message consumed:
+        # the loop waits for one message, ticking every QUIET_TICK_INTERVAL_S (`_wait_quietly`).
         self._quiet = False
+        # A rebalance or error callback ran inside consume(): a quiet wait ends.
+        self._woken = False
+        self._ticked_at = 0.0  # monotonic time of the last tick
 
         # The consumer and the loop's parts (`sink.consumer`).
         self.broker = BrokerStats(self.partitions)
@@ -212,6 +230,9 @@ class SinkService:
             }
         )
         self.consumer = confluent_kafka.Consumer(conf)
+        # The loop's consume() calls and the status board's passes over the consumer take
+        # turns (`sink.consumer.lease`).
+        self.lease = ConsumerLease(self.consumer)
         self.flow = Flow(self.consumer, self.metrics)
         self.pipeline = Pipeline(
             settings,
@@ -250,6 +271,7 @@ class SinkService:
             self.partitions,
             engine=self.engine,
             consumer=self.consumer,
+            lease=self.lease,
             paused_ends=self._paused_ends,
             broker=self.broker,
             metrics=self.metrics,
@@ -337,8 +359,10 @@ class SinkService:
                 started = time.monotonic()
                 messages = []
                 if not pipeline.decoders_behind():
-                    wait = quiet_timeout if self._quiet else timeout
-                    messages = self.consumer.consume(pipeline.consume_size, wait)
+                    if self._quiet:
+                        messages = self._wait_quietly(quiet_timeout)
+                    else:
+                        messages = self.lease.consume(pipeline.consume_size, timeout)
                     if not messages:
                         started = time.monotonic()  # waiting for messages is not ingesting
                 else:
@@ -346,7 +370,7 @@ class SinkService:
                     # which still serves librdkafka's callbacks (commit results, rebalances)
                     # that only consume() delivers; stop taking any once parking is full.
                     if not pipeline.parking_full():
-                        messages = self.consumer.consume(1, 0)
+                        messages = self.lease.consume(1, 0)
                     pipeline.wait_decoded(timeout)
                 if messages:
                     pipeline.handle(messages, self._on_message_error)
@@ -368,6 +392,23 @@ class SinkService:
             gc.unfreeze()
         return code
 
+    def _wait_quietly(self, wait: float) -> list[Any]:
+        """A quiet loop's consume(): one message at a time in waits of `wait`, until one
+        comes, a rebalance or error callback ran, a stop is asked for, or the next tick is
+        due (`QUIET_TICK_INTERVAL_S` after the last)."""
+        due = self._ticked_at + QUIET_TICK_INTERVAL_S
+        self._woken = False
+        while True:
+            messages = self.lease.consume(1, wait)
+            if (
+                messages
+                or self._woken
+                or self._fatal is not None
+                or self._stop.is_set()
+                or time.monotonic() >= due
+            ):
+                return messages
+
     def _share_with_queries(self, busy_s: float) -> None:
         """While queries run here, pause so ingestion takes at most its share of the loop's
         time (`sink.query_share`); a stop request ends the pause."""
@@ -378,14 +419,14 @@ class SinkService:
 
     def _tick(self) -> None:
         """Everything a loop iteration does besides consuming."""
-        now = time.monotonic()
+        now = self._ticked_at = time.monotonic()
         self.pipeline.collect_decoded()
         if self.dlq is not None:
             self.dlq.poll()
         self.pipeline.service_held()
         self.lifecycle.service()
         self.out_of_range.service()
-        self._quiet = self.pipeline.advance()
+        self._quiet = self.pipeline.advance() and self.out_of_range.idle()
         self.maintenance_role.update(self.partitions)
         # After the tick's work, so a view shows what it did (a partition stopped, a put
         # advanced); a commit publishes too, before it is sent (`Commits.before_send`).
@@ -421,6 +462,7 @@ class SinkService:
 
     def _on_assign(self, _: confluent_kafka.Consumer, partitions: list[TopicPartition]) -> None:
         started = time.monotonic()
+        self._woken = True
         # Every rebalance may bring partitions added to a topic, which another pod may be
         # about to claim: list them for fan-out now (`sink.topic_shards`).
         self.topic_shards.refresh_soon()
@@ -430,12 +472,14 @@ class SinkService:
 
     def _on_revoke(self, _: confluent_kafka.Consumer, partitions: list[TopicPartition]) -> None:
         started = time.monotonic()
+        self._woken = True
         self.lifecycle.revoke(partitions, settle=self)
         self.board.publish()
         _rebalanced("revoke", partitions, started)
 
     def _on_lost(self, _: confluent_kafka.Consumer, partitions: list[TopicPartition]) -> None:
         started = time.monotonic()
+        self._woken = True
         self.lifecycle.lose(partitions)
         self.board.publish()
         _rebalanced("lost", partitions, started)
@@ -457,6 +501,7 @@ class SinkService:
 
     def _on_error(self, err: confluent_kafka.KafkaError) -> None:
         """librdkafka's error callback (called from consume/poll on this thread)."""
+        self._woken = True
         auth = err.code() in (
             confluent_kafka.KafkaError._AUTHENTICATION,
             confluent_kafka.KafkaError.SASL_AUTHENTICATION_FAILED,

@@ -10,5 +10,6 @@ calls the others only through what they publish:
 - `commits`: `done` offsets to the group, records without data skipped;
 - `out_of_range`: fetch offsets the broker refused;
 - `status`: the snapshots the loop publishes for metrics, readiness and status;
+- `lease`: the loop's consume() calls and the status's passes over the consumer take turns;
 - `broker_stats`: what librdkafka's statistics say; `conf`: the consumer's properties.
 """

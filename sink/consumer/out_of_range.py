@@ -89,6 +89,14 @@ class OutOfRange:
         lookup = self.pool.submit(log_range, self._admin, topic, partition)
         state.out_of_range = (offset, lookup)
 
+    def idle(self) -> bool:
+        """Whether no refused fetch offset waits for its look-up or its retry (a quiet
+        loop ticks only now and then: `sink.service.QUIET_TICK_INTERVAL_S`)."""
+        return all(
+            s.out_of_range is None and s.out_of_range_retry is None
+            for s in self.partitions.states()
+        )
+
     def service(self) -> None:
         """Act on the log ranges looked up for refused fetch offsets and fetch again those
         whose wait is over."""

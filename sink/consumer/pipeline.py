@@ -393,12 +393,17 @@ class Pipeline:
     def advance(self) -> bool:
         """Move each partition's `done` over puts that became durable, in order. Returns
         whether every partition is quiet: ACTIVE and settled (nothing parked, decoding,
-        held or in flight; `PartitionState.settled`), so the loop has nothing to wait for
-        but new messages."""
+        held or in flight; `PartitionState.settled`) with `done` committed (no commit
+        owed, or waiting for its result), so the loop has nothing to wait for but new
+        messages."""
         quiet = True
         for state in self.partitions.states():
             self.advance_one(state)
-            if quiet and (state.phase is not Phase.ACTIVE or not state.settled):
+            if quiet and (
+                state.phase is not Phase.ACTIVE
+                or not state.settled
+                or (state.done is not None and state.done > state.committed)
+            ):
                 quiet = False
         return quiet
 
