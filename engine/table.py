@@ -1,11 +1,19 @@
 """The Lance base table: create/open, flush commits that carry their WAL watermark, and the
 search for a shard's watermark in recent commits.
 
-A flush is one Lance commit (append, or merge-insert with deletes for upsert tables) whose
-transaction properties record the shard, writer epoch, memtable generation, the WAL
-position it covers (`wal_end`) and the last source offsets. So the flush watermark lives in
-the table itself: a crash between the Lance commit and the shard manifest update is found
-on the next open and the generation is not flushed twice (I3).
+A flush commit is one Lance commit (append, or merge-insert with deletes for upsert tables)
+holding one frozen memtable of each of one or more shards (`engine.coalesce` gathers the
+shards of a round). Its transaction properties record, per shard, the writer epoch, the
+memtable generation, the WAL position it covers (`wal_end`) and the last source offsets
+(`FlushRecord`). So the flush watermark lives in the table itself: a crash between the
+Lance commit and the shard manifest updates is found on each shard's next open and no
+generation is flushed twice (I3).
+
+Two encodings, both read (`commit_records`): a commit of one shard keeps the properties of
+earlier builds (`lance_sink.shard`, `.epoch`, `.generation`, `.wal_end`, `.offsets`), so a
+table stays readable by them; a commit of several shards carries one property,
+`lance_sink.shards`, a JSON object mapping each shard to {epoch, generation, wal_end,
+offsets}.
 """
 
 from __future__ import annotations
@@ -37,6 +45,19 @@ PROP_EPOCH = "lance_sink.epoch"
 PROP_WAL_END = "lance_sink.wal_end"
 PROP_GENERATION = "lance_sink.generation"
 PROP_OFFSETS = "lance_sink.offsets"
+#: A commit of several shards' flushes: JSON {shard: {epoch, generation, wal_end, offsets}}.
+PROP_SHARDS = "lance_sink.shards"
+
+
+@dataclass(frozen=True, slots=True)
+class FlushRecord:
+    """What one shard's flush records in the commit that holds its rows."""
+
+    shard: str
+    epoch: int
+    generation: int
+    wal_end: int
+    offsets: dict[str, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,14 +250,15 @@ class BaseTable:
         the latest version, or `ds`)."""
         ds = ds if ds is not None else self.dataset()  # (`ds or` would count its rows)
         for version, props in flush_commits(ds, after_version):  # newest first
-            if props.get(PROP_SHARD) != shard:
+            record = commit_records(props).get(shard)
+            if record is None:
                 continue
             return FlushMark(
-                wal_end=int(props[PROP_WAL_END]),
-                epoch=int(props[PROP_EPOCH]),
-                generation=int(props[PROP_GENERATION]),
+                wal_end=record.wal_end,
+                epoch=record.epoch,
+                generation=record.generation,
                 version=version,
-                offsets={k: int(v) for k, v in json.loads(props.get(PROP_OFFSETS, "{}")).items()},
+                offsets=dict(record.offsets),
             )
         return None
 
@@ -270,15 +292,15 @@ def transaction_properties(ds: lance.LanceDataset, version: int) -> dict[str, st
 def flush_commits(
     ds: lance.LanceDataset, after_version: int
 ) -> Iterator[tuple[int, dict[str, str]]]:
-    """(version, properties) of every flush commit (one carrying a shard property) in
-    `ds`'s history above `after_version`, newest first. Stops at the newest version that no
-    longer exists: versions are cleaned up oldest first (see maintenance's "Version
-    retention"), so nothing older is left either."""
+    """(version, properties) of every flush commit (one carrying a shard property, or the
+    several shards' one) in `ds`'s history above `after_version`, newest first. Stops at the
+    newest version that no longer exists: versions are cleaned up oldest first (see
+    maintenance's "Version retention"), so nothing older is left either."""
     for version in range(int(ds.version), after_version, -1):
         props = transaction_properties(ds, version)
         if props is None:
             return
-        if PROP_SHARD in props:
+        if PROP_SHARD in props or PROP_SHARDS in props:
             yield version, props
 
 
@@ -299,16 +321,18 @@ def index_on(ds: lance.LanceDataset, column: str, kind: str | None) -> Any:
 def holds_generation(ds: lance.LanceDataset, shard: str, generation: int, floor: int) -> bool:
     """Does table version `ds` hold the flush of `generation` of `shard`, committed at a
     version above `floor`? Reads only the transactions of versions (floor, ds.version]."""
-    return any(
-        props.get(PROP_SHARD) == shard and props.get(PROP_GENERATION) == str(generation)
-        for _version, props in flush_commits(ds, floor)
-    )
+    for _version, props in flush_commits(ds, floor):
+        record = commit_records(props).get(shard)
+        if record is not None and record.generation == generation:
+            return True
+    return False
 
 
 def flush_properties(
     shard: str, epoch: int, generation: int, wal_end: int, offsets: dict[str, int]
 ) -> dict[str, str]:
-    """The transaction properties of a flush commit."""
+    """The transaction properties of a flush commit of one shard (the encoding of earlier
+    builds, which they still read)."""
     return {
         PROP_SHARD: shard,
         PROP_EPOCH: str(epoch),
@@ -316,6 +340,68 @@ def flush_properties(
         PROP_WAL_END: str(wal_end),
         PROP_OFFSETS: json.dumps(offsets, sort_keys=True),
     }
+
+
+def commit_properties(records: list[FlushRecord]) -> dict[str, str]:
+    """The transaction properties of a flush commit holding `records` (one per shard): one
+    shard's in the single-shard encoding (`flush_properties`), several in `PROP_SHARDS`.
+
+    Raises:
+        ValueError: no record, or two of one shard (a commit holds one memtable a shard).
+    """
+    shards = {r.shard for r in records}
+    if not records or len(shards) != len(records):
+        raise ValueError("a flush commit holds one record per shard, at least one")
+    if len(records) == 1:
+        r = records[0]
+        return flush_properties(r.shard, r.epoch, r.generation, r.wal_end, r.offsets)
+    marks = {
+        r.shard: {
+            "epoch": r.epoch,
+            "generation": r.generation,
+            "wal_end": r.wal_end,
+            "offsets": r.offsets,
+        }
+        for r in records
+    }
+    return {PROP_SHARDS: json.dumps(marks, sort_keys=True)}
+
+
+def commit_records(props: dict[str, str]) -> dict[str, FlushRecord]:
+    """The flush records of a commit's transaction properties, by shard (both encodings;
+    {} for a commit that is not a flush). A property that does not decode (not written by
+    lance-sink) counts as no record, like an undecodable transaction."""
+    try:
+        if PROP_SHARD in props:
+            shard = props[PROP_SHARD]
+            return {
+                shard: FlushRecord(
+                    shard=shard,
+                    epoch=int(props[PROP_EPOCH]),
+                    generation=int(props[PROP_GENERATION]),
+                    wal_end=int(props[PROP_WAL_END]),
+                    offsets=_offsets(json.loads(props.get(PROP_OFFSETS, "{}"))),
+                )
+            }
+        if PROP_SHARDS in props:
+            marks = json.loads(props[PROP_SHARDS])
+            return {
+                str(shard): FlushRecord(
+                    shard=str(shard),
+                    epoch=int(m["epoch"]),
+                    generation=int(m["generation"]),
+                    wal_end=int(m["wal_end"]),
+                    offsets=_offsets(m.get("offsets", {})),
+                )
+                for shard, m in marks.items()
+            }
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        log.warning("flush_properties_undecodable", error=str(exc))
+    return {}
+
+
+def _offsets(raw: Any) -> dict[str, int]:
+    return {str(k): int(v) for k, v in dict(raw).items()}
 
 
 def sql_literal(value: Any) -> str:

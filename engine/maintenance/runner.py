@@ -73,7 +73,8 @@ applied to each candidate version v:
 1. v is older than `cleanup_retention_s` (Lance's `older_than`, also passed to Lance) and
    at least `MIN_RETAINED_VERSIONS` below the latest (covers readers and running flushes);
 2. no shard still needs it: for every flush commit found in a version w <= v (transaction
-   property `lance_sink.shard`), the shard's manifest `lance_version` is at least w, i.e.
+   property `lance_sink.shard`, or each shard of `lance_sink.shards` for a coalesced commit,
+   `engine.table.commit_records`), the shard's manifest `lance_version` is at least w, i.e.
    that flush is recorded in its manifest and `find_flush` will never search below it.
    Versions from the first unrecorded flush on are kept until its shard's next open or
    flush records it. Shards with no commit in the candidate range cannot be affected:
@@ -100,7 +101,7 @@ from engine.malloc import release_free_memory
 from engine.manifest import ManifestStore
 from engine.schema import TableSpec
 from engine.storage import Storage
-from engine.table import PROP_SHARD, BaseTable, index_on, transaction_properties
+from engine.table import BaseTable, commit_records, index_on, transaction_properties
 
 log = structlog.get_logger("lance_sink.maintenance")
 
@@ -536,15 +537,18 @@ class Maintenance:
         allowed = []
         for version in old:  # oldest first; stop at the first version a shard still needs
             props = transaction_properties(ds, version) or {}
-            shard = props.get(PROP_SHARD)
-            if shard is not None:
+            pinned = None
+            for shard in commit_records(props):  # every shard of a coalesced flush commit
                 if shard not in manifests:
                     manifests[shard] = ManifestStore(self.storage, shard).latest().lance_version
                 if manifests[shard] < version:
-                    log.info(
-                        "cleanup_pinned", shard=shard, version=version, manifest=manifests[shard]
-                    )
+                    pinned = shard
                     break
+            if pinned is not None:
+                log.info(
+                    "cleanup_pinned", shard=pinned, version=version, manifest=manifests[pinned]
+                )
+                break
             allowed.append(version)
         return allowed
 
