@@ -1032,6 +1032,29 @@ class FlushSettings(_Section):
     max_attempts: PositiveInt = Field(
         default=8, description="Failed attempts after which the shard writer is poisoned."
     )
+    max_commits_per_s: float = Field(
+        default=4.0,
+        gt=0,
+        le=1_000,
+        description="The most Lance flush commits per second to the table from this process, "
+        "whatever the partition count: the frozen memtables of the shards waiting at the "
+        "same time go into one commit (one memtable per shard; upsert tables: shards whose "
+        "keys overlap wait for the next commit). A shard flushing alone commits at once "
+        "when the previous commit is at least 1 / max_commits_per_s seconds old. 4: a "
+        "1,024-partition process makes 4 commits a second instead of 1,024 per round, and "
+        "a flush waits at most 250 ms behind the previous one.",
+    )
+    max_commit_rows: PositiveInt = Field(
+        default=1_000_000,
+        description="Rows of one flush commit of several shards (five full memtables at "
+        "the default memtable.max_rows); the shards past it wait for the next commit. A "
+        "single shard's memtable always commits whole.",
+    )
+    max_commit_bytes: PositiveBytes = Field(
+        default=ByteSize(512 << 20),
+        description="Bytes of one flush commit of several shards (four full memtables at "
+        "the default memtable.max_bytes); the shards past it wait for the next commit.",
+    )
 
 
 class MaintenanceSettings(_Section):

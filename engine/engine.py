@@ -16,6 +16,7 @@ import structlog
 
 from config.settings import Settings
 from engine.backpressure import BackpressureController, build_controller
+from engine.coalesce import CoalesceLimits
 from engine.errors import AmbiguousShard
 from engine.flusher import Flusher
 from engine.manifest import ShardOrigin
@@ -50,6 +51,15 @@ def writer_config(settings: Settings) -> WriterConfig:
     )
 
 
+def coalesce_limits(settings: Settings) -> CoalesceLimits:
+    """The pacing and size of flush commits from the settings tree."""
+    return CoalesceLimits(
+        max_commits_per_s=settings.flush.max_commits_per_s,
+        max_rows=settings.flush.max_commit_rows,
+        max_bytes=int(settings.flush.max_commit_bytes),
+    )
+
+
 class Engine:
     """Owns the shared parts and the open shard writers of this process."""
 
@@ -66,6 +76,7 @@ class Engine:
         own_wal_storage: bool = False,
         wal_workers: int | None = None,
         fence_probes_per_s: float = DEFAULT_FENCE_PROBES_PER_S,
+        coalesce: CoalesceLimits | None = None,
     ) -> None:
         self.spec = spec
         #: The WAL storage is the table's own (`<table.uri>/_lance_sink`): shard state in it
@@ -76,7 +87,9 @@ class Engine:
         self.config = config
         self.controller = controller
         self.events = events
-        self.flusher = Flusher(flush_workers)
+        #: Flushes of the shards waiting together go into one Lance commit, paced per
+        #: table (`engine.coalesce`).
+        self.flusher = Flusher(flush_workers, coalesce)
         #: Runs every shard's WAL work (`wal.workers` threads and one timer, started with the
         #: first shard) and their idle fence probes (at most `fence_probes_per_s` a second
         #: together): neither the threads nor the idle cost grow with the shards.
@@ -114,6 +127,7 @@ class Engine:
             own_wal_storage=settings.wal.uri is None,
             wal_workers=settings.wal.workers,
             fence_probes_per_s=settings.wal.fence_probes_per_s,
+            coalesce=coalesce_limits(settings),
         )
 
     def shard_id(self, topic: str, partition: int) -> str:

@@ -9,20 +9,26 @@ Lifecycle (who calls what, and when):
   window (the Lance commit landed, the manifest update did not) the newest Lance commit of
   the shard, which it writes into the manifest. A storage failure raises out of it, and the
   writer's open with it.
-- `schedule()` (the writer, under its lock, when it seals a memtable) starts the flush loop
-  on the `Flusher` pool unless it runs already: frozen memtables flush oldest first, one at
-  a time per shard. `drain_inline()` (replay, I4) flushes them on the caller's thread.
-- A flush commits the memtable's rows to Lance (those after what a stale writer flushed of
-  it meanwhile) with the flush properties, advances the manifest (flushed position and
-  offsets, Lance version, next generation), and hands the WAL trim to the `Flusher`'s trim
-  thread; only then does the memtable leave the frozen queue, so its rows never leave the
-  writer's view before the base holds them.
-- A failed flush keeps its memtable frozen and counted (I8) and is retried with backoff
-  (`retry_initial_s`, doubling up to `retry_max_s`); after `max_attempts` failures, or at
-  once on a fence (`Fenced`: a newer epoch flushed the shard, or claimed it first, or wrote
-  our next manifest version), the writer is poisoned (I6) and the loop stops.
-- `abandon()` (the writer's close) stops the loop before its next memtable; a flush already
-  running finishes first (`wait_idle`), so two owners never flush the same memtable, and
+- `schedule()` (the writer, under its lock, when it seals a memtable) queues the shard for
+  its table's next flush round (`engine.coalesce.FlushCoalescer`) unless it is queued or
+  in a round already: a round commits the oldest frozen memtable of each shard waiting
+  then in one Lance commit, paced per table (`flush.max_commits_per_s`), so frozen
+  memtables still flush oldest first, one at a time per shard. `drain_inline()` (replay,
+  I4) flushes them on the caller's thread, each in its own commit.
+- A shard's flush is three steps called by the round: `prepare` (the fence checks and the
+  memtable's rows after what a stale writer flushed of it meanwhile, with its flush
+  record), the round's commit (the flush records of all its shards in the properties),
+  `finish` (advance the manifest: flushed position and offsets, Lance version, next
+  generation; hand the WAL trim to the `Flusher`'s trim thread; only then does the
+  memtable leave the frozen queue, so its rows never leave the writer's view before the
+  base holds them). `settle` queues it again or marks it idle.
+- A failed flush (`failed`) keeps its memtable frozen and counted (I8) and is retried with
+  backoff (`retry_initial_s`, doubling up to `retry_max_s`, counted per shard also when the
+  commit held other shards); after `max_attempts` failures in a row, or at once on a fence
+  (`Fenced`: a newer epoch flushed the shard, or claimed it first, or wrote our next
+  manifest version), the writer is poisoned (I6) and it is not queued again.
+- `abandon()` (the writer's close) takes the shard out of the queue; a flush already in a
+  round finishes first (`wait_idle`), so two owners never flush the same memtable, and
   what is left frozen is replayed by the next owner. A WAL trim may outlive the writer
   (`wait_trimmed` bounds the wait for it): it deletes only flushed entries, which no replay
   reads.
@@ -35,15 +41,19 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
+import lance
+import pyarrow as pa
 import structlog
 
 from engine.backpressure import ShardMemory
+from engine.coalesce import CoalesceLimits, FlushCoalescer
 from engine.errors import Fenced, LanceSinkError, Poisoned
 from engine.manifest import ManifestStore, ShardManifest, ShardOrigin
 from engine.memtable import Memtable
 from engine.shard_stats import EngineEvents
-from engine.table import BaseTable, flush_properties
+from engine.table import BaseTable, FlushRecord, commit_properties
 from engine.threads import name_os_thread
 from engine.wal import Wal
 
@@ -51,20 +61,33 @@ log = structlog.get_logger("lance_sink.engine")
 
 
 class Flusher:
-    """The shared pool that runs flushes (one loop at a time per shard), and one thread that
-    trims flushed WAL entries so deleting files (slow on a discard-mounted disk, a round
-    trip per entry on S3) never delays the next flush."""
+    """The shared pool that runs flush rounds (one driver at a time per table, see
+    `engine.coalesce`), and one thread that trims flushed WAL entries so deleting files
+    (slow on a discard-mounted disk, a round trip per entry on S3) never delays the next
+    flush. `coalesce` paces and sizes each table's flush commits."""
 
-    def __init__(self, workers: int = 1) -> None:
+    def __init__(self, workers: int = 1, coalesce: CoalesceLimits | None = None) -> None:
         self._pool = ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="flush", initializer=name_os_thread
         )
         self._trimmer = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="wal-trim", initializer=name_os_thread
         )
+        self.limits = coalesce or CoalesceLimits()
+        self._coalescers: dict[BaseTable, FlushCoalescer] = {}
+        self._lock = threading.Lock()
 
     def submit(self, fn: Callable[[], None]) -> None:
         self._pool.submit(fn)
+
+    def coalescer(self, table: BaseTable) -> FlushCoalescer:
+        """The flush rounds of `table` in this process (made on first use)."""
+        with self._lock:
+            coalescer = self._coalescers.get(table)
+            if coalescer is None:
+                coalescer = FlushCoalescer(table, self.submit, self.limits)
+                self._coalescers[table] = coalescer
+            return coalescer
 
     def trim(self, fn: Callable[[], None]) -> Future[None]:
         return self._trimmer.submit(fn)
@@ -81,6 +104,21 @@ def _key(topic: str, partition: int) -> str:
 def _unkey(key: str) -> tuple[str, int]:
     topic, _, partition = key.rpartition(":")
     return topic, int(partition)
+
+
+@dataclass(slots=True)
+class PendingFlush:
+    """One shard's part of a flush commit (`ShardFlush.prepare`): its oldest frozen memtable,
+    the rows to write (after what was flushed already) and its flush record."""
+
+    shard: ShardFlush
+    memtable: Memtable
+    upserts: list[pa.RecordBatch]
+    deletes: pa.Table | None
+    record: FlushRecord
+    rows: int
+    nbytes: int
+    started: float
 
 
 class ShardFlush:
@@ -140,8 +178,16 @@ class ShardFlush:
         #: `ShardView.dropped_through`).
         self.dropped_through = 0
         self._checked_lance_version = 0
+        self._coalescer = flusher.coalescer(table)
+        #: Queued or in a round (set by `schedule`, cleared when settled idle or abandoned).
         self._running = False
+        #: In a round (or `drain_inline`) between `prepare` and `settle`.
+        self._in_round = False
         self._abandoned = False
+        self._attempts = 0
+        self._delay = retry_initial_s
+        #: Not flushed again before this `time.monotonic()` (backoff after a failure).
+        self.retry_at = 0.0
         self._idle = threading.Event()
         self._idle.set()
         self._trimmed: Future[None] = Future()
@@ -191,31 +237,58 @@ class ShardFlush:
         with self._manifest_lock:
             return self.manifests.superseded(self.manifest)
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ flushes
 
     def schedule(self) -> None:
-        """Start the flush loop on the pool unless it runs (the caller holds the lock)."""
+        """Queue the shard for the next flush round of its table (`engine.coalesce`) unless
+        it is queued or in a round (the caller holds the lock)."""
         if not self._running:
             self._running = True
             self._idle.clear()
-            self.flusher.submit(self._loop)
+            self._coalescer.ready(self)
 
     def drain_inline(self) -> None:
-        """Flush every frozen memtable on this thread (replay); raises the poison error."""
-        while self._frozen:
-            memtable = self._frozen[0]
-            self._flush_with_retries(memtable)
-            error = self._poisoned()
-            if error is not None:
-                raise error
+        """Flush every frozen memtable on this thread, each in its own commit (replay);
+        raises the poison error."""
+        while True:
+            with self._lock:
+                if not self._frozen:
+                    return
+            try:
+                part = self.prepare(self.table.dataset())
+                if part is None:
+                    break
+                version = None
+                if part.rows:
+                    props = commit_properties([part.record])
+                    version = self.table.commit_flush(
+                        part.upserts, part.deletes, props, part.memtable
+                    )
+                self.finish(part, version)
+            except Exception as exc:  # noqa: BLE001 - retried, then poisons (I6)
+                self.failed(exc)
+                if self._poisoned() is None:
+                    time.sleep(max(self.retry_at - time.monotonic(), 0.0))
+            finally:
+                with self._lock:
+                    self._in_round = False
+        error = self._poisoned()
+        if error is not None:
+            raise error
 
     def abandon(self) -> None:
-        """Start no further flush: what is frozen is left to the next owner's replay."""
+        """Start no further flush: what is frozen is left to the next owner's replay. A
+        queued shard leaves the queue at once; one in a round finishes its flush first."""
         with self._lock:
             self._abandoned = True
+            if self._running and not self._in_round:
+                self._coalescer.discard(self)
+                self._running = False
+                self._idle.set()
 
     def wait_idle(self, timeout: float) -> bool:
-        """Wait until no flush loop runs; False if one still did after `timeout`."""
+        """Wait until the shard is neither queued nor in a round; False if it still was
+        after `timeout`."""
         return self._idle.wait(timeout)
 
     def wait_trimmed(self, timeout: float) -> None:
@@ -226,69 +299,26 @@ class ShardFlush:
         """
         self._trimmed.result(timeout)
 
-    def _loop(self) -> None:
-        """Flush frozen memtables oldest-first until none is left (runs on the Flusher)."""
-        try:
-            while True:
-                with self._lock:
-                    if not self._frozen or self._poisoned() is not None or self._abandoned:
-                        self._running = False
-                        self._idle.set()
-                        return
-                    memtable = self._frozen[0]
-                self._flush_with_retries(memtable)
-        except BaseException:
-            with self._lock:
-                self._running = False
-                self._idle.set()
-            raise
+    def prepare(self, ds: lance.LanceDataset) -> PendingFlush | None:
+        """This shard's part of a flush commit (a round, or `drain_inline`): its oldest frozen
+        memtable's rows after what is flushed (by us, or by a stale writer meanwhile), with
+        its flush record; None when there is nothing to flush (no frozen memtable, poisoned,
+        abandoned). `ds` is the table version the round checks (also for other shards).
 
-    def _flush_with_retries(self, memtable: Memtable) -> None:
-        delay = self._retry_initial_s
-        attempts = 0
-        while self._poisoned() is None and not self._abandoned:
-            try:
-                self._flush_one(memtable)
-            except Fenced as exc:
-                self._poison(exc)
-                return
-            except Exception as exc:  # noqa: BLE001 - retried, then poisons (I6)
-                attempts += 1
-                self.flush_failures_total += 1
-                self.events.flush_failed(self.shard, exc)
-                self.log.warning(
-                    "flush_failed",
-                    generation=memtable.generation,
-                    attempt=attempts,
-                    error=str(exc),
-                )
-                if attempts >= self._max_attempts:
-                    error = Poisoned(
-                        f"flush failed {attempts} times: {exc}",
-                        shard=self.shard,
-                        generation=memtable.generation,
-                    )
-                    error.__cause__ = exc
-                    self._poison(error)
-                    return
-                time.sleep(delay)
-                delay = min(delay * 2, self._retry_max_s)
-                continue
-            with self._lock:
-                self._frozen.popleft()
-                self.dropped_through = max(self.dropped_through, memtable.committed_version or 0)
-                self._account()
-            self.memory.notify()
-            return
-
-    def _flush_one(self, memtable: Memtable) -> None:
-        """Commit one frozen memtable to Lance, then advance the manifest and trim the WAL."""
+        Raises:
+            Fenced: a newer writer flushed the shard or claimed it (I3, I5).
+            Exception: storage failed (a failed attempt: `failed`).
+        """
+        with self._lock:
+            if not self._frozen or self._poisoned() is not None or self._abandoned:
+                return None
+            self._in_round = True
+            memtable = self._frozen[0]
+            # Readers that open a base above this version must ask whether it holds us.
+            memtable.commit_floor = int(ds.version)
         started = time.monotonic()
         already = self.flushed_position
         # A stale writer may have flushed part of this memtable after we replayed it.
-        ds = self.table.dataset()
-        with self._lock:
-            memtable.commit_floor = int(ds.version)
         mark = self.table.find_flush(self.shard, self._checked_lance_version, ds)
         if mark is not None:
             if mark.epoch > self.epoch:
@@ -298,20 +328,35 @@ class ShardFlush:
         if self.superseded():
             raise Fenced("a newer writer claimed the shard", shard=self.shard)
         offsets = {_key(s.topic, s.partition): s.last for s in memtable.sources}
-        rows = 0
-        version = self.manifest.lance_version
+        upserts: list[pa.RecordBatch] = []
+        deletes: pa.Table | None = None
         if memtable.last_position > already:
             upserts, deletes = memtable.flush_data(after_position=already)
-            rows = sum(b.num_rows for b in upserts) + (deletes.num_rows if deletes else 0)
-            if rows:
-                props = flush_properties(
-                    self.shard, self.epoch, memtable.generation, memtable.last_position, offsets
-                )
-                version = self.table.commit_flush(upserts, deletes, props, memtable)
-                self._checked_lance_version = version
+        rows = sum(b.num_rows for b in upserts) + (deletes.num_rows if deletes else 0)
+        nbytes = sum(b.nbytes for b in upserts) + (deletes.nbytes if deletes else 0)
+        record = FlushRecord(
+            self.shard, self.epoch, memtable.generation, memtable.last_position, offsets
+        )
+        return PendingFlush(self, memtable, upserts, deletes, record, rows, nbytes, started)
+
+    def finish(self, part: PendingFlush, version: int | None) -> None:
+        """After the commit of `part` at `version` (None: nothing was left to commit):
+        advance the manifest, hand the WAL trim over, and drop the memtable from the frozen
+        queue, so its rows never leave the writer's view before the base holds them.
+
+        Raises:
+            Exception: the manifest update failed (a failed attempt: `failed`; the retry
+                finds the flush mark in the table and commits nothing).
+        """
+        memtable = part.memtable
+        if version is None:
+            version = self.manifest.lance_version
+        else:
+            self._checked_lance_version = max(self._checked_lance_version, version)
         with self._lock:
             # Readers that open the base at `version` or later must skip this memtable.
             memtable.committed_version = version
+        offsets = part.record.offsets
         flushed_offsets = {**self.manifest.flushed_offsets, **offsets}
         with self._manifest_lock:
             self.manifest = self.manifests.advance(
@@ -325,18 +370,66 @@ class ShardFlush:
             self.flushed_position = memtable.last_position
             self.flushed_offsets = {_unkey(k): v for k, v in flushed_offsets.items()}
         self._trimmed = self.flusher.trim(lambda: self._trim_wal(memtable.last_position))
-        seconds = time.monotonic() - started
+        with self._lock:
+            self._frozen.popleft()
+            self.dropped_through = max(self.dropped_through, version)
+            self._account()
+        self.memory.notify()
+        self._attempts = 0
+        self._delay = self._retry_initial_s
+        self.retry_at = 0.0
+        seconds = time.monotonic() - part.started
         self.flushes_total += 1
-        self.flushed_rows_total += rows
-        self.events.flushed(self.shard, seconds, rows)
+        self.flushed_rows_total += part.rows
+        self.events.flushed(self.shard, seconds, part.rows)
         self.log.info(
             "memtable_flushed",
             generation=memtable.generation,
-            rows=rows,
+            rows=part.rows,
             wal_end=memtable.last_position,
             lance_version=version,
             seconds=round(seconds, 3),
         )
+
+    def failed(self, exc: Exception) -> None:
+        """A flush attempt of this shard failed with `exc`: a fence poisons the writer at
+        once; anything else is retried after a backoff (`retry_at`), and poisons it after
+        `max_attempts` failed attempts in a row (I6). The memtable stays frozen (I8)."""
+        if isinstance(exc, Fenced):
+            self._poison(exc)
+            return
+        self._attempts += 1
+        self.flush_failures_total += 1
+        self.events.flush_failed(self.shard, exc)
+        with self._lock:
+            generation = self._frozen[0].generation if self._frozen else None
+        self.log.warning(
+            "flush_failed", generation=generation, attempt=self._attempts, error=str(exc)
+        )
+        if self._attempts >= self._max_attempts:
+            error = Poisoned(
+                f"flush failed {self._attempts} times: {exc}",
+                shard=self.shard,
+                generation=generation,
+            )
+            error.__cause__ = exc
+            self._poison(error)
+            return
+        self.retry_at = time.monotonic() + self._delay
+        self._delay = min(self._delay * 2, self._retry_max_s)
+
+    def settle(self, coalescer: FlushCoalescer) -> None:
+        """After a round that took the shard: queue it again while it has frozen memtables
+        to flush, else it is idle."""
+        with self._lock:
+            self._in_round = False
+            if not self._running:
+                return  # abandoned while it waited for the round
+            if self._frozen and self._poisoned() is None and not self._abandoned:
+                coalescer.ready(self)
+                return
+            self._running = False
+            self._idle.set()
 
     def _trim_wal(self, position: int) -> None:
         """Delete WAL entries the manifest says are flushed (at or below `position`)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.manifest import ManifestStore
 from tests.support.engine import Harness, visible_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -98,3 +99,57 @@ def test_sigkill_at_random_instants_local(tmp_path: Path) -> None:
 def test_sigkill_at_random_instants_s3(s3_bucket: str, s3_storage_options: dict[str, str]) -> None:
     prefix = f"s3://{s3_bucket}/{uuid.uuid4().hex[:8]}"
     crash_loop(f"{prefix}/table.lance", f"{prefix}/wal", s3_storage_options, rounds=5)
+
+
+@pytest.mark.parametrize("kill_at", ["commit", "manifest"])
+def test_sigkill_between_a_coalesced_commit_and_the_shard_manifests(
+    tmp_path: Path, kill_at: str
+) -> None:
+    """Several shards' flushes in one Lance commit, the process SIGKILLed right after it
+    (`commit`: no manifest records it; `manifest`: one does): on reopen every shard finds
+    its own mark in the commit, replays nothing it covers, and every row is in the table
+    exactly once (I3)."""
+    table, wal = str(tmp_path / "table.lance"), str(tmp_path / "wal")
+    shards, rows = 4, 30
+    args = [sys.executable, "-m", "tests.support.coalesce_child", table, wal]
+    proc = subprocess.Popen(
+        [*args, str(shards), str(rows), kill_at],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL, out
+    lines = out.split("\n")
+    assert "READY" in lines
+    committed = [line.split() for line in lines if line.startswith("COMMITTED ")]
+    assert len(committed) == 1
+    assert int(committed[0][2]) == shards  # every shard in the one commit
+    version = int(committed[0][1])
+    manifested = [line.split()[1] for line in lines if line.startswith("MANIFEST ")]
+    assert len(manifested) == (1 if kill_at == "manifest" else 0)
+
+    h = Harness(table, wal)
+    try:
+        ds = h.table.dataset()
+        assert int(ds.version) == version  # the process died before any other commit
+        for p in range(shards):
+            shard = f"t-{p}-test"
+            recorded = ManifestStore(h.storage, shard).latest().lance_version
+            assert (recorded == version) == (shard in manifested)
+        for p in range(shards):
+            writer = h.open(shard=f"t-{p}-test")
+            assert writer.stats().replayed_rows == 0  # the commit covers the whole WAL
+            assert writer.durable_offsets == {("t", p): rows - 1}
+            assert writer.manifests.latest().lance_version == version
+            writer.close(flush=True)
+        assert h.table.latest_version() == version  # nothing flushed a second time
+        got = h.base_rows().select(["_partition", "_offset"]).to_pylist()
+        pairs = sorted((r["_partition"], r["_offset"]) for r in got if r["_partition"] != 99)
+        assert pairs == [(p, o) for p in range(shards) for o in range(rows)]
+    finally:
+        h.flusher.shutdown()

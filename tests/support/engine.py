@@ -10,6 +10,7 @@ import pyarrow as pa
 
 from config.settings import TableSettings
 from engine.backpressure import BackpressureController, BlockingValve
+from engine.coalesce import CoalesceLimits
 from engine.flusher import Flusher
 from engine.memtable import SealLimits
 from engine.schema import OP_DELETE, OP_UPSERT, TableSpec
@@ -118,6 +119,7 @@ class Harness:
         storage_options: dict[str, str] | None = None,
         config: WriterConfig | None = None,
         controller: BackpressureController | None = None,
+        coalesce: CoalesceLimits | None = None,
     ) -> None:
         extra = {"storage_options": storage_options} if storage_options else {}
         self.spec = make_spec(table_uri, mode, **extra)
@@ -126,7 +128,7 @@ class Harness:
         self.storage: Storage = open_storage(wal_uri, storage_options)
         self.config = config or writer_config()
         self.controller = controller or BlockingValve(1 << 40)
-        self.flusher = Flusher(1)
+        self.flusher = Flusher(1, coalesce)
         self.shard = "t-0-test"
 
     def open(self, **overrides: Any) -> ShardWriter:
