@@ -55,7 +55,14 @@ def test_sigkill_at_random_instants(
         kafka_broker.bootstrap,
         [topic],
         group,
-        extra={"memtable": {"max_rows": 500}, "maintenance": maintenance},
+        extra={
+            "memtable": {"max_rows": 500},
+            "maintenance": maintenance,
+            # With maintenance on, one shard per flush commit (as before coalescing): the
+            # compaction this test needs wants 3 small fragments, and coalesced commits
+            # left only 2 in some runs (1 of 3).
+            **({"flush": {"max_commit_rows": 1}} if maintenance["enabled"] else {}),
+        },
     )
     procs = []
     # ~25 s of production: every kill below lands mid-stream.
