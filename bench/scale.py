@@ -1,7 +1,7 @@
 """Cost by partition count: one `lance-sink run` process reading one topic of P partitions.
 
     python -m bench.scale [--partitions 8,64,256,1024] [--messages N] [--idle-s S]
-                          [--compare ROOT] [--by-topic] [--out FILE]
+                          [--compare ROOT] [--by-topic] [--max-age-s S] [--out FILE]
 
 One tansu broker (memory storage) for the whole run. For each partition count P, a topic of
 P partitions gets N small vector messages (16-dim JSON vectors, ~200 B), spread evenly;
@@ -15,6 +15,13 @@ consumes them from a fresh group. Measured on the sink process (not its children
   CPU it uses over `--idle-s` seconds (% of one core, utime + stime of `/proc/PID/stat`),
   its RSS, the number of series `/metrics` exposes, and how long two scrapes in a row take
   (the first sets every partition's gauges, the second only changed ones).
+
+Lance flush commits: the table versions the run made (`commits`, from the first durable
+row to the end of the idle window) and the most made in any one second (`peak/s`, the table
+version sampled every 0.1 s). With the default `memtable.max_age_s` (300 s) small runs
+flush nothing; `--max-age-s S` seals every partition's memtable S seconds after its first
+row, so every partition flushes during the run (the flush round `flush.max_commits_per_s`
+paces).
 
 With `--compare ROOT` (another checkout, e.g. a worktree of main), every partition count
 runs there too, right before this checkout's, so the two columns of each row share the
@@ -32,6 +39,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -40,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import confluent_kafka
+import lance
 import numpy as np
 import orjson
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -112,7 +121,13 @@ class Committed:
 
 
 def write_config(
-    path: Path, bootstrap: str, topic: str, group: str, uri: str, by_topic: bool = False
+    path: Path,
+    bootstrap: str,
+    topic: str,
+    group: str,
+    uri: str,
+    by_topic: bool = False,
+    max_age_s: int | None = None,
 ) -> int:
     port = free_port()
     lines = [
@@ -133,6 +148,7 @@ def write_config(
         'log_format = "json"',
         'log_level = "warning"',
         *(['partition_metrics = "topic"'] if by_topic else []),
+        *(["[memtable]", f"max_age_s = {max_age_s}"] if max_age_s is not None else []),
         "[table]",
         f'uri = "{uri}"',
         (
@@ -167,6 +183,43 @@ def series(text: str) -> int:
     return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
 
 
+class Versions:
+    """Samples the table's version every 0.1 s (on a thread) to count Lance commits."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            try:
+                version = int(lance.dataset(self.uri).version)
+            except (ValueError, OSError):
+                continue  # not created yet
+            self.samples.append((time.monotonic(), version))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def commits(self, since: float) -> tuple[int, int]:
+        """(versions made since `since`, the most made in any one second)."""
+        rows = [(t, v) for t, v in self.samples if t >= since] or self.samples[-1:]
+        if not rows:
+            return 0, 0
+        before = [v for t, v in self.samples if t < since]
+        start = before[-1] if before else 1  # version 1: the empty table of the create
+        peak = 0
+        for i, (t, _v) in enumerate(rows):
+            later = [w for u, w in rows[i:] if u <= t + 1.0]
+            prev = rows[i - 1][1] if i else start
+            peak = max(peak, later[-1] - prev)
+        return rows[-1][1] - start, peak
+
+
 def one_run(
     root: Path,
     bootstrap: str,
@@ -181,7 +234,9 @@ def one_run(
     create_topic(bootstrap, topic, partitions)
     produce(bootstrap, topic, partitions, payloads(messages))
     config = workdir / "sink.toml"
-    port = write_config(config, bootstrap, topic, group, str(workdir / "t.lance"), by_topic)
+    uri = str(workdir / "t.lance")
+    port = write_config(config, bootstrap, topic, group, uri, by_topic, args.max_age_s)
+    versions = Versions(uri)
     log = (workdir / "sink.log").open("wb")
     started = time.monotonic()
     proc = subprocess.Popen(
@@ -221,7 +276,11 @@ def one_run(
         t2 = time.monotonic()
         scrape_slowly(port)
         t3 = time.monotonic()
+        versions.stop()
+        commits, peak = versions.commits(first)
         return {
+            "commits": commits,
+            "commits_peak": peak,
             "partitions": partitions,
             "threads": threads,
             "idle_cpu_pct": idle_cpu,
@@ -234,6 +293,7 @@ def one_run(
             "idle_split": split,
         }
     finally:
+        versions.stop()
         committed.close()
         proc.send_signal(signal.SIGTERM)
         try:
@@ -247,7 +307,8 @@ def fmt(r: dict[str, Any]) -> str:
     return (
         f"{r['threads']:>7} {r['idle_cpu_pct']:>8.1f} {r['rss_mib']:>7.0f} {r['series']:>7} "
         f"{r['to_first_row_s']:>7.1f} {r['rate']:>9,.0f} "
-        f"{r['scrape_s'][0]:>8.2f} {r['scrape_s'][1]:>8.2f}"
+        f"{r['scrape_s'][0]:>8.2f} {r['scrape_s'][1]:>8.2f} "
+        f"{r['commits']:>7} {r['commits_peak']:>6}"
     )
 
 
@@ -261,6 +322,9 @@ def main() -> None:
     parser.add_argument("--compare", type=Path, default=None, help="another checkout (base)")
     parser.add_argument(
         "--by-topic", action="store_true", help='this checkout again, partition_metrics "topic"'
+    )
+    parser.add_argument(
+        "--max-age-s", type=int, default=None, help="memtable.max_age_s: flush during the run"
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -282,7 +346,8 @@ def main() -> None:
     )
     header = (
         f"{'checkout':>8} {'parts':>6} {'threads':>7} {'idle%':>8} {'RSS MiB':>7} "
-        f"{'series':>7} {'start s':>7} {'msg/s':>9} {'scrape1':>8} {'scrape2':>8}"
+        f"{'series':>7} {'start s':>7} {'msg/s':>9} {'scrape1':>8} {'scrape2':>8} "
+        f"{'commits':>7} {'peak/s':>6}"
     )
     report(header)
     broker, bootstrap = tansu()
