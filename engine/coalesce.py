@@ -114,7 +114,8 @@ class FlushCoalescer:
                 if shards is None:
                     return
                 self._round(shards)
-        except BaseException:
+        except BaseException as exc:
+            log.error("flush_driver_failed", table=self.table.uri, error=str(exc))
             with self._cond:
                 self._driving = False
             raise
@@ -130,6 +131,9 @@ class FlushCoalescer:
                 now = time.monotonic()
                 due = [s for s in self._ready if s.retry_at <= now]
                 if due and now >= self._next_commit_at:
+                    # Longest waiting first: a shard a cap or a key overlap held back
+                    # goes before shards queued after it, so none starves.
+                    due.sort(key=lambda s: s.waiting_since)
                     for s in due:
                         del self._ready[s]
                     return due

@@ -188,6 +188,8 @@ class ShardFlush:
         self._delay = retry_initial_s
         #: Not flushed again before this `time.monotonic()` (backoff after a failure).
         self.retry_at = 0.0
+        #: When its current wait for a round began (rounds take the longest waiting first).
+        self.waiting_since = 0.0
         self._idle = threading.Event()
         self._idle.set()
         self._trimmed: Future[None] = Future()
@@ -245,6 +247,7 @@ class ShardFlush:
         if not self._running:
             self._running = True
             self._idle.clear()
+            self.waiting_since = time.monotonic()
             self._coalescer.ready(self)
 
     def drain_inline(self) -> None:
@@ -378,6 +381,7 @@ class ShardFlush:
         self._attempts = 0
         self._delay = self._retry_initial_s
         self.retry_at = 0.0
+        self.waiting_since = time.monotonic()  # its next memtable queues behind the others
         seconds = time.monotonic() - part.started
         self.flushes_total += 1
         self.flushed_rows_total += part.rows
