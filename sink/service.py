@@ -537,8 +537,13 @@ class SinkService:
         self.maintenance.request_stop(left(DRAIN_RESERVE_S))
         self.flow.pause_all(states)
         self.settle(states, left(DRAIN_RESERVE_S) / 2)
+        # Seal every shard before closing any: their memtables wait for the same flush
+        # rounds (engine.coalesce), a few Lance commits for all of them, where a close after
+        # another sealed and waited for one commit per shard.
         for state in states:
-            self.lifecycle.release(state, flush=True, timeout=max(left(DRAIN_RESERVE_S), 0.1))
+            if state.writer is not None:
+                state.writer.seal()
+        self.lifecycle.release_all(states, flush=True, timeout=max(left(DRAIN_RESERVE_S), 0.1))
         self.board.publish()
         self._paused_ends.close(timeout=min(left(), 1.0))
         self.topic_shards.close(timeout=min(left(), 1.0))

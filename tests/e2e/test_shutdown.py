@@ -16,11 +16,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import lance
 import pytest
 from confluent_kafka import TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
 
 from config import load_settings
 from engine.manifest import ManifestStore
+from engine.table import flush_commits
 from sink.service import SinkService
 from tests.e2e.test_observability import get, sink_config, wait_http
 from tests.support.brokers import Broker, free_port
@@ -223,3 +226,33 @@ def test_stop_during_start_up(kafka_broker: Broker, topic: str, group: str, tmp_
     assert not any(e.get("event") == "sink_started" for e in sink.events())
     stop_timed(sink)
     assert any(e.get("event") == "shutdown_requested" for e in sink.events())
+
+
+DRAIN_PARTITIONS = 12
+
+
+def test_a_drain_flushes_every_partition_in_a_few_commits(
+    tansu_broker: Broker, topic: str, group: str, tmp_path: Path
+) -> None:
+    """SIGTERM while 12 partitions' memtables hold rows: the drain seals every shard before
+    it closes any, so their flushes share the same flush rounds, one or two Lance commits
+    (`engine.coalesce`) for all. Closing one partition after another sealed and waited for
+    one commit per partition: 12 (and on S3, a conditional PUT plus manifest writes each)."""
+    admin = AdminClient({"bootstrap.servers": tansu_broker.bootstrap})
+    for future in admin.create_topics([NewTopic(topic, DRAIN_PARTITIONS)]).values():
+        future.result(30)
+    for p in range(DRAIN_PARTITIONS):
+        produce(tansu_broker.bootstrap, topic, messages(p * 20, 20), partition=p)
+    config = sink_config(tmp_path, tansu_broker, topic, group, free_port())
+    sink = SinkProcess(config, tmp_path / "drain.log")
+    uri = str(tmp_path / "table.lance")
+    try:
+        wait_caught_up(tansu_broker.bootstrap, group, topic, procs=[sink])
+        before = int(lance.dataset(uri).version)
+        assert not list(flush_commits(lance.dataset(uri), 0))  # every row in a memtable
+    finally:
+        stop_timed(sink)
+    table = lance.dataset(uri)
+    commits = list(flush_commits(table, before))
+    assert sorted(r["n"] for r in table_rows(uri)) == list(range(DRAIN_PARTITIONS * 20))
+    assert 1 <= len(commits) <= 3, f"{len(commits)} flush commits for the drain"
