@@ -1,7 +1,8 @@
 """Cost by partition count: one `lance-sink run` process reading one topic of P partitions.
 
     python -m bench.scale [--partitions 8,64,256,1024] [--messages N] [--idle-s S]
-                          [--compare ROOT] [--by-topic] [--max-age-s S] [--out FILE]
+                          [--compare ROOT] [--by-topic] [--max-age-s S]
+                          [--s3-latency-ms MS] [--out FILE]
 
 One tansu broker (memory storage) for the whole run. For each partition count P, a topic of
 P partitions gets N small vector messages (16-dim JSON vectors, ~200 B), spread evenly;
@@ -23,6 +24,12 @@ flush nothing; `--max-age-s S` seals every partition's memtable S seconds after 
 row, so every partition flushes during the run (the flush round `flush.max_commits_per_s`
 paces).
 
+Then the drain: SIGTERM with every partition's memtable holding rows (unless `--max-age-s`
+flushed them), the seconds until the process exited (`drain s`, against
+`shutdown.drain_deadline_s`, 30 s) and the Lance commits it made (`drain commits`); every
+row must then be in the table. With `--s3-latency-ms MS` the table and its WAL are on a
+moto S3 server behind a proxy that holds each request MS ms (`bench.s3_latency`).
+
 With `--compare ROOT` (another checkout, e.g. a worktree of main), every partition count
 runs there too, right before this checkout's, so the two columns of each row share the
 machine's state. With `--by-topic`, this checkout runs once more per partition count with
@@ -34,6 +41,7 @@ partitions idle CPU <= 5% of a core and <= 100 threads; catch-up rate at 256 par
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -55,6 +63,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from bench.e2e import cpu_split, free_port, ingested, scrape, tansu, thread_cpu
 from bench.engine import WORDS
+from bench.s3_latency import SlowS3, slow_s3
 
 ROOT = Path(__file__).resolve().parents[1]
 DIM = 16
@@ -128,6 +137,7 @@ def write_config(
     uri: str,
     by_topic: bool = False,
     max_age_s: int | None = None,
+    storage_options: dict[str, str] | None = None,
 ) -> int:
     port = free_port()
     lines = [
@@ -158,6 +168,9 @@ def write_config(
         ),
         f'vector = {{ column = "vec", dim = {DIM}, metric = "l2" }}',
     ]
+    if storage_options:
+        lines.append("[table.storage_options]")
+        lines.extend(f'{k} = "{v}"' for k, v in storage_options.items())
     path.write_text("\n".join(lines) + "\n")
     return port
 
@@ -186,8 +199,9 @@ def series(text: str) -> int:
 class Versions:
     """Samples the table's version every 0.1 s (on a thread) to count Lance commits."""
 
-    def __init__(self, uri: str) -> None:
+    def __init__(self, uri: str, storage_options: dict[str, str] | None = None) -> None:
         self.uri = uri
+        self.storage_options = storage_options
         self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -196,7 +210,7 @@ class Versions:
     def _run(self) -> None:
         while not self._stop.wait(0.1):
             try:
-                version = int(lance.dataset(self.uri).version)
+                version = int(lance.dataset(self.uri, storage_options=self.storage_options).version)
             except (ValueError, OSError):
                 continue  # not created yet
             self.samples.append((time.monotonic(), version))
@@ -227,6 +241,7 @@ def one_run(
     messages: int,
     args: argparse.Namespace,
     by_topic: bool = False,
+    s3: SlowS3 | None = None,
 ) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix=f"lance-sink-scale-{partitions}-"))
     topic = f"scale-{partitions}-{uuid.uuid4().hex[:6]}"
@@ -234,9 +249,10 @@ def one_run(
     create_topic(bootstrap, topic, partitions)
     produce(bootstrap, topic, partitions, payloads(messages))
     config = workdir / "sink.toml"
-    uri = str(workdir / "t.lance")
-    port = write_config(config, bootstrap, topic, group, uri, by_topic, args.max_age_s)
-    versions = Versions(uri)
+    options = s3.storage_options if s3 is not None else None
+    uri = f"s3://{s3.bucket}/{topic}.lance" if s3 is not None else str(workdir / "t.lance")
+    port = write_config(config, bootstrap, topic, group, uri, by_topic, args.max_age_s, options)
+    versions = Versions(uri, options)
     log = (workdir / "sink.log").open("wb")
     started = time.monotonic()
     proc = subprocess.Popen(
@@ -278,7 +294,19 @@ def one_run(
         t3 = time.monotonic()
         versions.stop()
         commits, peak = versions.commits(first)
+        # The drain: every partition's memtable flushed (they hold rows unless
+        # --max-age-s flushed them), within shutdown.drain_deadline_s (30 s).
+        before = int(lance.dataset(uri, storage_options=options).version)
+        stopping = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(300)
+        drain_s = time.monotonic() - stopping
+        assert code == 0, (workdir / "sink.log").read_text()[-3000:]
+        table = lance.dataset(uri, storage_options=options)
+        assert table.count_rows() == messages, (table.count_rows(), messages)
         return {
+            "drain_s": drain_s,
+            "drain_commits": int(table.version) - before,
             "commits": commits,
             "commits_peak": peak,
             "partitions": partitions,
@@ -295,7 +323,8 @@ def one_run(
     finally:
         versions.stop()
         committed.close()
-        proc.send_signal(signal.SIGTERM)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(120)
         except subprocess.TimeoutExpired:
@@ -308,7 +337,7 @@ def fmt(r: dict[str, Any]) -> str:
         f"{r['threads']:>7} {r['idle_cpu_pct']:>8.1f} {r['rss_mib']:>7.0f} {r['series']:>7} "
         f"{r['to_first_row_s']:>7.1f} {r['rate']:>9,.0f} "
         f"{r['scrape_s'][0]:>8.2f} {r['scrape_s'][1]:>8.2f} "
-        f"{r['commits']:>7} {r['commits_peak']:>6}"
+        f"{r['commits']:>7} {r['commits_peak']:>6} {r['drain_s']:>7.1f} {r['drain_commits']:>6}"
     )
 
 
@@ -325,6 +354,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--max-age-s", type=int, default=None, help="memtable.max_age_s: flush during the run"
+    )
+    parser.add_argument(
+        "--s3-latency-ms",
+        type=float,
+        default=None,
+        help="the table (and its WAL) on moto S3 behind a proxy holding each request this long",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -347,16 +382,22 @@ def main() -> None:
     header = (
         f"{'checkout':>8} {'parts':>6} {'threads':>7} {'idle%':>8} {'RSS MiB':>7} "
         f"{'series':>7} {'start s':>7} {'msg/s':>9} {'scrape1':>8} {'scrape2':>8} "
-        f"{'commits':>7} {'peak/s':>6}"
+        f"{'commits':>7} {'peak/s':>6} {'drain s':>7} {'drain commits':>6}"
     )
     report(header)
     broker, bootstrap = tansu()
+    stack = contextlib.ExitStack()
+    s3 = None
+    if args.s3_latency_ms is not None:
+        logs = Path(tempfile.mkdtemp(prefix="lance-sink-scale-s3-"))
+        s3 = stack.enter_context(slow_s3(args.s3_latency_ms, logs))
+        report(f"table and WAL on moto S3, {args.s3_latency_ms:.0f} ms per request (proxy)")
     results: dict[str, dict[int, dict[str, Any]]] = {name: {} for name, _, _ in roots}
     splits: list[str] = []
     try:
         for partitions in counts:
             for name, root, by_topic in roots:
-                r = one_run(root, bootstrap, partitions, args.messages, args, by_topic)
+                r = one_run(root, bootstrap, partitions, args.messages, args, by_topic, s3)
                 results[name][partitions] = r
                 report(f"{name:>8} {partitions:>6} {fmt(r)}")
                 print(f"         idle CPU by thread: {r['idle_split']}", flush=True)
@@ -364,6 +405,7 @@ def main() -> None:
     finally:
         broker.terminate()
         broker.wait(30)
+        stack.close()
     report("idle CPU by thread group (cores):")
     for line in splits:
         report(f"    {line}")
