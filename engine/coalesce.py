@@ -39,20 +39,24 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import structlog
 
-from engine.table import BaseTable, commit_properties
+from engine.table import BaseTable, FlushMark, commit_properties
 
 if TYPE_CHECKING:
     from engine.flusher import PendingFlush, ShardFlush
 
 log = structlog.get_logger("lance_sink.engine")
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +82,12 @@ class FlushCoalescer:
         table: BaseTable,
         submit: Callable[[Callable[[], None]], None],
         limits: CoalesceLimits,
+        shard_io: Executor | None = None,
     ) -> None:
         self.table = table
         self.limits = limits
         self._submit = submit
+        self._shard_io = shard_io
         self._cond = threading.Condition()
         self._ready: dict[ShardFlush, None] = {}  # insertion order = queue order
         self._driving = False
@@ -157,18 +163,17 @@ class FlushCoalescer:
         parts: list[PendingFlush] = []
         rows = nbytes = 0
         keys = _Keys(list(self.table.spec.primary_key)) if self.table.spec.upsert else None
-        for shard in shards:
-            if parts and (rows >= self.limits.max_rows or nbytes >= self.limits.max_bytes):
-                break  # the rest wait for the next round (settled back into the queue)
+        version = int(ds.version)
+        # The flush marks read `ds`, which one thread at a time may use; the table keeps the
+        # transactions read, so each version is read once for all shards.
+        marked: list[tuple[ShardFlush, FlushMark | None]] = []
+        for shard in self._capped(shards):
             try:
-                part = shard.prepare(ds)
-                if part is None:
-                    continue
-                if not part.rows:  # a stale writer flushed all of it: nothing to commit
-                    shard.finish(part, None)
-                    continue
-            except Exception as exc:  # noqa: BLE001 - Fenced poisons it, others retry
+                marked.append((shard, shard.flush_mark(ds)))
+            except Exception as exc:  # noqa: BLE001 - a failed attempt (retried)
                 shard.failed(exc)
+        for part in self._each(lambda sm: _prepared(sm[0], version, sm[1]), marked):
+            if part is None:
                 continue
             if parts and (
                 rows + part.rows > self.limits.max_rows
@@ -176,7 +181,7 @@ class FlushCoalescer:
             ):
                 continue
             if keys is not None and not keys.add(part):
-                log.debug("flush_deferred_overlapping_keys", shard=shard.shard)
+                log.debug("flush_deferred_overlapping_keys", shard=part.shard.shard)
                 continue
             parts.append(part)
             rows += part.rows
@@ -211,11 +216,51 @@ class FlushCoalescer:
             lance_version=version,
             seconds=round(time.monotonic() - started, 3),
         )
-        for part in parts:
-            try:
-                part.shard.finish(part, version)
-            except Exception as exc:  # noqa: BLE001 - its retry finds its mark, commits nothing
-                part.shard.failed(exc)
+        self._each(lambda part: _finished(part, version), parts)
+
+    def _capped(self, shards: list[ShardFlush]) -> list[ShardFlush]:
+        """The first of `shards` whose frozen memtables fit a commit's `max_rows` and
+        `max_bytes` (at least one): the rest are not prepared and wait for the next round
+        (settled back into the queue)."""
+        rows = nbytes = 0
+        for i, shard in enumerate(shards):
+            if i and (rows >= self.limits.max_rows or nbytes >= self.limits.max_bytes):
+                return shards[:i]
+            more_rows, more_bytes = shard.frozen_size()
+            rows, nbytes = rows + more_rows, nbytes + more_bytes
+        return shards
+
+    def _each(self, fn: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
+        """`fn` of each of `items`, in order: on the shard I/O pool when there are several
+        (each checks or writes one shard's manifest and flush marks: a round trip each on
+        S3, 1,024 of them one after another took longer than a drain may), else here."""
+        items = list(items)
+        if self._shard_io is None or len(items) < 2:
+            return [fn(item) for item in items]
+        return list(self._shard_io.map(fn, items))
+
+
+def _prepared(shard: ShardFlush, version: int, mark: FlushMark | None) -> PendingFlush | None:
+    """`shard.prepare(version, mark)`, or None: nothing to flush, nothing left to commit
+    (finished at once), or a failed attempt (`failed`: a fence poisons it, others retry)."""
+    try:
+        part = shard.prepare(version, mark)
+        if part is not None and not part.rows:  # a stale writer flushed all of it
+            shard.finish(part, None)
+            part = None
+    except Exception as exc:  # noqa: BLE001 - see above
+        shard.failed(exc)
+        return None
+    return part
+
+
+def _finished(part: PendingFlush, version: int) -> None:
+    """`finish` a committed part; a failed manifest update is a failed attempt of that
+    shard alone (its retry finds its mark in the table and commits nothing)."""
+    try:
+        part.shard.finish(part, version)
+    except Exception as exc:  # noqa: BLE001 - see above
+        part.shard.failed(exc)
 
 
 class _Keys:

@@ -53,25 +53,38 @@ from engine.errors import Fenced, LanceSinkError, Poisoned
 from engine.manifest import ManifestStore, ShardManifest, ShardOrigin
 from engine.memtable import Memtable
 from engine.shard_stats import EngineEvents
-from engine.table import BaseTable, FlushRecord, commit_properties
+from engine.table import BaseTable, FlushMark, FlushRecord, commit_properties
 from engine.threads import name_os_thread
 from engine.wal import Wal
 
 log = structlog.get_logger("lance_sink.engine")
 
+#: Threads that run a flush round's per-shard steps at once (each a few storage round trips:
+#: on S3 a thousand shards one after another took longer than a drain may).
+SHARD_IO_THREADS = 8
+#: Threads that trim flushed WAL entries (a listing and a bulk delete each: a drain of a
+#: thousand shards on S3 waited for them one after another). Two trims of one shard may
+#: overlap: each deletes only entries at or below its position, and deleting is idempotent.
+TRIM_THREADS = 4
+
 
 class Flusher:
     """The shared pool that runs flush rounds (one driver at a time per table, see
-    `engine.coalesce`), and one thread that trims flushed WAL entries so deleting files
-    (slow on a discard-mounted disk, a round trip per entry on S3) never delays the next
-    flush. `coalesce` paces and sizes each table's flush commits."""
+    `engine.coalesce`) with the threads of a round's per-shard steps, and a few threads
+    that trim flushed WAL entries so deleting files (slow on a discard-mounted disk, a
+    round trip on S3) never delays the next flush. `coalesce` paces and sizes each table's
+    flush commits."""
 
     def __init__(self, workers: int = 1, coalesce: CoalesceLimits | None = None) -> None:
         self._pool = ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="flush", initializer=name_os_thread
         )
         self._trimmer = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="wal-trim", initializer=name_os_thread
+            max_workers=TRIM_THREADS, thread_name_prefix="wal-trim", initializer=name_os_thread
+        )
+        # A round's per-shard steps (fence checks, manifest updates): storage round trips.
+        self._shard_io = ThreadPoolExecutor(
+            max_workers=SHARD_IO_THREADS, thread_name_prefix="flush-io", initializer=name_os_thread
         )
         self.limits = coalesce or CoalesceLimits()
         self._coalescers: dict[BaseTable, FlushCoalescer] = {}
@@ -85,7 +98,7 @@ class Flusher:
         with self._lock:
             coalescer = self._coalescers.get(table)
             if coalescer is None:
-                coalescer = FlushCoalescer(table, self.submit, self.limits)
+                coalescer = FlushCoalescer(table, self.submit, self.limits, self._shard_io)
                 self._coalescers[table] = coalescer
             return coalescer
 
@@ -94,6 +107,7 @@ class Flusher:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+        self._shard_io.shutdown(wait=True)
         self._trimmer.shutdown(wait=True)
 
 
@@ -258,7 +272,8 @@ class ShardFlush:
                 if not self._frozen:
                     return
             try:
-                part = self.prepare(self.table.dataset())
+                ds = self.table.dataset()
+                part = self.prepare(int(ds.version), self.flush_mark(ds))
                 if part is None:
                     break
                 version = None
@@ -302,11 +317,31 @@ class ShardFlush:
         """
         self._trimmed.result(timeout)
 
-    def prepare(self, ds: lance.LanceDataset) -> PendingFlush | None:
+    def frozen_size(self) -> tuple[int, int]:
+        """(rows, data bytes) of the oldest frozen memtable, the one a round takes (an
+        upper bound of what it commits: a stale writer may have flushed part of it)."""
+        with self._lock:
+            if not self._frozen:
+                return 0, 0
+            return self._frozen[0].rows, self._frozen[0].data_bytes
+
+    def flush_mark(self, ds: lance.LanceDataset) -> FlushMark | None:
+        """The newest flush of this shard in `ds` above the version checked last (a stale
+        writer's, or ours): what `prepare` checks. Reads `ds`, which one thread at a time
+        may use (pylance: "Already mutably borrowed"), so a round calls it on its driver.
+
+        Raises:
+            Exception: storage failed (a failed attempt: `failed`).
+        """
+        return self.table.find_flush(self.shard, self._checked_lance_version, ds)
+
+    def prepare(self, version: int, mark: FlushMark | None) -> PendingFlush | None:
         """This shard's part of a flush commit (a round, or `drain_inline`): its oldest frozen
         memtable's rows after what is flushed (by us, or by a stale writer meanwhile), with
         its flush record; None when there is nothing to flush (no frozen memtable, poisoned,
-        abandoned). `ds` is the table version the round checks (also for other shards).
+        abandoned). `version` is the table version the round checks (also for other shards)
+        and `mark` this shard's newest flush in it (`flush_mark`). Touches no dataset, so a
+        round prepares its shards on several threads.
 
         Raises:
             Fenced: a newer writer flushed the shard or claimed it (I3, I5).
@@ -318,11 +353,10 @@ class ShardFlush:
             self._in_round = True
             memtable = self._frozen[0]
             # Readers that open a base above this version must ask whether it holds us.
-            memtable.commit_floor = int(ds.version)
+            memtable.commit_floor = version
         started = time.monotonic()
         already = self.flushed_position
         # A stale writer may have flushed part of this memtable after we replayed it.
-        mark = self.table.find_flush(self.shard, self._checked_lance_version, ds)
         if mark is not None:
             if mark.epoch > self.epoch:
                 raise Fenced("a newer writer flushed this shard", shard=self.shard)

@@ -573,8 +573,9 @@ class ShardWriter:
         revoked or lost partition, closed in the consumer's rebalance callback) a WAL trim
         still queued or running is not waited for: it deletes only entries at or below the
         flushed position, which no replay reads, and deleting is idempotent, so it may
-        overlap the next owner's replay and trims. (The trimmer is one thread for all
-        shards: a revoke waited behind other shards' trims, 35 s seen on S3.)
+        overlap the next owner's replay and trims. (The trim threads serve every shard:
+        a revoke waited behind other shards' trims, 35 s seen on S3.) With `flush`, the
+        shard is released (all its rows in the table) before the wait for its trims.
         """
         if self._closed:
             return
@@ -591,10 +592,6 @@ class ShardWriter:
         if not self._flush.wait_idle(timeout):
             self.log.warning("close_flush_still_running")
         if flush:
-            try:
-                self._flush.wait_trimmed(timeout)
-            except TimeoutError:
-                self.log.warning("close_wal_trim_still_running")
             with self._lock:
                 drained = (
                     self._poison is None
@@ -604,6 +601,10 @@ class ShardWriter:
                 )
             if drained:  # every row in the Lance table: other pods ask nobody for it
                 self._flush.release()
+            try:
+                self._flush.wait_trimmed(timeout)
+            except TimeoutError:
+                self.log.warning("close_wal_trim_still_running")
         self.controller.unregister(self.memory)
         self.memory.closed = True
         self.memory.notify()

@@ -18,6 +18,7 @@ import ctypes
 import errno
 import os
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
@@ -58,6 +59,10 @@ class Storage(Protocol):
 
     def delete(self, key: str) -> None:
         """Delete `key`; a missing key is not an error."""
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Delete every key of `keys` (an object store: in bulk requests); missing keys are
+        not an error."""
 
 
 class LocalStorage:
@@ -130,6 +135,10 @@ class LocalStorage:
         with contextlib.suppress(FileNotFoundError):
             self._path(key).unlink()
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self.delete(key)
+
 
 class ObjectStorage:
     """An S3 (or S3-compatible) bucket prefix through obstore."""
@@ -181,6 +190,12 @@ class ObjectStorage:
     def delete(self, key: str) -> None:
         with contextlib.suppress(NotFoundError, FileNotFoundError):
             obstore.delete(self.store, key)
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """S3 DeleteObjects, up to 1,000 keys a request (obstore splits longer lists)."""
+        if keys:
+            with contextlib.suppress(NotFoundError, FileNotFoundError):
+                obstore.delete(self.store, list(keys))
 
 
 def is_local(uri: str) -> bool:

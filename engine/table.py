@@ -100,6 +100,7 @@ class BaseTable:
         self._sync = sync and is_local(spec.uri)
         self._lock = threading.Lock()
         self._watchers: list[AppendWatcher] = []
+        self.transactions = Transactions()
 
     def watch_appends(self, watcher: AppendWatcher) -> None:
         """Tell `watcher` about every append flush of this process from now on."""
@@ -249,7 +250,8 @@ class BaseTable:
         """The newest flush of `shard` committed after `after_version`, if any (searching
         the latest version, or `ds`)."""
         ds = ds if ds is not None else self.dataset()  # (`ds or` would count its rows)
-        for version, props in flush_commits(ds, after_version):  # newest first
+        commits = flush_commits(ds, after_version, self.transactions)
+        for version, props in commits:  # newest first
             record = commit_records(props).get(shard)
             if record is None:
                 continue
@@ -289,15 +291,52 @@ def transaction_properties(ds: lance.LanceDataset, version: int) -> dict[str, st
     return dict(getattr(tx, "transaction_properties", None) or {})
 
 
+class Transactions:
+    """The transaction properties of a table's versions, each read once: a committed
+    version's transaction never changes, and a flush round of many shards checks the same
+    versions for each (`find_flush`): on S3 one read per version instead of one per shard
+    and version. Thread-safe; keeps the newest `limit` versions read. A table recreated at
+    the same URI (its latest version below one kept) empties it."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._props: dict[int, dict[str, str]] = {}
+        self._newest = 0
+
+    def properties(self, ds: lance.LanceDataset, version: int) -> dict[str, str] | None:
+        """`transaction_properties(ds, version)`, from memory when read before."""
+        latest = int(ds.version)
+        with self._lock:
+            if latest < self._newest:  # the table was recreated: versions mean others
+                self._props.clear()
+                self._newest = 0
+            hit = self._props.get(version)
+        if hit is not None:
+            return hit
+        props = transaction_properties(ds, version)
+        if props is not None:
+            with self._lock:
+                self._props[version] = props
+                self._newest = max(self._newest, version)
+                while len(self._props) > self.limit:
+                    del self._props[min(self._props)]
+        return props
+
+
 def flush_commits(
-    ds: lance.LanceDataset, after_version: int
+    ds: lance.LanceDataset, after_version: int, transactions: Transactions | None = None
 ) -> Iterator[tuple[int, dict[str, str]]]:
     """(version, properties) of every flush commit (one carrying a shard property, or the
     several shards' one) in `ds`'s history above `after_version`, newest first. Stops at the
     newest version that no longer exists: versions are cleaned up oldest first (see
-    maintenance's "Version retention"), so nothing older is left either."""
+    maintenance's "Version retention"), so nothing older is left either. `transactions`
+    keeps what was read for the next call."""
     for version in range(int(ds.version), after_version, -1):
-        props = transaction_properties(ds, version)
+        if transactions is not None:
+            props = transactions.properties(ds, version)
+        else:
+            props = transaction_properties(ds, version)
         if props is None:
             return
         if PROP_SHARD in props or PROP_SHARDS in props:

@@ -196,8 +196,7 @@ class Wal:
     def delete_through(self, position: int) -> int:
         """Delete entries at or below `position` (after a flush covered them); returns count."""
         doomed = [p for p in self.positions() if p <= position]
-        for p in doomed:
-            self.storage.delete(self.key(p))
+        self.storage.delete_many([self.key(p) for p in doomed])  # one request on S3
         return len(doomed)
 
 
