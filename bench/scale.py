@@ -52,6 +52,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +157,7 @@ def write_config(
         "[observability]",
         f"metrics_port = {port}",
         'log_format = "json"',
-        'log_level = "warning"',
+        'log_level = "info"',  # the drain's steps are read from the log
         *(['partition_metrics = "topic"'] if by_topic else []),
         *(["[memtable]", f"max_age_s = {max_age_s}"] if max_age_s is not None else []),
         "[table]",
@@ -305,6 +306,7 @@ def one_run(
         table = lance.dataset(uri, storage_options=options)
         assert table.count_rows() == messages, (table.count_rows(), messages)
         return {
+            "drain_steps": drain_steps(workdir / "sink.log"),
             "drain_s": drain_s,
             "drain_commits": int(table.version) - before,
             "commits": commits,
@@ -330,6 +332,29 @@ def one_run(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(30)
+
+
+def drain_steps(log: Path) -> str:
+    """When the drain's flush commits ended and the sink stopped, in seconds after it began
+    draining (from the sink's log)."""
+    began: datetime | None = None
+    commits: list[tuple[float, int]] = []
+    stopped = None
+    for line in log.read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        event = orjson.loads(line)
+        at = datetime.fromisoformat(str(event.get("timestamp", "")))
+        if event.get("event") == "sink_draining":
+            began = at
+        elif began is not None and event.get("event") == "flush_committed":
+            commits.append(((at - began).total_seconds(), int(event.get("shards", 1))))
+        elif began is not None and event.get("event") == "sink_stopped":
+            stopped = (at - began).total_seconds()
+    if began is None:
+        return "no drain in the log"
+    rounds = ", ".join(f"{n} shards at {t:.1f} s" for t, n in commits) or "none"
+    return f"drain: commits {rounds}; stopped at {stopped or float('nan'):.1f} s"
 
 
 def fmt(r: dict[str, Any]) -> str:
@@ -401,6 +426,7 @@ def main() -> None:
                 results[name][partitions] = r
                 report(f"{name:>8} {partitions:>6} {fmt(r)}")
                 print(f"         idle CPU by thread: {r['idle_split']}", flush=True)
+                report(f"         {r['drain_steps']}")
                 splits.append(f"{name:>8} {partitions:>6}: {r['idle_split']}")
     finally:
         broker.terminate()

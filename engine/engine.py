@@ -212,8 +212,10 @@ class Engine:
             self._writers[shard] = writer
         return writer
 
-    def close_shard(self, writer: ShardWriter, *, flush: bool, timeout: float) -> None:
-        writer.close(flush=flush, timeout=timeout)
+    def close_shard(
+        self, writer: ShardWriter, *, flush: bool, timeout: float, wait_trims: bool = True
+    ) -> None:
+        writer.close(flush=flush, timeout=timeout, wait_trims=wait_trims)
         with self._lock:
             self._writers.pop(writer.shard, None)
 
@@ -225,5 +227,5 @@ class Engine:
         """Close every open writer, then the flush pool and the WAL scheduler."""
         for writer in self.writers():
             self.close_shard(writer, flush=flush, timeout=timeout)
-        self.flusher.shutdown()
+        self.flusher.shutdown(cancel_trims=not flush)
         self.wal_scheduler.close(timeout)

@@ -105,10 +105,13 @@ class Flusher:
     def trim(self, fn: Callable[[], None]) -> Future[None]:
         return self._trimmer.submit(fn)
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, cancel_trims: bool = False) -> None:
+        """Stop the threads once their work is done; `cancel_trims` drops the WAL trims not
+        started yet (they delete only flushed entries: the next owner's first flush trims
+        them)."""
         self._pool.shutdown(wait=True)
         self._shard_io.shutdown(wait=True)
-        self._trimmer.shutdown(wait=True)
+        self._trimmer.shutdown(wait=True, cancel_futures=cancel_trims)
 
 
 def _key(topic: str, partition: int) -> str:

@@ -566,7 +566,7 @@ class ShardWriter:
         with self._lock:
             return not self._memtables.frozen
 
-    def close(self, *, flush: bool = True, timeout: float = 30.0) -> None:
+    def close(self, *, flush: bool = True, timeout: float = 30.0, wait_trims: bool = True) -> None:
         """Stop accepting puts, write what is buffered, seal, and optionally flush (bounded).
 
         Always safe to call, also on a poisoned writer; idempotent. Without `flush` (a
@@ -575,7 +575,9 @@ class ShardWriter:
         flushed position, which no replay reads, and deleting is idempotent, so it may
         overlap the next owner's replay and trims. (The trim threads serve every shard:
         a revoke waited behind other shards' trims, 35 s seen on S3.) With `flush`, the
-        shard is released (all its rows in the table) before the wait for its trims.
+        shard is released (all its rows in the table) before the wait for its trims, which
+        `wait_trims=False` skips (a drain: the next owner's first flush deletes what a trim
+        cancelled at the engine's close left).
         """
         if self._closed:
             return
@@ -601,6 +603,7 @@ class ShardWriter:
                 )
             if drained:  # every row in the Lance table: other pods ask nobody for it
                 self._flush.release()
+        if flush and wait_trims:
             try:
                 self._flush.wait_trimmed(timeout)
             except TimeoutError:

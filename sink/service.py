@@ -543,7 +543,11 @@ class SinkService:
         for state in states:
             if state.writer is not None:
                 state.writer.seal()
-        self.lifecycle.release_all(states, flush=True, timeout=max(left(DRAIN_RESERVE_S), 0.1))
+        # Every shard released once flushed; the WAL trims left when the engine closes are
+        # dropped (they delete only flushed entries: the next owner's first flush does).
+        self.lifecycle.release_all(
+            states, flush=True, timeout=max(left(DRAIN_RESERVE_S), 0.1), wait_trims=False
+        )
         self.board.publish()
         self._paused_ends.close(timeout=min(left(), 1.0))
         self.topic_shards.close(timeout=min(left(), 1.0))

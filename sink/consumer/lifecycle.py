@@ -335,11 +335,17 @@ class Lifecycle:
         self.release_all([state], flush=flush, timeout=timeout)
 
     def release_all(
-        self, states: Sequence[PartitionState], *, flush: bool, timeout: float = 30.0
+        self,
+        states: Sequence[PartitionState],
+        *,
+        flush: bool,
+        timeout: float = 30.0,
+        wait_trims: bool = True,
     ) -> None:
         """`release` each of `states`, their writers closed at once (a revoke of many
         partitions held the group for one close after another); returns once every writer
-        is closed, so the next owner's claim finds none of them writing."""
+        is closed, so the next owner's claim finds none of them writing. `wait_trims`: see
+        `ShardWriter.close`."""
         writers = []
         for state in states:
             self.partitions.remove(state)
@@ -352,7 +358,7 @@ class Lifecycle:
             if writer is not None:
                 writers.append(writer)
         if len(writers) == 1:
-            self.engine.close_shard(writers[0], flush=flush, timeout=timeout)
+            self.engine.close_shard(writers[0], flush=flush, timeout=timeout, wait_trims=wait_trims)
         elif writers:
             with ThreadPoolExecutor(
                 max_workers=min(len(writers), OPEN_THREADS),
@@ -360,7 +366,13 @@ class Lifecycle:
                 initializer=name_os_thread,
             ) as closing:
                 done = [
-                    closing.submit(self.engine.close_shard, w, flush=flush, timeout=timeout)
+                    closing.submit(
+                        self.engine.close_shard,
+                        w,
+                        flush=flush,
+                        timeout=timeout,
+                        wait_trims=wait_trims,
+                    )
                     for w in writers
                 ]
             for future in done:
