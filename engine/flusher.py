@@ -201,6 +201,7 @@ class ShardFlush:
         #: In a round (or `drain_inline`) between `prepare` and `settle`.
         self._in_round = False
         self._abandoned = False
+        self._release_when_flushed = False
         self._attempts = 0
         self._delay = retry_initial_s
         #: Not flushed again before this `time.monotonic()` (backoff after a failure).
@@ -250,6 +251,13 @@ class ShardFlush:
                 self.manifest = self.manifests.advance(self.manifest, owner_url="", released=True)
             except Exception as exc:  # noqa: BLE001 - see above
                 self.log.info("shard_release_not_recorded", error=str(exc))
+
+    def release_when_flushed(self) -> None:
+        """The writer is closing with nothing left to put: the flush that empties the
+        frozen queue also records the release (one manifest write for both; a drain of a
+        thousand shards on S3 wrote each twice)."""
+        with self._lock:
+            self._release_when_flushed = True
 
     def superseded(self) -> bool:
         """True if a newer writer claimed the shard (probes the manifest: storage I/O)."""
@@ -398,18 +406,26 @@ class ShardFlush:
             memtable.committed_version = version
         offsets = part.record.offsets
         flushed_offsets = {**self.manifest.flushed_offsets, **offsets}
+        with self._lock:
+            last = self._release_when_flushed and len(self._frozen) == 1
+        released: dict[str, object] = {"owner_url": "", "released": True} if last else {}
         with self._manifest_lock:
             self.manifest = self.manifests.advance(
                 self.manifest,
+                collect=False,  # on the trim thread: a listing and a delete
                 flushed_position=memtable.last_position,
                 flushed_offsets=flushed_offsets,
                 lance_version=version,
                 generation=memtable.generation + 1,
+                **released,
             )
+        manifest_version = self.manifest.version
         with self._lock:
             self.flushed_position = memtable.last_position
             self.flushed_offsets = {_unkey(k): v for k, v in flushed_offsets.items()}
-        self._trimmed = self.flusher.trim(lambda: self._trim_wal(memtable.last_position))
+        self._trimmed = self.flusher.trim(
+            lambda: self._trim_wal(memtable.last_position, manifest_version)
+        )
         with self._lock:
             self._frozen.popleft()
             self.dropped_through = max(self.dropped_through, version)
@@ -472,9 +488,11 @@ class ShardFlush:
             self._running = False
             self._idle.set()
 
-    def _trim_wal(self, position: int) -> None:
-        """Delete WAL entries the manifest says are flushed (at or below `position`)."""
+    def _trim_wal(self, position: int, manifest_version: int) -> None:
+        """Delete WAL entries the manifest says are flushed (at or below `position`), and
+        manifest versions before the one preceding `manifest_version`."""
         try:
             self.wal.delete_through(position)
+            self.manifests.collect(manifest_version)
         except Exception as exc:  # noqa: BLE001 - trimming is retried by the next flush
             self.log.warning("wal_trim_failed", error=str(exc))

@@ -155,14 +155,18 @@ class ManifestStore:
                 self.storage.put_if_absent(self.key(claimed.version), claimed.encode())
             except AlreadyExists:
                 continue
-            self._collect(claimed.version)
+            self.collect(claimed.version)
             return claimed
         raise PersistenceError(
             "could not claim the shard: too many concurrent claims", shard=self.shard
         )
 
-    def advance(self, current: ShardManifest, **changes: object) -> ShardManifest:
-        """Write the next version with `changes`, as the writer holding `current.epoch`.
+    def advance(
+        self, current: ShardManifest, *, collect: bool = True, **changes: object
+    ) -> ShardManifest:
+        """Write the next version with `changes`, as the writer holding `current.epoch`;
+        with `collect`, then delete the versions before the previous one (a listing and a
+        delete: a flush leaves that to its WAL trim's thread, `collect`).
 
         Raises:
             Fenced: a newer version exists (another writer claimed the shard).
@@ -174,7 +178,8 @@ class ManifestStore:
             raise Fenced(
                 "a newer writer claimed the shard", shard=self.shard, epoch=current.epoch
             ) from exc
-        self._collect(nxt.version)
+        if collect:
+            self.collect(nxt.version)
         return nxt
 
     def superseded(self, current: ShardManifest) -> bool:
@@ -185,8 +190,8 @@ class ManifestStore:
         """
         return max(self._versions(), default=0) > current.version
 
-    def _collect(self, newest: int) -> None:
-        """Delete versions older than the previous one (best effort)."""
+    def collect(self, newest: int) -> None:
+        """Delete versions older than the one before `newest` (best effort)."""
         for version in self._versions():
             if version < newest - 1:
                 self.storage.delete(self.key(version))

@@ -586,6 +586,9 @@ class ShardWriter:
         self._finish_wal(timeout)
         if flush and self._poison is None:
             self.seal()
+            with self._lock:
+                if not self._pending and not self._memtables.active.rows:
+                    self._flush.release_when_flushed()
             if not self.wait_flushed(timeout):
                 self.log.warning("close_flush_incomplete", frozen=len(self._memtables.frozen))
         # Whatever is still frozen is left to the next owner's replay; a flush already
@@ -601,8 +604,8 @@ class ShardWriter:
                     and not self._memtables.frozen
                     and not self._memtables.active.rows
                 )
-            if drained:  # every row in the Lance table: other pods ask nobody for it
-                self._flush.release()
+            if drained and not self._flush.manifest.released:
+                self._flush.release()  # every row in the table: other pods ask nobody for it
         if flush and wait_trims:
             try:
                 self._flush.wait_trimmed(timeout)
