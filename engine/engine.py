@@ -223,6 +223,10 @@ class Engine:
         with self._lock:
             return list(self._writers.values())
 
+    def leave_trims(self) -> None:
+        """Trim no flushed WAL entries from now on (a drain: `Flusher.leave_trims`)."""
+        self.flusher.leave_trims()
+
     def close(self, *, flush: bool = True, timeout: float = 30.0) -> None:
         """Close every open writer, then the flush pool and the WAL scheduler."""
         for writer in self.writers():

@@ -89,6 +89,7 @@ class Flusher:
         self.limits = coalesce or CoalesceLimits()
         self._coalescers: dict[BaseTable, FlushCoalescer] = {}
         self._lock = threading.Lock()
+        self._leaving_trims = False
 
     def submit(self, fn: Callable[[], None]) -> None:
         self._pool.submit(fn)
@@ -103,7 +104,19 @@ class Flusher:
             return coalescer
 
     def trim(self, fn: Callable[[], None]) -> Future[None]:
-        return self._trimmer.submit(fn)
+        """Run the WAL trim `fn` on a trim thread (not at all once `leave_trims`)."""
+
+        def run() -> None:
+            if not self._leaving_trims:
+                fn()
+
+        return self._trimmer.submit(run)
+
+    def leave_trims(self) -> None:
+        """Run no WAL trim from now on, queued ones included (a drain: they delete only
+        flushed entries, which the next owner's first flush deletes; on S3 a thousand
+        shards' trims competed with the drain's manifest writes)."""
+        self._leaving_trims = True
 
     def shutdown(self, *, cancel_trims: bool = False) -> None:
         """Stop the threads once their work is done; `cancel_trims` drops the WAL trims not

@@ -548,11 +548,24 @@ class ShardWriter:
 
     # ------------------------------------------------------------------ close / stats
 
-    def seal(self) -> None:
-        """Force-seal the active memtable (drain/close/revoke ignore `may_seal`)."""
+    def seal(self, *, closing: bool = False) -> None:
+        """Force-seal the active memtable (drain/close/revoke ignore `may_seal`).
+
+        `closing`: no put is accepted from now on (the writer is about to close), and when
+        nothing is left buffered the flush that empties the frozen queue also records the
+        release (one manifest write for both). A drain seals every shard so before closing
+        any: the closes wait for free threads, and most shards' flushes end before theirs
+        starts (a thousand shards on S3 then wrote each manifest twice)."""
         with self._lock:
+            if closing:
+                self._closing = True
             if self._memtables.active.rows and self._poison is None:
                 self._memtables.seal(reason="forced")
+            if self._closing and not self._pending and not self._memtables.active.rows:
+                # Stays true: a closing writer takes no put, and only puts fill these.
+                self._flush.release_when_flushed()
+        if closing:
+            self._wake_wal()  # writes what is buffered at once (`_next_wake` while closing)
 
     def wait_flushed(self, timeout: float) -> bool:
         """Wait until no frozen memtable is left (or the writer is poisoned)."""
@@ -585,10 +598,7 @@ class ShardWriter:
             self._closing = True
         self._finish_wal(timeout)
         if flush and self._poison is None:
-            self.seal()
-            with self._lock:
-                if not self._pending and not self._memtables.active.rows:
-                    self._flush.release_when_flushed()
+            self.seal()  # closing: with nothing buffered, the last flush records the release
             if not self.wait_flushed(timeout):
                 self.log.warning("close_flush_incomplete", frozen=len(self._memtables.frozen))
         # Whatever is still frozen is left to the next owner's replay; a flush already

@@ -537,14 +537,16 @@ class SinkService:
         self.maintenance.request_stop(left(DRAIN_RESERVE_S))
         self.flow.pause_all(states)
         self.settle(states, left(DRAIN_RESERVE_S) / 2)
+        # The flushed WAL entries are left to the next owners' first flushes: the drain's
+        # storage requests go to its flushes and manifests.
+        self.engine.leave_trims()
         # Seal every shard before closing any: their memtables wait for the same flush
         # rounds (engine.coalesce), a few Lance commits for all of them, where a close after
         # another sealed and waited for one commit per shard.
         for state in states:
             if state.writer is not None:
-                state.writer.seal()
-        # Every shard released once flushed; the WAL trims left when the engine closes are
-        # dropped (they delete only flushed entries: the next owner's first flush does).
+                state.writer.seal(closing=True)
+        # Every shard released once flushed, without waiting for WAL trims (left above).
         self.lifecycle.release_all(
             states, flush=True, timeout=max(left(DRAIN_RESERVE_S), 0.1), wait_trims=False
         )

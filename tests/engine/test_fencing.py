@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from engine.errors import Fenced
+from engine.errors import Fenced, Poisoned
 from engine.flusher import TRIM_THREADS
 from engine.manifest import ShardManifest
 from engine.shard import ShardWriter
@@ -201,4 +201,54 @@ def test_a_clean_close_records_its_last_flush_and_the_release_in_one_manifest_wr
     assert latest.released
     assert latest.owner_url == ""
     assert latest.lance_version == int(h.table.dataset().version)
+    assert sorted(h.base_rows().column("_offset").to_pylist()) == list(range(10))
+
+
+def test_a_drain_leaves_the_wal_trims_to_the_next_owner(local_harness: MakeHarness) -> None:
+    """Once the engine leaves trims (a drain), a flush deletes no WAL entries, queued trims
+    included: the drain's storage requests go to flushes and manifests, and the next
+    owner's first flush deletes the entries left."""
+    h = local_harness()
+    gate = threading.Event()
+    for _ in range(TRIM_THREADS):  # other shards' trims hold every trim thread
+        h.flusher.trim(lambda: gate.wait(60))
+    queued = h.open(shard="t-1-test")
+    queued.put(make_batch(h.spec, 0, 5, partition=1), source(0, 5, partition=1)).result(30)
+    queued.close(flush=True, wait_trims=False)  # its trim queued behind the gates
+    h.flusher.leave_trims()
+    gate.set()
+    old = h.open()
+    old.put(make_batch(h.spec, 0, 10), source(0, 10)).result(30)
+    old.close(flush=True, wait_trims=False)
+    h.flusher.shutdown()  # every trim submitted has run (or been left)
+    assert old.manifests.latest().released
+    assert old.wal.positions(), "a trim ran after leave_trims"
+    assert queued.wal.positions(), "a queued trim ran after leave_trims"
+    h2 = local_harness()  # the next owner, in a new process
+    new = h2.open()
+    new.put(make_batch(h.spec, 10, 5), source(10, 5)).result(30)
+    new.close(flush=True)
+    assert new.wal.positions() == []
+    assert sorted(h2.base_rows().column("_offset").to_pylist()) == sorted([*range(5), *range(15)])
+
+
+def test_a_shard_sealed_to_close_records_the_release_with_its_flush_before_its_close(
+    any_harness: MakeHarness,
+) -> None:
+    """A drain seals every shard (`seal(closing=True)`) before closing any, and the closes
+    wait for free threads: a flush that ends before its shard's close starts still records
+    the release in its own manifest write, and the close writes none."""
+    h = any_harness()
+    writer = h.open()
+    claimed = writer.manifests.latest()
+    writer.put(make_batch(h.spec, 0, 10), source(0, 10)).result(30)
+    writer.seal(closing=True)
+    with pytest.raises(Poisoned, match="closed"):
+        writer.put(make_batch(h.spec, 10, 1), source(10, 1))
+    assert writer.wait_flushed(30)
+    flushed = writer.manifests.latest()
+    assert flushed.version == claimed.version + 1
+    assert flushed.released
+    writer.close(flush=True)
+    assert writer.manifests.latest() == flushed
     assert sorted(h.base_rows().column("_offset").to_pylist()) == list(range(10))
