@@ -4,9 +4,11 @@
         s3.storage_options   # for `table.storage_options` / Lance / obstore
         s3.bucket            # a fresh bucket
 
-The proxy forwards bytes both ways and sleeps `latency_ms` before passing on each chunk the
-client sends (an HTTP request arrives as one or a few chunks on a kept-alive connection), so
-every S3 call costs at least one latency, like a request to a remote region. Used by
+The proxy forwards bytes both ways and sleeps `latency_ms` before passing on the first chunk
+of each request (the first the client sends after a response: an HTTP request arrives as
+one or a few chunks on a kept-alive connection, headers and body apart), so every S3 call
+costs one latency, like a request to a remote region. (Held per chunk, as before
+2026-12-06, a PUT with a body cost two.) Used by
 `bench.scale --s3-latency-ms` for the drain of many shards against its deadline.
 """
 
@@ -39,11 +41,30 @@ class SlowS3:
         }
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float) -> None:
+class _Exchange:
+    """One connection's turn: an HTTP/1.1 client sends its next request only after the
+    response to the last one, so the first chunk after a response starts a request."""
+
+    def __init__(self) -> None:
+        self.answered = True
+
+
+async def _pipe(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    delay_s: float,
+    exchange: _Exchange,
+    *,
+    request: bool,
+) -> None:
     try:
         while chunk := await reader.read(1 << 16):
-            if delay_s:
-                await asyncio.sleep(delay_s)
+            if request and exchange.answered:  # a new request: held once, not per chunk
+                exchange.answered = False
+                if delay_s:
+                    await asyncio.sleep(delay_s)
+            elif not request:
+                exchange.answered = True
             writer.write(chunk)
             await writer.drain()
     except (ConnectionError, asyncio.CancelledError):
@@ -55,7 +76,11 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
 def _serve(port: int, target_port: int, delay_s: float, ready: threading.Event) -> None:
     async def handle(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
         sr, sw = await asyncio.open_connection("127.0.0.1", target_port)
-        await asyncio.gather(_pipe(cr, sw, delay_s), _pipe(sr, cw, 0.0))
+        exchange = _Exchange()
+        await asyncio.gather(
+            _pipe(cr, sw, delay_s, exchange, request=True),
+            _pipe(sr, cw, 0.0, exchange, request=False),
+        )
 
     async def main() -> None:
         server = await asyncio.start_server(handle, "127.0.0.1", port)

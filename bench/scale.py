@@ -335,11 +335,12 @@ def one_run(
 
 
 def drain_steps(log: Path) -> str:
-    """When the drain's flush commits ended and the sink stopped, in seconds after it began
-    draining (from the sink's log)."""
+    """When the drain's flush commits ended, the shards closed and the sink stopped, in
+    seconds after it began draining (from the sink's log)."""
     began: datetime | None = None
     commits: list[tuple[float, int]] = []
     stopped = None
+    closed: list[float] = []
     for line in log.read_text().splitlines():
         if not line.startswith("{"):
             continue
@@ -349,12 +350,15 @@ def drain_steps(log: Path) -> str:
             began = at
         elif began is not None and event.get("event") == "flush_committed":
             commits.append(((at - began).total_seconds(), int(event.get("shards", 1))))
+        elif began is not None and event.get("event") == "shard_closed":
+            closed.append((at - began).total_seconds())
         elif began is not None and event.get("event") == "sink_stopped":
             stopped = (at - began).total_seconds()
     if began is None:
         return "no drain in the log"
     rounds = ", ".join(f"{n} shards at {t:.1f} s" for t, n in commits) or "none"
-    return f"drain: commits {rounds}; stopped at {stopped or float('nan'):.1f} s"
+    shards = f"{len(closed)} shards closed by {max(closed):.1f} s; " if closed else ""
+    return f"drain: commits {rounds}; {shards}stopped at {stopped or float('nan'):.1f} s"
 
 
 def fmt(r: dict[str, Any]) -> str:
