@@ -45,6 +45,14 @@ def open_shards(h: Harness, count: int, **overrides: Any) -> list[ShardWriter]:
     return [h.open(shard=shard_of(p), **overrides) for p in range(count)]
 
 
+def shards_with_rows(h: Harness, count: int, rows: int) -> list[ShardWriter]:
+    """`count` open shards, `rows` rows in each (partition p: offsets 0 .. rows - 1)."""
+    writers = open_shards(h, count)
+    for p, w in enumerate(writers):
+        put_rows(h, w, p, 0, rows)
+    return writers
+
+
 def put_rows(
     h: Harness, writer: ShardWriter, partition: int, first: int, count: int, **kw: Any
 ) -> None:
@@ -70,9 +78,7 @@ def test_shards_flushing_together_share_commits_within_the_rate(
 ) -> None:
     rate = 2.0
     h = local_harness(coalesce=CoalesceLimits(max_commits_per_s=rate))
-    writers = open_shards(h, 8)
-    for p, w in enumerate(writers):
-        put_rows(h, w, p, 0, 20)
+    writers = shards_with_rows(h, 8, 20)
     warm_up(h)
     before = h.table.latest_version()
     started = time.monotonic()
@@ -114,9 +120,7 @@ def test_a_shard_alone_commits_at_once(local_harness: MakeHarness) -> None:
 
 def test_a_fenced_shard_does_not_fail_the_others(local_harness: MakeHarness) -> None:
     h = local_harness(coalesce=CoalesceLimits(max_commits_per_s=1))
-    writers = open_shards(h, 3)
-    for p, w in enumerate(writers):
-        put_rows(h, w, p, 0, 10)
+    writers = shards_with_rows(h, 3, 10)
     newer = h.open(shard=shard_of(1))  # claims shard 1: writers[1] is fenced
     warm_up(h)
     before = h.table.latest_version()
@@ -144,9 +148,7 @@ def test_a_failed_coalesced_commit_is_retried_by_every_shard(
 ) -> None:
     config = writer_config(flush_retry_initial_s=0.05, flush_max_attempts=100)
     h = local_harness(config=config, coalesce=CoalesceLimits(max_commits_per_s=1))
-    writers = open_shards(h, 3)
-    for p, w in enumerate(writers):
-        put_rows(h, w, p, 0, 10)
+    writers = shards_with_rows(h, 3, 10)
     warm_up(h)
     real = h.table.commit_flush
     failures = [2]
@@ -174,9 +176,7 @@ def test_a_coalesced_commit_failing_for_good_poisons_every_shard(
 ) -> None:
     config = writer_config(flush_retry_initial_s=0.01, flush_max_attempts=3)
     h = local_harness(config=config, coalesce=CoalesceLimits(max_commits_per_s=1))
-    writers = open_shards(h, 3)
-    for p, w in enumerate(writers):
-        put_rows(h, w, p, 0, 10)
+    writers = shards_with_rows(h, 3, 10)
     warm_up(h)
 
     def failing(*args: Any, **kwargs: Any) -> int:
@@ -262,9 +262,8 @@ def test_crash_between_a_coalesced_commit_and_the_manifests(local_harness: MakeH
     """The multi-shard commit landed, no manifest recorded it: each shard's open finds its
     own mark in it, so nothing is replayed into a second commit (I3)."""
     h = local_harness()
-    writers = open_shards(h, 3)
-    for p, w in enumerate(writers):
-        put_rows(h, w, p, 0, 10)
+    writers = shards_with_rows(h, 3, 10)
+    for w in writers:
         w.close(flush=False)
     records = []
     upserts = []
@@ -344,9 +343,7 @@ def test_a_round_reads_each_table_version_once(
     a stale writer's flush (I3): the table keeps the transactions read, so a round of 16
     shards reads each version once, not 16 times (on S3, a round trip each)."""
     h = local_harness(coalesce=CoalesceLimits(max_commits_per_s=1))
-    writers = open_shards(h, 16)
-    for p, w in enumerate(writers):
-        put_rows(h, w, p, 0, 5)
+    writers = shards_with_rows(h, 16, 5)
     for i in range(3):  # versions above every shard's claim
         w = h.open(shard=f"other-{i}")
         put_rows(h, w, 90 + i, 0, 1)
@@ -378,9 +375,7 @@ def test_a_round_of_many_shards_flushes_them_all(any_harness: MakeHarness) -> No
     by one thread at a time), and every shard flushes, none poisoned, each finding its
     mark."""
     h = any_harness(coalesce=CoalesceLimits(max_commits_per_s=1))
-    writers = open_shards(h, 32)
-    for p, w in enumerate(writers):
-        put_rows(h, w, p, 0, 3)
+    writers = shards_with_rows(h, 32, 3)
     warm_up(h)
     before = h.table.latest_version()
     for w in writers:

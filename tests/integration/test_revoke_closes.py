@@ -34,9 +34,9 @@ def test_a_revoke_closes_its_writers_at_once(
         states.append(state)
     close = service.engine.close_shard
 
-    def slow_close(writer: ShardWriter, *, flush: bool, timeout: float) -> None:
+    def slow_close(writer: ShardWriter, *, flush: bool, timeout: float, **kwargs: bool) -> None:
         time.sleep(CLOSE_DELAY_S)
-        close(writer, flush=flush, timeout=timeout)
+        close(writer, flush=flush, timeout=timeout, **kwargs)
 
     monkeypatch.setattr(service.engine, "close_shard", slow_close)
     started = time.monotonic()
