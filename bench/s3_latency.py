@@ -7,8 +7,8 @@
 The proxy forwards bytes both ways and sleeps `latency_ms` before passing on the first chunk
 of each request (the first the client sends after a response: an HTTP request arrives as
 one or a few chunks on a kept-alive connection, headers and body apart), so every S3 call
-costs one latency, like a request to a remote region. (Held per chunk, as before
-2026-12-06, a PUT with a body cost two.) Used by
+costs one latency, like a request to a remote region (held per chunk, as before, a request
+sent in several chunks cost several). Used by
 `bench.scale --s3-latency-ms` for the drain of many shards against its deadline.
 """
 
