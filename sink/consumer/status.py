@@ -50,10 +50,11 @@ from sink.metrics import Metrics, memory_limit_bytes, resident_bytes
 # at 1,024, measured: a quarter of the idle loop's CPU at 50 publishes a second), so...
 PUBLISH_INTERVAL_S: Final = 0.02
 # ...while no row became durable for `PUBLISH_BUSY_S` (and no partition changed phase: that
-# publishes at once), the views are republished only this often. What moves then without
-# rows (a dead letter acknowledged, a skipped marker) also moves `done`, and the commit that
-# follows publishes before it is sent (I14).
-PUBLISH_IDLE_INTERVAL_S: Final = 0.25
+# publishes at once), the views are republished only this often (a quiet loop ticks as
+# often: `sink.service.QUIET_TICK_INTERVAL_S`). What moves then without rows (a dead letter
+# acknowledged, a skipped marker) also moves `done`, and the commit that follows publishes
+# before it is sent (I14).
+PUBLISH_IDLE_INTERVAL_S: Final = 1.0
 PUBLISH_BUSY_S: Final = 0.1
 # The status's ingest rate averages this many metrics refreshes (10 s at 1 s): long enough
 # to smooth consume batches, short enough to show a stall within seconds.
@@ -205,13 +206,15 @@ class StatusBoard:
         with self._offsets_lock:
             self._consumer_closed = True
 
-    def refresh_metrics(self) -> None:
-        """Refresh the process-wide gauges and the views (the loop, once a second). The
+    def refresh_metrics(self, now: float) -> None:
+        """Refresh the process-wide gauges and the views unless the tick at `now` just
+        published them (the loop, once a second). The
         gauges of each partition and its shard are set at each scrape instead
         (`exposition`): setting them here cost the idle loop a pass over every partition's
         writer statistics a second (5% of a core at 1,024 partitions, measured; issue #39)
         for gauges nobody reads between scrapes."""
-        self.publish()
+        if self.published_at < now:
+            self.publish()
         # End offsets of the partitions the consumer does not fetch come from the probe.
         self.paused_ends.track(v.key for v in self.views if not v.fetched)
         self._ingest_window.append((time.monotonic(), self.metrics.rows_total))

@@ -43,7 +43,7 @@ def test_partition_metrics_by_topic_reach_the_exposition(
             state = PartitionState(topic, p, 0, phase=Phase.ACTIVE, position=0, done=0)
             state.shard, state.writer = writer.shard, writer
             service.partitions.add(state)
-            service.board.refresh_metrics()  # the loop's, once a second
+            service.board.refresh_metrics(time.monotonic())  # the loop's, once a second
             text = service.board.exposition().decode()
             counts.append(sum(1 for line in text.splitlines() if not line.startswith("#")))
             assert 'partition="' not in text
@@ -140,13 +140,15 @@ def test_a_quiet_loop_ticks_a_few_times_a_second_and_a_message_ends_the_wait(
     tansu_broker: Broker, topic: str, group: str, tmp_path: Path
 ) -> None:
     """Caught up with nothing to consume, the loop passes over every partition (a tick)
-    about 1 / QUIET_TICK_INTERVAL_S (4) times a second, not at every consume() wait (40
-    a second before); a message produced then is durable at once, not after the wait."""
+    about once a second (QUIET_TICK_INTERVAL_S), not at every consume() wait (40 a
+    second before issue #39, then 4: a third of the idle loop's CPU at 1,024
+    partitions); a message produced then is durable at once, not after the wait."""
     with running_idle(tansu_broker, topic, group, tmp_path) as (service, _, ticks):
         start = time.monotonic()
-        time.sleep(2.0)
-        rate = sum(1 for t in ticks if t >= start) / (time.monotonic() - start)
-        assert rate <= 10, rate
+        time.sleep(3.0)
+        seconds = time.monotonic() - start
+        count = sum(1 for t in ticks if t >= start)
+        assert count <= 1.5 * seconds, count
         produced = time.monotonic()
         produce(tansu_broker.bootstrap, topic, messages(10, 1))
         while service.metrics.rows_total < 11:

@@ -12,6 +12,7 @@ from engine.engine import Engine
 from engine.errors import Fenced
 from sink.consumer import partition
 from sink.consumer.partition import Held, PartitionState, Phase
+from sink.consumer.status import PUBLISH_IDLE_INTERVAL_S
 from sink.decoded import Decoded
 from sink.service import SinkService
 from tests.support.brokers import Broker
@@ -126,9 +127,9 @@ def test_a_quiet_loop_publishes_the_views_less_often(
     start = board.published_at
     board.ticked(start)  # the first tick sees the row count: counted as rows moving
     views = board.views
-    board.ticked(start + 0.15)  # quiet for 0.15 s: not yet PUBLISH_IDLE_INTERVAL_S
+    board.ticked(start + PUBLISH_IDLE_INTERVAL_S / 2)  # quiet, not yet for the interval
     assert board.views is views
-    board.ticked(start + 0.3)
+    board.ticked(start + PUBLISH_IDLE_INTERVAL_S + 0.05)
     assert board.views is not views
     views, start = board.views, board.published_at
     service.metrics.rows_total += 1  # a row became durable
