@@ -11,6 +11,8 @@ WAL scheduler). Several shards write to the same Lance table.
 from __future__ import annotations
 
 import threading
+import time
+from typing import Final
 
 import structlog
 
@@ -23,13 +25,17 @@ from engine.manifest import ShardOrigin
 from engine.memtable import SealLimits
 from engine.schema import TableSpec
 from engine.shard import ShardWriter, WriterConfig
-from engine.shard_ids import legacy_shard_ids, moved_shard_ids, shard_id
+from engine.shard_ids import ShardFolders, legacy_shard_ids, moved_shard_ids, shard_id
 from engine.shard_stats import EngineEvents
 from engine.storage import Storage, canonical_uri, open_storage
 from engine.table import BaseTable
 from engine.wal_scheduler import DEFAULT_FENCE_PROBES_PER_S, WalScheduler
 
 log = structlog.get_logger("lance_sink.engine")
+
+#: How long one listing of the WAL storage root serves the opens looking for a moved
+#: shard id (`Engine._shard_folders`): the opens of one assignment share it.
+SHARD_FOLDERS_TTL_S: Final = 60.0
 
 
 def writer_config(settings: Settings) -> WriterConfig:
@@ -96,6 +102,9 @@ class Engine:
         self.wal_scheduler = WalScheduler(wal_workers, fence_probes_per_s=fence_probes_per_s)
         self._writers: dict[str, ShardWriter] = {}
         self._lock = threading.Lock()
+        # (when listed, the listing) of the WAL storage root (`_shard_folders`).
+        self._folders: tuple[float, ShardFolders] | None = None
+        self._folders_lock = threading.Lock()
         self.table.open()
 
     @classmethod
@@ -165,7 +174,7 @@ class Engine:
                 return legacy
         if not self.own_wal_storage:
             return current
-        moved = moved_shard_ids(self.storage, topic, partition, current)
+        moved = moved_shard_ids(self.storage, topic, partition, current, self._shard_folders())
         if len(moved) > 1:
             raise AmbiguousShard(
                 "this table's WAL storage holds the topic-partition's state under several "
@@ -186,6 +195,23 @@ class Engine:
             )
             return moved[0]
         return current
+
+    def _shard_folders(self) -> ShardFolders:
+        """The WAL storage root's shard folders, listed at most every
+        `SHARD_FOLDERS_TTL_S` for all opens (the opens of an assignment share one listing).
+
+        A listing every open made opening N new shards cost N listings of a root growing to
+        N folders: at 1,024 partitions, a stat per folder per open (~500,000) took most of
+        the ~16 s the opens of a first start took (issue #39). One listing serves them all
+        because what it looks for, a shard folder under an id of an earlier table location,
+        only appears when a table is moved or copied with its WAL storage, before its sinks
+        start there; a folder created since is a shard's current id here (this process's or
+        a peer's), which `_has_state` finds without a listing."""
+        with self._folders_lock:
+            now = time.monotonic()
+            if self._folders is None or now - self._folders[0] > SHARD_FOLDERS_TTL_S:
+                self._folders = (now, ShardFolders.list(self.storage))
+            return self._folders[1]
 
     def _has_state(self, shard: str) -> bool:
         """Has a writer ever claimed `shard` (its manifest exists)?"""

@@ -52,7 +52,38 @@ def legacy_shard_ids(
     return out
 
 
-def moved_shard_ids(storage: Storage, topic: str, partition: int, current: str) -> list[str]:
+class ShardFolders:
+    """The shard folders at the root of a WAL storage, by the topic-partition their name
+    says (`<topic>-<partition>-` and 12 hex digits): one listing of the root, looked up by
+    every open that searches for a moved id (`moved_shard_ids`)."""
+
+    _NAME = re.compile(r"(.+)-([0-9]+)-[0-9a-f]{12}")
+
+    def __init__(self, folders: list[str]) -> None:
+        self.by_partition: dict[tuple[str, int], list[str]] = {}
+        for folder in folders:
+            match = self._NAME.fullmatch(folder)
+            if match is not None:
+                key = (match.group(1), int(match.group(2)))
+                self.by_partition.setdefault(key, []).append(folder)
+
+    @classmethod
+    def list(cls, storage: Storage) -> ShardFolders:
+        """One listing of the storage root."""
+        return cls(storage.folders(""))
+
+    def named_like(self, topic: str, partition: int) -> list[str]:
+        """The folders named like an id of `topic`-`partition`, sorted."""
+        return sorted(self.by_partition.get((_safe_topic(topic), partition), ()))
+
+
+def moved_shard_ids(
+    storage: Storage,
+    topic: str,
+    partition: int,
+    current: str,
+    folders: ShardFolders | None = None,
+) -> list[str]:
     """Shards of this topic-partition in `storage` under another id than `current`: what a
     table moved (or copied) with its WAL storage left under the ids of its old location.
 
@@ -62,12 +93,15 @@ def moved_shard_ids(storage: Storage, topic: str, partition: int, current: str) 
     taken on its folder name alone. Safe only where the WAL storage is the table's own (see
     `legacy_shard_ids`): in a shared one these are other tables' shards.
 
-    Costs one listing of the storage root, and a listing and a read per candidate folder.
+    Costs one listing of the storage root (none with `folders`, a listing taken earlier:
+    see `Engine.shard_id` for why one listing serves many opens), and a listing and a read
+    per candidate folder.
     """
-    pattern = re.compile(re.escape(_safe_topic(topic)) + f"-{partition}-[0-9a-f]{{12}}")
+    if folders is None:
+        folders = ShardFolders.list(storage)
     out = []
-    for folder in storage.folders(""):
-        if folder == current or not pattern.fullmatch(folder):
+    for folder in folders.named_like(topic, partition):
+        if folder == current:
             continue
         manifest = ManifestStore(storage, folder).latest()
         origin = manifest.origin

@@ -78,10 +78,21 @@ class Flow:
     def assign_at(self, state: PartitionState, offset: int) -> None:
         """Hand the partition to the consumer, fetching from `offset` (a logical offset
         such as OFFSET_BEGINNING too), unpaused."""
-        self.consumer.incremental_assign([TopicPartition(state.topic, state.partition, offset)])
-        self.consumer.resume([state.tp])
-        state.assigned = True
-        state.paused = False
+        self.assign_all([(state, offset)])
+
+    def assign_all(self, starts: Sequence[tuple[PartitionState, int]]) -> None:
+        """Hand the partitions to the consumer in one call, each fetching from its offset,
+        unpaused. One call per partition went through librdkafka's main thread a partition
+        at a time: the opens of a thousand partitions waited seconds for their turn."""
+        if not starts:
+            return
+        self.consumer.incremental_assign(
+            [TopicPartition(s.topic, s.partition, offset) for s, offset in starts]
+        )
+        self.consumer.resume([s.tp for s, _ in starts])
+        for state, _ in starts:
+            state.assigned = True
+            state.paused = False
 
     def unassign(self, state: PartitionState) -> None:
         """Take the partition out of the consumer's assignment (nothing is fetched until

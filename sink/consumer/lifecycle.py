@@ -185,14 +185,16 @@ class Lifecycle:
     def service(self) -> None:
         """Install the writers whose opens ended, and start the reopens whose backoff has
         passed (OPENING and RECOVERING partitions)."""
+        starts: list[tuple[PartitionState, int]] = []
         for state in self.partitions.states():
             if state.phase is Phase.OPENING or state.phase is Phase.RECOVERING:
-                self._maybe_open(state)
+                self._maybe_open(state, starts)
+        self.flow.assign_all(starts)
 
-    def _maybe_open(self, state: PartitionState) -> None:
+    def _maybe_open(self, state: PartitionState, starts: list[tuple[PartitionState, int]]) -> None:
         if state.opening is not None:
             if state.opening.done():
-                self._take_opened(state)
+                self._take_opened(state, starts)
             return
         if time.monotonic() < state.recover_at or self.draining.drain_left() is not None:
             return
@@ -200,9 +202,10 @@ class Lifecycle:
             self._open, state.topic, state.partition, not state.committed_known, time.monotonic()
         )
 
-    def _take_opened(self, state: PartitionState) -> None:
-        """Install the writer `state.opening` opened and hand the partition to the consumer
-        at the resume offset, or record why the open failed (retried)."""
+    def _take_opened(self, state: PartitionState, starts: list[tuple[PartitionState, int]]) -> None:
+        """Install the writer `state.opening` opened and add the partition and its resume
+        offset to `starts` (handed to the consumer together), or record why the open
+        failed (retried)."""
         future, state.opening = state.opening, None
         assert future is not None
         try:
@@ -240,9 +243,7 @@ class Lifecycle:
         )
         if not state.assigned:
             kafka = self.settings.kafka
-            self.flow.assign_at(
-                state, START_AT[kafka.auto_offset_reset] if start is None else start
-            )
+            starts.append((state, START_AT[kafka.auto_offset_reset] if start is None else start))
 
     def open_failed(self, state: PartitionState, exc: BaseException, event: str | None) -> None:
         """Opening (or keeping) the partition's shard writer failed: retried with backoff,

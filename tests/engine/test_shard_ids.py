@@ -298,3 +298,29 @@ def test_a_shared_wal_storage_is_not_searched_for_a_moved_table(tmp_path: Path) 
         assert second.shard_id(TOPIC, 0) == shard_id(str(tmp_path / "u.lance"), TOPIC, 0)
     finally:
         second.close(flush=False)
+
+
+def test_the_opens_of_many_new_shards_share_one_listing_of_the_wal_root(
+    tmp_path: Path,
+) -> None:
+    # Each open of a new shard listed the WAL storage root (and looked at every folder in
+    # it) for a moved id: opening 1,024 new shards made ~500,000 stats, most of a first
+    # start's ~16 s of opens (issue #39). A table moved here keeps its old ids all the same
+    # (test above): the folders it brings exist before the first open lists the root.
+    engine = Engine.from_settings(settings(str(tmp_path / "t.lance")))
+    listings = []
+    folders = engine.storage.folders
+
+    def counted(prefix: str) -> list[str]:
+        listings.append(prefix)
+        return folders(prefix)
+
+    engine.storage.folders = counted  # type: ignore[method-assign]
+    try:
+        writers = [engine.open_shard(TOPIC, p) for p in range(32)]
+        assert [w.shard for w in writers] == [
+            shard_id(str(tmp_path / "t.lance"), TOPIC, p) for p in range(32)
+        ]
+        assert listings.count("") == 1, listings
+    finally:
+        engine.close(flush=False)
