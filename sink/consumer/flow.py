@@ -82,8 +82,8 @@ class Flow:
 
     def assign_all(self, starts: Sequence[tuple[PartitionState, int]]) -> None:
         """Hand the partitions to the consumer in one call, each fetching from its offset,
-        unpaused. One call per partition went through librdkafka's main thread a partition
-        at a time: the opens of a thousand partitions waited seconds for their turn."""
+        unpaused (a tick hands over every partition whose open ended: one request to
+        librdkafka's main thread for all of them, not one each)."""
         if not starts:
             return
         self.consumer.incremental_assign(
