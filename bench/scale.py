@@ -2,7 +2,7 @@
 
     python -m bench.scale [--partitions 8,64,256,1024] [--messages N] [--idle-s S]
                           [--compare ROOT] [--by-topic] [--max-age-s S]
-                          [--s3-latency-ms MS] [--out FILE]
+                          [--s3-latency-ms MS] [--processes 2,4] [--out FILE]
 
 One tansu broker (memory storage) for the whole run. For each partition count P, a topic of
 P partitions gets N small vector messages (16-dim JSON vectors, ~200 B), spread evenly;
@@ -33,7 +33,10 @@ moto S3 server behind a proxy that holds each request MS ms (`bench.s3_latency`)
 With `--compare ROOT` (another checkout, e.g. a worktree of main), every partition count
 runs there too, right before this checkout's, so the two columns of each row share the
 machine's state. With `--by-topic`, this checkout runs once more per partition count with
-`observability.partition_metrics = "topic"` (row `topic`). Targets (issue #39): at 1,024
+`observability.partition_metrics = "topic"` (row `topic`). With `--processes 2,4`, after
+the single-process rows, each partition count runs with that many processes of one group
+started together (`group_run`: the seconds until every partition is ACTIVE in exactly one
+of them, idle CPU summed over them, the drain of all at once). Targets (issue #39): at 1,024
 partitions idle CPU <= 5% of a core and <= 100 threads; catch-up rate at 256 partitions
 >= 0.8x the rate at 8.
 """
@@ -64,6 +67,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from bench.e2e import cpu_split, free_port, ingested, scrape, tansu, thread_cpu
 from bench.engine import WORDS
+from bench.rebalance import active
 from bench.s3_latency import SlowS3, slow_s3
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -334,6 +338,116 @@ def one_run(
             proc.wait(30)
 
 
+def group_run(
+    root: Path,
+    bootstrap: str,
+    partitions: int,
+    messages: int,
+    processes: int,
+    args: argparse.Namespace,
+    s3: SlowS3 | None = None,
+) -> dict[str, Any]:
+    """`processes` `lance-sink run` processes of one group, started together, on one topic
+    of `partitions` partitions: seconds from their start until every partition is ACTIVE
+    in exactly one of them and every /readyz answers 200 (`ready s`; /readyz alone is
+    ready on an empty assignment), the catch-up rate, then idle: CPU summed over them,
+    the most threads and RSS of one; then the drain of all of them at once."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"lance-sink-scale-{partitions}x{processes}-"))
+    topic = f"scale-{partitions}x{processes}-{uuid.uuid4().hex[:6]}"
+    group = f"scale-{uuid.uuid4().hex[:6]}"
+    create_topic(bootstrap, topic, partitions)
+    produce(bootstrap, topic, partitions, payloads(messages))
+    options = s3.storage_options if s3 is not None else None
+    uri = f"s3://{s3.bucket}/{topic}.lance" if s3 is not None else str(workdir / "t.lance")
+    ports, logs = [], []
+    for i in range(processes):
+        config = workdir / f"sink-{i}.toml"
+        ports.append(write_config(config, bootstrap, topic, group, uri, False, None, options))
+        logs.append(workdir / f"sink-{i}.log")
+    versions = Versions(uri, options)
+    committed = Committed(bootstrap, group, topic, partitions)
+    started = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "sink.cli", "run", "--config", str(workdir / f"sink-{i}.toml")],
+            cwd=root,
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        for i, log in enumerate(logs)
+    ]
+    everything = set(range(partitions))
+    first: float | None = None
+    ready: float | None = None
+    try:
+        deadline = started + args.timeout
+        while True:
+            for proc, log in zip(procs, logs, strict=True):
+                assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "not caught up and ready within the timeout"
+            with contextlib.suppress(urllib.error.URLError, OSError, KeyError, ValueError):
+                if first is None and sum(ingested(scrape(port)) for port in ports) > 0:
+                    first = time.monotonic()
+                if ready is None:
+                    answers = [active(port) for port in ports]
+                    held = [h for _, h, _ in answers]
+                    if (
+                        all(ok for ok, _, _ in answers)
+                        and sum(len(h) for h in held) == partitions
+                        and set().union(*held) == everything
+                    ):
+                        ready = time.monotonic()
+            if first is not None and ready is not None and committed.total() >= messages:
+                break
+            time.sleep(0.1)
+        done = time.monotonic()
+        time.sleep(args.settle_s)
+        before = [proc_stat(proc.pid) for proc in procs]
+        t0 = time.monotonic()
+        time.sleep(args.idle_s)
+        after = [proc_stat(proc.pid) for proc in procs]
+        seconds = time.monotonic() - t0
+        versions.stop()
+        commits, peak = versions.commits(first)
+        stopping = time.monotonic()
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        codes = [proc.wait(300) for proc in procs]
+        drain_s = time.monotonic() - stopping
+        assert codes == [0] * processes, (codes, logs[0].read_text()[-3000:])
+        table = lance.dataset(uri, storage_options=options)
+        assert table.count_rows() == messages, (table.count_rows(), messages)
+        assert first is not None
+        assert ready is not None
+        return {
+            "partitions": partitions,
+            "processes": processes,
+            "threads": max(a[1] for a in after),
+            "idle_cpu_pct": sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+            / seconds
+            * 100,
+            "rss_mib": max(a[2] for a in after) / (1 << 20),
+            "ready_s": ready - started,
+            "to_first_row_s": first - started,
+            "rate": messages / (done - first),
+            "commits": commits,
+            "commits_peak": peak,
+            "drain_s": drain_s,
+        }
+    finally:
+        versions.stop()
+        committed.close()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
+
+
 def drain_steps(log: Path) -> str:
     """When the drain's flush commits ended, the shards closed and the sink stopped, in
     seconds after it began draining (from the sink's log)."""
@@ -390,6 +504,12 @@ def main() -> None:
         default=None,
         help="the table (and its WAL) on moto S3 behind a proxy holding each request this long",
     )
+    parser.add_argument(
+        "--processes",
+        default=None,
+        help="e.g. 2,4: then that many processes of one group per partition count, this "
+        "checkout only (rows `N procs`)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     counts = [int(p) for p in args.partitions.split(",")]
@@ -432,6 +552,26 @@ def main() -> None:
                 print(f"         idle CPU by thread: {r['idle_split']}", flush=True)
                 report(f"         {r['drain_steps']}")
                 splits.append(f"{name:>8} {partitions:>6}: {r['idle_split']}")
+        if args.processes:
+            report(
+                "several processes of one group (this checkout; started together): idle% "
+                "summed over them, threads and RSS of the largest, ready s = every partition "
+                "ACTIVE in exactly one and every /readyz 200, drain s = all SIGTERMed at once"
+            )
+            report(
+                f"{'procs':>8} {'parts':>6} {'threads':>7} {'idle%':>8} {'RSS MiB':>7} "
+                f"{'ready s':>7} {'start s':>7} {'msg/s':>9} {'commits':>7} {'peak/s':>6} "
+                f"{'drain s':>7}"
+            )
+            for partitions in counts:
+                for n in (int(p) for p in args.processes.split(",")):
+                    r = group_run(ROOT, bootstrap, partitions, args.messages, n, args, s3)
+                    report(
+                        f"{n:>8} {partitions:>6} {r['threads']:>7} {r['idle_cpu_pct']:>8.1f} "
+                        f"{r['rss_mib']:>7.0f} {r['ready_s']:>7.1f} {r['to_first_row_s']:>7.1f} "
+                        f"{r['rate']:>9,.0f} {r['commits']:>7} {r['commits_peak']:>6} "
+                        f"{r['drain_s']:>7.1f}"
+                    )
     finally:
         broker.terminate()
         broker.wait(30)
