@@ -392,7 +392,7 @@ def group_run(
                     answers = [active(port) for port in ports]
                     held = [h for _, h, _ in answers]
                     if (
-                        all(ok for ok, _, _ in answers)
+                        all(ok and h for ok, h, _ in answers)
                         and sum(len(h) for h in held) == partitions
                         and set().union(*held) == everything
                     ):
