@@ -350,8 +350,9 @@ def group_run(
     """`processes` `lance-sink run` processes of one group, started together, on one topic
     of `partitions` partitions: seconds from their start until every partition is ACTIVE
     in exactly one of them, each holds one at least and every /readyz answers 200
-    (`ready s`; /readyz alone is ready on an empty assignment), the catch-up rate, then idle: CPU summed over them,
-    the most threads and RSS of one; then the drain of all of them at once."""
+    (`ready s`; /readyz alone is ready on an empty assignment), the catch-up rate, then
+    idle: CPU summed over them, the most threads and RSS of one; then the drain of all of
+    them at once."""
     workdir = Path(tempfile.mkdtemp(prefix=f"lance-sink-scale-{partitions}x{processes}-"))
     topic = f"scale-{partitions}x{processes}-{uuid.uuid4().hex[:6]}"
     group = f"scale-{uuid.uuid4().hex[:6]}"

@@ -210,7 +210,7 @@ class Engine:
         with self._folders_lock:
             now = time.monotonic()
             if self._folders is None or now - self._folders[0] > SHARD_FOLDERS_TTL_S:
-                self._folders = (now, ShardFolders.list(self.storage))
+                self._folders = (now, ShardFolders.listed(self.storage))
             return self._folders[1]
 
     def _has_state(self, shard: str) -> bool:

@@ -68,7 +68,7 @@ class ShardFolders:
                 self.by_partition.setdefault(key, []).append(folder)
 
     @classmethod
-    def list(cls, storage: Storage) -> ShardFolders:
+    def listed(cls, storage: Storage) -> ShardFolders:
         """One listing of the storage root."""
         return cls(storage.folders(""))
 
@@ -98,7 +98,7 @@ def moved_shard_ids(
     per candidate folder.
     """
     if folders is None:
-        folders = ShardFolders.list(storage)
+        folders = ShardFolders.listed(storage)
     out = []
     for folder in folders.named_like(topic, partition):
         if folder == current:
