@@ -94,11 +94,12 @@ METRICS_INTERVAL_S: Final = 1.0
 QUIET_CONSUME_TIMEOUT_S: Final = 0.025
 # How often a quiet loop ticks all the same: what comes due without a message or a
 # callback (a transaction's last marker to step over, `Commits.skip_records_without_data`;
-# the views' idle republish, `status.PUBLISH_IDLE_INTERVAL_S`; an open's or a registry
-# lookup's retry) waits at most this much more. Once a second: a tick is a pass over every
-# partition (its views, `done`, the consumer's positions), four a second were a third of
-# the idle loop's CPU at 1,024 partitions (measured, issue #39). The status's figures that
-# move without the loop (writers' statistics, end offsets) are read at each scrape.
+# the views' idle republish, `status.PUBLISH_IDLE_INTERVAL_S`) waits at most this much
+# more (a partition opening, recovering or waiting for the registry keeps the loop from
+# being quiet). Once a second: a tick is a pass over every partition (its views, `done`,
+# the consumer's positions), four a second were a third of the idle loop's CPU at 1,024
+# partitions (measured, issue #39). The status's figures that move without the loop
+# (writers' statistics, end offsets) are read at each scrape.
 QUIET_TICK_INTERVAL_S: Final = 1.0
 # What the drain keeps for the steps after the partitions and the maintenance child
 # (closing the reader, the engine and the servers): the maintenance child may use the

@@ -208,11 +208,11 @@ class StatusBoard:
 
     def refresh_metrics(self, now: float) -> None:
         """Refresh the process-wide gauges and the views unless the tick at `now` just
-        published them (the loop, once a second). The
-        gauges of each partition and its shard are set at each scrape instead
-        (`exposition`): setting them here cost the idle loop a pass over every partition's
-        writer statistics a second (5% of a core at 1,024 partitions, measured; issue #39)
-        for gauges nobody reads between scrapes."""
+        published them (the loop, once a second). The gauges of each partition and its
+        shard are set at each scrape instead (`exposition`): setting them here cost the
+        idle loop a pass over every partition's writer statistics a second (5% of a core
+        at 1,024 partitions, measured; issue #39) for gauges nobody reads between
+        scrapes."""
         if self.published_at < now:
             self.publish()
         # End offsets of the partitions the consumer does not fetch come from the probe.
