@@ -7,7 +7,7 @@ run on it too); a consumer call that raises is logged and reported, never fatal.
 
 librdkafka rules it follows:
 - An assignment starts unpaused, and a partition paused before it was taken out of the
-  assignment may keep its pause: `assign_at` resumes what it assigns.
+  assignment may keep its pause: `assign_all` resumes what it assigns.
 - A partition whose fetch offset the broker refused is in an "erroneous state" that
   refuses seeks: `refetch` takes it out of the assignment and puts it back at the offset.
 - A rebalance callback that assigns nothing would have the client assign every
@@ -75,15 +75,11 @@ class Flow:
         for state in states:
             state.paused = True
 
-    def assign_at(self, state: PartitionState, offset: int) -> None:
-        """Hand the partition to the consumer, fetching from `offset` (a logical offset
-        such as OFFSET_BEGINNING too), unpaused."""
-        self.assign_all([(state, offset)])
-
     def assign_all(self, starts: Sequence[tuple[PartitionState, int]]) -> None:
-        """Hand the partitions to the consumer in one call, each fetching from its offset,
-        unpaused (a tick hands over every partition whose open ended: one request to
-        librdkafka's main thread for all of them, not one each)."""
+        """Hand the partitions to the consumer in one call, each fetching from its offset
+        (a logical offset such as OFFSET_BEGINNING too), unpaused (a tick hands over every
+        partition whose open ended: one request to librdkafka's main thread for all of
+        them, not one each)."""
         if not starts:
             return
         self.consumer.incremental_assign(
@@ -96,7 +92,7 @@ class Flow:
 
     def unassign(self, state: PartitionState) -> None:
         """Take the partition out of the consumer's assignment (nothing is fetched until
-        `assign_at`); a refusal is logged."""
+        `assign_all`); a refusal is logged."""
         if not state.assigned:
             return
         try:

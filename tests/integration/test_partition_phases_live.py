@@ -27,7 +27,7 @@ def active(service: SinkService, topic: str) -> PartitionState:
     state = PartitionState(topic, 0, -1, counts=service.pipeline.counts)
     service.partitions.add(state)
     partition.opened(state, service.engine.open_shard(topic, 0), 0)
-    service.flow.assign_at(state, 0)
+    service.flow.assign_all([(state, 0)])
     return state
 
 
