@@ -329,13 +329,7 @@ def one_run(
     finally:
         versions.stop()
         committed.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
+        stop_all([proc])
 
 
 def group_run(
@@ -438,15 +432,21 @@ def group_run(
     finally:
         versions.stop()
         committed.close()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
+        stop_all(procs)
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM the sink processes still running, all at once; kill one that does not stop
+    within 120 s."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
 
 
 def drain_steps(log: Path) -> str:
