@@ -28,17 +28,25 @@ def local_harness(tmp_path: Path) -> Iterator[MakeHarness]:
         h.flusher.shutdown()
 
 
+Storage = tuple[str, str, "dict[str, str] | None"]
+
+
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
-def any_harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MakeHarness]:
+def any_storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
+    """A table and WAL location (with storage options) on a local folder and on S3 (moto)."""
+    if request.param == "local":
+        return str(tmp_path / "table.lance"), str(tmp_path / "wal"), None
+    bucket: str = request.getfixturevalue("s3_bucket")
+    options: dict[str, str] = request.getfixturevalue("s3_storage_options")
+    prefix = uuid.uuid4().hex[:8]
+    return f"s3://{bucket}/{prefix}/table.lance", f"s3://{bucket}/{prefix}/wal", options
+
+
+@pytest.fixture
+def any_harness(any_storage: Storage) -> Iterator[MakeHarness]:
     """The same test on a local folder and on S3 (moto)."""
     made: list[Harness] = []
-    if request.param == "local":
-        table, wal, options = str(tmp_path / "table.lance"), str(tmp_path / "wal"), None
-    else:
-        bucket: str = request.getfixturevalue("s3_bucket")
-        options = request.getfixturevalue("s3_storage_options")
-        prefix = uuid.uuid4().hex[:8]
-        table, wal = f"s3://{bucket}/{prefix}/table.lance", f"s3://{bucket}/{prefix}/wal"
+    table, wal, options = any_storage
 
     def make(**kwargs: Any) -> Harness:
         h = Harness(table, wal, storage_options=options, **kwargs)
