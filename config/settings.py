@@ -897,24 +897,24 @@ class WalSettings(_Section):
     )
     fence_check_interval_ms: NonNegativeInt = Field(
         default=1000,
-        description="How stale a writer's knowledge of being fenced may be on reads: an "
-        "idle writer checks the shard manifest this often in the background (one LIST per "
-        "shard on S3; a busy writer learns it at its next WAL append), and queries do no "
-        "storage I/O for it; with more idle shards in the process than "
-        "wal.fence_probes_per_s allows, each is checked every shards / fence_probes_per_s "
-        "seconds instead. 0 checks on every read of every shard instead (strict; one LIST "
-        "per shard per query on S3).",
+        description="How stale a writer's knowledge of being fenced may be on reads: this "
+        "often (at least every 0.5 s) the process lists the WAL storage's claim board once "
+        "(every claim posts a marker there) and checks the manifest of each of its shards "
+        "that another process claimed since; queries do no storage I/O for it, and a busy "
+        "writer learns it at its next WAL append. Each idle shard's manifest is also "
+        "checked every 300 s (one LIST on S3; claims by builds older than the board). 0 "
+        "checks on every read of every shard instead (strict; one LIST per shard per query "
+        "on S3).",
     )
     fence_probes_per_s: PositiveInt = Field(
         default=64,
         le=10_000,
-        description="The most background fence checks (one LIST of a shard manifest each) "
-        "the process makes per second, all its idle shards together, so its idle cost does "
-        "not grow with the partitions. Up to fence_probes_per_s x fence_check_interval_ms / "
-        "1000 idle shards (64 by default) are checked every fence_check_interval_ms; more "
-        "are each checked every shards / fence_probes_per_s seconds (1,024 shards: 16 s), "
-        "which bounds how long a fenced writer whose pod lost the group may still answer "
-        "reads of its shard.",
+        description="The most background fence checks (the claim board's listing, or one "
+        "LIST of a shard manifest) the process makes per second, all its shards together, "
+        "so its idle cost does not grow with the partitions: each idle shard's own check "
+        "runs every max(300 s, shards / fence_probes_per_s), which bounds how long a fenced "
+        "writer may still answer reads of its shard when the claim that fenced it was not "
+        "posted on the board.",
     )
     workers: PositiveInt | None = Field(
         default=None,

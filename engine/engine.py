@@ -5,7 +5,9 @@ shared by every shard writer it opens.
 Lifecycle: build with `Engine.from_settings` (or the constructor), call `open_shard` per
 topic-partition the process owns (the sink does so on assign), `close_shard` when it loses
 it, and `close` once at shutdown (it closes the writers, then stops the flush pool and the
-WAL scheduler). Several shards write to the same Lance table.
+WAL scheduler). Several shards write to the same Lance table. From the first open on, the
+engine sweeps the WAL storage's claim board (`engine.claim_board`) on the probe lane: its
+idle writers learn of another process's claim from one listing, not each from its own.
 """
 
 from __future__ import annotations
@@ -18,18 +20,19 @@ import structlog
 
 from config.settings import Settings
 from engine.backpressure import BackpressureController, build_controller
+from engine.claim_board import SAFETY_PROBE_S, ClaimBoard
 from engine.coalesce import CoalesceLimits
 from engine.errors import AmbiguousShard
 from engine.flusher import Flusher
 from engine.manifest import ShardOrigin
 from engine.memtable import SealLimits
 from engine.schema import TableSpec
-from engine.shard import ShardWriter, WriterConfig
+from engine.shard import IDLE_WAKE_S, ShardWriter, WriterConfig
 from engine.shard_ids import ShardFolders, legacy_shard_ids, moved_shard_ids, shard_id
 from engine.shard_stats import EngineEvents
 from engine.storage import Storage, canonical_uri, open_storage
 from engine.table import BaseTable
-from engine.wal_scheduler import DEFAULT_FENCE_PROBES_PER_S, WalScheduler
+from engine.wal_scheduler import DEFAULT_FENCE_PROBES_PER_S, ScheduledShard, WalScheduler
 
 log = structlog.get_logger("lance_sink.engine")
 
@@ -83,6 +86,7 @@ class Engine:
         wal_workers: int | None = None,
         fence_probes_per_s: float = DEFAULT_FENCE_PROBES_PER_S,
         coalesce: CoalesceLimits | None = None,
+        safety_probe_s: float = SAFETY_PROBE_S,
     ) -> None:
         self.spec = spec
         #: The WAL storage is the table's own (`<table.uri>/_lance_sink`): shard state in it
@@ -100,6 +104,12 @@ class Engine:
         #: first shard) and their idle fence probes (at most `fence_probes_per_s` a second
         #: together): neither the threads nor the idle cost grow with the shards.
         self.wal_scheduler = WalScheduler(wal_workers, fence_probes_per_s=fence_probes_per_s)
+        #: Claims posted by any process on the WAL storage: one listing a sweep tells the
+        #: idle writers here that another process claimed their shards, so each writer's
+        #: own idle probe runs only every `safety_probe_s` (`engine.claim_board`).
+        self.claims = ClaimBoard(storage)
+        self.safety_probe_s = safety_probe_s
+        self._sweep: ScheduledShard | None = None
         self._writers: dict[str, ShardWriter] = {}
         self._lock = threading.Lock()
         # (when listed, the listing) of the WAL storage root (`_shard_folders`).
@@ -222,6 +232,7 @@ class Engine:
         shard = self.shard_id(topic, partition)
         if self.events is not None:
             self.events.shard_origin(shard, topic, partition)  # before its open's events
+        self._start_sweep()
         writer = ShardWriter.open(
             shard,
             self.spec,
@@ -233,10 +244,35 @@ class Engine:
             self.events,
             origin=ShardOrigin(canonical_uri(self.spec.uri), topic, partition),
             scheduler=self.wal_scheduler,
+            idle_probe_interval=max(self.config.fence_check_interval_s, self.safety_probe_s),
         )
         with self._lock:
             self._writers[shard] = writer
         return writer
+
+    def _start_sweep(self) -> None:
+        """Sweep the claim board on the probe lane from the first open on."""
+        with self._lock:
+            if self._sweep is None:
+                self._sweep = self.wal_scheduler.add_probe(
+                    "claim_board",
+                    self._sweep_claims,
+                    max(self.config.fence_check_interval_s, IDLE_WAKE_S),
+                )
+
+    def _sweep_claims(self) -> None:
+        """Probe the manifest of each writer here whose shard a newer claim names (the probe
+        poisons it: `Fenced`); see `engine.claim_board`."""
+        claimed = self.claims.claimed()
+        if not claimed:
+            return
+        with self._lock:
+            writers = dict(self._writers)
+        for marker in claimed:
+            writer = writers.get(marker.shard)
+            if writer is not None and marker.epoch > writer.epoch:
+                log.info("shard_claimed_elsewhere", shard=marker.shard, epoch=marker.epoch)
+                writer.probe_fence()
 
     def close_shard(
         self, writer: ShardWriter, *, flush: bool, timeout: float, wait_trims: bool = True
@@ -257,5 +293,7 @@ class Engine:
         """Close every open writer, then the flush pool and the WAL scheduler."""
         for writer in self.writers():
             self.close_shard(writer, flush=flush, timeout=timeout)
+        if self._sweep is not None:
+            self.wal_scheduler.remove_probe(self._sweep)
         self.flusher.shutdown(cancel_trims=not flush)
         self.wal_scheduler.close(timeout)

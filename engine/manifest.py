@@ -7,11 +7,12 @@ table's canonical location, the topic and the partition: `ShardOrigin`), so a ta
 with its WAL storage finds the shards it had under its old location (`engine.shard_ids`);
 versions written by earlier builds lack it and load with `origin=None`.
 
- A writer claims the shard by writing version v+1 with epoch+1;
-it records a flush by writing version v+1 with the same epoch. Because every write is
-create-only at the next version, two writers can never both succeed from the same
-version: the loser learns it was fenced (`Fenced`). Older versions are deleted once two
-newer ones exist.
+A writer claims the shard by writing version v+1 with epoch+1, then posts the claim on
+the WAL storage's claim board (`engine.claim_board`: idle writers of other processes learn
+of it from one listing); it records a flush by writing version v+1 with the same epoch.
+Because every write is create-only at the next version, two writers can never both succeed
+from the same version: the loser learns it was fenced (`Fenced`). Older versions are
+deleted once two newer ones exist.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 
+from engine import claim_board
 from engine.errors import Fenced, PersistenceError
 from engine.storage import AlreadyExists, Storage
 
@@ -155,6 +157,9 @@ class ManifestStore:
                 self.storage.put_if_absent(self.key(claimed.version), claimed.encode())
             except AlreadyExists:
                 continue
+            # Tell the other processes' idle writers of this shard at once (one listing of
+            # the board each, not a LIST of every manifest: `engine.claim_board`).
+            claim_board.post(self.storage, self.shard, claimed.epoch)
             self.collect(claimed.version)
             return claimed
         raise PersistenceError(
@@ -201,7 +206,8 @@ def list_owners(storage: Storage) -> dict[str, ShardManifest]:
     """The newest manifest of every shard under the storage root, by shard.
 
     One folder listing plus, per shard, one listing and one read (the same as
-    `ManifestStore.latest`). Folders without manifest versions are not shards. A shard
+    `ManifestStore.latest`). Folders without manifest versions, and the claim board's, are not
+    shards. A shard
     whose manifest vanished meanwhile (a concurrent claim collected it) is read again.
 
     Raises:
@@ -209,6 +215,8 @@ def list_owners(storage: Storage) -> dict[str, ShardManifest]:
     """
     out = {}
     for shard in storage.folders(""):
+        if shard == claim_board.BOARD:
+            continue
         manifest = ManifestStore(storage, shard).latest()
         if manifest.version:
             out[shard] = manifest

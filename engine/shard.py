@@ -28,7 +28,10 @@ Lifecycle (who calls what, and when):
   step) lists the shard manifest for a newer epoch while the writer is idle, at most every
   `max(fence_check_interval_s, IDLE_WAKE_S)` and within the process's probe rate
   (`WalScheduler`, `wal.fence_probes_per_s`): with more idle shards than that rate times
-  the interval, each is probed every `shards / rate` seconds instead.
+  the interval, each is probed every `shards / rate` seconds instead. An `Engine` learns
+  of claims from its claim board's sweep instead (`engine.claim_board`: one listing per
+  interval, then `probe_fence` of the shards a claim names) and opens its writers with a
+  long `idle_probe_interval`: their own probes are the safety net.
 - Flushes run on the shared `Flusher` pool, oldest frozen memtable first, one at a time per
   shard. A failed flush keeps its memtable frozen and counted (I8) and is retried with
   backoff; after `max_attempts` the writer is poisoned (I6). `engine.flusher` tells the
@@ -211,12 +214,16 @@ class ShardWriter:
         *,
         origin: ShardOrigin | None = None,
         scheduler: WalScheduler | None = None,
+        idle_probe_interval: float | None = None,
     ) -> ShardWriter:
         """Claim the shard, replay its WAL, fence older writers; see the module docstring.
 
         `origin` (the table, topic and partition; `Engine.open_shard` passes it) is recorded
         in the manifest; without it the previous version's is kept. `scheduler` runs the
         writer's WAL work (`Engine` passes its own); without it the process-wide default.
+        `idle_probe_interval`: how often the idle fence probe runs (default
+        `max(fence_check_interval_s, IDLE_WAKE_S)`; an `Engine` that sweeps the claim board
+        probes far less often, `engine.claim_board`).
 
         Raises:
             PersistenceError: storage failed during claim or replay (nothing acknowledged).
@@ -229,7 +236,7 @@ class ShardWriter:
             shard,
             writer._wal_step,
             probe=writer._idle_fence_probe,
-            probe_interval=max(config.fence_check_interval_s, IDLE_WAKE_S),
+            probe_interval=idle_probe_interval or max(config.fence_check_interval_s, IDLE_WAKE_S),
         )
         writer.memory.on_seal_request(writer._wake_wal)
         controller.register(writer.memory)
@@ -519,6 +526,13 @@ class ShardWriter:
             return
         self._last_fence_check = now
         self._probe_fence()
+
+    def probe_fence(self) -> None:
+        """Probe the manifest now (storage I/O) and poison the writer if a newer writer
+        claimed the shard (the engine's claim-board sweep calls it for the shards a claim
+        names); a failed probe is logged, not raised."""
+        if self._poison is None:
+            self._probe_fence()
 
     def _probe_fence(self) -> None:
         try:

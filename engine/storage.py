@@ -54,6 +54,10 @@ class Storage(Protocol):
     def folders(self, prefix: str) -> list[str]:
         """Names of the folders directly under `prefix` ("" = the root), sorted."""
 
+    def list_after(self, prefix: str, after: str | None) -> list[str]:
+        """The keys under `prefix` greater than the key `after` (all with None), sorted:
+        on an object store, one listing that starts there (S3's start-after)."""
+
     def list(self, prefix: str) -> list[str]:
         """Keys under `prefix` (a folder, no trailing slash), sorted."""
 
@@ -121,6 +125,9 @@ class LocalStorage:
             return []
         return sorted(p.name for p in folder.iterdir() if p.is_dir())
 
+    def list_after(self, prefix: str, after: str | None) -> list[str]:
+        return [key for key in self.list(prefix) if after is None or key > after]
+
     def list(self, prefix: str) -> list[str]:
         # os.scandir: the entry types come with the listing (no stat per entry). Every idle
         # shard's fence probe lists its manifest folder (1,024 a second at 1,024 shards).
@@ -182,6 +189,10 @@ class ObjectStorage:
     def folders(self, prefix: str) -> list[str]:
         listed = obstore.list_with_delimiter(self.store, prefix + "/" if prefix else None)
         return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in listed["common_prefixes"])
+
+    def list_after(self, prefix: str, after: str | None) -> list[str]:
+        listed = obstore.list(self.store, prefix + "/", offset=after)
+        return sorted(m["path"] for chunk in listed for m in chunk)
 
     def list(self, prefix: str) -> list[str]:
         keys = [m["path"] for chunk in obstore.list(self.store, prefix + "/") for m in chunk]

@@ -100,6 +100,10 @@ def default_wal_workers() -> int:
     return min(32, max(4, 4 * (cores or 1)))
 
 
+def _no_step() -> None:
+    """The step of a probe of no shard (`WalScheduler.add_probe`): never woken."""
+
+
 class ScheduledShard:
     """One registered shard: its step and its scheduling state (under the scheduler lock)."""
 
@@ -196,6 +200,25 @@ class WalScheduler:
             if probe is not None:
                 self._push_probe_locked(handle, time.monotonic() + probe_interval)
         return handle
+
+    def add_probe(self, name: str, probe: Callable[[], None], interval: float) -> ScheduledShard:
+        """Put a probe of no shard on the probe lane (the engine's claim-board sweep), run
+        every `interval` within the lane's rate like a shard's; not counted in
+        `registered`. `remove_probe` ends it. Starts the threads if needed."""
+        handle = ScheduledShard(name, _no_step, probe, interval)
+        with self._lock:
+            if self._closed:
+                handle.closed = True
+                return handle
+            if not self._threads:
+                self._start_locked()
+            self._push_probe_locked(handle, time.monotonic() + interval)
+        return handle
+
+    def remove_probe(self, handle: ScheduledShard) -> None:
+        """End a probe `add_probe` started (one running now finishes)."""
+        with self._lock:
+            handle.closed = True
 
     def unregister(self, handle: ScheduledShard) -> None:
         """Drop a shard: no further step runs for it (one running now finishes)."""
