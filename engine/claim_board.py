@@ -16,8 +16,9 @@ Lifecycle:
 - `ClaimBoard.claimed()`: the engine's sweep (`Engine`, on the scheduler's probe lane,
   every `max(fence_check_interval, IDLE_WAKE_S)`) lists the markers from `SKEW_S` before its
   previous sweep on (a claimer's clock may be behind ours) and returns each marker not
-  reported before as (shard, epoch). The engine probes the manifest of every writer of
-  its own that a marker names with a newer epoch (the probe poisons it: `Fenced`).
+  reported before. The engine probes the manifest of every writer of its own that a
+  marker names with a newer epoch (the probe poisons it: `Fenced`), and a writer that was
+  still opening when its marker was reported asks `newest_epoch` once it is listed.
 - Every `COLLECT_S` a sweep also deletes the markers older than `RETAIN_S`, in bulk.
 
 The shards' own idle probes stay, as the safety net for claims the board does not show:
@@ -100,8 +101,10 @@ class ClaimBoard:
         self.storage = storage
         self.clock = clock
         self._last_sweep: float | None = None
-        #: Markers reported, by key, with their ms (those before the listed window go).
-        self._seen: dict[str, int] = {}
+        #: Markers reported, by key (those before the listed window go).
+        self._seen: dict[str, Marker] = {}
+        #: The newest epoch the markers of `_seen` name, by shard (`newest_epoch`).
+        self._newest: dict[str, int] = {}
         self._collected_at = float("-inf")
         #: Sweeps and markers collected: the tests and the bench read them.
         self.sweeps = 0
@@ -121,13 +124,23 @@ class ClaimBoard:
             marker = parse_marker(key)
             if marker is None or key in self._seen:
                 continue
-            self._seen[key] = marker.ms
+            self._seen[key] = marker
             new.append(marker)
-        self._seen = {k: ms for k, ms in self._seen.items() if ms >= floor}
+        self._seen = {k: m for k, m in self._seen.items() if m.ms >= floor}
+        newest: dict[str, int] = {}
+        for m in self._seen.values():
+            newest[m.shard] = max(m.epoch, newest.get(m.shard, 0))
+        self._newest = newest  # one reference swap: `newest_epoch` reads it from any thread
         if now - self._collected_at >= COLLECT_S:
             self._collected_at = now
             self._collect(now)
         return new
+
+    def newest_epoch(self, shard: str) -> int | None:
+        """The newest epoch of `shard` that recent sweeps saw claimed (the last `SKEW_S` or
+        more), if any. `Engine.open_shard` asks it once its writer is listed: a claim a sweep
+        reported while that writer was still opening named no writer of the engine then."""
+        return self._newest.get(shard)
 
     def _collect(self, now: float) -> None:
         """Delete the markers older than `RETAIN_S` (best effort)."""

@@ -248,6 +248,10 @@ class Engine:
         )
         with self._lock:
             self._writers[shard] = writer
+        newest = self.claims.newest_epoch(shard)
+        if newest is not None and newest > writer.epoch:
+            # A sweep saw a newer claim while this writer opened, before it was listed.
+            writer.probe_fence()
         return writer
 
     def _start_sweep(self) -> None:

@@ -114,6 +114,34 @@ def test_an_idle_writer_learns_of_another_claim_from_the_board(any_storage: Loca
         first.close(flush=False)
 
 
+def test_a_claim_swept_while_the_writer_opened_still_fences_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another process claims the shard, and this engine's sweep reports that claim, after
+    # the writer claimed but before the engine lists it: no writer was there to probe.
+    location = (str(tmp_path / "t.lance"), str(tmp_path / "wal"), None)
+    first, second = engine_on(location), engine_on(location)
+    real_open = ShardWriter.open
+
+    def open_then_claimed_elsewhere(*args: Any, **kwargs: Any) -> ShardWriter:
+        writer = real_open(*args, **kwargs)
+        monkeypatch.setattr("engine.engine.ShardWriter.open", real_open)
+        second.open_shard("t", 0)
+        first._sweep_claims()
+        return writer
+
+    monkeypatch.setattr("engine.engine.ShardWriter.open", open_then_claimed_elsewhere)
+    try:
+        idle = first.open_shard("t", 0)
+        assert first.claims.newest_epoch(idle.shard) == idle.epoch + 1
+        assert idle.poisoned is not None  # fenced before open_shard returned
+        with pytest.raises(Fenced):
+            idle.view()
+    finally:
+        second.close(flush=False)
+        first.close(flush=False)
+
+
 def test_a_claim_the_board_does_not_show_is_found_by_the_writers_own_probe(
     tmp_path: Path,
 ) -> None:
