@@ -33,6 +33,9 @@ Lifecycle (who calls what, and when):
   seconds, plus a round trip when the lane falls behind on a slow store. A probe runs
   with no scheduler lock held, never twice at once for a shard, and one that raises is
   logged and probed again a period later.
+- `add_probe(name, fn, interval)` (`Engine`, at its first open: the claim board's sweep,
+  `engine.claim_board`) puts a probe of no shard on the same lane, paced with the shards'
+  probes; `remove_probe` (`Engine.close`) ends it.
 - `unregister(handle)` (the writer's close, after its last step) drops the shard: its
   deadlines are ignored and wakes do nothing.
 - `close(timeout)` (`Engine.close`, after every writer closed) stops the workers and the
