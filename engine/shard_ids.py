@@ -60,6 +60,8 @@ class ShardFolders:
     _NAME = re.compile(r"(.+)-([0-9]+)-[0-9a-f]{12}")
 
     def __init__(self, folders: list[str]) -> None:
+        #: Every folder at the root (shards of any table, whatever their ids).
+        self.names = frozenset(folders)
         self.by_partition: dict[tuple[str, int], list[str]] = {}
         for folder in folders:
             match = self._NAME.fullmatch(folder)

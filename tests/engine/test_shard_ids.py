@@ -324,3 +324,30 @@ def test_the_opens_of_many_new_shards_share_one_listing_of_the_wal_root(
         assert listings.count("") == 1, listings
     finally:
         engine.close(flush=False)
+
+
+def test_the_ids_of_shards_with_state_come_from_one_listing(tmp_path: Path) -> None:
+    # A restart (or `TopicShards`, which maps every partition of the topic) asked each
+    # shard's manifest whether its current id has state: a LIST a partition, 1,024
+    # sequential LISTs ~50 s on S3. The shared root listing shows the folders.
+    first = Engine.from_settings(settings(str(tmp_path / "t.lance")))
+    try:
+        for p in range(32):
+            first.open_shard(TOPIC, p)
+    finally:
+        first.close(flush=False)
+    engine = Engine.from_settings(settings(str(tmp_path / "t.lance")))
+    listed = []
+    lists = engine.storage.list
+
+    def counted(prefix: str) -> list[str]:
+        listed.append(prefix)
+        return lists(prefix)
+
+    engine.storage.list = counted  # type: ignore[method-assign]
+    ids = [engine.shard_id(TOPIC, p) for p in range(32)]
+    assert ids == [shard_id(str(tmp_path / "t.lance"), TOPIC, p) for p in range(32)]
+    assert listed == []
+    # A partition without state still looks for it (its legacy and moved ids).
+    assert engine.shard_id(TOPIC, 32) == shard_id(str(tmp_path / "t.lance"), TOPIC, 32)
+    assert listed
