@@ -5,7 +5,8 @@ manifests (`engine.reads.owners`), a copy refreshed in the background. A shard c
 after that copy was read is not in it, so its committed rows would be in no answer and
 reported missing by none. The brokers know every partition: `TopicShards` lists them
 (topic metadata, through an admin client of the sink's own connection properties) and
-maps each to its shard id (`Engine.shard_id`), and a query whose owners copy lacks one of
+maps each to its shard id (`Engine.shard_id`; the partitions seen for the first time
+together, on `ID_WORKERS` threads), and a query whose owners copy lacks one of
 them reads the owners again first (`engine.reads.remote.Fanout`, DESIGN.md I18).
 
 Lifecycle: `start` begins a daemon thread that lists the partitions at once and then every
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -35,6 +37,8 @@ log = structlog.get_logger("lance_sink.sink")
 REFRESH_S = 10.0
 RETRY_S = 1.0
 LIST_TIMEOUT_S = 10.0
+#: Threads that look up the ids of partitions seen for the first time (storage round trips).
+ID_WORKERS = 8
 
 
 class TopicShards:
@@ -82,17 +86,22 @@ class TopicShards:
             PersistenceError: the WAL storage did not answer (a new partition's shard id).
         """
         metadata = admin.list_topics(timeout=LIST_TIMEOUT_S)
-        shards = set()
+        keys: list[tuple[str, int]] = []
         for topic in self._topics:
             meta = metadata.topics.get(topic)
             if meta is None or meta.error is not None:
                 continue  # not created yet: no partition, no row
-            for partition in meta.partitions:
-                key = (topic, partition)
-                if key not in self._ids:
-                    self._ids[key] = self._shard_id(topic, partition)
-                shards.add(self._ids[key])
-        self._current = frozenset(shards)
+            keys.extend((topic, partition) for partition in meta.partitions)
+        new = [key for key in keys if key not in self._ids]
+        if new:
+            # A partition without state costs its id a few LISTs (legacy and moved ids): on
+            # S3 a new topic of 1,024 partitions took minutes one after the other.
+            with ThreadPoolExecutor(ID_WORKERS, thread_name_prefix="topic-shards") as pool:
+                for key, shard in zip(
+                    new, pool.map(lambda k: self._shard_id(*k), new), strict=True
+                ):
+                    self._ids[key] = shard
+        self._current = frozenset(self._ids[key] for key in keys)
         return self._current
 
     def _run(self) -> None:

@@ -80,3 +80,27 @@ def test_a_refresh_asked_for_lists_at_once(tansu_broker: Broker, topic: str) -> 
         wait_for_list(shards, lambda now: now == want, deadline)
     finally:
         shards.close()
+
+
+def test_the_ids_of_new_partitions_are_looked_up_together(tansu_broker: Broker, topic: str) -> None:
+    # A partition without state costs its id several storage round trips: looked up one
+    # after another, a new topic of 1,024 partitions took minutes on S3 before its first
+    # list (and queries read every owner until then).
+    conf = {"bootstrap.servers": tansu_broker.bootstrap}
+    admin = AdminClient(conf)
+    for future in admin.create_topics([NewTopic(topic, 16)]).values():
+        future.result(30)
+
+    def shard_id(t: str, p: int) -> str:
+        time.sleep(0.25)  # a round trip to the WAL storage
+        return f"{t}/{p}"
+
+    shards = TopicShards(conf, [topic], shard_id)
+    started = time.monotonic()
+    shards.start()
+    try:
+        wait_for_list(shards, lambda now: now is not None, started + 30)
+        assert shards.current() == {f"{topic}/{p}" for p in range(16)}
+        assert time.monotonic() - started < 16 * 0.25 / 2  # 4 s one after another
+    finally:
+        shards.close()
