@@ -18,6 +18,7 @@ deleted once two newer ones exist.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 
 from engine import claim_board
@@ -25,6 +26,8 @@ from engine.errors import Fenced, PersistenceError
 from engine.storage import AlreadyExists, Storage
 
 CLAIM_ATTEMPTS = 16
+#: Shards whose manifests `list_owners` reads at once (two storage round trips each).
+OWNER_READ_WORKERS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,22 +205,25 @@ class ManifestStore:
                 self.storage.delete(self.key(version))
 
 
-def list_owners(storage: Storage) -> dict[str, ShardManifest]:
+def list_owners(storage: Storage, workers: int = OWNER_READ_WORKERS) -> dict[str, ShardManifest]:
     """The newest manifest of every shard under the storage root, by shard.
 
     One folder listing plus, per shard, one listing and one read (the same as
-    `ManifestStore.latest`). Folders without manifest versions, and the claim board's, are not
-    shards. A shard
-    whose manifest vanished meanwhile (a concurrent claim collected it) is read again.
+    `ManifestStore.latest`), `workers` shards at a time: on S3 each is two round trips, and
+    1,024 shards read one after another took ~100 s at 50 ms a request. Folders without
+    manifest versions, and the claim board's, are not shards. A shard whose manifest
+    vanished meanwhile (a concurrent claim collected it) is read again.
 
     Raises:
         PersistenceError: a manifest kept vanishing while it was read.
     """
-    out = {}
-    for shard in storage.folders(""):
-        if shard == claim_board.BOARD:
-            continue
-        manifest = ManifestStore(storage, shard).latest()
-        if manifest.version:
-            out[shard] = manifest
-    return out
+    shards = [shard for shard in storage.folders("") if shard != claim_board.BOARD]
+    if not shards:
+        return {}
+    with ThreadPoolExecutor(min(workers, len(shards)), thread_name_prefix="shard-owners") as pool:
+        manifests = list(pool.map(lambda shard: ManifestStore(storage, shard).latest(), shards))
+    return {
+        shard: manifest
+        for shard, manifest in zip(shards, manifests, strict=True)
+        if manifest.version
+    }

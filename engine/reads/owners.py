@@ -20,9 +20,10 @@ committed row the query must return.
 Lifecycle: one `ShardOwners` per reader, shared by every query thread. The first
 `current()` reads the manifests; later, a copy older than `refresh_s` is re-read on a
 short-lived daemon thread while queries keep using it (on S3 a read is one LIST per shard
-plus one GET: no query waits for it), a copy marked stale (`saw_epoch` with an epoch it
-does not list) is re-read by the query that finds it, since its routing is wrong now, and
-a copy that lacks a needed shard is re-read as above. Nothing to close.
+plus one GET, `OWNER_READ_WORKERS` shards at a time: no query waits for it), a copy
+marked stale (`saw_epoch` with an epoch it does not list) is re-read by the query that
+finds it, since its routing is wrong now, and a copy that lacks a needed shard is re-read
+as above. Nothing to close.
 """
 
 from __future__ import annotations
