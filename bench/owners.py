@@ -4,7 +4,8 @@ Every query that routes other shards' fresh rows reads the shard manifests of th
 storage (`engine.manifest.list_owners`, through `engine.reads.owners.ShardOwners`): a root
 listing, then a LIST and a GET per shard. This claims S shards on moto behind the latency
 proxy (`bench.s3_latency`), then times `list_owners` with its default workers against the
-yardstick of one shard at a time, in the same run.
+yardstick of one shard at a time, in the same run, and the periodic re-read between whole
+reads (`ShardOwners`: the claim board, then the shards claimed since).
 
 Usage:
 
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from bench.s3_latency import slow_s3
 from engine.manifest import OWNER_READ_WORKERS, ManifestStore, list_owners
+from engine.reads.owners import ShardOwners
 from engine.storage import open_storage
 
 
@@ -52,6 +54,20 @@ def main() -> None:
                 times.append(time.monotonic() - started)
                 assert len(owners) == args.shards
             print(f"  workers {workers:3d} ({label}): {statistics.median(times):7.1f} s")
+        # A pod's periodic re-read between whole reads: the board, then the claimed shards.
+        owners = ShardOwners(storage, refresh_s=0.0)
+        copy = owners.current()
+        times = []
+        for i in range(args.repeat):
+            ManifestStore(storage, f"t-{i}-0123456789ab").claim("http://moved")
+            started = time.monotonic()
+            copy = owners._read(copy, claims_only=True)  # the re-read itself, timed
+            times.append(time.monotonic() - started)
+            assert copy[f"t-{i}-0123456789ab"].url == "http://moved"
+        print(
+            f"  re-read between whole reads (one shard claimed since): "
+            f"{statistics.median(times):7.2f} s"
+        )
 
 
 if __name__ == "__main__":

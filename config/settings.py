@@ -1309,8 +1309,9 @@ class QuerySettings(_Section):
     )
     owners_refresh_ms: PositiveInt = Field(
         default=2_000,
-        description="How often the shard owners are re-read from the shard manifests (also "
-        "re-read when an owner answers with another epoch).",
+        description="How often the shard owners are re-read: the shards the claim board "
+        "shows claimed since the last read, and every manifest once a minute (also re-read "
+        "whole when an owner answers with another epoch, or does not hold its shard).",
     )
 
     @field_validator("advertised_url")

@@ -20,6 +20,8 @@ Lifecycle:
   marker names with a newer epoch (the probe poisons it: `Fenced`), and a writer that was
   still opening when its marker was reported asks `newest_epoch` once it is listed.
 - Every `COLLECT_S` a sweep also deletes the markers older than `RETAIN_S`, in bulk.
+- Readers of the owners (`engine.reads.owners.ShardOwners`) sweep a board of their own
+  between whole reads of the manifests and re-read only the shards claimed since.
 
 The shards' own idle probes stay, as the safety net for claims the board does not show:
 an older build's claim posts no marker, a post failed, a claimer's clock ran more than
@@ -97,9 +99,14 @@ class ClaimBoard:
     """The sweeps of one WAL storage's board by one engine (one thread at a time: the probe
     lane never runs a probe twice at once)."""
 
-    def __init__(self, storage: Storage, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, storage: Storage, clock: Callable[[], float] = time.time, *, collect: bool = True
+    ) -> None:
         self.storage = storage
         self.clock = clock
+        #: Whether sweeps delete old markers (writers do; readers, which may not be allowed
+        #: to delete, leave it to them).
+        self.collect = collect
         self._last_sweep: float | None = None
         #: Markers reported, by key (those before the listed window go).
         self._seen: dict[str, Marker] = {}
@@ -131,7 +138,7 @@ class ClaimBoard:
         for m in self._seen.values():
             newest[m.shard] = max(m.epoch, newest.get(m.shard, 0))
         self._newest = newest  # one reference swap: `newest_epoch` reads it from any thread
-        if now - self._collected_at >= COLLECT_S:
+        if self.collect and now - self._collected_at >= COLLECT_S:
             self._collected_at = now
             self._collect(now)
         return new

@@ -19,11 +19,12 @@ committed row the query must return.
 
 Lifecycle: one `ShardOwners` per reader, shared by every query thread. The first
 `current()` reads the manifests; later, a copy older than `refresh_s` is re-read on a
-short-lived daemon thread while queries keep using it (on S3 a read is one LIST per shard
-plus one GET, `OWNER_READ_WORKERS` shards at a time: no query waits for it), a copy
-marked stale (`saw_epoch` with an epoch it does not list) is re-read by the query that
-finds it, since its routing is wrong now, and a copy that lacks a needed shard is re-read
-as above. Nothing to close.
+short-lived daemon thread while queries keep using it (on S3 a whole read is one LIST per
+shard plus one GET, `OWNER_READ_WORKERS` shards at a time: no query waits for it; between
+whole reads, every `FULL_READ_S`, such a re-read lists the claim board and reads only the
+shards claimed since), a copy marked stale (`saw_epoch` with an epoch it does not list)
+is re-read whole by the query that finds it, since its routing is wrong now, and a copy
+that lacks a needed shard is re-read whole as above. Nothing to close.
 """
 
 from __future__ import annotations
@@ -35,10 +36,19 @@ from dataclasses import dataclass
 
 import structlog
 
-from engine.manifest import ShardManifest, list_owners
+from engine.claim_board import ClaimBoard
+from engine.manifest import ManifestStore, ShardManifest, list_owners
 from engine.storage import Storage
 
 log = structlog.get_logger("lance_sink.reader")
+
+#: How often an old copy is re-read whole; between, the re-read lists the claim board and
+#: reads the manifests of the shards claimed since (`engine.claim_board`). A whole read is a
+#: LIST and a GET per shard: at 1,024 shards on S3, 2,049 requests (~7 s at 50 ms), which
+#: a pod answering queries repeated every `refresh_s` (~280 requests a second). What the
+#: board does not show (a release, an older build's claim) waits for the next whole read,
+#: or for the query that finds the copy wrong (`saw_epoch`), whichever comes first.
+FULL_READ_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +71,15 @@ class Owner:
 class ShardOwners:
     """The owners of every shard under a WAL storage root, cached."""
 
-    def __init__(self, storage: Storage, refresh_s: float) -> None:
+    def __init__(
+        self, storage: Storage, refresh_s: float, full_read_s: float = FULL_READ_S
+    ) -> None:
         self.storage = storage
         self.refresh_s = refresh_s
+        self.full_read_s = full_read_s
+        #: The claim board since the last whole read, and when that read began.
+        self._board: ClaimBoard | None = None
+        self._whole_at = 0.0
         self._owners: dict[str, Owner] | None = None
         self._read_at = 0.0  # when the read of the copy started
         self._stale = False
@@ -97,7 +113,11 @@ class ShardOwners:
             self._reading.acquire()
         elif fresh:  # only old: read in the background, keep routing by this copy
             threading.Thread(
-                target=self._read_and_release, args=(owners,), name="shard-owners", daemon=True
+                target=self._read_and_release,
+                args=(owners,),
+                kwargs={"claims_only": True},
+                name="shard-owners",
+                daemon=True,
             ).start()
             return owners
         return self._read_and_release(owners)
@@ -111,27 +131,60 @@ class ShardOwners:
                     return self._owners
             return self._read(None)  # a failed read raises: the copy lacks a shard
 
-    def _read_and_release(self, old: dict[str, Owner] | None) -> dict[str, Owner]:
+    def _read_and_release(
+        self, old: dict[str, Owner] | None, *, claims_only: bool = False
+    ) -> dict[str, Owner]:
         try:
-            return self._read(old)
+            return self._read(old, claims_only=claims_only)
         finally:
             self._reading.release()
 
-    def _read(self, old: dict[str, Owner] | None) -> dict[str, Owner]:
+    def _read(self, old: dict[str, Owner] | None, *, claims_only: bool = False) -> dict[str, Owner]:
+        """Read the owners: every manifest, or with `claims_only` (a copy that is only old)
+        and a whole read less than `full_read_s` ago, those of the shards claimed since."""
         started = time.monotonic()
         try:
-            manifests = list_owners(self.storage)
+            board = self._board
+            if claims_only and old is not None and board is not None:
+                if started - self._whole_at < self.full_read_s:
+                    owners = self._read_claimed(old, board)
+                else:
+                    owners = self._read_whole()
+            else:
+                owners = self._read_whole()
         except Exception as exc:
             if old is None:
                 raise
             log.warning("shard_owners_read_failed", error=str(exc))
             return old
-        owners = {shard: owner_of(shard, m) for shard, m in manifests.items()}
         with self._lock:
             if started >= self._read_at:  # a read that started earlier never wins
                 self._owners = owners
                 self._read_at, self._stale = started, False
             return self._owners if self._owners is not None else owners
+
+    def _read_whole(self) -> dict[str, Owner]:
+        """Every shard's newest manifest; the claim board's window starts with it (what was
+        posted before is in this read, up to the board's skew)."""
+        started = time.monotonic()
+        board = ClaimBoard(self.storage, collect=False)
+        board.claimed()
+        manifests = list_owners(self.storage)
+        with self._lock:
+            self._board, self._whole_at = board, started
+        return {shard: owner_of(shard, m) for shard, m in manifests.items()}
+
+    def _read_claimed(self, old: dict[str, Owner], board: ClaimBoard) -> dict[str, Owner]:
+        """`old` with the manifests of the shards the board shows claimed since re-read."""
+        shards = sorted({marker.shard for marker in board.claimed()})
+        if not shards:
+            return old
+        owners = dict(old)
+        for shard in shards:
+            manifest = ManifestStore(self.storage, shard).latest()
+            if manifest.version:
+                owners[shard] = owner_of(shard, manifest)
+        return owners
 
     def saw_epoch(self, shard: str, epoch: int) -> None:
         """A process answered for `shard` at `epoch`: re-read the owners at the next
