@@ -218,6 +218,14 @@ def list_owners(storage: Storage, workers: int = OWNER_READ_WORKERS) -> dict[str
         PersistenceError: a manifest kept vanishing while it was read.
     """
     shards = [shard for shard in storage.folders("") if shard != claim_board.BOARD]
+    return read_manifests(storage, shards, workers)
+
+
+def read_manifests(
+    storage: Storage, shards: list[str], workers: int = OWNER_READ_WORKERS
+) -> dict[str, ShardManifest]:
+    """The newest manifest of each of `shards` that has one, `workers` at a time (see
+    `list_owners`)."""
     if not shards:
         return {}
     with ThreadPoolExecutor(min(workers, len(shards)), thread_name_prefix="shard-owners") as pool:

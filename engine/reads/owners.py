@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import structlog
 
 from engine.claim_board import ClaimBoard
-from engine.manifest import ManifestStore, ShardManifest, list_owners
+from engine.manifest import ShardManifest, list_owners, read_manifests
 from engine.storage import Storage
 
 log = structlog.get_logger("lance_sink.reader")
@@ -80,6 +80,8 @@ class ShardOwners:
         #: The claim board since the last whole read, and when that read began.
         self._board: ClaimBoard | None = None
         self._whole_at = 0.0
+        #: Shards whose listed owner did not answer: read again at the next re-read.
+        self._rechecks: set[str] = set()
         self._owners: dict[str, Owner] | None = None
         self._read_at = 0.0  # when the read of the copy started
         self._stale = False
@@ -169,22 +171,32 @@ class ShardOwners:
         started = time.monotonic()
         board = ClaimBoard(self.storage, collect=False)
         board.claimed()
+        with self._lock:
+            self._rechecks.clear()  # read now with every other shard
         manifests = list_owners(self.storage)
         with self._lock:
             self._board, self._whole_at = board, started
         return {shard: owner_of(shard, m) for shard, m in manifests.items()}
 
     def _read_claimed(self, old: dict[str, Owner], board: ClaimBoard) -> dict[str, Owner]:
-        """`old` with the manifests of the shards the board shows claimed since re-read."""
-        shards = sorted({marker.shard for marker in board.claimed()})
+        """`old` with the manifests re-read of the shards the board shows claimed since and
+        of those `recheck` named."""
+        with self._lock:
+            rechecks, self._rechecks = self._rechecks, set()
+        shards = sorted(rechecks | {marker.shard for marker in board.claimed()})
         if not shards:
             return old
         owners = dict(old)
-        for shard in shards:
-            manifest = ManifestStore(self.storage, shard).latest()
-            if manifest.version:
-                owners[shard] = owner_of(shard, manifest)
+        for shard, manifest in read_manifests(self.storage, shards).items():
+            owners[shard] = owner_of(shard, manifest)
         return owners
+
+    def recheck(self, shards: Collection[str]) -> None:
+        """The owner listed for `shards` did not answer (gone, or slow): the next re-read
+        reads their manifests too (a pod that drained released them; a new owner's claim
+        the board did not show is found)."""
+        with self._lock:
+            self._rechecks.update(shards)
 
     def saw_epoch(self, shard: str, epoch: int) -> None:
         """A process answered for `shard` at `epoch`: re-read the owners at the next

@@ -315,6 +315,8 @@ class RemoteTier:
     ) -> None:
         if shards is None:
             self._failed.add(url)
+            # Gone (drained: it released them; killed: another pod will claim them) or slow.
+            self.fanout.owners.recheck(list(self.groups[url]))
         for shard in shards if shards is not None else list(self.groups[url]):
             owner = self.groups[url][shard]
             self.missing.setdefault(

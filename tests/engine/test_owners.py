@@ -266,3 +266,22 @@ def test_what_the_board_does_not_show_arrives_with_the_next_whole_read(tmp_path:
         store.key(newer.version), dataclasses.replace(newer, owner_url="http://b:1").encode()
     )
     wait_for_owner(owners, "t-0-x", "http://b:1")
+
+
+def test_a_shard_whose_owner_did_not_answer_is_read_again_at_the_next_re_read(
+    tmp_path: Path,
+) -> None:
+    # A drained pod released its shards (no marker on the board) and answers no more: the
+    # coordinator rechecks the shards it routed there instead of naming them missing until
+    # the next whole read (a minute).
+    storage = LocalStorage(tmp_path / "wal")
+    store = ManifestStore(storage, "t-0-x")
+    current = store.claim("http://gone:1")
+    owners = ShardOwners(storage, refresh_s=0.0)
+    assert owners.current()["t-0-x"].released is False
+    store.advance(current, owner_url="", released=True)
+    owners.recheck(["t-0-x"])
+    deadline = time.monotonic() + 10
+    while not owners.current()["t-0-x"].released:
+        assert time.monotonic() < deadline, "the released shard was never read again"
+        time.sleep(0.01)
