@@ -145,15 +145,27 @@ class ShardOwners:
         """Read the owners: every manifest, or with `claims_only` (a copy that is only old)
         and a whole read less than `full_read_s` ago, those of the shards claimed since."""
         started = time.monotonic()
+        board = self._board
         try:
-            board = self._board
-            if claims_only and old is not None and board is not None:
-                if started - self._whole_at < self.full_read_s:
-                    owners = self._read_claimed(old, board)
-                else:
-                    owners = self._read_whole()
-            else:
-                owners = self._read_whole()
+            if (
+                claims_only
+                and old is not None
+                and board is not None
+                and started - self._whole_at < self.full_read_s
+            ):
+                changed = self._read_claimed(board)
+                with self._lock:
+                    # Onto the newest copy (a whole read may have ended meanwhile), a shard's
+                    # manifest as read now unless the copy lists a newer epoch.
+                    owners = dict(self._owners if self._owners is not None else old)
+                    for shard, owner in changed.items():
+                        listed = owners.get(shard)
+                        if listed is None or owner.epoch >= listed.epoch:
+                            owners[shard] = owner
+                    self._owners = owners
+                    self._read_at = max(self._read_at, started)
+                    return owners
+            owners = self._read_whole()
         except Exception as exc:
             if old is None:
                 raise
@@ -178,18 +190,14 @@ class ShardOwners:
             self._board, self._whole_at = board, started
         return {shard: owner_of(shard, m) for shard, m in manifests.items()}
 
-    def _read_claimed(self, old: dict[str, Owner], board: ClaimBoard) -> dict[str, Owner]:
-        """`old` with the manifests re-read of the shards the board shows claimed since and
-        of those `recheck` named."""
+    def _read_claimed(self, board: ClaimBoard) -> dict[str, Owner]:
+        """The owners of the shards the board shows claimed since and of those `recheck`
+        named, read now."""
         with self._lock:
             rechecks, self._rechecks = self._rechecks, set()
         shards = sorted(rechecks | {marker.shard for marker in board.claimed()})
-        if not shards:
-            return old
-        owners = dict(old)
-        for shard, manifest in read_manifests(self.storage, shards).items():
-            owners[shard] = owner_of(shard, manifest)
-        return owners
+        manifests = read_manifests(self.storage, shards)
+        return {shard: owner_of(shard, manifest) for shard, manifest in manifests.items()}
 
     def recheck(self, shards: Collection[str]) -> None:
         """The owner listed for `shards` did not answer (gone, or slow): the next re-read
