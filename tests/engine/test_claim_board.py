@@ -30,31 +30,12 @@ from engine.shard import ShardWriter
 from engine.storage import LocalStorage, Storage, open_storage
 from tests.engine.conftest import Storage as Location
 from tests.support.engine import make_spec, writer_config
+from tests.support.storage import RecordingStorage
 
 pytestmark = pytest.mark.timeout(120)
 
 #: The writers' fence check interval in these tests: sweeps run every IDLE_WAKE_S (0.5 s).
 CHECK_S = 0.2
-
-
-class CountingStorage:
-    """The real storage, counting its listings (a LIST request each on S3)."""
-
-    def __init__(self, inner: Storage) -> None:
-        self.inner = inner
-        self.uri = inner.uri
-        self.listings = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def list(self, prefix: str) -> list[str]:
-        self.listings += 1
-        return self.inner.list(prefix)
-
-    def list_after(self, prefix: str, after: str | None) -> list[str]:
-        self.listings += 1
-        return self.inner.list_after(prefix, after)
 
 
 def engine_on(location: Location, storage: Storage | None = None, **kwargs: Any) -> Engine:
@@ -85,15 +66,15 @@ def test_idle_shards_cost_one_listing_a_sweep(tmp_path: Path) -> None:
     # 32 idle shards, each probing itself every 0.5 s, listed 64 manifests a second (the
     # lane's whole rate); with the board the engine lists the board once a sweep.
     location = (str(tmp_path / "t.lance"), str(tmp_path / "wal"), None)
-    storage = CountingStorage(LocalStorage(tmp_path / "wal"))
-    engine = engine_on(location, storage)
+    storage = RecordingStorage(LocalStorage(tmp_path / "wal"))
+    engine = engine_on(location, storage)  # type: ignore[arg-type]
     try:
         for partition in range(32):
             engine.open_shard("t", partition)
         time.sleep(1.0)  # the first sweep (and its collection) is behind us
-        before, sweeps = storage.listings, engine.claims.sweeps
+        before, sweeps = len(storage.listings), engine.claims.sweeps
         time.sleep(2.0)
-        listings = storage.listings - before
+        listings = len(storage.listings) - before
         assert engine.claims.sweeps - sweeps >= 3  # a sweep every 0.5 s
         assert listings <= engine.claims.sweeps - sweeps + 1, listings
     finally:

@@ -19,6 +19,7 @@ from engine.storage import LocalStorage, Storage
 from tests.engine.conftest import MakeHarness
 from tests.support.engine import make_batch, source
 from tests.support.fanout import coordinator_fanout
+from tests.support.storage import RecordingStorage
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -180,26 +181,6 @@ def test_a_clean_close_releases_the_shard_and_fan_out_asks_nobody_for_it(
     again.close(flush=False, timeout=5)
 
 
-class SlowStorage:
-    """The real storage, each listing and read a round trip late (as on S3)."""
-
-    def __init__(self, inner: Storage, delay_s: float) -> None:
-        self.inner = inner
-        self.uri = inner.uri
-        self.delay_s = delay_s
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
-
-    def list(self, prefix: str) -> list[str]:
-        time.sleep(self.delay_s)
-        return self.inner.list(prefix)
-
-    def get(self, key: str) -> bytes:
-        time.sleep(self.delay_s)
-        return self.inner.get(key)
-
-
 def test_the_owners_of_many_shards_are_read_together(tmp_path: Path) -> None:
     # Two round trips a shard, one shard after another: 1,024 shards took ~100 s on S3 at
     # 50 ms a request, and a query whose copy lacked a shard waited for the whole read.
@@ -207,29 +188,12 @@ def test_the_owners_of_many_shards_are_read_together(tmp_path: Path) -> None:
     for i in range(32):
         ManifestStore(storage, f"t-{i}-x").claim(f"http://10.0.0.{i}:8080")
     started = time.monotonic()
-    listed = list_owners(SlowStorage(storage, 0.02))  # type: ignore[arg-type]
+    listed = list_owners(RecordingStorage(storage, delay_s=0.02))  # type: ignore[arg-type]
     elapsed = time.monotonic() - started
     assert {shard: m.owner_url for shard, m in listed.items()} == {
         f"t-{i}-x": f"http://10.0.0.{i}:8080" for i in range(32)
     }
     assert elapsed < 32 * 2 * 0.02 / 4, elapsed  # 1.28 s one shard after another
-
-
-class CountingGets:
-    """The real storage, counting the manifest versions it reads."""
-
-    def __init__(self, inner: Storage) -> None:
-        self.inner = inner
-        self.uri = inner.uri
-        self.manifest_gets = 0
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
-
-    def get(self, key: str) -> bytes:
-        if "/manifest/" in key:
-            self.manifest_gets += 1
-        return self.inner.get(key)
 
 
 def wait_for_owner(owners: ShardOwners, shard: str, url: str) -> None:
@@ -242,15 +206,15 @@ def wait_for_owner(owners: ShardOwners, shard: str, url: str) -> None:
 def test_between_whole_reads_only_the_shards_claimed_since_are_read(tmp_path: Path) -> None:
     # A pod answering queries re-read every manifest each refresh_s: at 1,024 shards on
     # S3, 2,049 requests every ~7 s. Between whole reads the claim board says which changed.
-    storage = CountingGets(LocalStorage(tmp_path / "wal"))
+    storage = RecordingStorage(LocalStorage(tmp_path / "wal"))
     for i in range(16):
         ManifestStore(storage.inner, f"t-{i}-x").claim("http://a:1")
     owners = ShardOwners(storage, refresh_s=0.0)  # type: ignore[arg-type]
     assert len(owners.current()) == 16
-    before = storage.manifest_gets
+    before = storage.manifest_gets()
     ManifestStore(storage.inner, "t-3-x").claim("http://b:1")  # a rebalance moved t-3
     wait_for_owner(owners, "t-3-x", "http://b:1")
-    assert storage.manifest_gets - before <= 2, storage.manifest_gets - before  # t-3's
+    assert storage.manifest_gets() - before <= 2, storage.manifest_gets() - before  # t-3's
 
 
 def test_what_the_board_does_not_show_arrives_with_the_next_whole_read(tmp_path: Path) -> None:

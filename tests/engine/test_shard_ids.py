@@ -25,6 +25,7 @@ from engine.shard import ShardWriter
 from engine.shard_ids import legacy_shard_ids, shard_id
 from engine.storage import canonical_uri, open_storage
 from tests.support.engine import make_batch, source, table_settings
+from tests.support.storage import RecordingStorage
 
 TOPIC = "events.v1"
 
@@ -308,20 +309,13 @@ def test_the_opens_of_many_new_shards_share_one_listing_of_the_wal_root(
     # start's ~16 s of opens (issue #39). A table moved here keeps its old ids all the same
     # (test above): the folders it brings exist before the first open lists the root.
     engine = Engine.from_settings(settings(str(tmp_path / "t.lance")))
-    listings = []
-    folders = engine.storage.folders
-
-    def counted(prefix: str) -> list[str]:
-        listings.append(prefix)
-        return folders(prefix)
-
-    engine.storage.folders = counted  # type: ignore[method-assign]
+    storage = engine.storage = RecordingStorage(engine.storage)  # type: ignore[assignment]
     try:
         writers = [engine.open_shard(TOPIC, p) for p in range(32)]
         assert [w.shard for w in writers] == [
             shard_id(str(tmp_path / "t.lance"), TOPIC, p) for p in range(32)
         ]
-        assert listings.count("") == 1, listings
+        assert storage.folder_listings.count("") == 1, storage.folder_listings
     finally:
         engine.close(flush=False)
 
@@ -337,17 +331,10 @@ def test_the_ids_of_shards_with_state_come_from_one_listing(tmp_path: Path) -> N
     finally:
         first.close(flush=False)
     engine = Engine.from_settings(settings(str(tmp_path / "t.lance")))
-    listed = []
-    lists = engine.storage.list
-
-    def counted(prefix: str) -> list[str]:
-        listed.append(prefix)
-        return lists(prefix)
-
-    engine.storage.list = counted  # type: ignore[method-assign]
+    storage = engine.storage = RecordingStorage(engine.storage)  # type: ignore[assignment]
     ids = [engine.shard_id(TOPIC, p) for p in range(32)]
     assert ids == [shard_id(str(tmp_path / "t.lance"), TOPIC, p) for p in range(32)]
-    assert listed == []
+    assert storage.listings == []
     # A partition without state still looks for it (its legacy and moved ids).
     assert engine.shard_id(TOPIC, 32) == shard_id(str(tmp_path / "t.lance"), TOPIC, 32)
-    assert listed
+    assert storage.listings
