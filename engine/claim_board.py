@@ -96,8 +96,9 @@ def post(storage: Storage, shard: str, epoch: int, clock: Callable[[], float] = 
 
 
 class ClaimBoard:
-    """The sweeps of one WAL storage's board by one engine (one thread at a time: the probe
-    lane never runs a probe twice at once)."""
+    """The sweeps of one WAL storage's board by one engine or one owners reader, one
+    thread at a time (the probe lane never runs a probe twice at once; `ShardOwners`
+    re-reads one at a time)."""
 
     def __init__(
         self, storage: Storage, clock: Callable[[], float] = time.time, *, collect: bool = True
