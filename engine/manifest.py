@@ -118,13 +118,17 @@ class ManifestStore:
 
     def latest(self) -> ShardManifest:
         """The newest manifest version, or an empty one for a new shard."""
+        return self._latest_listed()[0]
+
+    def _latest_listed(self) -> tuple[ShardManifest, list[int]]:
+        """The newest manifest version and the versions the listing that found it saw."""
         versions = self._versions()
         if not versions:
-            return ShardManifest()
+            return ShardManifest(), versions
         # A version may be deleted by GC between list and get: fall back to re-listing.
         for _ in range(CLAIM_ATTEMPTS):
             try:
-                return ShardManifest.decode(self.storage.get(self.key(versions[-1])))
+                return ShardManifest.decode(self.storage.get(self.key(versions[-1]))), versions
             except FileNotFoundError:
                 versions = self._versions()
         raise PersistenceError("manifest kept vanishing while reading", shard=self.shard)
@@ -147,7 +151,7 @@ class ManifestStore:
             PersistenceError: lost the race `CLAIM_ATTEMPTS` times in a row.
         """
         for _ in range(CLAIM_ATTEMPTS):
-            current = self.latest()
+            current, listed = self._latest_listed()
             claimed = replace(
                 current,
                 version=current.version + 1,
@@ -163,7 +167,9 @@ class ManifestStore:
             # Tell the other processes' idle writers of this shard at once (one listing of
             # the board each, not a LIST of every manifest: `engine.claim_board`).
             claim_board.post(self.storage, self.shard, claimed.epoch)
-            self.collect(claimed.version)
+            # The listing that found `current` holds every older version: a version written
+            # after it would have taken ours (the put above would have failed).
+            self._delete_before(listed, claimed.version - 1)
             return claimed
         raise PersistenceError(
             "could not claim the shard: too many concurrent claims", shard=self.shard
@@ -200,8 +206,11 @@ class ManifestStore:
 
     def collect(self, newest: int) -> None:
         """Delete versions older than the one before `newest` (best effort)."""
-        for version in self._versions():
-            if version < newest - 1:
+        self._delete_before(self._versions(), newest - 1)
+
+    def _delete_before(self, versions: list[int], keep: int) -> None:
+        for version in versions:
+            if version < keep:
                 self.storage.delete(self.key(version))
 
 

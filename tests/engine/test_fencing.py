@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from engine.errors import Fenced, Poisoned
 from engine.flusher import TRIM_THREADS
-from engine.manifest import ShardManifest
+from engine.manifest import ManifestStore, ShardManifest
 from engine.shard import ShardWriter
+from engine.storage import LocalStorage
 from tests.engine.conftest import MakeHarness
 from tests.support.engine import make_batch, source, visible_rows, writer_config
+from tests.support.storage import RecordingStorage
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -252,3 +255,20 @@ def test_a_shard_sealed_to_close_records_the_release_with_its_flush_before_its_c
     writer.close(flush=True)
     assert writer.manifests.latest() == flushed
     assert sorted(h.base_rows().column("_offset").to_pylist()) == list(range(10))
+
+
+def test_a_claim_lists_the_manifest_versions_once(tmp_path: Path) -> None:
+    # A claim listed the versions to find the newest, then again to delete the old ones:
+    # on S3 a LIST each of the ~10 requests an open makes.
+    storage = RecordingStorage(LocalStorage(tmp_path / "wal"))
+    store = ManifestStore(storage, "t-0-x")  # type: ignore[arg-type]
+    for _ in range(3):
+        store.claim("http://a:1")
+    storage.listings.clear()
+    claimed = store.claim("http://b:1")
+    assert storage.listings == ["t-0-x/manifest"]
+    # Still only the newest two versions are kept.
+    assert storage.inner.list("t-0-x/manifest") == [
+        store.key(claimed.version - 1),
+        store.key(claimed.version),
+    ]
