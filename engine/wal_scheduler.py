@@ -192,30 +192,28 @@ class WalScheduler:
     ) -> ScheduledShard:
         """Register a shard's step and, if given, its idle fence probe (first run one
         `probe_interval` from now); see the module docstring. Starts the threads if needed."""
-        handle = ScheduledShard(name, step, probe, probe_interval)
-        with self._lock:
-            if self._closed:
-                handle.closed = True
-                return handle
-            self._registered += 1
-            if not self._threads:
-                self._start_locked()
-            if probe is not None:
-                self._push_probe_locked(handle, time.monotonic() + probe_interval)
-        return handle
+        return self._admit(ScheduledShard(name, step, probe, probe_interval), shard=True)
 
     def add_probe(self, name: str, probe: Callable[[], None], interval: float) -> ScheduledShard:
         """Put a probe of no shard on the probe lane (the engine's claim-board sweep), run
         every `interval` within the lane's rate like a shard's; not counted in
         `registered`. `remove_probe` ends it. Starts the threads if needed."""
-        handle = ScheduledShard(name, _no_step, probe, interval)
+        return self._admit(ScheduledShard(name, _no_step, probe, interval), shard=False)
+
+    def _admit(self, handle: ScheduledShard, *, shard: bool) -> ScheduledShard:
+        """Start the threads if needed and put `handle`'s probe, if any, on the lane (first
+        run one `probe_interval` from now); a `shard` is counted in `registered`. After
+        `close`, the handle is closed at once."""
         with self._lock:
             if self._closed:
                 handle.closed = True
                 return handle
+            if shard:
+                self._registered += 1
             if not self._threads:
                 self._start_locked()
-            self._push_probe_locked(handle, time.monotonic() + interval)
+            if handle.probe is not None:
+                self._push_probe_locked(handle, time.monotonic() + handle.probe_interval)
         return handle
 
     def remove_probe(self, handle: ScheduledShard) -> None:
