@@ -156,12 +156,15 @@ class ShardOwners:
                 changed = self._read_claimed(board)
                 with self._lock:
                     # Onto the newest copy (a whole read may have ended meanwhile), a shard's
-                    # manifest as read now unless the copy lists a newer epoch.
-                    owners = dict(self._owners if self._owners is not None else old)
-                    for shard, owner in changed.items():
-                        listed = owners.get(shard)
-                        if listed is None or owner.epoch >= listed.epoch:
-                            owners[shard] = owner
+                    # manifest as read now unless the copy lists a newer epoch; with nothing
+                    # claimed since (most re-reads), the copy stays as it is.
+                    owners = self._owners if self._owners is not None else old
+                    if changed:
+                        owners = dict(owners)
+                        for shard, owner in changed.items():
+                            listed = owners.get(shard)
+                            if listed is None or owner.epoch >= listed.epoch:
+                                owners[shard] = owner
                     self._owners = owners
                     self._read_at = max(self._read_at, started)
                     return owners
