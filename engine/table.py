@@ -128,11 +128,18 @@ class BaseTable:
                         storage_options=self.options,
                     )
                 except OSError as exc:
-                    if "already exists" not in str(exc):
+                    # Another process may have created it first: its create wins, whatever
+                    # the error says ("already exists" locally; on S3 the losing create can
+                    # also see a preempted Overwrite commit). Only a table still missing fails.
+                    try:
+                        ds = self.dataset()
+                    except (ValueError, FileNotFoundError, OSError):
                         raise PersistenceError(
                             f"cannot create table: {exc}", table=self.uri
                         ) from exc
-                ds = self.dataset()
+                    log.info("table_created_elsewhere", table=self.uri, error=str(exc))
+                else:
+                    ds = self.dataset()
             if self.spec.evolve:
                 self._evolve(ds)
                 ds = self.dataset()

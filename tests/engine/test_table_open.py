@@ -1,0 +1,85 @@
+"""`BaseTable.open` when other processes create the same table at the same time: the first
+create wins and every other opener uses that table, whatever error its own create saw (on S3
+a losing create can see a preempted Overwrite commit rather than "already exists")."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import lance
+import pytest
+
+from engine.errors import PersistenceError
+from engine.schema import TableSpec
+from engine.table import BaseTable
+from tests.engine.conftest import Storage
+from tests.support.engine import make_spec
+
+
+def spec_for(storage: Storage) -> TableSpec:
+    table, _, options = storage
+    return make_spec(table, storage_options=options or {})
+
+
+class RacedTable(BaseTable):
+    """A table whose first look finds nothing, after which a rival opener creates the table
+    before this one's own create runs: the interleaving of two pods starting together."""
+
+    def __init__(self, spec: TableSpec, rival: BaseTable) -> None:
+        super().__init__(spec)
+        self._rival: BaseTable | None = rival
+
+    def dataset(self, version: int | None = None) -> lance.LanceDataset:
+        rival, self._rival = self._rival, None
+        try:
+            return super().dataset(version)
+        finally:
+            if rival is not None:
+                rival.open()
+
+
+def test_a_table_created_between_the_check_and_the_create_is_used(any_storage: Storage) -> None:
+    spec = spec_for(any_storage)
+    raced = RacedTable(spec, rival=BaseTable(spec))
+    raced.open()
+    ds = raced.dataset()
+    assert ds.version == 1  # the rival's create only: nothing was overwritten
+    assert ds.count_rows() == 0
+    spec.check_table(ds.schema)
+
+
+def test_openers_starting_together_all_open_the_one_table(any_storage: Storage) -> None:
+    spec = spec_for(any_storage)
+    openers = [BaseTable(spec) for _ in range(4)]
+    start = threading.Barrier(len(openers))
+    errors: list[BaseException] = []
+
+    def open_one(table: BaseTable) -> None:
+        start.wait()
+        try:
+            table.open()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_one, args=(t,)) for t in openers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    # Creates that start together may each commit (a later one lands as an empty Overwrite of
+    # the empty table: nothing is lost, as no opener has flushed yet); all see one table.
+    assert len({t.latest_version() for t in openers}) == 1
+    ds = openers[0].dataset()
+    assert ds.count_rows() == 0
+    spec.check_table(ds.schema)
+
+
+def test_a_create_that_cannot_happen_names_the_table(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    spec = make_spec(str(blocker / "t.lance"))
+    with pytest.raises(PersistenceError, match="cannot create table") as raised:
+        BaseTable(spec).open()
+    assert "t.lance" in str(raised.value)
