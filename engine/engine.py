@@ -149,7 +149,7 @@ class Engine:
             coalesce=coalesce_limits(settings),
         )
 
-    def shard_id(self, topic: str, partition: int) -> str:
+    def shard_id(self, topic: str, partition: int, *, listed_after: float | None = None) -> str:
         """The id of a topic-partition's shard on this table.
 
         `shard_id` of the table's canonical URI, unless that shard has no state in the WAL
@@ -168,18 +168,35 @@ class Engine:
         partition of a topic, cost one listing rather than a LIST a partition (1,024
         sequential LISTs took ~50 s on S3 at 50 ms a request).
 
+        `listed_after` (monotonic time; the open's assignment): a root listing started at or
+        after it answers "no state" too, for the current and the legacy ids alike, instead
+        of a LIST of each one's manifest (four LISTs of a new shard; ~40% of a first start's
+        requests on S3). Sound from then on: a shard folder appears only when a claim writes
+        a manifest, and once the partition is assigned here no other member may claim it,
+        so a folder missing from a listing started after the assignment stays missing until
+        this open claims it. Without it (`TopicShards`, which maps partitions it was not
+        assigned), each id without a folder in the cached listing is LISTed.
+
         Raises:
             AmbiguousShard: the table's own WAL storage holds this topic-partition's state
                 under several earlier ids (moved more than once without draining).
             PersistenceError: listing or reading the WAL storage failed.
         """
         current = shard_id(self.spec.uri, topic, partition)
-        if current in self._shard_folders().names or self._has_state(current):
+        folders = self._shard_folders(listed_after)
+        fresh = listed_after is not None
+
+        def has_state(shard: str) -> bool:
+            if shard in folders.names:
+                return shard == current or self._has_state(shard)
+            return not fresh and self._has_state(shard)
+
+        if has_state(current):
             return current
         for legacy in legacy_shard_ids(
             self.spec.uri, topic, partition, spellings=self.own_wal_storage
         ):
-            if self._has_state(legacy):
+            if has_state(legacy):
                 log.info(
                     "shard_legacy_id_kept",
                     topic=topic,
@@ -190,7 +207,7 @@ class Engine:
                 return legacy
         if not self.own_wal_storage:
             return current
-        moved = moved_shard_ids(self.storage, topic, partition, current, self._shard_folders())
+        moved = moved_shard_ids(self.storage, topic, partition, current, folders)
         if len(moved) > 1:
             raise AmbiguousShard(
                 "this table's WAL storage holds the topic-partition's state under several "
@@ -212,9 +229,10 @@ class Engine:
             return moved[0]
         return current
 
-    def _shard_folders(self) -> ShardFolders:
+    def _shard_folders(self, listed_after: float | None = None) -> ShardFolders:
         """The WAL storage root's shard folders, listed at most every
-        `SHARD_FOLDERS_TTL_S` for all opens (the opens of an assignment share one listing).
+        `SHARD_FOLDERS_TTL_S` for all opens (the opens of an assignment share one listing),
+        and again when the listing started before `listed_after` (monotonic).
 
         A listing every open made opening N new shards cost N listings of a root growing to
         N folders: at 1,024 partitions, a stat per folder per open (~500,000) took most of
@@ -225,7 +243,11 @@ class Engine:
         a peer's), which `_has_state` finds without a listing."""
         with self._folders_lock:
             now = time.monotonic()
-            if self._folders is None or now - self._folders[0] > SHARD_FOLDERS_TTL_S:
+            if (
+                self._folders is None
+                or now - self._folders[0] > SHARD_FOLDERS_TTL_S
+                or (listed_after is not None and self._folders[0] < listed_after)
+            ):
                 self._folders = (now, ShardFolders.listed(self.storage))
             return self._folders[1]
 
@@ -233,9 +255,14 @@ class Engine:
         """Has a writer ever claimed `shard` (its manifest exists)?"""
         return bool(self.storage.list(f"{shard}/manifest"))
 
-    def open_shard(self, topic: str, partition: int) -> ShardWriter:
-        """Claim and replay the shard of a topic-partition (see `ShardWriter.open`)."""
-        shard = self.shard_id(topic, partition)
+    def open_shard(
+        self, topic: str, partition: int, *, assigned_at: float | None = None
+    ) -> ShardWriter:
+        """Claim and replay the shard of a topic-partition (see `ShardWriter.open`).
+        `assigned_at` (monotonic): when the partition was assigned to this process, which
+        lets one root listing stand for the LISTs of its ids (`shard_id`'s `listed_after`);
+        give it only for a partition the consumer group assigned here."""
+        shard = self.shard_id(topic, partition, listed_after=assigned_at)
         if self.events is not None:
             self.events.shard_origin(shard, topic, partition)  # before its open's events
         self._start_sweep()

@@ -165,9 +165,10 @@ class Lifecycle:
     ) -> Opened:
         """Open pool: claim and replay the shard; with `look_up_committed`, also fetch the
         group's committed offset (-1: none), which a failed look-up on assign left unknown.
-        `submitted`: when the open was handed to the pool (monotonic)."""
+        `submitted`: when the open was handed to the pool (monotonic), while the partition
+        is assigned here: a WAL root listing from then on shows every shard id with state."""
         started = time.monotonic()
-        writer = self.engine.open_shard(topic, partition)
+        writer = self.engine.open_shard(topic, partition, assigned_at=submitted)
         if not look_up_committed:
             return Opened(writer, None, started - submitted, time.monotonic() - started)
         try:

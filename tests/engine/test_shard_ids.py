@@ -338,3 +338,47 @@ def test_the_ids_of_shards_with_state_come_from_one_listing(tmp_path: Path) -> N
     # A partition without state still looks for it (its legacy and moved ids).
     assert engine.shard_id(TOPIC, 32) == shard_id(str(tmp_path / "t.lance"), TOPIC, 32)
     assert storage.listings
+
+
+def test_opens_after_an_assignment_ask_no_id_of_a_new_shard_for_its_manifest(
+    tmp_path: Path,
+) -> None:
+    # A new shard's open LISTed the manifest of its current id and of each legacy id (four
+    # LISTs of nothing, ~40% of a first start's requests on S3). A root listing started
+    # after the assignment answers for all of them.
+    uri = str(tmp_path / "t.lance")
+    engine = Engine.from_settings(settings(uri))
+    storage = engine.storage = RecordingStorage(engine.storage)  # type: ignore[assignment]
+    try:
+        assigned_at = time.monotonic()
+        writers = [engine.open_shard(TOPIC, p, assigned_at=assigned_at) for p in range(8)]
+        assert [w.shard for w in writers] == [shard_id(uri, TOPIC, p) for p in range(8)]
+        legacy = {i for p in range(8) for i in legacy_shard_ids(uri, TOPIC, p, spellings=True)}
+        assert legacy  # the ids an open without the assignment's time LISTs
+        assert not [k for k in storage.listings if k.split("/")[0] in legacy]
+        assert storage.folder_listings.count("") == 1, storage.folder_listings
+        listed_before = len(storage.listings)
+        engine.open_shard(TOPIC, 8)  # no assignment time: every id is LISTed
+        asked = {k.split("/")[0] for k in storage.listings[listed_before:]}
+        assert set(legacy_shard_ids(uri, TOPIC, 8, spellings=True)) <= asked
+    finally:
+        engine.close(flush=False)
+
+
+def test_a_legacy_shard_claimed_after_the_cached_listing_is_still_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The listing an assignment may stand on is one started after it: an older build that
+    # claimed the partition under its legacy id after an earlier listing (and lost it to
+    # this assignment) left state the open must replay.
+    monkeypatch.chdir(tmp_path)
+    engine = Engine.from_settings(settings("./t.lance"))
+    try:
+        engine.shard_id(TOPIC, 5)  # the root listing is cached now, before the claim below
+        old = legacy_id("./t.lance")
+        write_some(open_writer(engine, old), engine)  # an older build's shard of partition 0
+        writer = engine.open_shard(TOPIC, 0, assigned_at=time.monotonic())
+        assert writer.shard == old
+        assert writer.durable_offsets[(TOPIC, 0)] == 89
+    finally:
+        engine.close(flush=False)

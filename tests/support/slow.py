@@ -88,10 +88,12 @@ def controller(*, process_budget_bytes: int, max_unflushed_memtable_bytes: int) 
     if replay_delay and slow_partitions:
         open_shard = Engine.open_shard
 
-        def slow_open(self: Engine, topic: str, partition: int) -> ShardWriter:
+        def slow_open(
+            self: Engine, topic: str, partition: int, *, assigned_at: float | None = None
+        ) -> ShardWriter:
             if partition in slow_partitions:
                 time.sleep(replay_delay)
-            return open_shard(self, topic, partition)
+            return open_shard(self, topic, partition, assigned_at=assigned_at)
 
         Engine.open_shard = slow_open  # type: ignore[method-assign]
     elif replay_delay:
