@@ -130,7 +130,10 @@ class Lifecycle:
             log.info("assignment_ignored_while_draining", count=len(partitions))
             return
         committed, known = self._committed_offsets(partitions, left)
-        # A failed look-up of the committed offsets is made again by each open.
+        # A failed look-up of the committed offsets is made again by each open. One time
+        # for all: the opens of an assignment then share one WAL root listing started
+        # after it (`Engine.shard_id`'s `listed_after`).
+        submitted = time.monotonic()
         for tp in partitions:
             key = (tp.topic, tp.partition)
             state = PartitionState(
@@ -138,7 +141,7 @@ class Lifecycle:
             )
             state.committed_known = known
             state.opening = self.pool.submit(
-                self._open, tp.topic, tp.partition, not known, time.monotonic()
+                self._open, tp.topic, tp.partition, not known, submitted
             )
             self.partitions.add(state)
         # Nothing is handed to the consumer yet (see `flow.Flow.assign_none`).
