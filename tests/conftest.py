@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.brokers import Broker, start_mock_cluster, start_moto, start_tansu
+from tests.support.sink import SinkProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 _passed_by_marker: Counter[str] = Counter()
@@ -112,3 +113,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     out = ROOT / "build" / "test-tiers.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(dict(_passed_by_marker), sort_keys=True) + "\n")
+
+
+@pytest.fixture(autouse=True)
+def kill_leftover_sinks() -> Iterator[None]:
+    """Kill the `lance-sink` child processes a test left running (see `SinkProcess`)."""
+    yield
+    SinkProcess.kill_leftovers()

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import lance
 import numpy as np
@@ -168,7 +168,11 @@ def messages(start: int, count: int) -> Iterator[tuple[bytes, bytes]]:
 
 class SinkProcess:
     """`lance-sink run --config FILE` (or another `command`: `serve`) as a child process,
-    logs in a file."""
+    logs in a file. Every one still running when its test ends is killed then
+    (`kill_leftover_sinks`, an autouse fixture): a test that fails before its own stop
+    would leave it consuming, and holding a core, through the tests after it."""
+
+    started: ClassVar[list[SinkProcess]] = []
 
     def __init__(
         self,
@@ -186,6 +190,17 @@ class SinkProcess:
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
         )
+        SinkProcess.started.append(self)
+
+    @classmethod
+    def kill_leftovers(cls) -> int:
+        """Kill every sink process started since the last call that still runs; returns
+        how many were."""
+        leftovers = [p for p in cls.started if p.alive()]
+        cls.started.clear()
+        for p in leftovers:
+            p.kill()
+        return len(leftovers)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
