@@ -71,6 +71,26 @@ class FlushMark:
     offsets: dict[str, int]
 
 
+def create_table(uri: str, schema: pa.Schema, storage_options: dict[str, str] | None) -> None:
+    """Create an empty Lance table at `uri` as its version 1, or fail (`OSError`,
+    `ValueError` or `RuntimeError`, as Lance says it) if any version exists.
+
+    Not `lance.write_dataset(mode="create")`: it looks for the table first, and a create
+    that finds nothing and then loses the commit of version 1 to another process is retried
+    as an Overwrite on top of whatever the table holds by then (two creates together made
+    version 2). An Overwrite replaces the rows of every earlier version, so a create retried
+    after another pod's first write would drop those rows, whose offsets that pod has
+    committed. Committed with `read_version=0` and no retries, it can only be version 1."""
+    lance.LanceDataset.commit(
+        uri,
+        lance.LanceOperation.Overwrite(schema, []),
+        read_version=0,
+        max_retries=0,
+        storage_options=storage_options,
+        enable_v2_manifest_paths=True,
+    )
+
+
 class AppendWatcher(Protocol):
     """Told about the rows an append flush writes, around its commit (the reader's
     unindexed-fragment cache takes them over instead of reading them back from storage).
@@ -121,16 +141,11 @@ class BaseTable:
                 ds = None
             if ds is None:
                 try:
-                    lance.write_dataset(
-                        self.spec.table_schema.empty_table(),
-                        self.uri,
-                        mode="create",
-                        storage_options=self.options,
-                    )
-                except OSError as exc:
+                    create_table(self.uri, self.spec.table_schema, self.options)
+                except (OSError, ValueError, RuntimeError) as exc:
                     # Another process may have created it first: its create wins, whatever
-                    # the error says ("already exists" locally; on S3 the losing create can
-                    # also see a preempted Overwrite commit). Only a table still missing fails.
+                    # the error says (the version exists locally; on S3 the losing create
+                    # can see a preempted commit). Only a table still missing fails.
                     try:
                         ds = self.dataset()
                     except (ValueError, FileNotFoundError, OSError):

@@ -50,6 +50,7 @@ headers; the dead-letter Lance table holds each once (`DeadLetterTable`).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import json
@@ -67,6 +68,7 @@ import structlog
 from confluent_kafka import KafkaError
 
 from config.settings import Settings
+from engine.table import create_table
 from sink.decoded import DeadLetter
 from sink.log import librdkafka_logger
 
@@ -577,14 +579,11 @@ class DeadLetterTable:
             try:
                 ds = lance.dataset(self.uri, storage_options=self.options)
             except ValueError:  # no table yet (Lance says "not found" as a ValueError)
-                try:
-                    lance.write_dataset(
-                        table, self.uri, mode="create", storage_options=self.options
-                    )
-                except (OSError, ValueError):  # another writer created it meanwhile
-                    ds = lance.dataset(self.uri, storage_options=self.options)
-                else:
-                    return True
+                # Created empty, then written like any other batch: a create carrying the
+                # letters could land on top of another pod's (`create_table`).
+                with contextlib.suppress(OSError, ValueError, RuntimeError):
+                    create_table(self.uri, DEAD_LETTER_SCHEMA, self.options)  # or it did
+                ds = lance.dataset(self.uri, storage_options=self.options)
             ds.merge_insert(DEAD_LETTER_KEY).when_not_matched_insert_all().execute(table)
         except (OSError, ValueError, RuntimeError) as exc:
             log.warning("dlq_table_append_failed", uri=self.uri, error=str(exc))

@@ -1,6 +1,7 @@
 """`BaseTable.open` when other processes create the same table at the same time: the first
 create wins and every other opener uses that table, whatever error its own create saw (on S3
-a losing create can see a preempted Overwrite commit rather than "already exists")."""
+a losing create can see a preempted commit rather than "already exists"); a create never
+lands on top of a table that exists (an Overwrite there would drop every row in it)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import threading
 from pathlib import Path
 
 import lance
+import pyarrow as pa
 import pytest
 
 from engine.errors import PersistenceError
 from engine.schema import TableSpec
-from engine.table import BaseTable
+from engine.table import BaseTable, create_table
 from tests.engine.conftest import Storage
-from tests.support.engine import make_spec
+from tests.support.engine import make_batch, make_spec
 
 
 def spec_for(storage: Storage) -> TableSpec:
@@ -68,9 +70,9 @@ def test_openers_starting_together_all_open_the_one_table(any_storage: Storage) 
     for t in threads:
         t.join()
     assert errors == []
-    # Creates that start together may each commit (a later one lands as an empty Overwrite of
-    # the empty table: nothing is lost, as no opener has flushed yet); all see one table.
-    assert len({t.latest_version() for t in openers}) == 1
+    # One create committed (version 1); the others' were refused, not retried as an
+    # Overwrite on top of it (with `write_dataset(mode="create")` one landed as version 2).
+    assert {t.latest_version() for t in openers} == {1}
     ds = openers[0].dataset()
     assert ds.count_rows() == 0
     spec.check_table(ds.schema)
@@ -83,3 +85,24 @@ def test_a_create_that_cannot_happen_names_the_table(tmp_path: Path) -> None:
     with pytest.raises(PersistenceError, match="cannot create table") as raised:
         BaseTable(spec).open()
     assert "t.lance" in str(raised.value)
+
+
+def test_a_create_that_finds_the_table_too_late_drops_no_row(any_storage: Storage) -> None:
+    # The race behind it: a pod looks, finds no table, and commits its create only after
+    # another pod created the table and flushed rows into it. Lance's create retried its
+    # commit as an Overwrite there, version 3 with no rows: the flushed rows (their offsets
+    # committed) were gone from the table.
+    spec = spec_for(any_storage)
+    first = BaseTable(spec)
+    first.open()
+    lance.write_dataset(
+        pa.Table.from_batches([make_batch(spec, 0, 3)]).select(spec.table_schema.names),
+        spec.uri,
+        mode="append",
+        storage_options=spec.storage_options or None,
+    )
+    with pytest.raises((OSError, ValueError, RuntimeError)):
+        create_table(spec.uri, spec.table_schema, spec.storage_options or None)
+    ds = first.dataset()
+    assert ds.count_rows() == 3
+    assert ds.version == 2

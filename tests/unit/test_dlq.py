@@ -255,6 +255,27 @@ def test_two_writers_of_a_new_dead_letter_table_lose_nothing(tmp_path: Path) -> 
     assert coordinates(uri) == [("events", p, o) for p in range(2) for o in range(5)]
 
 
+@pytest.mark.parametrize("attempt", range(3))
+def test_writers_creating_the_dead_letter_table_together_keep_every_letter(
+    tmp_path: Path, attempt: int
+) -> None:
+    """Once: the first letters of several pods at once, no replay. A create carrying letters
+    that lost its commit to another pod's create was retried by Lance as an Overwrite,
+    which dropped the other pod's letters (their offsets committed: lost for good)."""
+    uri = str(tmp_path / "dead.lance")
+    tables = [DeadLetterTable(uri, None) for _ in range(4)]
+    try:
+        futures = [
+            t.append([letter(partition=p, offset=o) for o in range(3)])
+            for p, t in enumerate(tables)
+        ]
+        assert all(f.result(30) for f in futures)
+    finally:
+        for t in tables:
+            t.close()
+    assert coordinates(uri) == [("events", p, o) for p in range(4) for o in range(3)]
+
+
 def test_the_dead_letter_table_is_compacted_and_its_old_versions_removed(tmp_path: Path) -> None:
     """Each write is a Lance commit of a fragment: a trickle of dead letters left the table
     one fragment and one version per batch, for ever, each merge-insert scanning them all."""
