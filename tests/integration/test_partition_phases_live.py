@@ -158,6 +158,5 @@ def test_rows_flowing_through_many_partitions_publish_as_their_cost_allows(
     board.ticked(start + 2 * PUBLISH_INTERVAL_S)
     assert board.views is views  # not yet: 5 ms / PUBLISH_SHARE = 100 ms
     service.metrics.rows_total += 1
-    board.publish_cost_s = 0.005
     board.ticked(start + 0.005 / PUBLISH_SHARE + 0.001)
     assert board.views is not views

@@ -193,14 +193,12 @@ class SinkProcess:
         SinkProcess.started.append(self)
 
     @classmethod
-    def kill_leftovers(cls) -> int:
-        """Kill every sink process started since the last call that still runs; returns
-        how many were."""
+    def kill_leftovers(cls) -> None:
+        """Kill every sink process started since the last call that still runs."""
         leftovers = [p for p in cls.started if p.alive()]
         cls.started.clear()
         for p in leftovers:
             p.kill()
-        return len(leftovers)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

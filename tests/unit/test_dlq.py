@@ -238,20 +238,26 @@ def test_dead_letters_sent_again_are_in_the_table_once(tmp_path: Path) -> None:
     assert {r["value"] for r in rows} == {b"x" * 5000}  # full payloads, as before
 
 
-def test_two_writers_of_a_new_dead_letter_table_lose_nothing(tmp_path: Path) -> None:
-    """Two sink processes (here two writers) that create the table at once, and replay."""
-    uri = str(tmp_path / "dead.lance")
-    tables = [DeadLetterTable(uri, None), DeadLetterTable(uri, None)]
+def write_together(uri: str, writers: int, letters: int, rounds: int) -> None:
+    """`writers` dead-letter tables at `uri`, writer p appending the letters of partition p
+    (offsets 0 .. letters-1) at once with the others, `rounds` times (a replay)."""
+    tables = [DeadLetterTable(uri, None) for _ in range(writers)]
     try:
-        for _round in range(2):
+        for _round in range(rounds):
             futures = [
-                t.append([letter(partition=p, offset=o) for o in range(5)])
+                t.append([letter(partition=p, offset=o) for o in range(letters)])
                 for p, t in enumerate(tables)
             ]
             assert all(f.result(30) for f in futures)
     finally:
         for t in tables:
             t.close()
+
+
+def test_two_writers_of_a_new_dead_letter_table_lose_nothing(tmp_path: Path) -> None:
+    """Two sink processes (here two writers) that create the table at once, and replay."""
+    uri = str(tmp_path / "dead.lance")
+    write_together(uri, writers=2, letters=5, rounds=2)
     assert coordinates(uri) == [("events", p, o) for p in range(2) for o in range(5)]
 
 
@@ -263,16 +269,7 @@ def test_writers_creating_the_dead_letter_table_together_keep_every_letter(
     that lost its commit to another pod's create was retried by Lance as an Overwrite,
     which dropped the other pod's letters (their offsets committed: lost for good)."""
     uri = str(tmp_path / "dead.lance")
-    tables = [DeadLetterTable(uri, None) for _ in range(4)]
-    try:
-        futures = [
-            t.append([letter(partition=p, offset=o) for o in range(3)])
-            for p, t in enumerate(tables)
-        ]
-        assert all(f.result(30) for f in futures)
-    finally:
-        for t in tables:
-            t.close()
+    write_together(uri, writers=4, letters=3, rounds=1)
     assert coordinates(uri) == [("events", p, o) for p in range(4) for o in range(3)]
 
 
