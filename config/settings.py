@@ -1198,9 +1198,11 @@ class ObservabilitySettings(_Section):
         default="auto", description="auto: console on a TTY, JSON otherwise."
     )
     kafka_statistics_interval_ms: PositiveInt = Field(
-        default=1_000,
-        description="librdkafka statistics: broker reachability for /readyz (lags take the "
-        "end offset of the newest fetch response at each scrape, not these).",
+        default=5_000,
+        description="librdkafka statistics: broker reachability for /readyz (not ready once "
+        "none came for three intervals and a second). Each names every partition (~1 MB at "
+        "1,024 partitions, built by librdkafka and parsed by the sink); lags take the end "
+        "offset of the newest fetch response at each scrape, not these.",
     )
     partition_metrics: Literal["partition", "topic"] = Field(
         default="partition",

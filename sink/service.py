@@ -224,7 +224,9 @@ class SinkService:
         self._ticked_at = 0.0  # monotonic time of the last tick
 
         # The consumer and the loop's parts (`sink.consumer`).
-        self.broker = BrokerStats(self.partitions)
+        self.broker = BrokerStats(
+            self.partitions, settings.observability.kafka_statistics_interval_ms / 1000
+        )
         conf = consumer_conf(settings)
         conf.update(
             {

@@ -5,24 +5,54 @@ librdkafka calls `on_stats` from consume() on the loop thread every
 figures from any thread (single assignments and dict reads of ints: atomic in CPython).
 The high watermark comes from fetch responses, which is right on every broker; a partition
 the consumer does not fetch has none newer (`sink.lag.PausedEnds` probes those).
+
+Readiness asks `unreachable`. librdkafka sends its first statistics one interval after the
+consumer starts; until then (and for `STALE_INTERVALS` intervals more) the group's
+assignment, which readiness waits for anyway, is the sign that a broker answers. The
+interval is 5 s by default: each statistics document names every partition (~1 MB at
+1,024 partitions), which librdkafka builds and the loop parses, ~1% of a core a second at
+1,024 partitions, for figures that readiness alone still takes from it (lags read the
+fetch responses' ends at each scrape).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Container
+from typing import Final
 
 import orjson
+
+#: Statistics older than this many intervals (plus a second) make a process not ready: two
+#: may be missed (a consume() call late under load) before the third says something is wrong.
+STALE_INTERVALS: Final = 3
 
 
 class BrokerStats:
     """The last statistics' figures (see the module docstring)."""
 
-    def __init__(self, held: Container[tuple[str, int]]) -> None:
+    def __init__(self, held: Container[tuple[str, int]], interval_s: float) -> None:
         self.held = held  # the partitions whose log end is kept
+        self.interval_s = interval_s  # `observability.kafka_statistics_interval_ms`
+        self.created_at = time.monotonic()  # the consumer is created with it
         self.brokers_up = 0
         self.received_at = 0.0  # monotonic time of the last statistics (0: none yet)
         self.end_offsets: dict[tuple[str, int], int] = {}
+
+    def unreachable(self, now: float) -> str | None:
+        """Why no broker counts as reachable, or None: no statistics (or none newer)
+        within `STALE_INTERVALS` intervals and a second of the consumer's start (or of the
+        last ones), or the last ones had no broker up."""
+        stale_s = STALE_INTERVALS * self.interval_s + 1
+        if self.received_at == 0.0:
+            if now - self.created_at > stale_s:
+                return "no broker statistics yet"
+            return None
+        if now - self.received_at > stale_s:
+            return f"no broker statistics for {now - self.received_at:.0f} s"
+        if self.brokers_up == 0:
+            return "no broker reachable"
+        return None
 
     def on_stats(self, stats_json: str) -> None:
         """librdkafka's statistics callback. orjson: at 1,024 partitions the statistics are

@@ -402,12 +402,8 @@ class StatusBoard:
         reasons = []
         if not self.assigned_once.is_set():
             reasons.append("waiting for the first partition assignment")
-        received = self.broker.received_at
-        stale = 3 * self.settings.observability.kafka_statistics_interval_ms / 1000 + 1
-        if received == 0.0 or time.monotonic() - received > stale:
-            reasons.append("no broker statistics yet")
-        elif self.broker.brokers_up == 0:
-            reasons.append("no broker reachable")
+        if (unreachable := self.broker.unreachable(time.monotonic())) is not None:
+            reasons.append(unreachable)
         reasons.extend(
             f"{view.topic}[{view.partition}]: {reason}"
             for view in self.views

@@ -160,3 +160,18 @@ def test_rows_flowing_through_many_partitions_publish_as_their_cost_allows(
     service.metrics.rows_total += 1
     board.ticked(start + 0.005 / PUBLISH_SHARE + 0.001)
     assert board.views is not views
+
+
+def test_an_assigned_service_is_ready_before_librdkafkas_first_statistics(
+    service: SinkService, kafka_broker: Broker, topic: str
+) -> None:
+    # The statistics come every observability.kafka_statistics_interval_ms (5 s by
+    # default), the first one interval after the consumer starts; until then the group's
+    # assignment stands for a reachable broker. Readiness used to wait for them.
+    assert service.settings.observability.kafka_statistics_interval_ms == 5_000  # the default
+    produce(kafka_broker.bootstrap, topic, [(None, b"{}")], partition=0)
+    active(service, topic)
+    service.lifecycle.ready.set()  # the group's first assignment was taken
+    service.board.publish()
+    assert service.broker.received_at == 0.0  # no statistics yet
+    assert service.board.readiness() == (True, [])
