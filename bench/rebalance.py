@@ -8,6 +8,12 @@ when both are ready: both /readyz answer 200, and every partition of the topic i
 ACTIVE in exactly one of them (/v1/status), the second holding at least one. A process
 that took no partition yet is ready by /readyz alone, so /readyz is not enough.
 
+/readyz is asked every `POLL_S`; /v1/status (~50-100 ms of the process's time at 1,024
+partitions) when both processes have just become ready, and otherwise every
+`STATUS_POLL_S`: asked every `POLL_S`, the bench itself took most of a core of each
+process while the joiner opened its shards. The milestones read from /v1/status alone
+(first active, gave up first) have that resolution; both ready is seen within `POLL_S`.
+
 The timeline is read from both processes' JSON logs (one line per event, with an ISO
 timestamp): the joiner's start-up (`config_loaded`, `sink_started`), each rebalance
 callback (`rebalance`, with its kind, count and the seconds the callback took), each
@@ -49,9 +55,10 @@ from tests.support.kafka import committed_offsets, end_offsets
 from tests.support.sink import message, toml_sections
 
 ROOT = Path(__file__).resolve().parents[1]
-#: How often both processes are asked whether they are ready: the resolution of the
-#: figures (each ask is two HTTP calls per process).
+#: How often both processes' /readyz is asked: the resolution of "both ready".
 POLL_S = 0.1
+#: How often /v1/status is read while the processes are not both newly ready.
+STATUS_POLL_S = 0.5
 #: Longest the bench waits for each step (catch-up, ready) before it gives up.
 STEP_TIMEOUT_S = 300.0
 
@@ -123,12 +130,21 @@ def get_json(port: int, path: str) -> tuple[int, Any]:
         return exc.code, json.loads(exc.read())
 
 
+def ready(port: int) -> bool:
+    """Whether /readyz answers 200."""
+    return get_json(port, "/readyz")[0] == 200
+
+
+def held(port: int) -> set[int]:
+    """The partitions ACTIVE in /v1/status."""
+    _, status = get_json(port, "/v1/status")
+    return {p["partition"] for p in status["partitions"] if p["phase"] == "active"}
+
+
 def active(port: int) -> tuple[bool, set[int], list[str]]:
     """/readyz's answer, the partitions ACTIVE in /v1/status, and /readyz's reasons."""
     code, body = get_json(port, "/readyz")
-    _, status = get_json(port, "/v1/status")
-    held = {p["partition"] for p in status["partitions"] if p["phase"] == "active"}
-    return code == 200, held, body.get("reasons", [])
+    return code == 200, held(port), body.get("reasons", [])
 
 
 class Sink:
@@ -197,20 +213,28 @@ def wait_both_ready(a: Sink, b: Sink, partitions: int) -> dict[str, float]:
     marks: dict[str, float] = {}
     everything = set(range(partitions))
     deadline = time.monotonic() + STEP_TIMEOUT_S
+    both_before = False
+    status_at = -STATUS_POLL_S
     while time.monotonic() < deadline:
         a.check()
         b.check()
         try:
-            ready_a, held_a, _ = active(a.port)
-            ready_b, held_b, _ = active(b.port)
+            ready_a, ready_b = ready(a.port), ready(b.port)
+            # After the answers: a call can take a while.
+            now = time.time() - b.started
+            marks.setdefault("b_http_up", now)
+            if ready_b:
+                marks.setdefault("b_readyz_200", now)
+            both = ready_a and ready_b
+            newly, both_before = both and not both_before, both
+            if not newly and time.monotonic() - status_at < STATUS_POLL_S:
+                time.sleep(POLL_S)
+                continue
+            status_at = time.monotonic()
+            held_a, held_b = held(a.port), held(b.port)
         except (OSError, KeyError, ValueError):
             time.sleep(POLL_S)
             continue
-        # After the answers: a status call can take a while (its base-table read).
-        now = time.time() - b.started
-        marks.setdefault("b_http_up", now)
-        if ready_b:
-            marks.setdefault("b_readyz_200", now)
         if held_b:
             marks.setdefault("b_first_active", now)
         if len(held_a) < partitions:

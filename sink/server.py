@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import orjson
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -72,7 +73,10 @@ def create_ops_app(
         )
 
     @app.get("/v1/status")
-    def status() -> JSONResponse:
-        return JSONResponse(service.status())
+    def status() -> Response:
+        # orjson: at 1,024 partitions the document is ~0.5 MB, which the standard
+        # library's encoder (JSONResponse) took 13 ms to write, orjson 1.7 ms.
+        body = orjson.dumps(service.status(), option=orjson.OPT_NON_STR_KEYS)
+        return Response(body, media_type="application/json")
 
     return app

@@ -435,9 +435,11 @@ class StatusBoard:
     def status(self) -> dict[str, Any]:
         """One JSON-able summary of the running sink (`lance-sink status`)."""
         views = self.views
+        # One statistics read per writer, for its offsets and its memtable figures alike.
+        stats = [view.writer.stats() if view.writer is not None else None for view in views]
         partitions = [
-            self._partition_status(view, snap)
-            for view, snap in zip(views, self.snapshots(views), strict=True)
+            self._partition_status(view, snap, st)
+            for view, snap, st in zip(views, self.snapshots(views, stats), stats, strict=True)
         ]
         bp = self.engine.controller.stats.snapshot()
         controller = self.engine.controller
@@ -503,7 +505,9 @@ class StatusBoard:
             "unindexed_by_index": per_index,
         }
 
-    def _partition_status(self, view: PartitionView, snap: PartitionOffsets) -> dict[str, Any]:
+    def _partition_status(
+        self, view: PartitionView, snap: PartitionOffsets, st: ShardStats | None
+    ) -> dict[str, Any]:
         entry: dict[str, Any] = {
             "topic": view.topic,
             "partition": view.partition,
@@ -548,9 +552,7 @@ class StatusBoard:
         lags = snap.lags()
         if lags is not None:
             entry["lag"] = {**lags, "seconds": round(snap.lag_seconds(), 3)}
-        writer = view.writer
-        if writer is not None:
-            st = writer.stats()
+        if st is not None:
             entry.update(
                 shard=st.shard,
                 epoch=st.epoch,
