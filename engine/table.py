@@ -24,11 +24,12 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import lance
 import pyarrow as pa
 import structlog
+from lance.commit import CommitConflictError
 
 from engine.errors import PersistenceError
 from engine.filter_tree import sql_integer
@@ -39,6 +40,10 @@ if TYPE_CHECKING:
     from engine.memtable import Memtable
 
 log = structlog.get_logger("lance_sink.table")
+
+#: Evolutions `BaseTable.open` tries, each on the newest version: pods of one deployment
+#: restart to evolve together, and each evolution another one preempted is tried again.
+EVOLVE_ATTEMPTS: Final = 5
 
 PROP_SHARD = "lance_sink.shard"
 PROP_EPOCH = "lance_sink.epoch"
@@ -162,26 +167,40 @@ class BaseTable:
 
     def _evolve(self, ds: lance.LanceDataset) -> None:
         """Add the spec's new columns (all-null, metadata only) and widen the columns it
-        widens (`TableSpec.evolution`), each as one Lance commit."""
-        change = self.spec.evolution(ds.schema)
-        try:
-            if change.add:
-                ds.add_columns(list(change.add))
-            if change.widen:
-                # Each argument is one alteration (pylance annotates them as iterables).
-                alterations: list[Any] = [
-                    {"path": f.name, "data_type": f.type} for f in change.widen
-                ]
-                ds.alter_columns(*alterations)
-        except OSError as exc:
-            raise PersistenceError(f"cannot evolve the table: {exc}", table=self.uri) from exc
-        if change:
+        widens (`TableSpec.evolution`), each as one Lance commit. Pods that start together
+        evolve together: a commit another pod's evolution preempted is not retried as is
+        (Lance refuses it); the newest version is read and what is left to do, usually
+        nothing, is done, at most `EVOLVE_ATTEMPTS` times."""
+        for attempt in range(1, EVOLVE_ATTEMPTS + 1):
+            change = self.spec.evolution(ds.schema)
+            if not change:
+                return
+            try:
+                if change.add:
+                    ds.add_columns(list(change.add))
+                if change.widen:
+                    # Each argument is one alteration (pylance annotates them as iterables).
+                    alterations: list[Any] = [
+                        {"path": f.name, "data_type": f.type} for f in change.widen
+                    ]
+                    ds.alter_columns(*alterations)
+            except CommitConflictError as exc:
+                if attempt == EVOLVE_ATTEMPTS:
+                    raise PersistenceError(
+                        f"cannot evolve the table: {exc}", table=self.uri
+                    ) from exc
+                log.info("table_evolution_preempted", table=self.uri, attempt=attempt)
+                ds = self.dataset()
+                continue
+            except OSError as exc:
+                raise PersistenceError(f"cannot evolve the table: {exc}", table=self.uri) from exc
             log.info(
                 "table_evolved",
                 table=self.uri,
                 added=[f.name for f in change.add],
                 widened=[f"{f.name}: {f.type}" for f in change.widen],
             )
+            return
 
     def dataset(self, version: int | None = None) -> lance.LanceDataset:
         """The table at its latest (or a given) version."""

@@ -133,3 +133,29 @@ def test_incompatible_changes_name_the_column(tmp_path: Path) -> None:
         BaseTable(spec(tmp_path, required, evolve=True)).open()
     # Nothing was changed by the failed attempts.
     assert BaseTable(spec(tmp_path, BASE)).dataset().schema.names[:3] == ["id", "n", "score"]
+
+
+@pytest.mark.parametrize("columns", [EVOLVED, [*BASE, {"name": "tag", "type": "string"}]])
+def test_pods_that_evolve_the_table_together_all_open_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, columns: list[dict[str, Any]]
+) -> None:
+    # Pods restart to evolve together. One that read the table before another pod's
+    # evolution committed had its own refused by Lance (a preempted Merge or alter) and
+    # did not start: `PersistenceError: cannot evolve the table`.
+    table = BaseTable(spec(tmp_path, BASE))
+    table.open()
+    first, second = (BaseTable(spec(tmp_path, columns, evolve=True)) for _ in range(2))
+    read = second.dataset
+
+    def read_then_rival(version: int | None = None) -> Any:
+        ds = read(version)
+        if not first.spec.evolution(first.dataset().schema):
+            return ds  # the rival evolved already
+        first.open()  # the rival evolves between this pod's read and its evolution
+        return ds
+
+    monkeypatch.setattr(second, "dataset", read_then_rival)
+    second.open()
+    schema = BaseTable(spec(tmp_path, columns, evolve=True)).dataset().schema
+    assert sorted(schema.names) == sorted(second.spec.table_schema.names)  # each column once
+    second.spec.check_table(schema)
