@@ -9,6 +9,7 @@ from pathlib import Path
 
 import lance
 import pytest
+import structlog
 from confluent_kafka import KafkaError
 
 from config import ConfigError, load_settings, redacted
@@ -288,3 +289,18 @@ def test_the_dead_letter_table_is_compacted_and_its_old_versions_removed(tmp_pat
     assert len(ds.versions()) < DLQ_TABLE_COMPACT_FRAGMENTS
     expected = [("events", 3, o) for o in range(3 * DLQ_TABLE_COMPACT_FRAGMENTS)]
     assert coordinates(uri) == expected
+
+
+def test_a_dead_letter_table_that_cannot_be_created_says_why(tmp_path: Path) -> None:
+    # The log line said only the error of the open that followed the failed create
+    # (where the table cannot be created, often just "not found").
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    table = DeadLetterTable(str(blocker / "dead.lance"), None)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            assert table.append([letter(offset=1)]).result(30) is False
+    finally:
+        table.close()
+    (failed,) = [e for e in logs if e["event"] == "dlq_table_append_failed"]
+    assert "Not a directory" in failed.get("create_error", ""), failed
