@@ -56,8 +56,8 @@ class BrokerStats:
 
     def on_stats(self, stats_json: str) -> None:
         """librdkafka's statistics callback. orjson: at 1,024 partitions the statistics are
-        ~1 MB a second, which the standard library's parser took ~10 ms of the idle loop's
-        thread a second to read (orjson ~2.5x less)."""
+        ~1 MB each, which the standard library's parser took ~10 ms of the idle loop's
+        thread to read (orjson ~2.5x less)."""
         try:
             stats = orjson.loads(stats_json)
         except ValueError:  # orjson.JSONDecodeError is one
