@@ -12,6 +12,7 @@ Two schemas matter:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -248,6 +249,7 @@ class TableSpec:
                     raise InvalidRecord(f"null in {what} column {f.name!r}", column=f.name, row=row)
         if self.vector is not None and not self.vector.allow_nan:
             self._check_nan(batch)
+        batch = self._positive_nan(batch)
         if self.upsert:
             ops = batch.column(OP_COLUMN)
             bad = pc.invert(pc.is_in(ops, pa.array([OP_UPSERT, OP_DELETE], pa.int8())))
@@ -257,6 +259,27 @@ class TableSpec:
                     "_op must be 0 (upsert) or 1 (delete)", column=OP_COLUMN, row=row
                 )
         return batch
+
+    def _positive_nan(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """The batch with every NaN of its float columns (the vector's aside) stored as the
+        positive quiet NaN. Filters order NaN above every number, as Lance orders the
+        positive NaN; Lance orders a NaN whose sign bit is set (Avro, Protobuf and the
+        like carry any bits) below every number, so `f < 0.0` kept it from the base and
+        dropped it from memtables. A float column without NaN is left as it is."""
+        columns: list[pa.Array] | None = None
+        vector = None if self.vector is None else self.vector.name
+        for i, f in enumerate(batch.schema):
+            if not pa.types.is_floating(f.type) or f.name == vector:
+                continue
+            column = batch.column(i)
+            nan = pc.is_nan(column)
+            if not pc.any(nan).as_py():
+                continue
+            columns = columns if columns is not None else list(batch.columns)
+            columns[i] = pc.if_else(nan, pa.scalar(math.nan, f.type), column)
+        if columns is None:
+            return batch
+        return pa.RecordBatch.from_arrays(columns, schema=batch.schema)
 
     def _live_rows(self, batch: pa.RecordBatch) -> pa.Array | None:
         """For upsert tables, the mask of upsert rows (deletes carry only their key)."""
