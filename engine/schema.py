@@ -176,6 +176,19 @@ class TableSpec:
             )
         return Evolution(tuple(add), tuple(widen))
 
+    def written_as(self, existing: pa.Schema) -> pa.Schema:
+        """The schema our rows are committed in to a table of schema `existing`:
+        `table_schema`, each column the table widened (another pod evolved it first) in the
+        table's wider type. Lance refuses rows narrower than the table ("Append with
+        different schema"); the cast loses nothing."""
+        fields = []
+        for f in self.table_schema:
+            idx = existing.get_field_index(f.name)
+            have = existing.field(idx).type if idx >= 0 else f.type
+            widened = not have.equals(f.type) and (str(f.type), str(have)) in WIDENINGS
+            fields.append(f.with_type(have) if widened else f)
+        return pa.schema(fields)
+
     def check_table(self, existing: pa.Schema) -> None:
         """Check that an existing Lance table can hold our rows.
 

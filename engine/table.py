@@ -1,7 +1,7 @@
 """The Lance base table: create/open, flush commits that carry their WAL watermark, and the
 search for a shard's watermark in recent commits.
 
-A flush commit is one Lance commit (append, or merge-insert with deletes for upsert tables)
+A flush commit is one Lance commit (new fragments, or merge-insert with deletes for upsert tables)
 holding one frozen memtable of each of one or more shards (`engine.coalesce` gathers the
 shards of a round). Its transaction properties record, per shard, the writer epoch, the
 memtable generation, the WAL position it covers (`wal_end`) and the last source offsets
@@ -44,6 +44,10 @@ log = structlog.get_logger("lance_sink.table")
 #: Evolutions `BaseTable.open` tries, each on the newest version: pods of one deployment
 #: restart to evolve together, and each evolution another one preempted is tried again.
 EVOLVE_ATTEMPTS: Final = 5
+
+#: Commits of one flush that a concurrent incompatible change preempted, each made again at
+#: once on the newest version (`BaseTable.commit_flush`); then the flusher's backoff.
+COMMIT_ATTEMPTS: Final = 3
 
 PROP_SHARD = "lance_sink.shard"
 PROP_EPOCH = "lance_sink.epoch"
@@ -96,6 +100,33 @@ def create_table(uri: str, schema: pa.Schema, storage_options: dict[str, str] | 
     )
 
 
+def open_or_create(
+    uri: str, schema: pa.Schema, storage_options: dict[str, str] | None
+) -> lance.LanceDataset:
+    """The Lance table at `uri`, created empty with `schema` (`create_table`) if there is
+    none. Another process may create it first: its create wins, whatever this one's error
+    says (the version exists locally; on S3 the losing create can see a preempted commit).
+
+    Raises:
+        PersistenceError: there is no table and creating one failed (saying why: the open
+            that follows a failed create often says only "not found").
+    """
+    try:
+        return lance.dataset(uri, storage_options=storage_options)
+    except (ValueError, FileNotFoundError, OSError):
+        pass  # no table yet (Lance says "not found" as a ValueError)
+    try:
+        create_table(uri, schema, storage_options)
+    except (OSError, ValueError, RuntimeError) as exc:
+        try:
+            ds = lance.dataset(uri, storage_options=storage_options)
+        except (ValueError, FileNotFoundError, OSError):
+            raise PersistenceError(f"cannot create table: {exc}", table=uri) from exc
+        log.info("table_created_elsewhere", table=uri, error=str(exc))
+        return ds
+    return lance.dataset(uri, storage_options=storage_options)
+
+
 class AppendWatcher(Protocol):
     """Told about the rows an append flush writes, around its commit (the reader's
     unindexed-fragment cache takes them over instead of reading them back from storage).
@@ -140,26 +171,7 @@ class BaseTable:
     def open(self) -> None:
         """Create the table (empty, with the table schema) or check the existing one."""
         with self._lock:
-            try:
-                ds = self.dataset()
-            except (ValueError, FileNotFoundError, OSError):
-                ds = None
-            if ds is None:
-                try:
-                    create_table(self.uri, self.spec.table_schema, self.options)
-                except (OSError, ValueError, RuntimeError) as exc:
-                    # Another process may have created it first: its create wins, whatever
-                    # the error says (the version exists locally; on S3 the losing create
-                    # can see a preempted commit). Only a table still missing fails.
-                    try:
-                        ds = self.dataset()
-                    except (ValueError, FileNotFoundError, OSError):
-                        raise PersistenceError(
-                            f"cannot create table: {exc}", table=self.uri
-                        ) from exc
-                    log.info("table_created_elsewhere", table=self.uri, error=str(exc))
-                else:
-                    ds = self.dataset()
+            ds = open_or_create(self.uri, self.spec.table_schema, self.options)
             if self.spec.evolve:
                 self._evolve(ds)
                 ds = self.dataset()
@@ -184,15 +196,11 @@ class BaseTable:
                         {"path": f.name, "data_type": f.type} for f in change.widen
                     ]
                     ds.alter_columns(*alterations)
-            except CommitConflictError as exc:
-                if attempt == EVOLVE_ATTEMPTS:
-                    raise PersistenceError(
-                        f"cannot evolve the table: {exc}", table=self.uri
-                    ) from exc
-                log.info("table_evolution_preempted", table=self.uri, attempt=attempt)
-                ds = self.dataset()
-                continue
-            except OSError as exc:
+            except OSError as exc:  # a CommitConflictError too
+                if isinstance(exc, CommitConflictError) and attempt < EVOLVE_ATTEMPTS:
+                    log.info("table_evolution_preempted", table=self.uri, attempt=attempt)
+                    ds = self.dataset()
+                    continue
                 raise PersistenceError(f"cannot evolve the table: {exc}", table=self.uri) from exc
             log.info(
                 "table_evolved",
@@ -222,16 +230,27 @@ class BaseTable:
         The written files are made durable (filesystem sync) before returning, because Lance
         does not fsync and the caller deletes WAL entries next.
 
+        A commit that a concurrent change Lance cannot rebase it over preempted (another
+        pod's evolution, or its upsert of the same fragments) is made again at once on the
+        newest version, at most `COMMIT_ATTEMPTS` times.
+
         Raises:
             PersistenceError: the commit failed (the caller retries with backoff).
         """
-        try:
-            if not self.spec.upsert:
-                ds = self._append(upserts, properties, memtable)
-            else:
-                ds = self._merge(upserts, deletes, properties)
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise PersistenceError(f"flush commit failed: {exc}", table=self.uri) from exc
+        for attempt in range(1, COMMIT_ATTEMPTS + 1):
+            try:
+                if not self.spec.upsert:
+                    ds = self._append(upserts, properties, memtable)
+                else:
+                    ds = self._merge(upserts, deletes, properties)
+                break
+            except (OSError, ValueError, RuntimeError) as exc:
+                if isinstance(exc, CommitConflictError) and attempt < COMMIT_ATTEMPTS:
+                    log.info(
+                        "flush_commit_preempted", table=self.uri, attempt=attempt, error=str(exc)
+                    )
+                    continue
+                raise PersistenceError(f"flush commit failed: {exc}", table=self.uri) from exc
         if self._sync:
             sync_filesystem(local_path(self.uri))
         return int(ds.version)
@@ -242,15 +261,16 @@ class BaseTable:
         properties: dict[str, str],
         memtable: Memtable | None,
     ) -> lance.LanceDataset:
-        table = pa.Table.from_batches(upserts, schema=self.spec.table_schema)
+        base = self.dataset()
+        table = self._rows(upserts, base)
         with self._lock:
             watchers = list(self._watchers)
         if not watchers or not table.num_rows:
-            return self._write(table, properties)
+            return self._write(base, table, properties)
         with ExitStack() as stack:
             committed = [stack.enter_context(w.appending(table, memtable)) for w in watchers]
             # As the memtable's batches: Lance wrote 100k x 384 rows 3x slower as one batch.
-            ds = self._write(table, properties)
+            ds = self._write(base, table, properties)
             for notify in committed:
                 try:
                     notify(ds)
@@ -258,13 +278,32 @@ class BaseTable:
                     log.warning("append_watcher_failed", error=str(exc))
         return ds
 
-    def _write(self, table: pa.Table, properties: dict[str, str]) -> lance.LanceDataset:
-        return lance.write_dataset(
-            table,
-            self.uri,
-            mode="append",
-            storage_options=self.options,
+    def _rows(self, upserts: list[pa.RecordBatch], base: lance.LanceDataset) -> pa.Table:
+        """The rows of a flush in the schema they are committed in to `base`: columns
+        another pod's evolution widened since this process opened the table are cast to
+        the table's type (`TableSpec.written_as`)."""
+        table = pa.Table.from_batches(upserts, schema=self.spec.table_schema)
+        schema = self.spec.written_as(base.schema)
+        return table if schema.equals(table.schema) else table.cast(schema)
+
+    def _write(
+        self, base: lance.LanceDataset, table: pa.Table, properties: dict[str, str]
+    ) -> lance.LanceDataset:
+        """Commit `table` as new fragments on top of `base`.
+
+        An Update that only adds fragments, not an Append: Lance (14.0.2) rebases an Append
+        over another pod's evolution committed since `base` (a Merge), and the columns it
+        widened then read as null in the appended rows; an Update is refused instead
+        (`CommitConflictError`), and the flush's next attempt reads the new schema."""
+        fragments = lance.fragment.write_fragments(table, base, storage_options=self.options)
+        tx = lance.Transaction(
+            read_version=base.version,
+            operation=lance.LanceOperation.Update(new_fragments=list(fragments)),
             transaction_properties=properties,
+        )
+        # Given `base`, not the URI: its object store is reused (3.5 vs 4.0 ms a commit here).
+        return lance.LanceDataset.commit(
+            base, tx, read_version=base.version, storage_options=self.options
         )
 
     def _merge(
@@ -278,8 +317,7 @@ class BaseTable:
             # Deleted keys are not in the source, so their target rows are "not matched by
             # source": deleting those that match the key list makes it one commit.
             builder = builder.when_not_matched_by_source_delete(key_predicate(deletes, key))
-        source = pa.Table.from_batches(upserts, schema=self.spec.table_schema)
-        tx, _stats = builder.execute_uncommitted(source)
+        tx, _stats = builder.execute_uncommitted(self._rows(upserts, ds))
         tx = dataclasses.replace(tx, transaction_properties=properties)
         return lance.LanceDataset.commit(
             self.uri, tx, read_version=ds.version, storage_options=self.options

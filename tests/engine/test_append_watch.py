@@ -84,7 +84,7 @@ def test_a_failed_commit_is_not_reported_as_committed(
     def refuse(*args: object, **kwargs: object) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(lance, "write_dataset", refuse)
+    monkeypatch.setattr(lance.LanceDataset, "commit", refuse)
     with pytest.raises(PersistenceError):
         commit(h, 0, 2)
     assert [e[0] for e in watcher.events] == ["appending", "rows", "exit"]

@@ -15,7 +15,7 @@ from engine.backpressure import BlockingValve
 from engine.errors import SchemaMismatch
 from engine.flusher import Flusher
 from engine.reader import Reader
-from engine.schema import TableSpec
+from engine.schema import OP_COLUMN, OP_UPSERT, TableSpec
 from engine.shard import ShardWriter
 from engine.storage import open_storage
 from engine.table import BaseTable
@@ -34,8 +34,10 @@ EVOLVED = [
 ]
 
 
-def spec(tmp_path: Path, columns: list[dict[str, Any]], evolve: bool = False) -> TableSpec:
-    return make_spec(tmp_path / "t.lance", columns=columns, fts_columns=[], evolve=evolve)
+def spec(
+    tmp_path: Path, columns: list[dict[str, Any]], evolve: bool = False, mode: str = "append"
+) -> TableSpec:
+    return make_spec(tmp_path / "t.lance", mode, columns=columns, fts_columns=[], evolve=evolve)
 
 
 def batch(spec: TableSpec, first: int, count: int) -> pa.RecordBatch:
@@ -54,6 +56,7 @@ def batch(spec: TableSpec, first: int, count: int) -> pa.RecordBatch:
     }
     if "tag" in types:
         cols["tag"] = pa.array([f"tag {o}" for o in offsets])
+    cols[OP_COLUMN] = pa.array([OP_UPSERT] * count, pa.int8())
     schema = spec.batch_schema
     return pa.RecordBatch.from_arrays([cols[f.name] for f in schema], schema=schema)
 
@@ -159,3 +162,62 @@ def test_pods_that_evolve_the_table_together_all_open_it(
     schema = BaseTable(spec(tmp_path, columns, evolve=True)).dataset().schema
     assert sorted(schema.names) == sorted(second.spec.table_schema.names)  # each column once
     second.spec.check_table(schema)
+
+
+@pytest.mark.parametrize("mode", ["append", "upsert"])
+def test_a_pod_that_has_not_evolved_flushes_into_a_widened_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    # Another pod widened `n` and `score` and added `tag` (its messages carried the new
+    # writer schema first) while this pod's flush was writing its rows. Lance refuses an
+    # append narrower than the table ("Append with different schema"): this pod's flushes
+    # failed until it was poisoned, and its partitions stalled until it restarted. And an
+    # append begun before the evolution was committed over it, its widened columns null.
+    flusher = Flusher(1)
+    try:
+        old = spec(tmp_path, BASE, mode=mode)
+        writer = open_writer(tmp_path, old, flusher)
+        writer.put(batch(old, 0, 100), source(0, 100)).result(30)
+        assert writer.wait_flushed(30)
+        read = writer.table.dataset
+        evolved: list[int] = []
+
+        def read_then_evolve(version: int | None = None) -> Any:
+            ds = read(version)
+            if commits and not evolved:  # between the flush's read of the table and its commit
+                BaseTable(spec(tmp_path, EVOLVED, evolve=True, mode=mode)).open()
+                evolved.append(BaseTable(spec(tmp_path, EVOLVED)).latest_version())
+            return ds
+
+        commit = writer.table._append if mode == "append" else writer.table._merge
+        commits: list[int] = []
+
+        def count(*args: Any, **kwargs: Any) -> Any:
+            commits.append(1)
+            return commit(*args, **kwargs)
+
+        monkeypatch.setattr(writer.table, "_append" if mode == "append" else "_merge", count)
+        monkeypatch.setattr(writer.table, "dataset", read_then_evolve)
+        writer.put(batch(old, 100, 100), source(100, 100)).result(30)
+        assert writer.wait_flushed(30)
+        assert evolved
+        assert len(commits) == 2  # preempted by the evolution, then made on its schema
+        monkeypatch.setattr(writer.table, "dataset", read)
+        writer.put(batch(old, 200, 50), source(200, 50)).result(30)  # in memory
+        reader = Reader(old, writer.table, lambda: [writer])
+        try:  # base rows (widened) and memtable rows (not) answer together
+            hits = reader.scan(filter="n >= 98 AND n < 102 OR n >= 248", columns=["n", "score"])
+            assert sorted(hits.column("n").to_pylist()) == [98, 99, 100, 101, 248, 249]
+            assert hits.schema.field("n").type == pa.int32()  # as this pod's spec says
+        finally:
+            reader.close()
+        writer.close(flush=True)
+        assert writer.stats().poisoned is None
+        assert writer.stats().flush_failures_total == 0
+    finally:
+        flusher.shutdown()
+    table = BaseTable(spec(tmp_path, EVOLVED)).dataset().to_table()
+    rows = sorted(table.to_pylist(), key=lambda r: r["_offset"])
+    assert [r["n"] for r in rows] == list(range(250))
+    assert [r["score"] for r in rows] == [o / 2 for o in range(250)]
+    assert {r["tag"] for r in rows} == {None}
