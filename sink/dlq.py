@@ -67,7 +67,8 @@ import structlog
 from confluent_kafka import KafkaError
 
 from config.settings import Settings
-from engine.table import create_table
+from engine.errors import PersistenceError
+from engine.table import open_or_create
 from sink.decoded import DeadLetter
 from sink.log import librdkafka_logger
 
@@ -574,22 +575,13 @@ class DeadLetterTable:
         return self._pool.submit(self._write, pa.Table.from_pylist(rows, schema=DEAD_LETTER_SCHEMA))
 
     def _write(self, table: pa.Table) -> bool:
-        create_error: dict[str, str] = {}  # why this writer's create failed, if it did
         try:
-            try:
-                ds = lance.dataset(self.uri, storage_options=self.options)
-            except ValueError:  # no table yet (Lance says "not found" as a ValueError)
-                # Created empty, then written like any other batch: a create carrying the
-                # letters could land on top of another pod's (`create_table`).
-                try:
-                    create_table(self.uri, DEAD_LETTER_SCHEMA, self.options)
-                except (OSError, ValueError, RuntimeError) as exc:
-                    create_error["create_error"] = str(exc)  # another pod's may have won
-                ds = lance.dataset(self.uri, storage_options=self.options)
+            # Created empty, then written like any other batch: a create carrying the
+            # letters could land on top of another pod's (`create_table`).
+            ds = open_or_create(self.uri, DEAD_LETTER_SCHEMA, self.options)
             ds.merge_insert(DEAD_LETTER_KEY).when_not_matched_insert_all().execute(table)
-        except (OSError, ValueError, RuntimeError) as exc:
-            # With no table after a failed create, the open says only "not found".
-            log.warning("dlq_table_append_failed", uri=self.uri, error=str(exc), **create_error)
+        except (PersistenceError, OSError, ValueError, RuntimeError) as exc:
+            log.warning("dlq_table_append_failed", uri=self.uri, error=str(exc))
             return False
         self._upkeep()
         return True

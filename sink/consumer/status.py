@@ -348,7 +348,7 @@ class StatusBoard:
                 self.metrics.forget_partition(*view.key)
                 continue
             views.append(view)
-        stats = [view.writer.stats() if view.writer is not None else None for view in views]
+        stats = writer_stats(views)
         for view, st, offsets in zip(views, stats, self.snapshots(views, stats), strict=True):
             key = view.key
             memory = (
@@ -435,8 +435,7 @@ class StatusBoard:
     def status(self) -> dict[str, Any]:
         """One JSON-able summary of the running sink (`lance-sink status`)."""
         views = self.views
-        # One statistics read per writer, for its offsets and its memtable figures alike.
-        stats = [view.writer.stats() if view.writer is not None else None for view in views]
+        stats = writer_stats(views)
         partitions = [
             self._partition_status(view, snap, st)
             for view, snap, st in zip(views, self.snapshots(views, stats), stats, strict=True)
@@ -585,3 +584,9 @@ def durable_and_flushed(done: int | None, durable: int, flushed: int) -> tuple[i
     if flushed >= durable:
         flushed = max(flushed, done)
     return max(durable, done), flushed
+
+
+def writer_stats(views: Sequence[PartitionView]) -> list[ShardStats | None]:
+    """Each view's shard writer statistics (None without a writer), read once per writer
+    for its offsets and its memtable figures alike."""
+    return [view.writer.stats() if view.writer is not None else None for view in views]

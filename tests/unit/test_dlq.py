@@ -303,4 +303,5 @@ def test_a_dead_letter_table_that_cannot_be_created_says_why(tmp_path: Path) -> 
     finally:
         table.close()
     (failed,) = [e for e in logs if e["event"] == "dlq_table_append_failed"]
-    assert "Not a directory" in failed.get("create_error", ""), failed
+    assert "cannot create table" in failed["error"], failed
+    assert "Not a directory" in failed["error"], failed
