@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.e2e import Committed, free_port, payloads, produce, tansu
+from bench.e2e import Committed, free_port, payloads, produce, scrape, tansu
 from bench.engine import DIM, WORDS
 from bench.memory import sink_settings, toml
 
@@ -192,10 +192,9 @@ def catch_up(
 
 def metric(port: int, name: str) -> float:
     """One unlabelled sample of a process's /metrics (0 when it has none)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
+    for line in scrape(port).splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
     return 0.0
 
 

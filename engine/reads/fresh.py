@@ -45,6 +45,7 @@ from engine.reads.scan import tier_rows
 from engine.reads.snapshot import Snapshot
 from engine.reads.text import TextSearch
 from engine.reads.vector import VectorSearch
+from engine.schema import TableSpec
 from engine.shard import ShardWriter
 
 
@@ -55,10 +56,14 @@ class FreshServer:
         self, ctx: ReadContext, vector: VectorSearch, text: TextSearch, lookups: Lookup
     ) -> None:
         self.ctx = ctx
-        self.spec = ctx.spec
         self.vector = vector
         self.text = text
         self.lookups = lookups
+
+    @property
+    def spec(self) -> TableSpec:
+        """The context's spec, as widened to follow the table (`ReadContext`)."""
+        return self.ctx.spec
 
     def answer(self, body: bytes) -> bytes:
         """The packed answer to a packed request (see the module docstring).

@@ -20,6 +20,7 @@ from engine.reads.context import ReadContext
 from engine.reads.remote import FanoutReport, key_table
 from engine.reads.snapshot import Snapshot
 from engine.reads.tiers import MemtableTier
+from engine.schema import TableSpec
 
 
 class Lookup:
@@ -27,8 +28,12 @@ class Lookup:
 
     def __init__(self, ctx: ReadContext) -> None:
         self.ctx = ctx
-        self.spec = ctx.spec
         self._key_types = [ctx.spec.table_schema.field(k).type for k in ctx.spec.primary_key]
+
+    @property
+    def spec(self) -> TableSpec:
+        """The context's spec, as widened to follow the table (`ReadContext`)."""
+        return self.ctx.spec
 
     def lookup(
         self,

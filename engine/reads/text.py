@@ -56,6 +56,7 @@ from engine.reads.merge import SCORE, Candidates, materialise, select, top
 from engine.reads.remote import Asked, FanoutReport, RemoteAnswer, RemoteTier, Started
 from engine.reads.snapshot import SCAN_BATCH_READAHEAD, SCAN_IO_BUFFER_BYTES, Snapshot
 from engine.reads.tiers import FLUSHED_TIER, FlushedTier, MemtableTier
+from engine.schema import TableSpec
 from engine.unindexed import FlushedText, covered_fragments
 
 log = structlog.get_logger("lance_sink.reader")
@@ -125,7 +126,6 @@ class TextSearch:
         room: Callable[[int], bool] | None,
     ) -> None:
         self.ctx = ctx
-        self.spec = ctx.spec
         self.terms = terms
         self.tokenizer = PeriodicThread(
             "reader-tokenizer", TOKENIZE_INTERVAL_S, self._tokenize_once, "reader_tokenize_failed"
@@ -143,6 +143,11 @@ class TextSearch:
                 None if self.spec.vector is None else self.spec.vector.name,
                 read_back=(self.spec, ctx.open_base),
             )
+
+    @property
+    def spec(self) -> TableSpec:
+        """The context's spec, as widened to follow the table (`ReadContext`)."""
+        return self.ctx.spec
 
     def close(self, timeout: float) -> None:
         """Stop the background tokenizer (waiting up to `timeout` seconds)."""

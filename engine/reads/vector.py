@@ -42,7 +42,7 @@ from engine.reads.merge import DISTANCE, Candidates, materialise, top
 from engine.reads.remote import Asked, FanoutReport, Started
 from engine.reads.snapshot import SCAN_BATCH_READAHEAD, SCAN_IO_BUFFER_BYTES, Snapshot
 from engine.reads.tiers import MemtableTier
-from engine.schema import vector_matrix
+from engine.schema import TableSpec, vector_matrix
 from engine.unindexed import CachedFragment, UnindexedFragments, covered_fragments
 
 #: Fast path of a memtable batch's kNN: when at most this many rows of the batch are
@@ -94,12 +94,16 @@ class VectorSearch:
 
     def __init__(self, ctx: ReadContext, unindexed: UnindexedFragments | None) -> None:
         self.ctx = ctx
-        self.spec = ctx.spec
         self.unindexed = unindexed
         self._norms: weakref.WeakKeyDictionary[Memtable, list[np.ndarray]] = (
             weakref.WeakKeyDictionary()
         )
         self._norms_lock = threading.Lock()
+
+    @property
+    def spec(self) -> TableSpec:
+        """The context's spec, as widened to follow the table (`ReadContext`)."""
+        return self.ctx.spec
 
     def search(
         self,

@@ -208,7 +208,7 @@ def test_a_pod_that_has_not_evolved_flushes_into_a_widened_table(
         try:  # base rows (widened) and memtable rows (not) answer together
             hits = reader.scan(filter="n >= 98 AND n < 102 OR n >= 248", columns=["n", "score"])
             assert sorted(hits.column("n").to_pylist()) == [98, 99, 100, 101, 248, 249]
-            assert hits.schema.field("n").type == pa.int32()  # as this pod's spec says
+            assert hits.schema.field("n").type == pa.int64()  # as the table has it now
         finally:
             reader.close()
         writer.close(flush=True)
@@ -221,3 +221,39 @@ def test_a_pod_that_has_not_evolved_flushes_into_a_widened_table(
     assert [r["n"] for r in rows] == list(range(250))
     assert [r["score"] for r in rows] == [o / 2 for o in range(250)]
     assert {r["tag"] for r in rows} == {None}
+
+
+def test_a_pod_that_has_not_evolved_answers_values_only_the_widened_type_holds(
+    tmp_path: Path,
+) -> None:
+    # Its queries cast every tier's rows to its own (narrower) types: a row another pod
+    # wrote after widening `n` failed the query (ArrowInvalid: an HTTP 500), in a writer
+    # pod until it restarted to evolve, in a query-only pod until it was restarted.
+    flusher = Flusher(1)
+    try:
+        old = spec(tmp_path, BASE)
+        writer = open_writer(tmp_path, old, flusher)
+        writer.put(batch(old, 0, 100), source(0, 100)).result(30)
+        assert writer.wait_flushed(30)
+        writer.put(batch(old, 100, 10), source(100, 10)).result(30)  # in memory
+        new = spec(tmp_path, EVOLVED, evolve=True)
+        other = BaseTable(new)
+        other.open()
+        rows = batch(new, 200, 2)
+        big = pa.array([2**40, 2**40 + 1], pa.int64())
+        rows = rows.set_column(rows.schema.get_field_index("n"), "n", big)
+        other.commit_flush([new.to_table_batch(rows)], None, {})
+        reader = Reader(old, writer.table, lambda: [writer])
+        try:
+            hits = reader.scan(filter="n > 105", columns=["n", "score"])
+            assert sorted(hits.column("n").to_pylist()) == [106, 107, 108, 109, 2**40, 2**40 + 1]
+            assert hits.schema.field("n").type == pa.int64()  # as the table has it now
+            assert hits.schema.field("score").type == pa.float64()
+            near = reader.search_vector(vectors_for(np.array([200]))[0], k=1, columns=["n"])
+            assert near.column("n").to_pylist() == [2**40]
+            assert reader.scan(filter=f"n = {2**40 + 1}", columns=["_offset"]).num_rows == 1
+        finally:
+            reader.close()
+        writer.close(flush=True)
+    finally:
+        flusher.shutdown()
