@@ -134,6 +134,14 @@ class ScheduledShard:
         self.closed = False
 
 
+def _let_go(handle: ScheduledShard) -> None:
+    """Drop a closed handle's step and probe: its entry stays in the probe lane until due
+    (an idle shard's is up to its `probe_interval` away, minutes), and through them it kept
+    the closed shard writer, its memtables included, from being freed."""
+    handle.step = _no_step
+    handle.probe = None
+
+
 class WalScheduler:
     """The WAL workers and the timer; see the module docstring."""
 
@@ -220,6 +228,7 @@ class WalScheduler:
         """End a probe `add_probe` started (one running now finishes)."""
         with self._lock:
             handle.closed = True
+            _let_go(handle)
 
     def unregister(self, handle: ScheduledShard) -> None:
         """Drop a shard: no further step runs for it (one running now finishes)."""
@@ -230,6 +239,7 @@ class WalScheduler:
                 if handle.timer_at is not None:
                     handle.timer_at = None
                     self._stale += 1
+            _let_go(handle)
 
     def wake(self, handle: ScheduledShard) -> None:
         """Run the shard's step as soon as a worker is free (once, however often woken)."""

@@ -5,8 +5,10 @@ with many shards on few workers (real Lance and real files on tmp_path)."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -198,5 +200,36 @@ def test_a_fenced_idle_writer_learns_it_within_the_paced_bound(
         assert all(w.poisoned is None for w in writers if w is not old)
         for w in [*writers, newer]:
             w.close(flush=False)
+    finally:
+        scheduler.close()
+
+
+def test_an_unregistered_shard_is_not_kept_by_its_pending_probe() -> None:
+    # The probe lane keeps a closed shard's entry until it is due (an idle shard's probe is
+    # minutes away); through its step and probe the entry kept the closed shard writer and
+    # its memtables alive that long (after a rebalance, every revoked shard's).
+    class Shard:
+        def step(self) -> None:
+            return None
+
+        def probe(self) -> None:
+            pass
+
+    scheduler = WalScheduler(workers=1, fence_probes_per_s=10)
+    try:
+        shard = Shard()
+        handle = scheduler.register("t-0", shard.step, probe=shard.probe, probe_interval=300)
+        gone = weakref.ref(shard)
+        scheduler.unregister(handle)
+        del shard
+        gc.collect()
+        assert gone() is None
+        other = Shard()
+        probe = scheduler.add_probe("board", other.probe, 300)
+        gone = weakref.ref(other)
+        scheduler.remove_probe(probe)
+        del other
+        gc.collect()
+        assert gone() is None
     finally:
         scheduler.close()
