@@ -5,6 +5,7 @@ shard's manifest; a claim the board does not show is still found by the writers'
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -199,3 +200,23 @@ def test_a_marker_names_its_shard_epoch_and_time(shard: str) -> None:
     assert (marker.shard, marker.epoch, marker.ms) == (shard, 7, 1_765_000_000_123)
     assert parse_marker(f"{BOARD}/not-a-marker") is None
     assert parse_marker(f"{BOARD}/123-456") is None
+
+
+def test_a_marker_is_not_synced_to_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A marker is a hint (the shards' own probes find a claim whose marker a crash lost);
+    # its file and folder syncs were two of the six fsyncs of every shard's open.
+    storage = LocalStorage(tmp_path)
+    synced: list[int] = []
+    fsync = os.fsync
+
+    def counted(fd: int) -> None:
+        synced.append(fd)
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counted)
+    post(storage, "t-0-abc", 3)
+    assert synced == []
+    markers = [parse_marker(key) for key in storage.list(BOARD)]
+    assert [m.shard for m in markers if m is not None] == ["t-0-abc"]
+    storage.put_if_absent("t-0-abc/wal/0", b"entry")  # what must survive a crash is synced
+    assert synced
