@@ -313,9 +313,10 @@ class WalScheduler:
                 if not batch:
                     return
             for handle in batch:
+                probe = handle.probe  # None once closed (`_let_go`)
                 try:
-                    if handle.probe is not None and not handle.closed:
-                        handle.probe()
+                    if probe is not None and not handle.closed:
+                        probe()
                 except Exception as exc:  # noqa: BLE001 - the lane must not die with a shard
                     log.warning("fence_probe_failed", shard=handle.name, error=str(exc))
             with self._lock:
@@ -385,8 +386,9 @@ class WalScheduler:
                 handle.state = ScheduledShard.RUNNING
                 handle.again = False
                 self.steps_total += 1
+                step = handle.step  # taken while open: `unregister` lets go of it
             try:
-                when = handle.step()
+                when = step()
             except Exception as exc:  # noqa: BLE001 - a worker must not die with a shard
                 log.error("wal_step_failed", shard=handle.name, error=str(exc))
                 when = None
