@@ -33,7 +33,7 @@ from lance.commit import CommitConflictError
 
 from engine.errors import PersistenceError
 from engine.filter_tree import sql_integer
-from engine.schema import TableSpec
+from engine.schema import Evolution, TableSpec
 from engine.storage import is_local, local_path, sync_filesystem
 
 if TYPE_CHECKING:
@@ -191,13 +191,14 @@ class BaseTable:
                 if change.add:
                     ds.add_columns(list(change.add))
                 if change.widen:
+                    ds = self._drop_indexes(ds, change.widen)
                     # Each argument is one alteration (pylance annotates them as iterables).
                     alterations: list[Any] = [
                         {"path": f.name, "data_type": f.type} for f in change.widen
                     ]
                     ds.alter_columns(*alterations)
             except OSError as exc:  # a CommitConflictError too
-                if isinstance(exc, CommitConflictError) and attempt < EVOLVE_ATTEMPTS:
+                if attempt < EVOLVE_ATTEMPTS and self._raced(exc, change):
                     log.info("table_evolution_preempted", table=self.uri, attempt=attempt)
                     ds = self.dataset()
                     continue
@@ -209,6 +210,31 @@ class BaseTable:
                 widened=[f"{f.name}: {f.type}" for f in change.widen],
             )
             return
+
+    def _drop_indexes(
+        self, ds: lance.LanceDataset, widen: tuple[pa.Field, ...]
+    ) -> lance.LanceDataset:
+        """Drop every index on a column about to be widened and return the table after: Lance
+        refuses to cast an indexed column ("they have 1 index(es) attached"), and
+        maintenance builds the indexes the settings name again."""
+        for name in indexes_on(ds, {f.name for f in widen}):
+            ds.drop_index(name)
+            log.info("table_index_dropped_to_widen", table=self.uri, index=name)
+        return self.dataset()
+
+    def _raced(self, exc: OSError, change: Evolution) -> bool:
+        """Was an evolution's failure another process's doing, so that trying again on the
+        newest version may succeed: a commit it preempted, another pod's evolution, or an
+        index on a widened column built again (maintenance) between the drop and the cast?"""
+        if isinstance(exc, CommitConflictError):
+            return True  # (an alter's preempted commit is a plain OSError: the next test)
+        try:
+            now = self.dataset()
+            if self.spec.evolution(now.schema) != change:
+                return True  # another pod evolved the table meanwhile
+            return bool(change.widen and indexes_on(now, {f.name for f in change.widen}))
+        except (OSError, ValueError):
+            return False
 
     def dataset(self, version: int | None = None) -> lance.LanceDataset:
         """The table at its latest (or a given) version."""
@@ -420,6 +446,15 @@ def flush_commits(
             return
         if PROP_SHARD in props or PROP_SHARDS in props:
             yield version, props
+
+
+def indexes_on(ds: lance.LanceDataset, columns: set[str]) -> list[str]:
+    """The names of the indexes of `ds` on any of `columns`."""
+    return [
+        str(index.name)
+        for index in ds.describe_indices()
+        if columns & set(getattr(index, "field_names", None) or [])
+    ]
 
 
 def index_on(ds: lance.LanceDataset, column: str, kind: str | None) -> Any:

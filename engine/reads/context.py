@@ -13,6 +13,7 @@ doing that work inline.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -245,7 +246,17 @@ class ReadContext:
         """
         if text is None or not text.strip():
             return None
-        return parse_filter(text, self.spec.table_schema)
+        spec = self.spec
+        try:
+            return parse_filter(text, spec.table_schema)
+        except QueryError:
+            # A literal may fit only a type another pod widened the column to since the
+            # last base this process opened: open the newest, then parse again if it was.
+            with contextlib.suppress(OSError, ValueError):
+                self.open_base()
+            if self.spec is spec:
+                raise
+            return parse_filter(text, self.spec.table_schema)
 
     def predicate(self, filter: str | Predicate | None) -> Predicate | None:  # noqa: A002
         """A request's filter, parsed unless it is parsed already."""

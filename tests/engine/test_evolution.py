@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+import engine.table
 from engine.backpressure import BlockingValve
 from engine.errors import SchemaMismatch
 from engine.flusher import Flusher
@@ -138,27 +139,52 @@ def test_incompatible_changes_name_the_column(tmp_path: Path) -> None:
     assert BaseTable(spec(tmp_path, BASE)).dataset().schema.names[:3] == ["id", "n", "score"]
 
 
-@pytest.mark.parametrize("columns", [EVOLVED, [*BASE, {"name": "tag", "type": "string"}]])
+@pytest.mark.parametrize(
+    ("columns", "rival_at"),
+    [
+        (EVOLVED, "open"),
+        ([*BASE, {"name": "tag", "type": "string"}], "open"),
+        (EVOLVED, "widen"),
+    ],
+    ids=["widened-at-open", "added-at-open", "widened-before-the-cast"],
+)
 def test_pods_that_evolve_the_table_together_all_open_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, columns: list[dict[str, Any]]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, columns: list[dict[str, Any]], rival_at: str
 ) -> None:
     # Pods restart to evolve together. One that read the table before another pod's
-    # evolution committed had its own refused by Lance (a preempted Merge or alter) and
-    # did not start: `PersistenceError: cannot evolve the table`.
+    # evolution committed had its own refused by Lance (a preempted Merge, or an alter's
+    # plain "Retryable commit conflict") and did not start: `cannot evolve the table`.
     table = BaseTable(spec(tmp_path, BASE))
     table.open()
+    table.dataset().create_scalar_index("n", "BTREE")  # dropped to widen, by either pod
     first, second = (BaseTable(spec(tmp_path, columns, evolve=True)) for _ in range(2))
-    read = second.dataset
+    rival_ran: list[str] = []
 
-    def read_then_rival(version: int | None = None) -> Any:
-        ds = read(version)
-        if not first.spec.evolution(first.dataset().schema):
-            return ds  # the rival evolved already
-        first.open()  # the rival evolves between this pod's read and its evolution
-        return ds
+    def rival() -> None:
+        if not rival_ran:
+            rival_ran.append(rival_at)
+            first.open()
 
-    monkeypatch.setattr(second, "dataset", read_then_rival)
+    if rival_at == "open":  # between this pod's read of the table and its evolution
+        real = engine.table.open_or_create
+
+        def read_then_rival(*args: Any) -> Any:
+            ds = real(*args)
+            rival()
+            return ds
+
+        monkeypatch.setattr(engine.table, "open_or_create", read_then_rival)
+    else:  # between this pod's drop of the index (and its read after) and its cast
+        drop = second._drop_indexes
+
+        def drop_then_rival(*args: Any) -> Any:
+            ds = drop(*args)
+            rival()
+            return ds
+
+        monkeypatch.setattr(second, "_drop_indexes", drop_then_rival)
     second.open()
+    assert rival_ran == [rival_at]
     schema = BaseTable(spec(tmp_path, columns, evolve=True)).dataset().schema
     assert sorted(schema.names) == sorted(second.spec.table_schema.names)  # each column once
     second.spec.check_table(schema)
@@ -244,7 +270,8 @@ def test_a_pod_that_has_not_evolved_answers_values_only_the_widened_type_holds(
         rows = rows.set_column(rows.schema.get_field_index("n"), "n", big)
         other.commit_flush([new.to_table_batch(rows)], None, {})
         reader = Reader(old, writer.table, lambda: [writer])
-        try:
+        try:  # the first query's literal fits only the widened type
+            assert reader.scan(filter=f"n = {2**40 + 1}", columns=["_offset"]).num_rows == 1
             hits = reader.scan(filter="n > 105", columns=["n", "score"])
             assert sorted(hits.column("n").to_pylist()) == [106, 107, 108, 109, 2**40, 2**40 + 1]
             assert hits.schema.field("n").type == pa.int64()  # as the table has it now
@@ -257,3 +284,29 @@ def test_a_pod_that_has_not_evolved_answers_values_only_the_widened_type_holds(
         writer.close(flush=True)
     finally:
         flusher.shutdown()
+
+
+def test_a_column_with_an_index_is_widened(tmp_path: Path) -> None:
+    # Maintenance builds the scalar indexes the settings name (`n`: BTREE by default in the
+    # chart's examples); Lance refuses to cast an indexed column, so a pod restarting to
+    # widen it could not start ("cannot evolve the table: ... 1 index(es) attached").
+    flusher = Flusher(1)
+    try:
+        old = spec(tmp_path, BASE)
+        writer = open_writer(tmp_path, old, flusher)
+        writer.put(batch(old, 0, 100), source(0, 100)).result(30)
+        assert writer.wait_flushed(30)
+        writer.close(flush=True)
+    finally:
+        flusher.shutdown()
+    ds = BaseTable(old).dataset()
+    ds.create_scalar_index("n", "BTREE")
+    ds.create_scalar_index("score", "BTREE")
+    ds.create_scalar_index("id", "BTREE")
+    table = BaseTable(spec(tmp_path, EVOLVED, evolve=True))
+    table.open()
+    ds = table.dataset()
+    assert ds.schema.field("n").type == pa.int64()
+    assert ds.schema.field("score").type == pa.float64()
+    assert [i.field_names for i in ds.describe_indices()] == [["id"]]  # the others dropped
+    assert sorted(ds.to_table(columns=["n"]).column("n").to_pylist()) == list(range(100))
