@@ -197,7 +197,7 @@ class BaseTable:
                         {"path": f.name, "data_type": f.type} for f in change.widen
                     ]
                     ds.alter_columns(*alterations)
-            except OSError as exc:  # a CommitConflictError too
+            except (OSError, RuntimeError) as exc:  # a CommitConflictError is an OSError
                 if attempt < EVOLVE_ATTEMPTS and self._raced(exc, change):
                     log.info("table_evolution_preempted", table=self.uri, attempt=attempt)
                     ds = self.dataset()
@@ -217,12 +217,18 @@ class BaseTable:
         """Drop every index on a column about to be widened and return the table after: Lance
         refuses to cast an indexed column ("they have 1 index(es) attached"), and
         maintenance builds the indexes the settings name again."""
-        for name in indexes_on(ds, {f.name for f in widen}):
-            ds.drop_index(name)
+        columns = {f.name for f in widen}
+        for name in indexes_on(ds, columns):
+            try:
+                ds.drop_index(name)
+            except RuntimeError:  # "index not found": a drop moves `ds` to the newest version
+                if name in indexes_on(self.dataset(), columns):
+                    raise
+                continue  # another pod widening too dropped it first
             log.info("table_index_dropped_to_widen", table=self.uri, index=name)
         return self.dataset()
 
-    def _raced(self, exc: OSError, change: Evolution) -> bool:
+    def _raced(self, exc: Exception, change: Evolution) -> bool:
         """Was an evolution's failure another process's doing, so that trying again on the
         newest version may succeed: a commit it preempted, another pod's evolution, or an
         index on a widened column built again (maintenance) between the drop and the cast?"""

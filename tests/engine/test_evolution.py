@@ -310,3 +310,30 @@ def test_a_column_with_an_index_is_widened(tmp_path: Path) -> None:
     assert ds.schema.field("score").type == pa.float64()
     assert [i.field_names for i in ds.describe_indices()] == [["id"]]  # the others dropped
     assert sorted(ds.to_table(columns=["n"]).column("n").to_pylist()) == list(range(100))
+
+
+def test_a_pod_widening_indexed_columns_beside_another_drops_what_is_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lance moves a dataset to the newest version as it drops an index: another pod that
+    # dropped the second index meanwhile made this pod's second drop fail ("Lance index not
+    # found", a RuntimeError), and its start with it.
+    BaseTable(spec(tmp_path, BASE)).open()
+    table = BaseTable(spec(tmp_path, BASE))
+    table.commit_flush([table.spec.to_table_batch(batch(table.spec, 0, 10))], None, {})
+    ds = table.dataset()
+    ds.create_scalar_index("n", "BTREE")
+    ds.create_scalar_index("score", "BTREE")
+    pod = BaseTable(spec(tmp_path, EVOLVED, evolve=True))
+    listed = engine.table.indexes_on
+
+    def list_then_rival(ds: Any, columns: set[str]) -> list[str]:
+        names = listed(ds, columns)
+        if len(names) == 2:  # the other pod drops the second one now
+            BaseTable(spec(tmp_path, BASE)).dataset().drop_index(names[1])
+        return names
+
+    monkeypatch.setattr(engine.table, "indexes_on", list_then_rival)
+    pod.open()
+    assert pod.dataset().schema.field("n").type == pa.int64()
+    assert pod.dataset().describe_indices() == []
