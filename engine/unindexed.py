@@ -206,6 +206,7 @@ class UnindexedFragments:
         self.handoffs = 0
         self.fallbacks = 0
         self.pruners = 0
+        self.shed = 0  # fragments let go to make room for `FlushedText`
 
     # ------------------------------------------------------------------ queries
 
@@ -319,9 +320,24 @@ class UnindexedFragments:
 
     def room_beside(self, nbytes: int) -> bool:
         """Whether `nbytes` held elsewhere under the same bound (`FlushedText`, all of it)
-        fit beside this cache, which sheds pruners to make room for them."""
+        fit beside this cache, which sheds pruners, then fragments (oldest first), to make
+        room for them. Text comes first: a row's text takes a tenth of what its vector does,
+        and a text query re-tokenises what is not held (~7.5 us a row) while a vector query
+        lets Lance scan it (~1.6 us a row): before, with the bound full of vectors, a
+        fragment's text was refused, and every text query re-tokenised every unindexed row
+        (5.6 s a query once during bench/catchup.py's catch-up)."""
         with self._lock:
-            return self._make_room(nbytes)
+            if self._make_room(nbytes):
+                return True
+            if nbytes > self.max_bytes:
+                return False
+            for key in list(self._entries):
+                if self._used_bytes() + nbytes <= self.max_bytes:
+                    break
+                del self._entries[key]
+                self._prune_tried.discard(key)
+                self.shed += 1
+            return self._used_bytes() + nbytes <= self.max_bytes
 
     def _make_room(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit in the bound, shedding pruners (an optional speed-up)
@@ -562,9 +578,10 @@ class FlushedText:
     memtable's text takes a tenth of what its vectors do, and without it text queries scan
     its rows flat, while without the codes vector queries only scan vectors instead.
     `views(base, column)` returns the memtables that stand for `base`'s fragments the index
-    on `column` lacks, or None when some such fragment is not held (then Lance searches them
-    all, as before; counted in `fallbacks`). Memtables whose fragments are all covered, or
-    gone (compacted), are dropped.
+    on `column` lacks (every fragment before the column's first index), or None when some
+    such fragment is not held and cannot be read back (then Lance searches them all, as
+    before; counted in `fallbacks`). Memtables whose fragments are all covered, or gone
+    (compacted), are dropped.
 
     Fragments nobody handed over (another pod's flushes: all of them in `lance-sink serve`;
     this process's flushes refused for room, or written before the first text query) are
@@ -573,8 +590,9 @@ class FlushedText:
     column, tokenised once on the loader's thread and held as a one-fragment memtable
     (`Memtable.of_rows`) within the same bound. Without it a text query searched those rows
     flat, tokenising them again each time: ~7.5 us a row, 0.76 s a query for 100k rows while
-    the text index lagged a catch-up. Append tables only, fragments without deletions (a
-    fragment's rows never change then).
+    the text index lagged a catch-up. A query that finds such a fragment not held yet reads
+    it back itself (`_read_back_now`; one load per fragment, other queries wait for it).
+    Append tables only, fragments without deletions (a fragment's rows never change then).
     """
 
     def __init__(
@@ -593,8 +611,9 @@ class FlushedText:
         self._vector = vector
         #: The table and its latest base, for `refresh` (None: no loader; upsert tables).
         self._read_back = None if read_back is None or read_back[0].upsert else read_back
-        self._unfit: set[int] = set()  # fragments `refresh` found no room for
+        self._unfit: set[int] = set()  # fragments a read-back found no room for
         self._pending: set[int] = set()  # lacking and not held at the last `refresh`
+        self._loading: dict[int, threading.Event] = {}  # fragments being read back
         self._held: list[HeldText] = []
         self._found: dict[tuple[int, str], list[HeldText]] = {}
         self._lock = threading.Lock()
@@ -655,26 +674,24 @@ class FlushedText:
         with self._lock:
             if key in self._found:
                 return self._found[key]
-        found, indexed = self._views(base, column)
+        found, missing = self._views(base, column)
+        if found is None and missing and self._read_back_now(base, missing):
+            found, missing = self._views(base, column)
         with self._lock:
             if found is not None:  # None may change within a version: an adoption pending
                 self._found[key] = found
                 while len(self._found) > VERSIONS_KEPT:
                     del self._found[min(self._found)]
-            elif indexed:
+            else:
                 self.fallbacks += 1
         return found
 
-    def _views(self, base: lance.LanceDataset, column: str) -> tuple[list[HeldText] | None, bool]:
-        """`views`, and whether `column` has an index."""
-        present = {int(f.fragment_id) for f in base.get_fragments()}
-        lacking: dict[str, set[int]] = {}  # per indexed column: the fragments it lacks
-        for name in self.columns:
-            covered = covered_fragments(base, name, text=True)
-            if covered is not None:
-                lacking[name] = present - covered
-        if column not in lacking:
-            return None, False  # no index on it: Lance searches every fragment itself
+    def _views(
+        self, base: lance.LanceDataset, column: str
+    ) -> tuple[list[HeldText] | None, set[int]]:
+        """`views`, and the fragments it lacks that nothing holds (a read-back would complete
+        it)."""
+        present, lacking = self._lacking(base)
         unindexed = lacking[column]
         needed = set().union(*lacking.values())
         newest = max(present, default=-1)
@@ -694,23 +711,48 @@ class FlushedText:
             if not h.ids & unindexed:
                 continue  # this column's index covers it (another column's does not)
             if not h.ids <= unindexed:
-                return None, True  # partly indexed: its rows cannot be split between tiers
+                return None, set()  # partly indexed: its rows cannot be split between tiers
             out.append(h)
             found |= h.ids
-        return (out if found == unindexed else None), True
+        if found == unindexed:
+            return out, set()
+        return None, unindexed - found
+
+    def _lacking(self, base: lance.LanceDataset) -> tuple[set[int], dict[str, set[int]]]:
+        """The fragments of `base`, and per full-text column those its index lacks (all of
+        them before the column's first index)."""
+        present = {int(f.fragment_id) for f in base.get_fragments()}
+        lacking = {}
+        for name in self.columns:
+            covered = covered_fragments(base, name, text=True)
+            lacking[name] = present - (covered or set())
+        return present, lacking
+
+    def _read_back_now(self, base: lance.LanceDataset, missing: set[int]) -> bool:
+        """Read back the fragments of `base` a query lacks (`missing`), on the query's
+        thread; whether all are held now. A query that met a fragment the loader had not
+        read back yet (it reads one from its second pass, and tokenising one takes a while)
+        otherwise let Lance search every unindexed fragment flat, and before the column's
+        first index re-tokenised the whole base."""
+        if self._read_back is None or self._loader.closed:
+            return False
+        fragments = [f for f in base.get_fragments() if int(f.fragment_id) in missing]
+        if any(f.metadata.deletion_file is not None for f in fragments):
+            return False
+        try:
+            return all(self._load(f) for f in sorted(fragments, key=lambda f: f.fragment_id))
+        except Exception as exc:  # noqa: BLE001 - the query falls back to Lance's search
+            log.warning("reader_text_tail_load_failed", error=str(exc))
+            return False
 
     def refresh(self) -> None:
         """Read back and tokenise the fragments of the latest base that some text index
         lacks and nothing holds (see the class docstring), oldest first, while they fit."""
         if self._read_back is None:
             return
-        spec, open_base = self._read_back
+        _, open_base = self._read_back
         base = open_base()
-        lacking: set[int] = set()
-        for name in self.columns:
-            covered = covered_fragments(base, name, text=True)
-            if covered is not None:
-                lacking |= {int(f.fragment_id) for f in base.get_fragments()} - covered
+        lacking = set().union(*self._lacking(base)[1].values())
         with self._lock:
             self._unfit &= lacking  # indexed since: never needed again
             skip = set().union(self._unfit, *(h.ids for h in self._held))
@@ -723,29 +765,59 @@ class FlushedText:
             for f in base.get_fragments()
             if int(f.fragment_id) in ready and f.metadata.deletion_file is None
         ]
-        columns = [n for n in base.schema.names if n != self._vector]
         for fragment in sorted(todo, key=lambda f: int(f.fragment_id)):
-            if self._loader.closed:
+            if self._loader.closed or not self._load(fragment):
                 return
-            rows = fragment.to_table(columns=columns)
-            if not self._fits(self.nbytes + rows.nbytes):  # its tokens would add more
-                with self._lock:
-                    self._unfit.add(int(fragment.fragment_id))
-                    self.refused += 1
-                return
-            memtable = Memtable.of_rows(spec, rows, READ_BACK_BATCH_ROWS)
-            for name in self.columns:
-                self._terms.terms(memtable, name, tuple(memtable.batches))
-            loaded = HeldText(memtable.view(), ((int(fragment.fragment_id), memtable.rows),))
+
+    def _load(self, fragment: lance.LanceFragment) -> bool:
+        """Read back and tokenise `fragment` and hold it, once however many threads ask (the
+        others wait for it); whether it is held (False: no room for it)."""
+        fragment_id = int(fragment.fragment_id)
+        while True:
             with self._lock:
-                if any(loaded.ids & h.ids for h in self._held):
-                    continue  # handed over meanwhile
-                if not self._fits(sum(h.nbytes for h in self._held) + loaded.nbytes):
-                    self._unfit.add(int(fragment.fragment_id))  # not read again until indexed
-                    self.refused += 1
-                    return
-                self._held.append(loaded)
-                self.loads += 1
+                if any(fragment_id in h.ids for h in self._held):
+                    return True
+                if fragment_id in self._unfit:
+                    return False
+                pending = self._loading.get(fragment_id)
+                mine = pending is None
+                if pending is None:
+                    pending = self._loading[fragment_id] = threading.Event()
+            if not mine:
+                pending.wait()
+                continue  # held, unfit, or failed (then this thread tries itself)
+            try:
+                return self._read_back_fragment(fragment)
+            finally:
+                with self._lock:
+                    self._loading.pop(fragment_id, None)
+                pending.set()
+
+    def _read_back_fragment(self, fragment: lance.LanceFragment) -> bool:
+        assert self._read_back is not None
+        spec, _ = self._read_back
+        fragment_id = int(fragment.fragment_id)
+        columns = [n for n in fragment.schema.names if n != self._vector]
+        rows = fragment.to_table(columns=columns)
+        if not self._fits(self.nbytes + rows.nbytes):  # its tokens would add more
+            with self._lock:
+                self._unfit.add(fragment_id)
+                self.refused += 1
+            return False
+        memtable = Memtable.of_rows(spec, rows, READ_BACK_BATCH_ROWS)
+        for name in self.columns:
+            self._terms.terms(memtable, name, tuple(memtable.batches))
+        loaded = HeldText(memtable.view(), ((fragment_id, memtable.rows),))
+        with self._lock:
+            if any(loaded.ids & h.ids for h in self._held):
+                return True  # handed over meanwhile
+            if not self._fits(sum(h.nbytes for h in self._held) + loaded.nbytes):
+                self._unfit.add(fragment_id)  # not read again until indexed
+                self.refused += 1
+                return False
+            self._held.append(loaded)
+            self.loads += 1
+        return True
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the background loader (idempotent) and drop what is held."""

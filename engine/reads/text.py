@@ -5,10 +5,11 @@ Memtables are scored here with Lance's BM25 formula and tokenizer (`engine.fts`)
 every fresh memtable together, so their scores compare with the base's. The base's
 statistics are estimated from a sample and counted with Lance's FTS where a term is rare,
 cached per base version (`engine.reads.stats`). Base fragments the text index does not
-cover yet are scored from the memtables this process flushed into them
+cover yet are scored from the memtables this process flushed into them, or read back
 (`engine.unindexed.FlushedText`, `engine.reads.tiers.FlushedTier`), while Lance searches
 the indexed fragments only; otherwise Lance searches the whole base (flat where
-unindexed).
+unindexed). Before a column's first index, those memtables stand for the whole base and
+are scored with its own exact statistics (as `unindexed_base_bm25` scores it).
 
 Across pods (fan-out) the statistics include the other pods' memtables, and the scores are
 exactly those of one process holding every shard, in one round trip per owner pod:
@@ -241,6 +242,10 @@ class TextSearch:
             # indexed rows.
             held = None if self.flushed_text is None else self.flushed_text.views(snap.base, column)
             flushed = [FlushedTier(h, snap.base, self.spec) for h in held or ()]
+            # Before the column's first index they stand for the whole base, and are scored
+            # as `unindexed_base_bm25` scores it (the base's own statistics, exact) without
+            # tokenising it again for every query.
+            whole = held is not None and self.text_index_coverage(snap.base, column) is None
             base = ctx.meanwhile(
                 self._text_base,
                 snap,
@@ -279,9 +284,16 @@ class TextSearch:
             def finish(pending: Asked | None) -> pa.Table:
                 # While the owners answer: this process's memtables, and the base's document
                 # frequencies (a rare term's first count may take up to DF_WAIT_S).
-                mem = self.memtable_terms([*snap.tiers, *flushed], column, terms)
+                mem = self.memtable_terms([*snap.tiers, *([] if whole else flushed)], column, terms)
                 documents, length, df = mem.documents, mem.length, dict(mem.df)
-                base_df = {t: self.base_df(snap.base, column, t) for t in terms}
+                if whole:
+                    of_base = self.memtable_terms(flushed, column, terms, count_flushed=True)
+                    base_n, base_avgdl, base_df = of_base.documents, 1.0, dict(of_base.df)
+                    if base_n:
+                        base_avgdl = of_base.length / base_n
+                else:
+                    base_n, base_avgdl = n_base, avgdl_base
+                    base_df = {t: self.base_df(snap.base, column, t) for t in terms}
                 answers = [] if pending is None else pending.result()
                 for answer in answers:  # their memtables count in the corpus statistics too
                     documents += int(answer.meta["documents"])
@@ -291,10 +303,17 @@ class TextSearch:
                 if pending is not None:
                     self._remember(column, documents, length, df)
 
-                n_total = n_base + documents
-                avgdl = (avgdl_base * n_base + length) / n_total if n_total else 1.0
+                n_total = base_n + documents
+                avgdl = (base_avgdl * base_n + length) / n_total if n_total else 1.0
                 term_idf = weighted({t: fts.idf(n_total, base_df[t] + df[t]) for t in terms}, words)
                 parts = self.memtable_part(mem, words, phrase, term_idf, avgdl, predicate, k, fetch)
+                if whole:
+                    base_idf = weighted({t: fts.idf(base_n, base_df[t]) for t in terms}, words)
+                    parts.extend(
+                        self.memtable_part(
+                            of_base, words, phrase, base_idf, base_avgdl, predicate, k, fetch
+                        )
+                    )
                 parts.append(base.result())
                 if remote is None or pending is None:
                     return top(parts, SCORE, k, ascending=False)
@@ -306,15 +325,20 @@ class TextSearch:
         return begin, out_cols
 
     def memtable_terms(
-        self, tiers: Sequence[MemtableTier], column: str, terms: list[str]
+        self,
+        tiers: Sequence[MemtableTier],
+        column: str,
+        terms: list[str],
+        count_flushed: bool = False,
     ) -> MemtableTerms:
         """Statistics and term frequencies of `terms` in the tiers' live rows. Flushed tiers
-        (`FLUSHED_TIER`) are scored but not counted: the base's statistics hold them."""
+        (`FLUSHED_TIER`) are scored but not counted (the base's statistics hold them) unless
+        `count_flushed` (they are the base's statistics)."""
         # Term frequencies are computed once per batch and term, for the document frequency
         # and the scores; a batch without any query term is only counted, never scored.
         out = MemtableTerms(0, 0, dict.fromkeys(terms, 0), [])
         for tier in tiers:
-            counted = tier.shard != FLUSHED_TIER
+            counted = count_flushed or tier.shard != FLUSHED_TIER
             vocab, batches = self.terms.terms(tier.view.memtable, column, tier.view.batches)
             for i, bt in enumerate(batches):
                 eligible = tier.view.live[i]
@@ -558,7 +582,9 @@ class TextSearch:
     ) -> pa.Table:
         if snap.base.count_rows() == 0:
             return pa.table({})
-        if not indexed_only and self.text_index_coverage(snap.base, column) is None:
+        if self.text_index_coverage(snap.base, column) is None:
+            if indexed_only:  # the held memtables stand for every row of the base
+                return pa.table({})
             scored = unindexed_base_bm25(snap.base, column, words, phrase, predicate, fetch)
             return snap.base_overfetch(k, lambda limit: scored.slice(0, limit))
         query = PhraseQuery(text, column) if phrase else MatchQuery(text, column)
@@ -695,7 +721,8 @@ def weighted(term_idf: dict[str, float], words: list[tuple[str, int]]) -> dict[s
 # two tiers (the score oracle, `tests/reads/test_score_oracle.py`). Such a base is scored
 # here instead: its rows tokenised with the index's tokenizer and scored by BM25 over the
 # base's own statistics, which is what Lance's index scores with; the same rows and scores
-# as once the index is built. Like Lance's flat search it reads the whole base per query.
+# as once the index is built. Like Lance's flat search it reads the whole base per query;
+# the reader does that only when the base is not held (`FlushedText`: tokenised once).
 # (Once an index exists, Lance searches the fragments it lacks with the index's tokenizer.)
 
 

@@ -19,6 +19,7 @@ from engine import prune
 from engine import unindexed as unindexed_module
 from engine.memtable import Memtable
 from engine.reader import ReaderSettings
+from engine.reads import text as text_module
 from engine.unindexed import HeldText, UnindexedFragments
 from tests.reads.conftest import ReadHarness, read_spec, rows_batch, vectors, wait_for
 
@@ -442,10 +443,12 @@ def test_fragments_flushed_elsewhere_are_read_back_for_text_once(
     make_harness: MakeHarness,
 ) -> None:
     """Fragments the text index lacks that no flush of this process handed over (another
-    pod's; every fragment for `lance-sink serve`) are read back and tokenised once by the
-    background loader, then scored as held memtables: Lance no longer searches them flat,
-    re-tokenising on every query, and the answers are Lance's. Before, `views` stayed None
-    for them and every text query fell back to Lance's flat search."""
+    pod's; every fragment for `lance-sink serve`) are read back and tokenised once, by the
+    first queries that need them (however many ask at once), then scored as held memtables:
+    Lance no longer searches them flat, re-tokenising on every query, and the answers are
+    Lance's. Before, a query met them unheld until the background loader's second pass
+    found them (during a catch-up: a new fragment every flush round), and fell back to
+    Lance's flat search of every unindexed fragment."""
     held = make_harness("held", dim=DIM)
     lance_only = make_harness("lance", dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=0))
     for h in (held, lance_only):
@@ -457,12 +460,16 @@ def test_fragments_flushed_elsewhere_are_read_back_for_text_once(
         append_elsewhere(h, range(1300, 1600))
     holder = held.reader.flushed_text
     assert holder is not None
-    assert holder.views(held.table.dataset(), "text") is None  # starts the loader
-    deadline = time.monotonic() + 10
-    while holder.loads < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert holder.loads == 2, "the fragments flushed elsewhere were not read back"
-    assert holder.handoffs == 0
+    asking = [
+        threading.Thread(target=lambda: holder.views(held.table.dataset(), "text"))
+        for _ in range(4)
+    ]
+    for t in asking:
+        t.start()
+    for t in asking:
+        t.join()
+    assert holder.loads == 2, "each fragment flushed elsewhere read back once"
+    assert (holder.handoffs, holder.fallbacks) == (0, 0)
     views = holder.views(held.table.dataset(), "text")
     assert views is not None
     assert sorted(v.fragments[0][1] for v in views) == [300, 300]
@@ -482,6 +489,82 @@ def test_fragments_flushed_elsewhere_are_read_back_for_text_once(
     assert holder.loads == 2
 
 
+def test_before_the_first_text_index_the_base_is_tokenised_once_not_per_query(
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Until maintenance builds a column's first INVERTED index (10 s under the catch-up of
+    bench.catchup), every text query tokenised the whole base again
+    (`unindexed_base_bm25`: 3-5 s a query there). Now the base's fragments are read back
+    and tokenised once, held, and scored with the base's own exact statistics as that
+    path scores them, memtable rows as before: the same rows and scores."""
+    held = make_harness("held", dim=DIM)
+    lance_only = make_harness("lance", dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=0))
+    queries: list[tuple[str, dict[str, Any]]] = [
+        ("row1234", {}),
+        ("alpha bravo", {}),
+        ("bravo delta", {"filter": "n >= 500 AND n < 1700"}),
+        ("delta golf", {"phrase": True}),
+    ]
+    for h in (held, lance_only):
+        w = h.open()
+        h.put(w, range(1000))
+        h.flush(w)
+        append_elsewhere(h, range(1000, 1300))
+        append_elsewhere(h, range(1300, 1600))
+        h.put(w, range(1600, 1800))  # and memtable rows, scored with the global statistics
+
+    def ranked(h: ReadHarness, text: str, **kw: object) -> list[tuple[float, int]]:
+        """Every match as (score, offset), best first (ties in offset order)."""
+        got = h.reader.search_text(text, k=1000, columns=["_offset"], **kw)
+        pairs = zip(
+            got.column("_score").to_pylist(), got.column("_offset").to_pylist(), strict=True
+        )
+        return sorted(((round(score, 4), o) for score, o in pairs), key=lambda p: (-p[0], p[1]))
+
+    want = [ranked(lance_only, t, **kw) for t, kw in queries]
+
+    def tokenised_again(*args: object) -> None:
+        raise AssertionError("the whole base was tokenised again for a query")
+
+    monkeypatch.setattr(text_module, "unindexed_base_bm25", tokenised_again)
+    holder = held.reader.flushed_text
+    assert holder is not None
+    for _ in range(2):
+        for (text, kw), expected in zip(queries, want, strict=True):
+            assert ranked(held, text, **kw) == expected, text
+    assert any(o < 1000 for _, o in want[1])
+    assert any(o >= 1600 for _, o in want[1])
+    assert (holder.loads, holder.fallbacks) == (3, 0)  # each fragment read back once
+    # Once the index exists, the held rows it covers are let go and Lance searches them.
+    held.index_text()
+    assert offsets_found(held, "row1234") == [1234]
+    assert holder.nbytes == 0
+
+
+def test_the_loader_reads_fragments_flushed_elsewhere_back_before_a_query_needs_them(
+    make_harness: MakeHarness,
+) -> None:
+    """The background loader reads a fragment back from its second pass that finds it (a
+    flush of this process hands its memtable over before that), so queries rarely pay."""
+    h = make_harness("held", dim=DIM)
+    w = h.open()
+    h.put(w, range(1000))
+    h.flush(w)
+    h.index_text()
+    append_elsewhere(h, range(1000, 1300))
+    holder = h.reader.flushed_text
+    assert holder is not None
+    holder.refresh()
+    assert holder.loads == 0  # the first pass only notes it
+    holder.refresh()
+    assert holder.loads == 1
+    views = holder.views(h.table.dataset(), "text")
+    assert views is not None
+    assert [v.fragments[0][1] for v in views] == [300]
+    assert holder.loads == 1
+    assert offsets_found(h, "row1234") == [1234]
+
+
 def test_fragments_read_back_for_text_are_held_only_within_the_bound(
     make_harness: MakeHarness,
 ) -> None:
@@ -495,10 +578,7 @@ def test_fragments_read_back_for_text_are_held_only_within_the_bound(
     append_elsewhere(small, range(1000, 1300))
     holder = small.reader.flushed_text
     assert holder is not None
-    assert holder.views(small.table.dataset(), "text") is None  # starts the loader
-    deadline = time.monotonic() + 10
-    while holder.refused < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert holder.views(small.table.dataset(), "text") is None  # no room for it
     assert holder.refused == 1
     time.sleep(0.5)  # two more loader passes: not read again
     assert (holder.refused, holder.loads, holder.nbytes) == (1, 0, 0)
@@ -559,8 +639,25 @@ def test_the_vector_cache_gives_its_codes_up_for_a_flushed_memtables_text(
     assert offsets_found(h, "row7123") == [7123]
     assert text.fallbacks == 0
     left = cache.pruner_bytes
-    assert cache.room_beside(cache.max_bytes) is False  # more than shedding all would free
+    assert cache.room_beside(cache.max_bytes + 1) is False  # more than shedding all would free
     assert cache.pruner_bytes == left  # so nothing is shed in vain
+    assert cache.shed == 0
+    # Room for the text but not for all the vectors beside it, codes shed or not: the vector
+    # cache lets fragments go (text comes first); vector queries stay right (Lance searches
+    # what is not held).
+    probe_vectors = probe.reader.unindexed
+    assert probe_vectors is not None
+    q = vectors(np.array([7150]), DIM)[0]
+    full = run("full", bound=probe_vectors.nbytes - codes + text.nbytes - 1)
+    cache, text = full.reader.unindexed, full.reader.flushed_text
+    assert cache is not None
+    assert text is not None
+    assert (text.handoffs, text.refused) == (1, 0)
+    assert cache.shed >= 1
+    assert cache.nbytes + text.nbytes <= cache.max_bytes
+    assert offsets_found(full, "row7123") == [7123]
+    assert text.fallbacks == 0
+    assert search(full, q)[0] == search(probe, q)[0]
 
 
 def test_a_held_memtable_keeps_no_vectors(make_harness: MakeHarness) -> None:
