@@ -1,6 +1,7 @@
 """Queries during a catch-up: a writer pod's own query API against a query-only process.
 
-    python -m bench.catchup [--messages N] [--budget BYTES] [--shares 1,0.5] [--out FILE]
+    python -m bench.catchup [--messages N] [--budget BYTES] [--shares 1,0.5] [--serve-cpu C]
+                            [--out FILE]
 
 One run on tansu (memory storage): N pre-produced 384-dim vector JSON messages (~4 KB with
 ~200 chars of text) consumed from a fresh group by `lance-sink run` at its backpressure
@@ -18,14 +19,16 @@ Report: per round and process the queries answered, p50, p99 and the largest lat
 status, and the catch-up's duration and rate; the ratio of the query-only process's p99
 to the writer's is the figure to compare (both run on this 2-core machine, so the
 query-only process shares the cores but not the writer's interpreter lock; on a cluster
-it runs on nodes of its own). Target (issue 40): p99 <= 500 ms against the query-only
-process.
+it runs on nodes of its own: `--serve-cpu C` pins it to CPU C and the writer to the
+others, to tell its own cost from the shortage of CPU). Target (issue 40): p99 <= 500 ms
+against the query-only process.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -118,9 +121,13 @@ class PacedQueries(threading.Thread):
         }
 
 
-def start(command: str, config: Path, log: Path) -> subprocess.Popen[bytes]:
+def start(
+    command: str, config: Path, log: Path, cpus: str | None = None
+) -> subprocess.Popen[bytes]:
+    """`lance-sink <command>`, on the CPUs `cpus` lists (taskset's list form) if given."""
+    pinned = [] if cpus is None else ["taskset", "-c", cpus]
     return subprocess.Popen(
-        [sys.executable, "-m", "sink.cli", command, "--config", str(config)],
+        [*pinned, sys.executable, "-m", "sink.cli", command, "--config", str(config)],
         cwd=ROOT,
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
@@ -154,8 +161,19 @@ def catch_up(
     procs: list[subprocess.Popen[bytes]] = []
     try:
         started = time.monotonic()
-        procs.append(start("run", workdir / "writer.toml", workdir / "writer.log"))
-        procs.append(start("serve", workdir / "serve.toml", workdir / "serve.log"))
+        serve_cpu = args.serve_cpu
+        others = None
+        if serve_cpu is not None:
+            others = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)) if c != serve_cpu)
+        procs.append(start("run", workdir / "writer.toml", workdir / "writer.log", others))
+        procs.append(
+            start(
+                "serve",
+                workdir / "serve.toml",
+                workdir / "serve.log",
+                None if serve_cpu is None else str(serve_cpu),
+            )
+        )
         deadline = started + args.timeout
         for _, query_port in ports.values():
             wait_listening(query_port, deadline)
@@ -178,6 +196,15 @@ def catch_up(
             client.join(120)
         committed.close()
         paused = metric(ports["writer"][0], "lance_sink_ingest_paused_seconds_total")
+        fallbacks = {
+            name: {
+                kind: metric(
+                    metrics_port, f'lance_sink_query_unindexed_fallbacks_total{{kind="{kind}"}}'
+                )
+                for kind in ("vector", "text")
+            }
+            for name, (metrics_port, _) in ports.items()
+        }
     finally:
         for proc in procs:
             proc.terminate()
@@ -186,12 +213,13 @@ def catch_up(
     return {
         "seconds": caught_up,
         "paused": paused,
+        "fallbacks": fallbacks,
         "summaries": {name: client.summary() for name, client in clients.items()},
     }
 
 
 def metric(port: int, name: str) -> float:
-    """One unlabelled sample of a process's /metrics (0 when it has none)."""
+    """One sample of a process's /metrics, `name` with its labels if it has any (0 when none)."""
     for line in scrape(port).splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
@@ -208,6 +236,13 @@ def main() -> None:
         "--shares",
         default="1,0.5",
         help="the writer's query.ingest_share of each round (1: never yields to queries)",
+    )
+    parser.add_argument(
+        "--serve-cpu",
+        type=int,
+        default=None,
+        help="pin the query-only process to this CPU and the writer to the others, as if "
+        "each had a node of its own (tansu and the clients are not pinned)",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -254,6 +289,11 @@ def main() -> None:
                     for at, kind, latency in s["slowest"]
                 )
                 report(f"{'':>8}slowest (seconds after the clients started): {slowest}")
+                fell = figures["fallbacks"][name]
+                report(
+                    f"{'':>8}flat searches of the unindexed base (fallbacks): vector "
+                    f"{fell['vector']:.0f}, text {fell['text']:.0f} times"
+                )
         baseline = p99s.get("writer at 1")
         if baseline:
             for name, p99 in p99s.items():
