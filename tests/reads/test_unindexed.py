@@ -20,7 +20,7 @@ from engine import unindexed as unindexed_module
 from engine.memtable import Memtable
 from engine.reader import ReaderSettings
 from engine.reads import text as text_module
-from engine.unindexed import HeldText, UnindexedFragments
+from engine.unindexed import FlushedText, HeldText, UnindexedFragments
 from tests.reads.conftest import ReadHarness, read_spec, rows_batch, vectors, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -541,12 +541,9 @@ def test_before_the_first_text_index_the_base_is_tokenised_once_not_per_query(
     assert holder.nbytes == 0
 
 
-def test_the_loader_reads_fragments_flushed_elsewhere_back_before_a_query_needs_them(
-    make_harness: MakeHarness,
-) -> None:
-    """The background loader reads a fragment back from its second pass that finds it (a
-    flush of this process hands its memtable over before that), so queries rarely pay."""
-    h = make_harness("held", dim=DIM)
+def indexed_then_appended_elsewhere(h: ReadHarness) -> FlushedText:
+    """Offsets 0..999 flushed and text-indexed, 1000..1299 appended by another process;
+    the reader's text holder."""
     w = h.open()
     h.put(w, range(1000))
     h.flush(w)
@@ -554,6 +551,16 @@ def test_the_loader_reads_fragments_flushed_elsewhere_back_before_a_query_needs_
     append_elsewhere(h, range(1000, 1300))
     holder = h.reader.flushed_text
     assert holder is not None
+    return holder
+
+
+def test_the_loader_reads_fragments_flushed_elsewhere_back_before_a_query_needs_them(
+    make_harness: MakeHarness,
+) -> None:
+    """The background loader reads a fragment back from its second pass that finds it (a
+    flush of this process hands its memtable over before that), so queries rarely pay."""
+    h = make_harness("held", dim=DIM)
+    holder = indexed_then_appended_elsewhere(h)
     holder.refresh()
     assert holder.loads == 0  # the first pass only notes it
     holder.refresh()
@@ -571,13 +578,7 @@ def test_fragments_read_back_for_text_are_held_only_within_the_bound(
     """A fragment that does not fit in the bound is not held (nor read again until room is
     freed): Lance searches the unindexed part itself, and the answers stay Lance's."""
     small = make_harness("small", dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=4096))
-    w = small.open()
-    small.put(w, range(1000))
-    small.flush(w)
-    small.index_text()
-    append_elsewhere(small, range(1000, 1300))
-    holder = small.reader.flushed_text
-    assert holder is not None
+    holder = indexed_then_appended_elsewhere(small)
     assert holder.views(small.table.dataset(), "text") is None  # no room for it
     assert holder.refused == 1
     time.sleep(0.5)  # two more loader passes: not read again
