@@ -1506,6 +1506,35 @@ def test_alerts(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert monitor["selector"]["matchLabels"] == _one(docs, "Service")["spec"]["selector"]
 
 
+def test_alert_summaries_name_what_the_metrics_label(helm: str) -> None:
+    """Per partition, a summary names the topic-partition (the flush alert the shard); with
+    `observability.partition_metrics = "topic"` those metrics carry the topic only, and the
+    summaries said `orders/` and `(shard )`: they name the topic instead."""
+
+    def summaries(*extra: str) -> dict[str, str]:
+        docs = _template(helm, _scenario("monitoring-values"), extra=extra)
+        rule = _one(docs, "PrometheusRule")
+        return {
+            r["alert"]: r["annotations"]["summary"]
+            for g in rule["spec"]["groups"]
+            for r in g["rules"]
+        }
+
+    per_partition = summaries()
+    assert (
+        "partition {{ $labels.topic }}/{{ $labels.partition }}"
+        in (per_partition["LanceSinkPartitionStopped"])
+    )
+    assert "(shard {{ $labels.shard }})" in per_partition["LanceSinkFlushFailing"]
+    by_topic = summaries("--set", "config.observability.partition_metrics=topic")
+    assert set(by_topic) == set(per_partition)
+    for alert, summary in by_topic.items():
+        assert "$labels.partition" not in summary, alert
+        assert "$labels.shard" not in summary, alert
+    assert "topic {{ $labels.topic }}'s partitions" in by_topic["LanceSinkPartitionStopped"]
+    assert "a shard of topic {{ $labels.topic }}" in by_topic["LanceSinkFlushFailing"]
+
+
 def test_no_maintenance_alert_only_where_maintenance_runs(helm: str) -> None:
     """With config.maintenance.enabled false, the gauge is 0 on every pod by design: the
     alert would always fire, so it is not rendered."""
