@@ -198,9 +198,10 @@ class BaseTable:
                     ]
                     ds.alter_columns(*alterations)
             except (OSError, RuntimeError) as exc:  # a CommitConflictError is an OSError
-                if attempt < EVOLVE_ATTEMPTS and self._raced(exc, change):
+                newest = self._raced(exc, change) if attempt < EVOLVE_ATTEMPTS else None
+                if newest is not None:
                     log.info("table_evolution_preempted", table=self.uri, attempt=attempt)
-                    ds = self.dataset()
+                    ds = newest
                     continue
                 raise PersistenceError(f"cannot evolve the table: {exc}", table=self.uri) from exc
             log.info(
@@ -218,7 +219,10 @@ class BaseTable:
         refuses to cast an indexed column ("they have 1 index(es) attached"), and
         maintenance builds the indexes the settings name again."""
         columns = {f.name for f in widen}
-        for name in indexes_on(ds, columns):
+        names = indexes_on(ds, columns)
+        if not names:
+            return ds
+        for name in names:
             try:
                 ds.drop_index(name)
             except RuntimeError:  # "index not found": a drop moves `ds` to the newest version
@@ -228,19 +232,22 @@ class BaseTable:
             log.info("table_index_dropped_to_widen", table=self.uri, index=name)
         return self.dataset()
 
-    def _raced(self, exc: Exception, change: Evolution) -> bool:
-        """Was an evolution's failure another process's doing, so that trying again on the
-        newest version may succeed: a commit it preempted, another pod's evolution, or an
-        index on a widened column built again (maintenance) between the drop and the cast?"""
-        if isinstance(exc, CommitConflictError):
-            return True  # (an alter's preempted commit is a plain OSError: the next test)
+    def _raced(self, exc: Exception, change: Evolution) -> lance.LanceDataset | None:
+        """The newest version of the table to try an evolution again on, when its failure was
+        another process's doing: a commit it preempted, another pod's evolution, or an
+        index on a widened column built again (maintenance) between the drop and the cast;
+        None otherwise."""
         try:
             now = self.dataset()
+            if isinstance(exc, CommitConflictError):
+                return now  # (an alter's preempted commit is a plain OSError: the tests below)
             if self.spec.evolution(now.schema) != change:
-                return True  # another pod evolved the table meanwhile
-            return bool(change.widen and indexes_on(now, {f.name for f in change.widen}))
+                return now  # another pod evolved the table meanwhile
+            if change.widen and indexes_on(now, {f.name for f in change.widen}):
+                return now
         except (OSError, ValueError):
-            return False
+            pass
+        return None
 
     def dataset(self, version: int | None = None) -> lance.LanceDataset:
         """The table at its latest (or a given) version."""
