@@ -389,7 +389,8 @@ class Metrics:
         )
         self.unindexed_fallbacks = counter(
             "query_unindexed_fallbacks",
-            "Queries that searched the unindexed base with Lance's flat scan, by kind (vector, "
+            "Queries that searched the unindexed base flat (Lance's scan; for text before the "
+            "first text index, the reader's own tokenising of the whole base), by kind (vector, "
             "text): its rows not all held within the cache bound, or a fragment failed to load.",
             ["kind"],
         )

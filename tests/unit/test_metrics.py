@@ -98,7 +98,8 @@ EXPECTED = {
         "(vector matrices, flushed memtables kept for text search)."
     ),
     "lance_sink_query_unindexed_fallbacks": (
-        "Queries that searched the unindexed base with Lance's flat scan, by kind (vector, "
+        "Queries that searched the unindexed base flat (Lance's scan; for text before the "
+        "first text index, the reader's own tokenising of the whole base), by kind (vector, "
         "text): its rows not all held within the cache bound, or a fragment failed to load."
     ),
     "lance_sink_rebalance_events": "Partitions assigned, revoked or lost.",
