@@ -754,7 +754,7 @@ def unindexed_base_bm25(
     df = dict.fromkeys(terms, 0)
     found: list[tuple[pa.Table, np.ndarray, np.ndarray]] = []
     for batch in _unindexed_batches(base, list(dict.fromkeys(wanted))):
-        bt = fts.batch_terms(batch.column(column).to_pylist(), vocab)
+        bt = fts.batch_terms(batch.column(column), vocab)
         documents += int(bt.counted.sum())
         length += int(bt.doc_len.sum())
         tfs = {t: fts.term_frequencies(bt, vocab[t]) for t in terms if t in vocab}
@@ -795,7 +795,7 @@ def unindexed_base_df(base: lance.LanceDataset, column: str, term: str) -> int:
     vocab: dict[str, int] = {}
     count = 0
     for batch in _unindexed_batches(base, [column]):
-        bt = fts.batch_terms(batch.column(column).to_pylist(), vocab)
+        bt = fts.batch_terms(batch.column(column), vocab)
         if term in vocab:
             count += int((fts.term_frequencies(bt, vocab[term]) > 0).sum())
     return count
