@@ -6,11 +6,7 @@ A memtable is one generation. It holds:
   pins a larger parent buffer, so counted bytes are resident bytes);
 - for upsert tables, a primary-key map (key -> newest row id in this memtable) and a
   per-row `dead` flag (superseded by a newer row of the same key, or a delete);
-- the WAL positions and source offset ranges it covers;
-- runs of batches whose vectors were joined into one matrix by a query
-  (`Memtable.vector_runs`, `VectorRun`): the same rows, searched with one call. The
-  joined batches replace the originals in place (their vector columns slices of the run's
-  matrix, which holds the rows of this memtable only, so counted bytes stay resident bytes).
+- the WAL positions and source offset ranges it covers.
 
 Only the shard writer's WAL step (live path) or `ShardWriter.open` (replay) inserts, under
 the writer lock. Readers take an immutable `MemtableView` under the same lock and then read
@@ -30,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from engine.schema import OP_COLUMN, OP_DELETE, OP_UPSERT, TableSpec, vector_matrix
+from engine.schema import OP_COLUMN, OP_DELETE, OP_UPSERT, TableSpec
 from engine.wal import SourceRange, merge_ranges
 
 # CPython object sizes used to account the primary-key map (measured by tests against
@@ -40,29 +36,6 @@ _INT_BYTES = 28
 _STR_HEADER_BYTES = 49
 _BYTES_HEADER_BYTES = 33
 _TUPLE_HEADER_BYTES = 40
-
-
-#: A query's exact search of a memtable makes one faiss call per contiguous matrix, and each
-#: call gives the interpreter lock up and waits to get it back behind ingestion's threads:
-#: 153 batches of 500 rows took 1.2-2.0 s under two busy threads against 13 ms as one
-#: matrix (7-9 ms either way when idle). So a query joins the batches that came since the
-#: last run into one (`Memtable.vector_runs`) once at least this many can join.
-RUN_MIN_BATCHES = 8
-
-
-@dataclass(slots=True)
-class VectorRun:
-    """Batches ``[start, end)`` of a memtable whose vectors are rows of one contiguous
-    float32 `matrix` (batch ``start + j`` holds rows ``starts[j]:starts[j + 1]``). Their
-    batches' vector columns are zero-copy slices of it (a batch with null vectors, an
-    upsert memtable's deletes, keeps its own column and its rows are copied). `norms`: the
-    rows' norms, computed by the first cosine query (`engine.reads.vector`)."""
-
-    start: int
-    end: int
-    matrix: np.ndarray
-    starts: np.ndarray
-    norms: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,8 +126,6 @@ class Memtable:
         self._dead = bytearray()
         self._key_object_bytes = 0.0  # running mean size of one key object
         self._lock = threading.Lock()
-        self._runs: list[VectorRun] = []
-        self._runs_lock = threading.Lock()  # one query joins batches at a time
 
     @property
     def memory_size(self) -> int:
@@ -195,56 +166,6 @@ class Memtable:
                 self.rows += batch.num_rows
             self.data_bytes += batch.get_total_buffer_size()
         self._account_index()
-
-    def vector_runs(self, upto: int) -> list[VectorRun]:
-        """The runs of batches below `upto` whose vectors are one matrix each (see
-        `VectorRun`), in order from batch 0; the batches after the last run (below `upto`)
-        are joined into a new run first when there are `RUN_MIN_BATCHES` of them. Called by
-        readers with the batch count of their view: batches are immutable once inserted,
-        so a run made after a view was taken holds that view's rows too.
-
-        Memory: the joined vectors are copied once into the run's matrix and the batches'
-        own vector buffers are let go (resident once the views that hold them end); the
-        copied rows of batches that keep their column are accounted as reader cache (I7).
-        """
-        vector = self.spec.vector
-        if vector is None:
-            return []
-        with self._runs_lock:
-            covered = self._runs[-1].end if self._runs else 0
-            if upto - covered >= RUN_MIN_BATCHES:
-                self._join(covered, upto, vector.name, vector.dim)
-            return [r for r in self._runs if r.end <= upto]
-
-    def _join(self, start: int, end: int, name: str, dim: int) -> None:
-        with self._lock:
-            batches = self.batches[start:end]
-        if any(b.schema.get_field_index(name) < 0 for b in batches):
-            return  # rows kept without their vectors (`without_column`)
-        sizes = [b.num_rows for b in batches]
-        starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-        matrix = np.empty((int(starts[-1]), dim), dtype=np.float32)
-        for b, lo, hi in zip(batches, starts[:-1], starts[1:], strict=True):
-            matrix[lo:hi] = vector_matrix(b.column(name), dim)
-        values = pa.array(matrix.reshape(-1))  # zero-copy
-        joined: list[pa.RecordBatch] = []
-        copied = 0
-        for b, lo, hi in zip(batches, starts[:-1], starts[1:], strict=True):
-            index = b.schema.get_field_index(name)
-            column = b.column(index)
-            if column.null_count:
-                joined.append(b)
-                copied += int(hi - lo) * dim * 4
-                continue
-            rows = pa.FixedSizeListArray.from_arrays(
-                values.slice(int(lo) * dim, int(hi - lo) * dim), type=column.type
-            )
-            joined.append(b.set_column(index, b.schema.field(index), rows))
-        with self._lock:
-            self.batches[start:end] = joined
-        self._runs.append(VectorRun(start, end, matrix, starts))
-        if copied:
-            self.account_cache(copied)
 
     def _index_keys(self, batch: pa.RecordBatch, base: int) -> None:
         assert self._keys is not None

@@ -1,9 +1,8 @@
 """Vector kNN over a snapshot: memtables exact with faiss, the base with Lance.
 
-Memtables are searched exactly with faiss on zero-copy vector matrices, one per run of
-joined batches (`engine.memtable.VectorRun`) and one per batch after the last run (l2 and
+Memtables are searched exactly with faiss on each batch's zero-copy vector matrix (l2 and
 dot via `faiss.knn`; cosine as inner product with the normalised query divided by row
-norms, which are computed vectorised once per run or batch and cached). The base is searched with
+norms, which are computed vectorised once per batch and cached). The base is searched with
 Lance's ANN index (`nprobes`, `refine_factor`) or, without an index, Lance's exact search.
 The base fragments an index does not cover yet are held in memory and searched exactly
 with faiss like memtables, pruned by their int8 codes where they have them
@@ -37,7 +36,7 @@ import numpy as np
 import pyarrow as pa
 
 from engine.filters import Predicate, QueryError
-from engine.memtable import Memtable, VectorRun
+from engine.memtable import Memtable
 from engine.reads.context import ReadContext
 from engine.reads.merge import DISTANCE, Candidates, materialise, top
 from engine.reads.remote import Asked, FanoutReport, Started
@@ -241,14 +240,8 @@ class VectorSearch:
         k: int,
         predicate: Predicate | None,
     ) -> list[Candidates]:
-        out: list[Candidates] = []
-        first = 0
-        if not tier.newer or tier.view.keys is None:  # no row hidden by a newer tier
-            for run in tier.view.memtable.vector_runs(len(tier.view.batches)):
-                out.extend(self._knn_run(tier, run, query, k, predicate))
-                first = run.end
-        for i in range(first, len(tier.view.batches)):
-            batch = tier.view.batches[i]
+        out = []
+        for i, batch in enumerate(tier.view.batches):
             if not batch.num_rows:
                 continue
             eligible = tier.eligible(i, predicate)
@@ -266,50 +259,6 @@ class VectorSearch:
             if len(rows):
                 out.append(Candidates(tier, i, rows, dist))
         return out
-
-    def _knn_run(
-        self,
-        tier: MemtableTier,
-        run: VectorRun,
-        query: np.ndarray,
-        k: int,
-        predicate: Predicate | None,
-    ) -> list[Candidates]:
-        """Exact top-k among the eligible rows of a run of batches (one faiss call: see
-        `engine.memtable.RUN_MIN_BATCHES`), as candidates per batch."""
-        assert self.spec.vector is not None
-        masks = [tier.eligible(i, predicate) for i in range(run.start, run.end)]
-        eligible = None
-        if any(m is not None for m in masks):
-            sizes = np.diff(run.starts)
-            eligible = np.concatenate(
-                [
-                    np.ones(n, dtype=bool) if m is None else m
-                    for m, n in zip(masks, sizes, strict=True)
-                ]
-            )
-        rows, dist = exact_knn(
-            run.matrix,
-            lambda: self._run_norms(tier, run),
-            query,
-            k,
-            eligible,
-            self.spec.vector.metric,
-        )
-        batch_of = np.searchsorted(run.starts, rows, side="right") - 1
-        out = []
-        for j in np.unique(batch_of):
-            mine = batch_of == j
-            local = rows[mine] - run.starts[j]
-            out.append(Candidates(tier, run.start + int(j), local, dist[mine]))
-        return out
-
-    def _run_norms(self, tier: MemtableTier, run: VectorRun) -> np.ndarray:
-        with self._norms_lock:
-            if run.norms is None:
-                run.norms = np.sqrt(np.einsum("ij,ij->i", run.matrix, run.matrix))
-                tier.view.memtable.account_cache(run.norms.nbytes)
-            return run.norms
 
     def _knn_batch(
         self,
