@@ -8,6 +8,8 @@ tokens Lance's INVERTED index makes of it (BM25 statistics and phrase matches re
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -119,3 +121,25 @@ def test_the_word_cache_starts_again_when_full(monkeypatch: pytest.MonkeyPatch) 
     again = fts.batch_terms(pa.array(texts), vocab)
     assert first.term.tolist() == again.term.tolist()
     _as_tokenised_alone(again, vocab, texts)
+
+
+def test_a_tokenizer_that_is_not_word_by_word_takes_the_joined_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """If a word ever made more than one token (a tokenizer other than Lance's default), the
+    batch is tokenised by the joined call instead: the same tokens as each document alone."""
+    monkeypatch.setattr(fts, "_WORD_TOKENS", {})
+    real = fts.lance.tokenize
+
+    def splitting(text: str) -> Any:
+        tokens = real(text)
+        if text.startswith(fts._SEPARATOR + " "):  # the distinct words' call
+            return [*tokens, *tokens[1:]]  # positions repeat: a word made two tokens
+        return tokens
+
+    monkeypatch.setattr(fts.lance, "tokenize", splitting)
+    texts: list[str | None] = ["The quick brown foxes", "Élan and the dogs", None, "cats, dogs!"]
+    vocab: dict[str, int] = {}
+    _as_tokenised_alone(fts.batch_terms(pa.array(texts), vocab), vocab, texts)
+    ascii_only: list[str | None] = ["The quick brown foxes", "cats, dogs!"]
+    _as_tokenised_alone(fts.batch_terms(pa.array(ascii_only), vocab), vocab, ascii_only)
