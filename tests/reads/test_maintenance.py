@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import lance
 import numpy as np
 import pytest
 
@@ -24,6 +25,7 @@ from engine.maintenance import Maintenance, MaintenanceProcess
 from engine.maintenance.runner import (
     MAX_INDEX_SEGMENTS,
     MAX_TRAINING_BYTES,
+    PQ_SAMPLE_RATE,
     derived_partitions,
     derived_sub_vectors,
     is_conflict,
@@ -131,6 +133,11 @@ def test_derived_index_parameters() -> None:
     assert training_sample_rate(548, 384) == 79  # sqrt(300k) partitions
     assert MAX_TRAINING_BYTES >= 548 * 79 * 384 * 4
     assert training_sample_rate(100_000, 1536) == 16  # never below MIN_SAMPLE_RATE
+    # IVF_PQ: Lance trains each sub-vector's 256 codes on 256 x sample_rate rows; bounded
+    # (PQ_SAMPLE_RATE), that training is a third of the build it was (bench/index_build.py).
+    assert training_sample_rate(2, 16, pq=True) == PQ_SAMPLE_RATE == 40
+    assert training_sample_rate(195, 384, pq=True) == 40  # sqrt(50k) partitions: was 224
+    assert training_sample_rate(100_000, 1536, pq=True) == 16
     assert is_conflict(OSError("Retryable commit conflict for version 7"))
     assert not is_conflict(ValueError("no such column"))
 
@@ -177,6 +184,33 @@ def test_ivf_pq_waits_for_the_rows_it_trains_on(make_harness: MakeHarness) -> No
     h.put(w, range(200, 300))
     h.flush(w)
     assert m.run_once()["vector_index"] == "done"
+    ds = h.table.dataset()
+    (index,) = [i for i in ds.describe_indices() if i.field_names == ["vec"]]
+    assert ds.stats.index_stats(index.name)["num_indexed_rows"] == 300
+
+
+@pytest.mark.parametrize(("kind", "rate"), [("IVF_PQ", PQ_SAMPLE_RATE), ("IVF_HNSW_SQ", 256)])
+def test_the_vector_index_trains_its_pq_codebooks_on_a_bounded_sample(
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch, kind: str, rate: int
+) -> None:
+    """IVF_PQ's build asks Lance for at most `PQ_SAMPLE_RATE` training rows per code (Lance's
+    256 trained the codebooks on 65,536 rows, most of a first build's time); IVF_HNSW_SQ,
+    whose training is cheap, keeps Lance's rate. The index is built and holds every row."""
+    asked: list[dict[str, Any]] = []
+    create = lance.LanceDataset.create_index
+
+    def spy(ds: lance.LanceDataset, *args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs)
+        return create(ds, *args, **kwargs)
+
+    monkeypatch.setattr(lance.LanceDataset, "create_index", spy)
+    h = make_harness()
+    w = h.open()
+    h.put(w, range(300))
+    h.flush(w)
+    m = maintenance(h, vector_index_min_rows=10, fts_index=False, vector_index=kind)
+    assert m.run_once()["vector_index"] == "done"
+    assert [a["sample_rate"] for a in asked] == [rate]
     ds = h.table.dataset()
     (index,) = [i for i in ds.describe_indices() if i.field_names == ["vec"]]
     assert ds.stats.index_stats(index.name)["num_indexed_rows"] == 300
