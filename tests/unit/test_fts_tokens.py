@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -143,3 +144,25 @@ def test_a_tokenizer_that_is_not_word_by_word_takes_the_joined_call(
     _as_tokenised_alone(fts.batch_terms(pa.array(texts), vocab), vocab, texts)
     ascii_only: list[str | None] = ["The quick brown foxes", "cats, dogs!"]
     _as_tokenised_alone(fts.batch_terms(pa.array(ascii_only), vocab), vocab, ascii_only)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.text(st.characters(max_codepoint=127), max_size=12), max_size=8),
+    st.integers(0, 3),
+    st.sampled_from([pa.string(), pa.large_string()]),
+)
+def test_ascii_words_are_the_runs_of_letters_and_digits(
+    texts: list[str], cut: int, kind: pa.DataType
+) -> None:
+    """`_ascii_words` (a byte table, then Arrow's whitespace split) gives exactly the regex
+    split on ``[^A-Za-z0-9]+`` it replaced, for any ASCII byte (control characters, DEL,
+    whitespace other than spaces), in an array that is a slice of a larger one (an offset
+    into its buffers) and in a large_string column."""
+    padded = ["pad one", *texts, "pad-two"]
+    column = pa.array(padded, kind).slice(1, len(texts))
+    expected = pc.split_pattern_regex(column, "[^A-Za-z0-9]+").to_pylist()
+    assert fts._ascii_words(column).to_pylist() == expected
+    rows = column.slice(min(cut, len(texts)))
+    vocab: dict[str, int] = {}
+    _as_tokenised_alone(fts.batch_terms(rows, vocab), vocab, rows.to_pylist())
