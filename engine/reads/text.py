@@ -618,15 +618,17 @@ class TextSearch:
             if not texts:
                 return 0, 0.0, 0, {}
             sample = base.to_table(columns=[column], filter=has_text, limit=AVGDL_SAMPLE_ROWS)
-            terms = [doc for doc in fts.tokenize_batch(sample.column(column).to_pylist())[0] if doc]
-            per_term: dict[str, int] = {}
-            for doc in terms:
-                for t in set(doc):
-                    per_term[t] = per_term.get(t, 0) + 1
-            avgdl = sum(len(t) for t in terms) / max(len(terms), 1)
+            vocab: dict[str, int] = {}
+            batch = fts.batch_terms(sample.column(column), vocab)
+            counted = int(batch.counted.sum())
+            # Documents per term: each (document, term) pair once.
+            pairs = np.unique(batch.doc.astype(np.int64) * max(len(vocab), 1) + batch.term)
+            per_id = np.bincount(pairs % max(len(vocab), 1), minlength=len(vocab))
+            per_term = {w: int(per_id[i]) for w, i in vocab.items() if per_id[i]}
+            avgdl = float(batch.doc_len.sum()) / max(counted, 1)
             exact = sample.num_rows >= texts
-            n = len(terms) if exact else round(texts * len(terms) / sample.num_rows)
-            return n, avgdl, len(terms), per_term
+            n = counted if exact else round(texts * counted / sample.num_rows)
+            return n, avgdl, counted, per_term
 
         result: tuple[int, float, int, dict[str, int]] = self.ctx.stats.cached(
             base, ("text", column), compute

@@ -311,6 +311,47 @@ def test_new_memtable_batches_are_tokenised_off_the_query_path(
     assert not thread.is_alive()
 
 
+@pytest.mark.parametrize("sample", [1000, 7])
+def test_base_statistics_count_each_document_as_tokenised_alone(
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, sample: int
+) -> None:
+    """The base's text statistics (documents with a token, their average length, documents
+    per term in the sample) are those of each document tokenised alone: empty and stop-word
+    texts are no document, a word twice in a document counts once; past the sample, the
+    documents are scaled to the base's non-null texts."""
+    monkeypatch.setattr(text_module, "AVGDL_SAMPLE_ROWS", sample)
+    texts = [
+        "The cats, the CATS and running dogs",
+        "",
+        None,
+        "of the and",
+        "row2100 jumped over row12 row12",
+        "Élan naïve café cats",
+        "dogs",
+        "a b c d e f g h",
+        "cats cats cats",
+        None,
+        "running",
+    ]
+    base = lance.write_dataset(pa.table({"text": pa.array(texts, pa.string())}), tmp_path / "t")
+    h = make_harness(dim=DIM)
+    n, avgdl, sample_n, sample_df = h.reader.text.base_text_stats(base, "text")
+    seen = [t for t in texts if t is not None][:sample]
+    alone = [[w for w, _ in fts.tokenize(t)] for t in seen]
+    documents = [words for words in alone if words]
+    expected_df: dict[str, int] = {}
+    for words in documents:
+        for w in set(words):
+            expected_df[w] = expected_df.get(w, 0) + 1
+    assert sample_n == len(documents)
+    assert sample_df == expected_df
+    assert avgdl == pytest.approx(sum(map(len, documents)) / len(documents))
+    non_null = sum(t is not None for t in texts)
+    assert n == (
+        len(documents) if sample >= non_null else round(non_null * len(documents) / len(seen))
+    )
+
+
 def test_a_rare_terms_first_count_is_estimated_while_it_is_slow(
     make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
