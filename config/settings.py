@@ -1077,8 +1077,10 @@ class MaintenanceSettings(_Section):
         default=10,
         ge=0,
         le=19,
-        description="CPU niceness added to the maintenance process, so ingestion and "
-        "queries get the CPU first (0 = the sink's priority).",
+        description="CPU niceness added to the maintenance process once the table has its "
+        "first vector and text indexes (until then queries scan the base flat, so their "
+        "builds run at the sink's priority), so ingestion and queries get the CPU first "
+        "(0 = the sink's priority).",
     )
     interval_s: PositiveInt = Field(default=30, description="Time between maintenance runs.")
     vector_index: Literal["IVF_PQ", "IVF_HNSW_SQ"] = Field(

@@ -391,6 +391,17 @@ class Maintenance:
     def _indexes(self, ds: lance.LanceDataset) -> list[Any]:
         return list(ds.describe_indices())
 
+    def first_indexes_built(self) -> bool:
+        """Does the table have the vector index and the text indexes the settings ask for
+        (the ones a catch-up's queries wait for: until they exist, every query scans the
+        base flat)?"""
+        ds = self.table.dataset()
+        vector = self.spec.vector
+        if vector is not None and index_on(ds, vector.name, None) is None:
+            return False
+        texts = self.spec.fts_columns if self.settings.fts_index else ()
+        return all(index_on(ds, c, "Inverted") is not None for c in texts)
+
     def vector_index(self) -> None:
         """Create the vector index once the table is large enough."""
         vector = self.spec.vector

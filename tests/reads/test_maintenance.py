@@ -687,6 +687,55 @@ def test_the_process_runs_the_tasks_at_lower_priority_and_reports_them(
     assert m.restarts == 0
 
 
+def thread_niceness(pid: int) -> set[int]:
+    """The niceness of every thread of process `pid` (Linux keeps one per thread)."""
+    found = set()
+    for tid in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found.add(os.getpriority(os.PRIO_PROCESS, int(tid.name)))
+        except OSError:
+            continue  # the thread ended meanwhile
+    return found
+
+
+def test_the_child_lowers_its_priority_once_the_first_indexes_exist(
+    make_harness: MakeHarness,
+) -> None:
+    """Until the table has its vector and text indexes (every query scans the base flat
+    until then), the child runs at the sink's priority: at the lower one a catch-up starved
+    their builds. Once a task finds them built, every thread of the child, Lance's runtime
+    threads included, runs `nice` lower."""
+    h = make_harness()
+    w = h.open()
+    events = Recorder()
+    settings = maintenance_settings(interval_s=1, optimize_interval_s=1, nice=7)
+    m = MaintenanceProcess(h.spec, h.storage.uri, settings, events)
+    m.start()
+    try:
+        wait_for(lambda: m.pid() is not None, "the child did not start", 30)
+        pid = m.pid()
+        assert pid is not None
+        sink = os.getpriority(os.PRIO_PROCESS, 0)
+        wait_for(
+            lambda: {("vector_index", "skipped"), ("fts_index", "skipped")} <= set(events.events),
+            events.events,
+            60,
+        )
+        assert thread_niceness(pid) == {sink}  # an empty table: nothing to build yet
+        h.put(w, range(700))
+        h.flush(w)
+        wait_for(
+            lambda: {("vector_index", "done"), ("fts_index", "done")} <= set(events.events),
+            events.events,
+            90,
+        )
+        lowered = min(sink + 7, 19)
+        wait_for(lambda: thread_niceness(pid) == {lowered}, "the child kept its priority", 30)
+        assert len(list(Path(f"/proc/{pid}/task").iterdir())) > 2  # the runtimes' threads too
+    finally:
+        m.stop(timeout=30)
+
+
 def test_a_dead_child_is_restarted_and_a_stuck_one_killed_at_stop(
     make_harness: MakeHarness,
 ) -> None:
