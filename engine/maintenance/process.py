@@ -286,8 +286,8 @@ INDEX_TASKS = frozenset({"vector_index", "fts_index"})
 
 class _PipeEvents:
     """MaintenanceEvents of the child: each report goes to the parent with the unindexed row
-    count (both loops report; one lock keeps their messages whole). After each task, until
-    it has, it lowers the child's priority by `nice` once the first indexes exist."""
+    count (both loops report; one lock keeps their messages whole). After an index task,
+    once the first indexes exist, it lowers the child's priority by `nice` (once)."""
 
     def __init__(self, conn: Connection, nice: int = 0) -> None:
         self.conn = conn
