@@ -621,9 +621,10 @@ class TextSearch:
             vocab: dict[str, int] = {}
             batch = fts.batch_terms(sample.column(column), vocab)
             counted = int(batch.counted.sum())
-            # Documents per term: each (document, term) pair once.
-            pairs = np.unique(batch.doc.astype(np.int64) * max(len(vocab), 1) + batch.term)
-            per_id = np.bincount(pairs % max(len(vocab), 1), minlength=len(vocab))
+            # Documents per term: each (document, term) pair once, as document * width + term.
+            width = max(len(vocab), 1)
+            pairs = np.unique(batch.doc.astype(np.int64) * width + batch.term)
+            per_id = np.bincount(pairs % width, minlength=len(vocab))
             per_term = {w: int(per_id[i]) for w, i in vocab.items() if per_id[i]}
             avgdl = float(batch.doc_len.sum()) / max(counted, 1)
             exact = sample.num_rows >= texts
