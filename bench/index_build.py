@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 
 from engine.maintenance.runner import derived_partitions, derived_sub_vectors, training_sample_rate
+from engine.reader import recall
 from engine.reads.vector import DEFAULT_REFINE_FACTOR
 
 NPROBES = 20
@@ -75,12 +76,13 @@ def build(path: Path, vectors: np.ndarray, sample_rate: int) -> tuple[float, dic
     return seconds, {stage: t[-1] - t[0] for stage, t in marks.items()}
 
 
-def recall(path: Path, vectors: np.ndarray, queries: np.ndarray) -> float:
+def mean_recall(path: Path, vectors: np.ndarray, queries: np.ndarray) -> float:
+    """Recall@K of the index's answers against the exact top K, averaged over `queries`."""
     units = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
     ds = lance.dataset(str(path))
-    hits = 0
+    recalls = []
     for q in queries:
-        exact = set(np.argsort(-(units @ (q / np.linalg.norm(q))))[:K].tolist())
+        exact = np.argsort(-(units @ (q / np.linalg.norm(q))))[:K].tolist()
         found = ds.to_table(
             nearest={
                 "column": "vec",
@@ -92,8 +94,8 @@ def recall(path: Path, vectors: np.ndarray, queries: np.ndarray) -> float:
             },
             with_row_id=True,
         )
-        hits += len(exact & set(found["_rowid"].to_pylist()))
-    return hits / (K * len(queries))
+        recalls.append(recall(found["_rowid"].to_pylist(), exact))
+    return statistics.fmean(recalls)
 
 
 def main() -> None:
@@ -131,7 +133,7 @@ def main() -> None:
                     times[name].append(seconds)
                     stages[name].append(by_stage.get("train_quantizer", float("nan")))
                     if i == 0:
-                        recalls[name] = recall(path, vectors, queries)
+                        recalls[name] = mean_recall(path, vectors, queries)
         for name, rate in rates.items():
             line = (
                 f"{rows:>8} {partitions:>6} {name:>8} {rate:>5} "
