@@ -1,7 +1,7 @@
 """Queries during a catch-up: a writer pod's own query API against a query-only process.
 
     python -m bench.catchup [--messages N] [--budget BYTES] [--shares 1,0.5] [--serve-cpu C]
-                            [--out FILE]
+                            [--serve-cache BYTES] [--out FILE]
 
 One run on tansu (memory storage): N pre-produced 384-dim vector JSON messages (~4 KB with
 ~200 chars of text) consumed from a fresh group by `lance-sink run` at its backpressure
@@ -20,8 +20,11 @@ status, and the catch-up's duration and rate; the ratio of the query-only proces
 to the writer's is the figure to compare (both run on this 2-core machine, so the
 query-only process shares the cores but not the writer's interpreter lock; on a cluster
 it runs on nodes of its own: `--serve-cpu C` pins it to CPU C and the writer to the
-others, to tell its own cost from the shortage of CPU). Target (issue 40): p99 <= 500 ms
-against the query-only process.
+others, to tell its own cost from the shortage of CPU). Both processes hold at most the
+budget of unindexed base rows in memory (`query.unindexed_cache_bytes`) unless
+`--serve-cache` gives the query-only process its own bound (it has no memtables: a
+serve pod's memory goes to that cache). Target (issue 40): p99 <= 500 ms against the
+query-only process.
 """
 
 from __future__ import annotations
@@ -157,7 +160,10 @@ def catch_up(
     settings["query"]["ingest_share"] = share
     ports = {name: (free_port(), free_port()) for name in ("writer", "serve")}
     for name, (metrics_port, query_port) in ports.items():
-        (workdir / f"{name}.toml").write_text(toml(settings, metrics_port, query_port))
+        own = json.loads(json.dumps(settings))
+        if name == "serve" and args.serve_cache is not None:
+            own["query"]["unindexed_cache_bytes"] = args.serve_cache
+        (workdir / f"{name}.toml").write_text(toml(own, metrics_port, query_port))
     procs: list[subprocess.Popen[bytes]] = []
     try:
         started = time.monotonic()
@@ -218,6 +224,12 @@ def catch_up(
     }
 
 
+def serve_cache(args: argparse.Namespace) -> str:
+    """How the report names serve's own unindexed cache bound, if one was given."""
+    cache = args.serve_cache
+    return "" if cache is None else f" (serve's unindexed cache {cache >> 20} MiB)"
+
+
 def metric(port: int, name: str) -> float:
     """One sample of a process's /metrics, `name` with its labels if it has any (0 when none)."""
     for line in scrape(port).splitlines():
@@ -230,6 +242,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--messages", type=int, default=300_000)
     parser.add_argument("--budget", type=int, default=256 << 20)
+    parser.add_argument(
+        "--serve-cache",
+        type=int,
+        default=None,
+        help="serve's query.unindexed_cache_bytes (default: the budget, as the writer's)",
+    )
     parser.add_argument("--after-s", type=float, default=10.0, help="queries after lag 0")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument(
@@ -266,7 +284,8 @@ def main() -> None:
             seconds = figures["seconds"]
             report(
                 f"catch-up, writer query.ingest_share = {share:g}: {args.messages:,} vector "
-                f"messages of {size / 1024:.1f} KB, budget {args.budget >> 20} MiB, "
+                f"messages of {size / 1024:.1f} KB, budget {args.budget >> 20} MiB"
+                f"{serve_cache(args)}, "
                 f"maintenance on: {seconds:.1f} s to lag 0 ({args.messages / seconds:,.0f} "
                 f"msg/s) with both processes queried; the writer paused "
                 f"{figures['paused']:.1f} s for its queries"

@@ -11,7 +11,11 @@ What: `UnindexedFragments` holds, per fragment the vector index does not cover, 
 fragment's rows (deletions applied): its vectors as one contiguous float32 matrix, its other
 columns as Arrow arrays. A vector query on an indexed base then runs Lance's ANN on the
 indexed fragments only (``fast_search``) and faiss over these matrices
-(`engine.reads.vector.VectorSearch`), and merges by distance.
+(`engine.reads.vector.VectorSearch`), and merges by distance. Before the table has a vector
+index, every fragment is unindexed: the whole base is searched here and Lance not at all.
+During a catch-up the first index lands only after tens of seconds (42 s at 600k rows in
+bench/catchup.py), and until then each vector query made Lance scan the whole base (2 s a
+query at 600k rows on serve's one CPU); a table below `vector_index_min_rows` never gets one.
 
 Consistency: a Lance fragment's rows never change; only its deletion file does (an upsert
 flush's merge-insert deletes old versions of its keys). An entry is keyed by the fragment id
@@ -162,12 +166,10 @@ def newest_fragments(fragments: list[tuple[int, T, int]], rows: int) -> list[tup
 
 def unindexed_fragments(
     ds: lance.LanceDataset, column: str
-) -> list[tuple[FragmentKey, lance.LanceFragment, int]] | None:
+) -> list[tuple[FragmentKey, lance.LanceFragment, int]]:
     """(key, fragment, rows) of every fragment of `ds` the vector index on `column` does not
-    cover, or None when `ds` has no vector index on it."""
-    covered = covered_fragments(ds, column, text=False)
-    if covered is None:
-        return None
+    cover: all of them while `ds` has no vector index on it."""
+    covered = covered_fragments(ds, column, text=False) or set()
     return [
         (fragment_key(fragment), fragment, int(fragment.count_rows()))
         for fragment in ds.get_fragments()
@@ -193,7 +195,7 @@ class UnindexedFragments:
         self._held_elsewhere = held_elsewhere  # bytes of the same bound held by `FlushedText`
         self._entries: dict[FragmentKey, CachedFragment] = {}
         self._loading: dict[FragmentKey, threading.Event] = {}
-        self._versions: dict[int, list[tuple[FragmentKey, lance.LanceFragment, int]] | None] = {}
+        self._versions: dict[int, list[tuple[FragmentKey, lance.LanceFragment, int]]] = {}
         #: In-flight appends of this process: (their fragment-id floor, set when handed over).
         self._appending: list[tuple[int, threading.Event]] = []
         #: Entries whose pruner was built, found impossible, or shed for room (not retried).
@@ -211,12 +213,11 @@ class UnindexedFragments:
     # ------------------------------------------------------------------ queries
 
     def covering(self, base: lance.LanceDataset) -> list[CachedFragment] | None:
-        """The cached rows of every unindexed fragment of `base` (loading missing ones), or
-        None: `base` has no vector index, or its unindexed part exceeds `max_bytes`."""
+        """The cached rows of every fragment of `base` its vector index does not cover (every
+        fragment while it has none; missing ones are loaded), or None when they exceed
+        `max_bytes`."""
         self._loader.start()
         wanted = self._unindexed(base)
-        if wanted is None:
-            return None
         estimate = sum(self._estimate(rows) for _, _, rows in wanted)
         if estimate > self.max_bytes - self._held_elsewhere():
             self.fallbacks += 1
@@ -254,7 +255,7 @@ class UnindexedFragments:
 
     def _unindexed(
         self, base: lance.LanceDataset
-    ) -> list[tuple[FragmentKey, lance.LanceFragment, int]] | None:
+    ) -> list[tuple[FragmentKey, lance.LanceFragment, int]]:
         version = int(base.version)
         with self._lock:
             if version in self._versions:
@@ -414,8 +415,6 @@ class UnindexedFragments:
         the unindexed fragments with the highest ids (an append's new fragments get ids
         above every existing one), in id order, whose row counts add up to the rows written."""
         wanted = self._unindexed(ds)
-        if wanted is None:  # no vector index yet: Lance searches every fragment itself
-            return
         counted = [(key[0], key, count) for key, _, count in wanted]
         mine = newest_fragments(counted, whole.num_rows)
         if mine is None or any(key[1] is not None for key, _ in mine):
@@ -448,13 +447,11 @@ class UnindexedFragments:
         """Drop entries the latest base no longer needs; load its missing fragments."""
         base = self._open_base()
         wanted = self._unindexed(base)
-        keep = {key for key, _, _ in wanted or []}
+        keep = {key for key, _, _ in wanted}
         with self._lock:
             for key in [k for k in self._entries if k not in keep]:
                 del self._entries[key]
             self._prune_tried &= keep
-        if wanted is None:
-            return
         if sum(self._estimate(rows) for _, _, rows in wanted) > self.max_bytes - (
             self._held_elsewhere()
         ):

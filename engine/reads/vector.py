@@ -339,11 +339,14 @@ class VectorSearch:
         }
         if refine is not None:
             nearest["refine_factor"] = refine
-        # The fragments the index does not cover yet, in memory: Lance searches only the
-        # indexed ones (fast_search) and faiss the rest (see engine.unindexed).
-        cached = self.unindexed.covering(base) if indexed and self.unindexed is not None else None
+        # The fragments the index does not cover yet (all of them before it exists), in
+        # memory: Lance searches only the indexed ones (fast_search), if any, and faiss the
+        # rest (see engine.unindexed).
+        cached = self.unindexed.covering(base) if self.unindexed is not None else None
 
         def lance_rows(limit: int) -> pa.Table:
+            if cached is not None and not indexed:
+                return pa.table({})  # every fragment is cached
             found: pa.Table = base.to_table(
                 nearest={**nearest, "k": limit},
                 filter=None if predicate is None else predicate.sql,

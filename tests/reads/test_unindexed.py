@@ -145,6 +145,67 @@ def test_over_the_bound_lance_searches_the_unindexed_part(make_harness: MakeHarn
     assert cache.nbytes == 0
 
 
+def unindexed_base(h: ReadHarness, metric: str = "l2") -> None:
+    """Offsets 0..2999 in two base fragments and no vector index (the table's first rows,
+    a catch-up before maintenance built the index, a table below `vector_index_min_rows`)."""
+    w = h.open()
+    h.put(w, range(2000))
+    h.flush(w)
+    append_elsewhere(h, range(2000, 3000))  # read back, not handed over
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine", "dot"])
+def test_before_the_vector_index_exists_the_base_is_searched_in_memory(
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch, metric: str
+) -> None:
+    """No vector index yet: every base fragment is held and searched in memory, Lance's flat
+    scan not at all (it read the whole base on every query), with Lance's answers."""
+    cached = make_harness("cached", metric=metric, dim=DIM)
+    lance_only = make_harness(
+        "lance", metric=metric, dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=0)
+    )
+    unindexed_base(cached, metric)
+    unindexed_base(lance_only, metric)
+    cache = cached.reader.unindexed
+    assert cache is not None
+    scans: list[str] = []
+    original = lance.LanceDataset.to_table
+
+    def counted(self: lance.LanceDataset, *args: Any, **kwargs: Any) -> pa.Table:
+        if kwargs.get("nearest") is not None and self.uri == cached.spec.uri:
+            scans.append(self.uri)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(lance.LanceDataset, "to_table", counted)
+    rng = np.random.default_rng(3)
+    queries = np.vstack(
+        [rng.standard_normal((5, DIM)), vectors(np.array([10, 1999, 2000, 2999]), DIM) + 0.01]
+    ).astype(np.float32)
+    for q in queries:
+        for where in (None, "n >= 1500 AND n < 2500", "n < 0"):
+            got, dist = search(cached, q, filter=where)
+            want, want_dist = search(lance_only, q, filter=where)
+            assert got == want, where
+            np.testing.assert_allclose(dist, want_dist, rtol=1e-4, atol=1e-4)
+    assert scans == []
+    assert (cache.loads + cache.handoffs, cache.fallbacks) == (2, 0)
+    assert cache.nbytes >= 3000 * DIM * 4
+
+
+def test_an_unindexed_base_over_the_bound_is_searched_by_lance(
+    make_harness: MakeHarness,
+) -> None:
+    small = make_harness("small", dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=4096))
+    unindexed_base(small)
+    got, dist = search(small, vectors(np.array([2200]), DIM)[0])
+    assert got[0] == 2200
+    assert dist[0] < 1e-6
+    cache = small.reader.unindexed
+    assert cache is not None
+    assert (cache.loads, cache.nbytes) == (0, 0)
+    assert cache.fallbacks >= 1
+
+
 def pruned_harness(
     make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch, name: str, **kw: Any
 ) -> ReadHarness:
