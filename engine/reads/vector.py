@@ -50,6 +50,10 @@ from engine.unindexed import CachedFragment, UnindexedFragments, covered_fragmen
 #: excluded ones; above it, copy the eligible rows and search those. 4096 extra heap slots
 #: cost ~1 ms on a 100k-row batch, about what copying 5% of it costs.
 FAST_EXCLUDED_MAX = 4096
+#: Cosine kNN with a filter: below this share of eligible rows, copy them and score the copy;
+#: from it on, score every row in place and keep the eligible ones' scores. Copying 80% of
+#: 55k x 384 rows took 20 ms, scoring them all 4.4 ms (copying 5% took 0.8 ms).
+GATHER_SHARE_MAX = 0.25
 #: Filtered batch search: ask faiss for up to this many nearest rows of the whole batch
 #: (enough to hold k eligible rows twice over at the batch's selectivity; the heap stays
 #: small: as fast as k = 10 on a 100k-row batch) and keep the eligible ones. Tried before
@@ -420,13 +424,18 @@ def exact_knn(
             rows, dist = rows[keep], dist[keep]
         return rows[:k], dist[:k]
     index = np.flatnonzero(eligible) if eligible is not None else None
-    sub = matrix if index is None else matrix[index]
     if metric == "cosine":
         all_norms = norms()
         sub_norms = all_norms if index is None else all_norms[index]
         qn = query / max(float(np.linalg.norm(query)), 1e-30)
+        if index is None:
+            dots = matrix @ qn
+        elif len(index) < n * GATHER_SHARE_MAX:
+            dots = matrix[index] @ qn
+        else:
+            dots = (matrix @ qn)[index]
         with np.errstate(invalid="ignore", divide="ignore"):
-            dist_all = (1.0 - (sub @ qn) / sub_norms).astype(np.float32)
+            dist_all = (1.0 - dots / sub_norms).astype(np.float32)
         # A zero row has no direction: no cosine neighbour of any query (its distance is
         # NaN, which Lance leaves out of every answer too; docs/reads.md).
         directed = np.flatnonzero(sub_norms > 0.0)
@@ -438,6 +447,7 @@ def exact_knn(
         top = top[np.argsort(dist_all[top], kind="stable")]
         rows_sub, dist = top, dist_all[top]
     else:
+        sub = matrix if index is None else matrix[index]
         rows_sub, dist = faiss_knn(q, np.ascontiguousarray(sub), min(k, sub.shape[0]), metric)
     rows = rows_sub if index is None else index[rows_sub]
     return rows.astype(np.int64), dist.astype(np.float32)

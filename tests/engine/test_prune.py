@@ -201,3 +201,26 @@ def test_codes_use_the_whole_int8_range() -> None:
     assert np.array_equal(codes, np.rint(codes))
     moved = np.linalg.norm(matrix - codes / pruner.scale, axis=1)
     assert moved.max() <= pruner.slack
+
+
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("share", [0.02, 0.2, 0.3, 0.8, 0.999])
+@pytest.mark.parametrize("kind", ["random", "clustered", "zeros"])
+def test_the_exact_scan_of_the_eligible_rows_is_the_oracles_top_k(
+    metric: str, share: float, kind: str
+) -> None:
+    """The unpruned scan, at every share of eligible rows (a few are copied and scored, most
+    are scored in place with the others' scores dropped): the top k of the eligible rows by
+    the float64 oracle (a zero row is no cosine neighbour)."""
+    rng = np.random.default_rng(int(share * 1000) + len(kind))
+    matrix = rows_of(kind, rng)
+    norms = np.sqrt(np.einsum("ij,ij->i", matrix, matrix)).astype(np.float32)
+    eligible = rng.random(ROWS) < share
+    for query in rng.standard_normal((5, DIM), dtype=np.float32):
+        rows, dist = vector_module.exact_knn(matrix, lambda: norms, query, 10, eligible, metric)
+        truth = oracle(matrix, query, metric)
+        candidates = eligible & ((norms > 0) if metric == "cosine" else True)
+        want = np.flatnonzero(candidates)[np.argsort(truth[candidates], kind="stable")][:10]
+        assert eligible[rows].all()
+        np.testing.assert_allclose(dist, truth[want], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.sort(truth[rows]), truth[want], rtol=1e-4, atol=1e-5)
