@@ -310,7 +310,7 @@ def main() -> None:
                 report(f"{'':>8}slowest (seconds after the clients started): {slowest}")
                 fell = figures["fallbacks"][name]
                 report(
-                    f"{'':>8}flat searches of the unindexed base (fallbacks): vector "
+                    f"{'':>8}queries reading unindexed base rows from storage: vector "
                     f"{fell['vector']:.0f}, text {fell['text']:.0f} times"
                 )
         baseline = p99s.get("writer at 1")

@@ -27,7 +27,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -286,7 +286,7 @@ class VectorSearch:
 
     def _knn_fragments(
         self,
-        fragments: list[CachedFragment],
+        fragments: Iterable[CachedFragment],
         query: np.ndarray,
         k: int,
         predicate: Predicate | None,
@@ -343,27 +343,51 @@ class VectorSearch:
         }
         if refine is not None:
             nearest["refine_factor"] = refine
-        # The fragments the index does not cover yet (all of them before it exists), in
-        # memory: Lance searches only the indexed ones (fast_search), if any, and faiss the
-        # rest (see engine.unindexed).
-        cached = self.unindexed.covering(base) if self.unindexed is not None else None
+        # The fragments the index does not cover yet (all of them before it exists): Lance
+        # searches only the indexed ones (fast_search), if any, and faiss the rest, held in
+        # memory or, beyond the bound, read here (see engine.unindexed).
+        cover = self.unindexed.covering(base) if self.unindexed is not None else None
 
         def lance_rows(limit: int) -> pa.Table:
-            if cached is not None and not indexed:
-                return pa.table({})  # every fragment is cached
+            if cover is not None and not indexed:
+                return pa.table({})  # no fragment is indexed
             found: pa.Table = base.to_table(
                 nearest={**nearest, "k": limit},
                 filter=None if predicate is None else predicate.sql,
                 prefilter=True,
                 columns=[*fetch, DISTANCE],
-                fast_search=cached is not None,
+                fast_search=cover is not None,
                 io_buffer_size=SCAN_IO_BUFFER_BYTES,
                 batch_readahead=SCAN_BATCH_READAHEAD,
             )
             return found
 
         def fresh_rows(limit: int) -> list[pa.Table]:
-            return self._knn_fragments(cached, query, limit, predicate, fetch) if cached else []
+            if cover is None:
+                return []
+            found = self._knn_fragments(cover.held, query, limit, predicate, fetch)
+            if cover.unheld:
+                assert self.unindexed is not None
+                wanted = {vector_name, *fetch, *(predicate.columns if predicate else ())}
+                columns = [c for c in self.spec.table_schema.names if c in wanted]
+                for fragment in cover.unheld:
+                    batches = self.unindexed.scan(
+                        base,
+                        fragment,
+                        columns,
+                        None if predicate is None else predicate.sql,
+                        io_buffer_size=SCAN_IO_BUFFER_BYTES,
+                        batch_readahead=SCAN_BATCH_READAHEAD,
+                    )
+                    found.append(
+                        top(
+                            self._knn_fragments(batches, query, limit, predicate, fetch),
+                            DISTANCE,
+                            limit,
+                            ascending=True,
+                        )
+                    )
+            return found
 
         return BaseKnn(lance_rows, fresh_rows)
 

@@ -131,20 +131,6 @@ def test_upserts_that_delete_cached_rows_are_seen(make_harness: MakeHarness) -> 
     assert cache.handoffs == 0  # merge-insert commits are read back, never handed over
 
 
-def test_over_the_bound_lance_searches_the_unindexed_part(make_harness: MakeHarness) -> None:
-    small = make_harness("small", dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=4096))
-    indexed_then_fresh(small)
-    q = vectors(np.array([2200]), DIM)[0]
-    got, dist = search(small, q)
-    assert got[0] == 2200
-    assert dist[0] < 1e-6
-    cache = small.reader.unindexed
-    assert cache is not None
-    assert cache.loads == 0
-    assert cache.fallbacks >= 1
-    assert cache.nbytes == 0
-
-
 def unindexed_base(h: ReadHarness, metric: str = "l2") -> None:
     """Offsets 0..2999 in two base fragments and no vector index (the table's first rows,
     a catch-up before maintenance built the index, a table below `vector_index_min_rows`)."""
@@ -192,18 +178,84 @@ def test_before_the_vector_index_exists_the_base_is_searched_in_memory(
     assert cache.nbytes >= 3000 * DIM * 4
 
 
-def test_an_unindexed_base_over_the_bound_is_searched_by_lance(
+def test_a_fragment_read_by_the_query_has_its_deleted_rows_left_out(
     make_harness: MakeHarness,
 ) -> None:
-    small = make_harness("small", dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=4096))
-    unindexed_base(small)
-    got, dist = search(small, vectors(np.array([2200]), DIM)[0])
-    assert got[0] == 2200
-    assert dist[0] < 1e-6
+    """Beyond the bound, an unindexed fragment whose rows a later upsert deleted is read
+    without them (Lance applies the deletion file)."""
+    h = make_harness(mode="upsert", dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=4096))
+    indexed_then_fresh(h)
+    old = vectors(np.array([2500]), DIM)[0]
+    assert search(h, old)[0][0] == 2500
+    w = h.writers[0]
+    h.put(w, range(3000, 3010), key_of=lambda o: f"k{o - 500}", version=1)
+    h.flush(w)
+    got = h.reader.search_vector(old, k=10, columns=["id", "_offset"], **EXACT)
+    assert 2500 not in got.column("_offset").to_pylist()
+    assert got.column("id").to_pylist().count("k2500") <= 1
+    cache = h.reader.unindexed
+    assert cache is not None
+    assert cache.nbytes <= 4096  # at most the upsert's own 10 rows
+    assert cache.fallbacks >= 2
+
+
+def two_unindexed_fragments(h: ReadHarness, indexed: bool) -> None:
+    """Two fragments the vector index does not cover, the second appended elsewhere: offsets
+    2000..2999 and 3000..3499 beside an indexed 0..1999 (`indexed`), or 0..1999 and
+    2000..2999 with no vector index."""
+    if indexed:
+        indexed_then_fresh(h)
+        append_elsewhere(h, range(3000, 3500))
+    else:
+        unindexed_base(h)
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+@pytest.mark.parametrize("held", [0, 1])
+def test_beyond_the_bound_a_query_reads_the_fragments_not_held_itself(
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch, indexed: bool, held: int
+) -> None:
+    """The unindexed fragments that fit in the bound are held (lowest ids first), the others
+    are read by each query in batches and kept nowhere: Lance's answers, and Lance searches
+    only the indexed fragments (before, the whole unindexed part fell back to Lance's flat
+    search of every fragment)."""
+    monkeypatch.setattr(unindexed_module, "SCAN_BATCH_ROWS", 300)
+    lance_only = make_harness("lance", dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=0))
+    two_unindexed_fragments(lance_only, indexed)
+    bound = 4096
+    if held:  # room for the first fragment, not for both
+        probe = make_harness("probe", dim=DIM)
+        two_unindexed_fragments(probe, indexed)
+        search(probe, vectors(np.array([1]), DIM)[0])
+        assert probe.reader.unindexed is not None
+        bound = probe.reader.unindexed.nbytes - 1
+    small = make_harness("small", dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=bound))
+    two_unindexed_fragments(small, indexed)
+    scans: list[bool] = []
+    original = lance.LanceDataset.to_table
+
+    def counted(self: lance.LanceDataset, *args: Any, **kwargs: Any) -> pa.Table:
+        if kwargs.get("nearest") is not None and self.uri == small.spec.uri:
+            scans.append(bool(kwargs.get("fast_search")))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(lance.LanceDataset, "to_table", counted)
+    rng = np.random.default_rng(4)
+    queries = np.vstack(
+        [rng.standard_normal((4, DIM)), vectors(np.array([100, 2100, 2999, 3400]), DIM) + 0.01]
+    ).astype(np.float32)
+    for q in queries:
+        for where in (None, "n >= 1500 AND n < 3200", "n < 0"):
+            got, dist = search(small, q, filter=where)
+            want, want_dist = search(lance_only, q, filter=where)
+            assert got == want, where
+            np.testing.assert_allclose(dist, want_dist, rtol=1e-4, atol=1e-4)
     cache = small.reader.unindexed
     assert cache is not None
-    assert (cache.loads, cache.nbytes) == (0, 0)
-    assert cache.fallbacks >= 1
+    assert (cache.loads, cache.nbytes > 0) == (held, held > 0)
+    assert cache.nbytes <= bound
+    assert cache.fallbacks >= len(queries) * 3
+    assert scans == ([True] * len(queries) * 3 if indexed else [])
 
 
 def pruned_harness(
