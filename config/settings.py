@@ -1276,9 +1276,10 @@ class QuerySettings(_Section):
     )
     unindexed_cache_bytes: Annotated[ByteSize, Field(ge=0)] = Field(
         default=ByteSize(1 << 30),
-        description="Memory for the base rows the vector or text index does not cover yet, "
-        "searched in memory instead of by Lance's flat scan (0 = off; a larger "
-        "unindexed part falls back to Lance's search). Adds to the pod's memory.",
+        description="Memory for the base rows the vector or text index does not cover yet "
+        "(all of them before the first index), searched in memory instead of by Lance's flat "
+        "scan (0 = off; beyond it, a vector query reads the fragments not held itself, a text "
+        "query falls back to Lance's search). Adds to the pod's memory.",
     )
     lance_index_cache_bytes: Annotated[ByteSize, Field(ge=0)] = Field(
         default=ByteSize(256 << 20),

@@ -1403,6 +1403,38 @@ def test_serve_tier_deployment_and_service(rendered: dict[str, list[dict[str, An
         assert constraint["labelSelector"] == serve["spec"]["selector"]
 
 
+def test_serve_pods_can_hold_more_unindexed_rows_than_the_writers(
+    helm: str, rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    """serve.unindexedCacheBytes: the serve pods' own query.unindexed_cache_bytes (by the
+    environment; the writers keep config.query's), counted in their derived memory limit."""
+    docs = _template(
+        helm, _scenario("serve-values"), extra=("--set", "serve.unindexedCacheBytes=3GiB")
+    )
+    (container,) = _serve(docs)["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["LANCE_SINK__QUERY__UNINDEXED_CACHE_BYTES"] == "3GiB"
+    assert "LANCE_SINK__QUERY__UNINDEXED_CACHE_BYTES" not in {
+        e["name"] for e in _container(docs)["env"]
+    }
+    # 3072 MiB unindexed rows + 256 + 64 MiB Lance caches + 512 MiB overhead.
+    assert container["resources"]["limits"]["memory"] == "3904Mi"
+    assert _container(docs)["resources"] == _container(rendered["serve-values"])["resources"]
+    bad = _helm(
+        helm,
+        "template",
+        RELEASE,
+        str(CHART),
+        "--values",
+        str(_scenario("serve-values")),
+        "--set",
+        "serve.unindexedCacheBytes=lots",
+    )
+    assert bad.returncode != 0
+    assert "at '/serve/" in bad.stderr
+    assert "'lots' does not match pattern" in bad.stderr
+
+
 def test_serve_tier_network_policy_and_monitoring(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:

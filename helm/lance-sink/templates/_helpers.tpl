@@ -225,15 +225,30 @@ MiB of memory the sink needs for its settings, an integer (the derived memory li
 {{- end -}}
 
 {{/*
-MiB of the query API's caches, an integer (0 with the query API off):
-  ceil(query.unindexed_cache_bytes / 1 MiB) when the table has a vector or full-text column
+MiB of the query API's caches, an integer (0 with the query API off); for a serve pod, called
+with (list $ true):
+  ceil(unindexed cache bytes / 1 MiB) when the table has a vector or full-text column (a
+  serve pod's serve.unindexedCacheBytes unless null, else query.unindexed_cache_bytes)
   + ceil((query.lance_index_cache_bytes + query.lance_metadata_cache_bytes) / 1 MiB)
 */}}
 {{- define "lance-sink.queryCachesMiB" -}}
+{{- $root := . -}}
+{{- $serve := false -}}
+{{- if kindIs "slice" . -}}
+{{- $root = index . 0 -}}
+{{- $serve = index . 1 -}}
+{{- end -}}
+{{- with $root -}}
 {{- $q := .Values.config.query -}}
 {{- $cache := 0 -}}
 {{- if and $q.enabled (or .Values.config.table.vector .Values.config.table.fts_columns) -}}
-{{- $cacheBytes := include "lance-sink.bytes" (list "config.query.unindexed_cache_bytes" $q.unindexed_cache_bytes) | float64 -}}
+{{- $key := "config.query.unindexed_cache_bytes" -}}
+{{- $bytes := $q.unindexed_cache_bytes -}}
+{{- if and $serve (not (kindIs "invalid" .Values.serve.unindexedCacheBytes)) -}}
+{{- $key = "serve.unindexedCacheBytes" -}}
+{{- $bytes = .Values.serve.unindexedCacheBytes -}}
+{{- end -}}
+{{- $cacheBytes := include "lance-sink.bytes" (list $key $bytes) | float64 -}}
 {{- $cache = divf $cacheBytes 1048576 | ceil | int64 -}}
 {{- end -}}
 {{- if $q.enabled -}}
@@ -243,6 +258,7 @@ MiB of the query API's caches, an integer (0 with the query API off):
 {{- end -}}
 {{- $cache -}}
 {{- end -}}
+{{- end -}}
 
 {{/*
 MiB a serve pod needs, an integer (its derived memory limit): serve.resources.memory.overheadMiB
@@ -250,7 +266,7 @@ MiB a serve pod needs, an integer (its derived memory limit): serve.resources.me
 consumes nothing and writes nothing.
 */}}
 {{- define "lance-sink.serve.memoryNeedMiB" -}}
-{{- add (int64 .Values.serve.resources.memory.overheadMiB) (include "lance-sink.queryCachesMiB" . | int64) -}}
+{{- add (int64 .Values.serve.resources.memory.overheadMiB) (include "lance-sink.queryCachesMiB" (list . true) | int64) -}}
 {{- end -}}
 
 {{/* A serve pod's memory limit: serve.resources.limits.memory when set (checked), else derived. */}}

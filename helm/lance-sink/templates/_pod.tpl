@@ -85,7 +85,7 @@ spec:
           containerPort: {{ $c.query.port }}
           protocol: TCP
         {{- end }}
-      {{- with include (ternary "lance-sink.sharedEnv" "lance-sink.env" $serve) . | trim }}
+      {{- with include (ternary "lance-sink.serve.env" "lance-sink.env" $serve) . | trim }}
       env:
         {{- . | nindent 8 }}
       {{- end }}
@@ -218,6 +218,18 @@ no env. */}}
       fieldPath: status.podIP
 - name: LANCE_SINK__QUERY__ADVERTISED_URL
   value: "http://$(POD_IP):{{ $q.port }}"
+{{- end }}
+{{- include "lance-sink.sharedEnv" . }}
+{{- end -}}
+
+{{/*
+The serve pods' environment: their own unindexed cache bound (serve.unindexedCacheBytes,
+unless null), then lance-sink.sharedEnv. Empty = no env.
+*/}}
+{{- define "lance-sink.serve.env" -}}
+{{- with .Values.serve.unindexedCacheBytes }}
+- name: LANCE_SINK__QUERY__UNINDEXED_CACHE_BYTES
+  value: {{ . | toString | quote }}
 {{- end }}
 {{- include "lance-sink.sharedEnv" . }}
 {{- end -}}

@@ -83,7 +83,7 @@ checks only cover what is about how Kubernetes runs it, or what would leak a sec
 {{- with $serveRes.limits.memory -}}
 {{- $limit := include "lance-sink.quantityBytes" (list "serve.resources.limits.memory" .) | float64 -}}
 {{- if gt (mulf $serveNeedMiB 1048576) $limit -}}
-{{- fail (printf "serve.resources.limits.memory (%v) cannot hold what a serve pod needs, %dMi = %dMi serve.resources.memory.overheadMiB + %dMi for the query API's caches (unindexed rows, Lance's index and metadata caches): raise it to at least %dMi, lower the caches in config.query, or leave it null to derive it" . $serveNeedMiB (int64 $serveRes.memory.overheadMiB) (sub $serveNeedMiB (int64 $serveRes.memory.overheadMiB)) $serveNeedMiB) -}}
+{{- fail (printf "serve.resources.limits.memory (%v) cannot hold what a serve pod needs, %dMi = %dMi serve.resources.memory.overheadMiB + %dMi for the query API's caches (unindexed rows, Lance's index and metadata caches): raise it to at least %dMi, lower the caches in config.query (or serve.unindexedCacheBytes), or leave it null to derive it" . $serveNeedMiB (int64 $serveRes.memory.overheadMiB) (sub $serveNeedMiB (int64 $serveRes.memory.overheadMiB)) $serveNeedMiB) -}}
 {{- end -}}
 {{- end -}}
 {{- with $serveRes.requests.memory -}}
