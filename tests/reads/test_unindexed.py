@@ -131,6 +131,40 @@ def test_upserts_that_delete_cached_rows_are_seen(make_harness: MakeHarness) -> 
     assert cache.handoffs == 0  # merge-insert commits are read back, never handed over
 
 
+def lance_knn_calls(monkeypatch: pytest.MonkeyPatch, h: ReadHarness) -> list[bool]:
+    """From now on, the `fast_search` flag of every Lance kNN search of `h`'s table."""
+    calls: list[bool] = []
+    original = lance.LanceDataset.to_table
+
+    def counted(self: lance.LanceDataset, *args: Any, **kwargs: Any) -> pa.Table:
+        if kwargs.get("nearest") is not None and self.uri == h.spec.uri:
+            calls.append(bool(kwargs.get("fast_search")))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(lance.LanceDataset, "to_table", counted)
+    return calls
+
+
+def queries_near(seed: int, offsets: list[int], random: int = 4) -> np.ndarray:
+    """`random` random query vectors, then one next to the row of each offset."""
+    rng = np.random.default_rng(seed)
+    near = vectors(np.array(offsets), DIM) + 0.01
+    return np.vstack([rng.standard_normal((random, DIM)), near]).astype(np.float32)
+
+
+def answers_as_lance_does(
+    h: ReadHarness, lance_only: ReadHarness, queries: np.ndarray, filters: tuple[str | None, ...]
+) -> None:
+    """Every query, with every filter, returns the rows and distances Lance's own search
+    returns on `lance_only` (the same rows without the unindexed cache)."""
+    for q in queries:
+        for where in filters:
+            got, dist = search(h, q, filter=where)
+            want, want_dist = search(lance_only, q, filter=where)
+            assert got == want, where
+            np.testing.assert_allclose(dist, want_dist, rtol=1e-4, atol=1e-4)
+
+
 def unindexed_base(h: ReadHarness, metric: str = "l2") -> None:
     """Offsets 0..2999 in two base fragments and no vector index (the table's first rows,
     a catch-up before maintenance built the index, a table below `vector_index_min_rows`)."""
@@ -154,25 +188,9 @@ def test_before_the_vector_index_exists_the_base_is_searched_in_memory(
     unindexed_base(lance_only, metric)
     cache = cached.reader.unindexed
     assert cache is not None
-    scans: list[str] = []
-    original = lance.LanceDataset.to_table
-
-    def counted(self: lance.LanceDataset, *args: Any, **kwargs: Any) -> pa.Table:
-        if kwargs.get("nearest") is not None and self.uri == cached.spec.uri:
-            scans.append(self.uri)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(lance.LanceDataset, "to_table", counted)
-    rng = np.random.default_rng(3)
-    queries = np.vstack(
-        [rng.standard_normal((5, DIM)), vectors(np.array([10, 1999, 2000, 2999]), DIM) + 0.01]
-    ).astype(np.float32)
-    for q in queries:
-        for where in (None, "n >= 1500 AND n < 2500", "n < 0"):
-            got, dist = search(cached, q, filter=where)
-            want, want_dist = search(lance_only, q, filter=where)
-            assert got == want, where
-            np.testing.assert_allclose(dist, want_dist, rtol=1e-4, atol=1e-4)
+    scans = lance_knn_calls(monkeypatch, cached)
+    queries = queries_near(3, [10, 1999, 2000, 2999])
+    answers_as_lance_does(cached, lance_only, queries, (None, "n >= 1500 AND n < 2500", "n < 0"))
     assert scans == []
     assert (cache.loads + cache.handoffs, cache.fallbacks) == (2, 0)
     assert cache.nbytes >= 3000 * DIM * 4
@@ -231,25 +249,9 @@ def test_beyond_the_bound_a_query_reads_the_fragments_not_held_itself(
         bound = probe.reader.unindexed.nbytes - 1
     small = make_harness("small", dim=DIM, settings=ReaderSettings(unindexed_cache_bytes=bound))
     two_unindexed_fragments(small, indexed)
-    scans: list[bool] = []
-    original = lance.LanceDataset.to_table
-
-    def counted(self: lance.LanceDataset, *args: Any, **kwargs: Any) -> pa.Table:
-        if kwargs.get("nearest") is not None and self.uri == small.spec.uri:
-            scans.append(bool(kwargs.get("fast_search")))
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(lance.LanceDataset, "to_table", counted)
-    rng = np.random.default_rng(4)
-    queries = np.vstack(
-        [rng.standard_normal((4, DIM)), vectors(np.array([100, 2100, 2999, 3400]), DIM) + 0.01]
-    ).astype(np.float32)
-    for q in queries:
-        for where in (None, "n >= 1500 AND n < 3200", "n < 0"):
-            got, dist = search(small, q, filter=where)
-            want, want_dist = search(lance_only, q, filter=where)
-            assert got == want, where
-            np.testing.assert_allclose(dist, want_dist, rtol=1e-4, atol=1e-4)
+    scans = lance_knn_calls(monkeypatch, small)
+    queries = queries_near(4, [100, 2100, 2999, 3400])
+    answers_as_lance_does(small, lance_only, queries, (None, "n >= 1500 AND n < 3200", "n < 0"))
     cache = small.reader.unindexed
     assert cache is not None
     assert (cache.loads, cache.nbytes > 0) == (held, held > 0)
