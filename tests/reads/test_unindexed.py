@@ -334,6 +334,36 @@ def test_pruners_give_way_to_fragments_within_the_bound(
     assert cache.fallbacks == 0
 
 
+def test_new_fragments_are_loaded_before_the_pruners_of_older_ones(
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loader stops building pruners once a query met a newer base version: it loads
+    that version's fragments first, so queries do not load them themselves."""
+    h = pruned_harness(make_harness, monkeypatch, "order")
+    cache = h.reader.unindexed
+    assert cache is not None
+    events: list[str] = []
+    build, load = unindexed_module.build_pruner, cache._load
+
+    def building(*args: Any) -> Any:
+        if "prune" not in events:  # the first pruner: meanwhile a flush elsewhere, met by a query
+            append_elsewhere(h, range(7000, 9000))
+            cache._unindexed(h.table.dataset())
+        events.append("prune")
+        return build(*args)
+
+    def loading(key: Any, fragment: lance.LanceFragment) -> Any:
+        events.append(f"load {fragment.count_rows()}")
+        return load(key, fragment)
+
+    monkeypatch.setattr(unindexed_module, "build_pruner", building)
+    monkeypatch.setattr(cache, "_load", loading)
+    search(h, vectors(np.array([1]), DIM)[0])  # loads both fragments, starts the loader
+    wait_for(lambda: cache.pruners == 3, "the pruners were not all built")
+    assert events[:4] == ["load 1000", "load 4000", "prune", "load 2000"]
+    assert events.count("prune") == 3
+
+
 def append_elsewhere(h: ReadHarness, offsets: range) -> None:
     """Append rows the way another sink process would: not through this process's table."""
     rows = pa.Table.from_batches([rows_batch(h.spec, list(offsets))])
