@@ -79,8 +79,9 @@ DEFAULT_REFINE_FACTOR = 10
 @dataclass(frozen=True, slots=True)
 class BaseKnn:
     """A vector query's base search in two parts that run in parallel: Lance's top `limit`
-    rows (only the indexed fragments when the unindexed ones are cached), and the top
-    `limit` of each cached unindexed fragment (faiss)."""
+    rows of the indexed fragments (of every fragment with the unindexed cache off; none
+    before the first index), and the top `limit` of each unindexed fragment, held in
+    memory or read by the query (faiss)."""
 
     lance: Callable[[int], pa.Table]
     fresh: Callable[[int], list[pa.Table]]
@@ -292,8 +293,9 @@ class VectorSearch:
         predicate: Predicate | None,
         fetch: list[str],
     ) -> list[pa.Table]:
-        """Exact top-k of the cached unindexed base fragments (`engine.unindexed`), one table
-        of candidates (`fetch` columns and `_distance`) per fragment that has any."""
+        """Exact top-k of unindexed base fragments as `engine.unindexed` holds them (or
+        reads them, batch by batch), one table of candidates (`fetch` columns and
+        `_distance`) per fragment or batch that has any."""
         assert self.spec.vector is not None
         out = []
         for fragment in fragments:
