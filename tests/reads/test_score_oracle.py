@@ -68,6 +68,7 @@ from hypothesis import strategies as st
 
 from config.settings import QuerySettings, TableSettings
 from engine import fts
+from engine import unindexed as unindexed_module
 from engine.filters import QueryError
 from engine.reader import Reader, ReaderSettings
 from engine.schema import TableSpec
@@ -523,7 +524,14 @@ def partly_indexed(tiers: Tiers, cut: int) -> Reader:
 
 
 def run_score_case(case: ScoreCase) -> None:
-    """Ask every tier every query of `case`; each answer must be the model's."""
+    """Ask every tier every query of `case`; each answer must be the model's. The tier that
+    reads unindexed fragments by the query reads them 3 rows at a time (several batches)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(unindexed_module, "SCAN_BATCH_ROWS", 3)
+        score_tiers(case)
+
+
+def score_tiers(case: ScoreCase) -> None:
     table = case.table
     n = len(table.rows)
     tell(f"metric {table.metric}; split {case.split}; puts {case.puts}; flushes {case.flushes}")
@@ -544,10 +552,17 @@ def run_score_case(case: ScoreCase) -> None:
                 base.spec, base.table, base.shards, ReaderSettings(unindexed_cache_bytes=0)
             )
             tiers.readers.append(lance_only)
+            # The same base with every unindexed fragment beyond the bound: each query reads
+            # them itself, batch by batch (`engine.unindexed.UnindexedFragments.scan`).
+            unheld = Reader(
+                base.spec, base.table, base.shards, ReaderSettings(unindexed_cache_bytes=1)
+            )
+            tiers.readers.append(unheld)
             made = [
                 Tier("memtables", tiers.reader("fresh", fresh), one_tier=True),
                 Tier("base", base, one_tier=True),
                 Tier("base (Lance)", lance_only, one_tier=True),
+                Tier("base (read by the query)", unheld, one_tier=True),
                 Tier(
                     "split",
                     tiers.reader("split", [(0, case.split, True), (case.split, n, False)]),
@@ -559,6 +574,9 @@ def run_score_case(case: ScoreCase) -> None:
                 tier.app = TestClient(create_query_app(tier.reader, QuerySettings()))
                 apps.append(tier.app)
             check_tiers(case, made)
+            if case.vectors and base.table.dataset().count_rows():
+                assert unheld.unindexed is not None
+                assert unheld.unindexed.fallbacks >= len(case.vectors)  # every one read
             # The INVERTED index, as maintenance creates it (`Maintenance.fts_index`).
             if base.table.dataset().count_rows():
                 dataset = base.table.dataset()
