@@ -98,9 +98,10 @@ EXPECTED = {
         "(vector matrices, flushed memtables kept for text search)."
     ),
     "lance_sink_query_unindexed_fallbacks": (
-        "Queries that searched the unindexed base flat (Lance's scan; for text before the "
-        "first text index, the reader's own tokenising of the whole base), by kind (vector, "
-        "text): its rows not all held within the cache bound, or a fragment failed to load."
+        "Queries that read unindexed base rows from storage, by kind: vector (the "
+        "fragments not held within query.unindexed_cache_bytes, read by the query), text "
+        "(Lance's flat scan; before the first text index, the reader's own tokenising of "
+        "the whole base): the rows were not all held within the bound, or failed to load."
     ),
     "lance_sink_rebalance_events": "Partitions assigned, revoked or lost.",
     "lance_sink_replay_rows": "Rows replayed from the WAL.",
