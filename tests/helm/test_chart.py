@@ -1433,6 +1433,12 @@ def test_serve_pods_can_hold_more_unindexed_rows_than_the_writers(
     assert bad.returncode != 0
     assert "at '/serve/" in bad.stderr
     assert "'lots' does not match pattern" in bad.stderr
+    # 0 turns the serve pods' cache off (and out of their memory limit).
+    off = _template(helm, _scenario("serve-values"), extra=("--set", "serve.unindexedCacheBytes=0"))
+    (container,) = _serve(off)["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["LANCE_SINK__QUERY__UNINDEXED_CACHE_BYTES"] == "0"
+    assert container["resources"]["limits"]["memory"] == "832Mi"
 
 
 def test_serve_tier_network_policy_and_monitoring(

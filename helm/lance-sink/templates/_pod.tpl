@@ -227,9 +227,9 @@ The serve pods' environment: their own unindexed cache bound (serve.unindexedCac
 unless null), then lance-sink.sharedEnv. Empty = no env.
 */}}
 {{- define "lance-sink.serve.env" -}}
-{{- with .Values.serve.unindexedCacheBytes }}
+{{- if not (kindIs "invalid" .Values.serve.unindexedCacheBytes) }}
 - name: LANCE_SINK__QUERY__UNINDEXED_CACHE_BYTES
-  value: {{ . | toString | quote }}
+  value: {{ .Values.serve.unindexedCacheBytes | toString | quote }}
 {{- end }}
 {{- include "lance-sink.sharedEnv" . }}
 {{- end -}}
