@@ -275,12 +275,15 @@ class UnindexedFragments:
     ) -> list[tuple[FragmentKey, lance.LanceFragment, bool]]:
         """Which of the `wanted` fragments to hold: the held ones, then the others in id
         order while their estimate fits in the bound beside them."""
+        # Bytes of each held entry without its codes (given up when a fragment needs room,
+        # `_make_room`).
         with self._lock:
-            held = {key: entry.nbytes for key, entry in self._entries.items()}
-            codes = {key: e.pruner.nbytes for key, e in self._entries.items() if e.pruner}
+            held = {
+                key: e.nbytes - (0 if e.pruner is None else e.pruner.nbytes)
+                for key, e in self._entries.items()
+            }
         room = self.max_bytes - self._held_elsewhere()
-        # Codes are given up when a fragment needs room (`_make_room`).
-        used = sum(held.get(key, 0) - codes.get(key, 0) for key, _, _ in wanted)
+        used = sum(held.get(key, 0) for key, _, _ in wanted)
         plan = []
         for key, fragment, rows in wanted:
             hold = key in held
