@@ -211,6 +211,8 @@ def catch_up(
             }
             for name, (metrics_port, _) in ports.items()
         }
+        fresh = histogram(ports["writer"][0], "lance_sink_query_seconds", 'kind="fresh"')
+        stale = metric(ports["serve"][0], "lance_sink_query_fanout_stale_base_total")
     finally:
         for proc in procs:
             proc.terminate()
@@ -220,6 +222,8 @@ def catch_up(
         "seconds": caught_up,
         "paused": paused,
         "fallbacks": fallbacks,
+        "fresh": fresh,
+        "stale": stale,
         "summaries": {name: client.summary() for name, client in clients.items()},
     }
 
@@ -236,6 +240,38 @@ def metric(port: int, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     return 0.0
+
+
+def histogram(port: int, name: str, labels: str) -> dict[str, float]:
+    """A histogram of a process's /metrics (the series with `labels`): its count, sum, and
+    the count at or below each bucket's bound (keyed by the bound as written)."""
+    out: dict[str, float] = {}
+    for line in scrape(port).splitlines():
+        if not line.startswith(name) or labels not in line:
+            continue
+        series, value = line.rsplit(" ", 1)
+        if series.startswith(name + "_count"):
+            out["count"] = float(value)
+        elif series.startswith(name + "_sum"):
+            out["sum"] = float(value)
+        elif series.startswith(name + "_bucket"):
+            out[series.split('le="')[1].split('"')[0]] = float(value)
+    return out
+
+
+def fresh_line(fresh: dict[str, float], stale: float) -> str:
+    """What the writer's answers to serve's fan-out requests took, and how often serve ran
+    a query again because the writer had flushed past its base version."""
+    count = fresh.get("count", 0.0)
+    if not count:
+        return f"{'':>8}the writer answered no fan-out request; serve ran {stale:.0f} again"
+    over = {b: count - fresh.get(b, count) for b in ("0.25", "0.5", "1.0")}
+    return (
+        f"{'':>8}the writer answered {count:.0f} fan-out requests, mean "
+        f"{fresh.get('sum', 0.0) / count * 1000:.0f} ms, over 250 ms {over['0.25']:.0f}, "
+        f"over 500 ms {over['0.5']:.0f}, over 1 s {over['1.0']:.0f}; serve ran {stale:.0f} "
+        "queries again on a newer base (the writer had flushed past theirs)"
+    )
 
 
 def main() -> None:
@@ -313,6 +349,7 @@ def main() -> None:
                     f"{'':>8}queries reading unindexed base rows from storage: vector "
                     f"{fell['vector']:.0f}, text {fell['text']:.0f} times"
                 )
+            report(fresh_line(figures["fresh"], figures["stale"]))
         baseline = p99s.get("writer at 1")
         if baseline:
             for name, p99 in p99s.items():

@@ -404,6 +404,11 @@ class Metrics:
             "writer advertised no URL to ask (unadvertised), by cause.",
             ["cause"],
         )
+        self.fanout_stale_base_total = counter(
+            "query_fanout_stale_base",
+            "Queries run again on a newer base version because a pod they asked for fresh rows "
+            "had flushed past the base version they read.",
+        )
         self.maintenance_runs = counter(
             "maintenance_runs_total",
             "Base-table maintenance tasks run, by outcome.",
@@ -422,7 +427,8 @@ class Metrics:
         )
         self.query_seconds = Histogram(
             f"{PREFIX}_query_seconds",
-            "Query latency by kind.",
+            "Query latency by kind (fresh: this pod's answers to other pods' fan-out requests "
+            "for its memtables' rows).",
             ["kind"],
             buckets=_QUERY_BUCKETS,
             registry=r,
@@ -726,6 +732,10 @@ class Metrics:
     def fanout_missing(self, shard: str, cause: str) -> None:
         """A query lacked another pod's fresh rows of a shard (ReaderEvents)."""
         self.fanout_missing_total.labels(cause).inc()
+
+    def fanout_stale_base(self) -> None:
+        """A query runs again: an owner pod flushed past its base version (ReaderEvents)."""
+        self.fanout_stale_base_total.inc()
 
 
 def resident_bytes() -> int | None:

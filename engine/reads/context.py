@@ -50,6 +50,7 @@ class ReaderEvents(Protocol):
     def query(self, kind: str, seconds: float, rows: int) -> None: ...
     def shard_skipped(self, shard: str, error: BaseException) -> None: ...
     def fanout_missing(self, shard: str, cause: str) -> None: ...
+    def fanout_stale_base(self) -> None: ...
 
 
 class NoReaderEvents:
@@ -62,6 +63,9 @@ class NoReaderEvents:
         return None
 
     def fanout_missing(self, shard: str, cause: str) -> None:
+        return None
+
+    def fanout_stale_base(self) -> None:
         return None
 
 
@@ -178,6 +182,7 @@ class ReadContext:
             try:
                 result = query(snap)
             except StaleBase as exc:
+                self.events.fanout_stale_base()
                 log.info(
                     "fanout_stale_base", base_version=int(snap.base.version), needed=exc.version
                 )

@@ -29,6 +29,7 @@ Errors: a bad request raises `QueryError` (the HTTP layer answers 400).
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,12 @@ class FreshServer:
         Raises:
             QueryError: the request is malformed.
         """
+        started = time.monotonic()
+        answer = self._answer(body)
+        self.ctx.events.query("fresh", time.monotonic() - started, 0)
+        return answer
+
+    def _answer(self, body: bytes) -> bytes:
         try:
             keys, meta = unpack(body)
             version = int(meta["base_version"])

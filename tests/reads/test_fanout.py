@@ -504,6 +504,10 @@ def test_a_flush_between_the_base_snapshot_and_the_owners_view(
             assert set(want) <= set(got), f"{name}: rows lost in the flush"
         assert len(opened) >= 2, f"{name}: the query did not run again"
         assert opened[-1] > opened[0]
+    # Each query ran again once (the metric operators see), and B counted its answers.
+    assert a.events.stale_base == len(queries)
+    assert "fresh" in b.events.kinds
+    assert "fresh" not in a.events.kinds
 
 
 def test_an_owner_that_does_not_answer_is_named_within_the_deadline(

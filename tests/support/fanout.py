@@ -25,13 +25,22 @@ TOKEN = "s3cret"
 
 
 class Events(NoReaderEvents):
-    """Records the shards queries lacked (what the metrics facade counts)."""
+    """Records the shards queries lacked, the queries run again on a newer base, and the
+    kinds of queries answered (what the metrics facade counts)."""
 
     def __init__(self) -> None:
         self.missing: list[tuple[str, str]] = []
+        self.stale_base = 0
+        self.kinds: list[str] = []
+
+    def query(self, kind: str, seconds: float, rows: int) -> None:
+        self.kinds.append(kind)
 
     def fanout_missing(self, shard: str, cause: str) -> None:
         self.missing.append((shard, cause))
+
+    def fanout_stale_base(self) -> None:
+        self.stale_base += 1
 
 
 def coordinator_fanout(

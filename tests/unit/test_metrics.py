@@ -82,7 +82,14 @@ EXPECTED = {
     "lance_sink_offsets_skipped": "Offsets the broker deleted (retention, DeleteRecords) before "
     "the sink read them: the sink resumed at the log start, their messages are not in the "
     "table.",
-    "lance_sink_query_seconds": "Query latency by kind.",
+    "lance_sink_query_seconds": (
+        "Query latency by kind (fresh: this pod's answers to other pods' fan-out requests "
+        "for its memtables' rows)."
+    ),
+    "lance_sink_query_fanout_stale_base": (
+        "Queries run again on a newer base version because a pod they asked for fresh rows "
+        "had flushed past the base version they read."
+    ),
     "lance_sink_query_fanout_missing_shards": (
         "Shards whose fresh rows a query lacked (answered partial, or failed) because the "
         "pod listed as their owner did not answer in time (timeout), answered with an error "
