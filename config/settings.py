@@ -1242,6 +1242,13 @@ class QuerySettings(_Section):
         default=ByteSize(4 << 20), description="Larger request bodies get 413."
     )
     timeout_ms: PositiveInt = Field(default=10_000, description="Longer queries get 504.")
+    slow_query_ms: PositiveInt | None = Field(
+        default=1_000,
+        description="Queries, and answers to other pods' fan-out requests, that take longer "
+        "are logged (query_slow, a warning) with the milliseconds their thread spent in each "
+        "stage of the read path: waiting for other pods' fresh rows, loading base fragments "
+        "no index covers yet, Lance's search, statistics. null: none are logged.",
+    )
     max_concurrent_queries: PositiveInt = Field(
         default=8,
         le=1_024,

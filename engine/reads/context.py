@@ -35,6 +35,7 @@ from engine.reads import snapshot as snapshots
 from engine.reads.remote import STALE_BASE_RETRIES, Fanout, FanoutReport, StaleBase
 from engine.reads.snapshot import Snapshot
 from engine.reads.stats import StatsCache
+from engine.reads.trace import stage
 from engine.schema import TableSpec
 from engine.shard import ShardWriter
 from engine.table import BaseTable
@@ -163,9 +164,10 @@ class ReadContext:
             def remote(base: lance.LanceDataset, local: set[str]) -> Any:
                 return fanout.tier(local, int(base.version), self.spec)
 
-        return snapshots.take(
-            self.spec, self.shards(), self.open_base, self.events.shard_skipped, remote
-        )
+        with stage("snapshot"):
+            return snapshots.take(
+                self.spec, self.shards(), self.open_base, self.events.shard_skipped, remote
+            )
 
     def run(self, query: Callable[[Snapshot], T], report: FanoutReport | None) -> T:
         """`query` on a new snapshot; again on a newer one while an owner pod flushed past

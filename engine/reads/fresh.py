@@ -45,6 +45,7 @@ from engine.reads.remote import PART, PARTS, pack, unpack
 from engine.reads.scan import tier_rows
 from engine.reads.snapshot import Snapshot
 from engine.reads.text import TextSearch
+from engine.reads.trace import stage
 from engine.reads.vector import VectorSearch
 from engine.schema import TableSpec
 from engine.shard import ShardWriter
@@ -112,14 +113,16 @@ class FreshServer:
             except ValueError as exc:  # Lance: no such version
                 raise QueryError(f"base version {version} cannot be opened: {exc}") from exc
 
-        snap = snapshots.take(self.spec, writers, open_base, skipped)
+        with stage("snapshot"):
+            snap = snapshots.take(self.spec, writers, open_base, skipped)
         if snap.dropped_through > version:
             return pack(pa.table({}), {"stale_base": snap.dropped_through})
-        if kind == PARTS:  # every part from this one snapshot
-            answers = [pack(*self._run(str(m["kind"]), m, k, snap)) for k, m in parts]
-            table, extra = pa.table({PART: pa.array(answers, pa.binary())}), dict[str, Any]()
-        else:
-            table, extra = self._run(kind, meta, keys, snap)
+        with stage("memtables"):
+            if kind == PARTS:  # every part from this one snapshot
+                answers = [pack(*self._run(str(m["kind"]), m, k, snap)) for k, m in parts]
+                table, extra = pa.table({PART: pa.array(answers, pa.binary())}), dict[str, Any]()
+            else:
+                table, extra = self._run(kind, meta, keys, snap)
         return pack(table, {"served": served, "refused": refused, **extra})
 
     def _run(

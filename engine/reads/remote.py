@@ -49,6 +49,7 @@ import structlog
 import urllib3
 
 from engine.reads.owners import Owner, ShardOwners
+from engine.reads.trace import stage
 from engine.schema import TableSpec
 
 log = structlog.get_logger("lance_sink.reader")
@@ -329,7 +330,8 @@ class RemoteTier:
         for url, future in futures.items():
             remaining = deadline - time.monotonic()
             try:
-                data = future.result(timeout=max(remaining, 0.0))
+                with stage("fanout_wait"):
+                    data = future.result(timeout=max(remaining, 0.0))
             except (FutureTimeout, urllib3.exceptions.TimeoutError):
                 # Whichever fires first: this wait, or the request's own socket timeout.
                 future.cancel()

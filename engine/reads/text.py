@@ -57,6 +57,7 @@ from engine.reads.merge import SCORE, Candidates, materialise, select, top
 from engine.reads.remote import Asked, FanoutReport, RemoteAnswer, RemoteTier, Started
 from engine.reads.snapshot import SCAN_BATCH_READAHEAD, SCAN_IO_BUFFER_BYTES, Snapshot
 from engine.reads.tiers import FLUSHED_TIER, FlushedTier, MemtableTier
+from engine.reads.trace import stage
 from engine.schema import TableSpec
 from engine.unindexed import FlushedText, covered_fragments
 
@@ -237,28 +238,8 @@ class TextSearch:
 
         def begin(snap: Snapshot) -> Started:
             column = name
-            # Flushed memtables standing for base fragments the text index lacks: scored
-            # here, counted in the base's statistics already, and Lance searches only
-            # indexed rows.
-            held = None if self.flushed_text is None else self.flushed_text.views(snap.base, column)
-            flushed = [FlushedTier(h, snap.base, self.spec) for h in held or ()]
-            # Before the column's first index they stand for the whole base, and are scored
-            # as `unindexed_base_bm25` scores it (the base's own statistics, exact) without
-            # tokenising it again for every query.
-            whole = held is not None and self.text_index_coverage(snap.base, column) is None
-            base = ctx.meanwhile(
-                self._text_base,
-                snap,
-                text,
-                words,
-                column,
-                phrase,
-                predicate,
-                k,
-                fetch,
-                held is not None,
-            )
-            n_base, avgdl_base, _, _ = self.base_text_stats(snap.base, column)
+            with stage("text_stats"):
+                n_base, avgdl_base, _, _ = self.base_text_stats(snap.base, column)
             remote = snap.remote
             request: dict[str, Any] = {
                 "kind": "text",
@@ -282,9 +263,40 @@ class TextSearch:
                 }
 
             def finish(pending: Asked | None) -> pa.Table:
-                # While the owners answer: this process's memtables, and the base's document
-                # frequencies (a rare term's first count may take up to DF_WAIT_S).
-                mem = self.memtable_terms([*snap.tiers, *([] if whole else flushed)], column, terms)
+                # While the owners answer (their requests went out first): the flushed
+                # memtables standing for base fragments the text index lacks (one just
+                # flushed by another pod may have to be read back first), scored here and
+                # counted in the base's statistics already, while Lance searches only
+                # indexed rows.
+                with stage("text_unindexed_load"):
+                    held = (
+                        None
+                        if self.flushed_text is None
+                        else self.flushed_text.views(snap.base, column)
+                    )
+                flushed = [FlushedTier(h, snap.base, self.spec) for h in held or ()]
+                # Before the column's first index they stand for the whole base, and are
+                # scored as `unindexed_base_bm25` scores it (the base's own statistics,
+                # exact) without tokenising it again for every query.
+                whole = held is not None and self.text_index_coverage(snap.base, column) is None
+                base = ctx.meanwhile(
+                    self._text_base,
+                    snap,
+                    text,
+                    words,
+                    column,
+                    phrase,
+                    predicate,
+                    k,
+                    fetch,
+                    held is not None,
+                )
+                # Then this process's memtables, and the base's document frequencies (a
+                # rare term's first count may take up to DF_WAIT_S).
+                with stage("memtables"):
+                    mem = self.memtable_terms(
+                        [*snap.tiers, *([] if whole else flushed)], column, terms
+                    )
                 documents, length, df = mem.documents, mem.length, dict(mem.df)
                 if whole:
                     of_base = self.memtable_terms(flushed, column, terms, count_flushed=True)
@@ -293,7 +305,8 @@ class TextSearch:
                         base_avgdl = of_base.length / base_n
                 else:
                     base_n, base_avgdl = n_base, avgdl_base
-                    base_df = {t: self.base_df(snap.base, column, t) for t in terms}
+                    with stage("text_stats"):
+                        base_df = {t: self.base_df(snap.base, column, t) for t in terms}
                 answers = [] if pending is None else pending.result()
                 for answer in answers:  # their memtables count in the corpus statistics too
                     documents += int(answer.meta["documents"])
@@ -314,7 +327,8 @@ class TextSearch:
                             of_base, words, phrase, base_idf, base_avgdl, predicate, k, fetch
                         )
                     )
-                parts.append(base.result())
+                with stage("base_wait"):
+                    parts.append(base.result())
                 if remote is None or pending is None:
                     return top(parts, SCORE, k, ascending=False)
                 exact = {"idf": term_idf, "avgdl": avgdl, "k": k}

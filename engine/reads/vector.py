@@ -42,8 +42,9 @@ from engine.reads.merge import DISTANCE, Candidates, materialise, top
 from engine.reads.remote import Asked, FanoutReport, Started
 from engine.reads.snapshot import SCAN_BATCH_READAHEAD, SCAN_IO_BUFFER_BYTES, Snapshot
 from engine.reads.tiers import MemtableTier
+from engine.reads.trace import stage
 from engine.schema import TableSpec, vector_matrix
-from engine.unindexed import CachedFragment, UnindexedFragments, covered_fragments
+from engine.unindexed import CachedFragment, Covering, UnindexedFragments, covered_fragments
 
 #: Fast path of a memtable batch's kNN: when at most this many rows of the batch are
 #: excluded (dead, filtered out), ask faiss for k + excluded neighbours and drop the
@@ -185,9 +186,12 @@ class VectorSearch:
                 }
 
             def finish(remote: Asked | None) -> pa.Table:
-                parts = self.memtable_part(snap, query, k, predicate, fetch)
+                with stage("memtables"):
+                    parts = self.memtable_part(snap, query, k, predicate, fetch)
                 fresh_first = base.fresh(limit)
-                first = top([lance_first.result(), *fresh_first], DISTANCE, limit, ascending=True)
+                with stage("base_wait"):
+                    lance_part = lance_first.result()
+                first = top([lance_part, *fresh_first], DISTANCE, limit, ascending=True)
                 if remote is not None:
                     parts.extend(snap.remote_rows(remote.result()))
                 parts.append(snap.base_overfetch(k, base.fetch, first))
@@ -348,32 +352,40 @@ class VectorSearch:
         # The fragments the index does not cover yet (all of them before it exists): Lance
         # searches only the indexed ones (fast_search), if any, and faiss the rest, held in
         # memory or, beyond the bound, read here (see engine.unindexed).
-        cover = self.unindexed.covering(base) if self.unindexed is not None else None
+        # Which they are is asked when the fresh part runs (`fresh_rows`, on the query's
+        # thread after its fan-out requests went out): a fragment just flushed may have to
+        # be loaded first, and the owner pods search their memtables meanwhile.
+        unindexed = self.unindexed
+        cover: list[Covering] = []
 
         def lance_rows(limit: int) -> pa.Table:
-            if cover is not None and not indexed:
+            if unindexed is not None and not indexed:
                 return pa.table({})  # no fragment is indexed
             found: pa.Table = base.to_table(
                 nearest={**nearest, "k": limit},
                 filter=None if predicate is None else predicate.sql,
                 prefilter=True,
                 columns=[*fetch, DISTANCE],
-                fast_search=cover is not None,
+                fast_search=unindexed is not None,
                 io_buffer_size=SCAN_IO_BUFFER_BYTES,
                 batch_readahead=SCAN_BATCH_READAHEAD,
             )
             return found
 
         def fresh_rows(limit: int) -> list[pa.Table]:
-            if cover is None:
+            if unindexed is None:
                 return []
-            found = self._knn_fragments(cover.held, query, limit, predicate, fetch)
-            if cover.unheld:
-                assert self.unindexed is not None
+            if not cover:  # the first round; an over-fetch's rounds use the same fragments
+                with stage("vector_unindexed_load"):
+                    cover.append(unindexed.covering(base))
+            held, unheld = cover[0].held, cover[0].unheld
+            with stage("vector_unindexed_search"):
+                found = self._knn_fragments(held, query, limit, predicate, fetch)
+            if unheld:
                 wanted = {vector_name, *fetch, *(predicate.columns if predicate else ())}
                 columns = [c for c in self.spec.table_schema.names if c in wanted]
-                for fragment in cover.unheld:
-                    batches = self.unindexed.scan(
+                for fragment in unheld:
+                    batches = unindexed.scan(
                         base,
                         fragment,
                         columns,
@@ -381,14 +393,15 @@ class VectorSearch:
                         io_buffer_size=SCAN_IO_BUFFER_BYTES,
                         batch_readahead=SCAN_BATCH_READAHEAD,
                     )
-                    found.append(
-                        top(
-                            self._knn_fragments(batches, query, limit, predicate, fetch),
-                            DISTANCE,
-                            limit,
-                            ascending=True,
+                    with stage("vector_unindexed_read"):
+                        found.append(
+                            top(
+                                self._knn_fragments(batches, query, limit, predicate, fetch),
+                                DISTANCE,
+                                limit,
+                                ascending=True,
+                            )
                         )
-                    )
             return found
 
         return BaseKnn(lance_rows, fresh_rows)

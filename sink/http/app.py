@@ -34,6 +34,7 @@ from engine.filters import (
     UnknownColumn,
 )
 from engine.reader import SCORE, FanoutReport, Reader
+from engine.reads import trace
 from engine.reads.remote import FRESH_PATH
 from engine.threads import name_os_thread
 from sink.http.errors import HttpError, add_error_handlers
@@ -86,8 +87,28 @@ def create_query_app(
 
     add_error_handlers(app)
 
-    async def run(fn: Callable[[], Any], on: QueryPool = pool) -> Any:
-        future, task = on.submit(fn)
+    slow_s = None if settings.slow_query_ms is None else settings.slow_query_ms / 1000
+
+    def traced(fn: Callable[[], Any], path: str) -> Callable[[], Any]:
+        """`fn`, its stages traced on the pool thread, logged when it is slow."""
+
+        def work() -> Any:
+            with trace.traced() as spent:
+                try:
+                    return fn()
+                finally:
+                    if slow_s is not None and spent.seconds >= slow_s:
+                        log.warning(
+                            "query_slow",
+                            path=path,
+                            ms=round(spent.seconds * 1000, 1),
+                            stages=spent.summary(),
+                        )
+
+        return work
+
+    async def run(fn: Callable[[], Any], on: QueryPool = pool, path: str = "/v1/search") -> Any:
+        future, task = on.submit(traced(fn, path))
         try:
             # shield: a timeout abandons the future instead of cancelling it (the work
             # cannot be interrupted); the pool frees its slot if it can (see `QueryPool`).
@@ -197,7 +218,10 @@ def create_query_app(
                 400, "invalid_query", f"at most {max_k} keys per lookup, got {len(body.keys)}"
             )
         report = FanoutReport(allow_partial=body.allow_partial)
-        table = await run(lambda: reader.lookup(body.keys, columns=body.columns, report=report))
+        table = await run(
+            lambda: reader.lookup(body.keys, columns=body.columns, report=report),
+            path="/v1/lookup",
+        )
         return _respond(table, request, started, report)
 
     @app.post(FRESH_PATH, include_in_schema=False)
@@ -205,7 +229,7 @@ def create_query_app(
         """Another pod's fan-out request (the same token, checked by `RequestGuard`): this
         pod's memtable part of its query."""
         body = await request.body()
-        answer: bytes = await run(lambda: reader.serve_fresh(body), fresh_pool)
+        answer: bytes = await run(lambda: reader.serve_fresh(body), fresh_pool, FRESH_PATH)
         return Response(answer, media_type=ARROW_STREAM)
 
     app.add_middleware(BodyLimit, limit=int(settings.max_request_bytes))

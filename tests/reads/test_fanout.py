@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -508,6 +509,48 @@ def test_a_flush_between_the_base_snapshot_and_the_owners_view(
     assert a.events.stale_base == len(queries)
     assert "fresh" in b.events.kinds
     assert "fresh" not in a.events.kinds
+
+
+def test_a_query_asks_the_owners_before_it_waits_for_base_fragments(
+    pods: Callable[..., tuple[Pod, Pod]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A vector (text) query sends its fan-out request before it waits for the base
+    fragments no index covers to be held (loaded, read back): a fragment just flushed by
+    another pod may take a while to load, and the owner searches its memtables meanwhile.
+    Before, the query loaded first and asked after: it took the sum of the two."""
+    a, b = pods()
+    wa, wb = a.open(0), b.open(1)
+    a.put(wa, list(range(10)), 0)
+    a.flush(wa)  # a base fragment no index covers
+    b.put(wb, list(range(1000, 1010)), 1)
+    asked = threading.Event()
+    answer = b.reader.fresh.answer
+
+    def answer_noting(body: bytes) -> bytes:
+        asked.set()
+        return answer(body)
+
+    monkeypatch.setattr(b.reader.fresh, "answer", answer_noting)
+    waited: list[bool] = []  # at each wait for the base fragments: was the owner asked?
+    assert a.reader.unindexed is not None
+    assert a.reader.flushed_text is not None
+    covering, views = a.reader.unindexed.covering, a.reader.flushed_text.views
+    monkeypatch.setattr(
+        a.reader.unindexed, "covering", lambda base: waited.append(asked.wait(5)) or covering(base)
+    )
+    monkeypatch.setattr(
+        a.reader.flushed_text,
+        "views",
+        lambda base, column: waited.append(asked.wait(5)) or views(base, column),
+    )
+    found = a.reader.search_vector(vectors(np.array([1003]), DIM)[0], k=30, columns=["_offset"])
+    assert waited == [True]
+    assert set(offsets(found)) == {*range(10), *range(1000, 1010)}
+    asked.clear()
+    waited.clear()
+    found = a.reader.search_text("v0", k=30, columns=["_offset"])
+    assert waited == [True]
+    assert {o for o in offsets(found) if o >= 1000}, "the owner's rows are in the answer"
 
 
 def test_an_owner_that_does_not_answer_is_named_within_the_deadline(

@@ -256,6 +256,39 @@ def test_slow_query_is_504(harness: ReadHarness) -> None:
     reader.close()
 
 
+def test_a_slow_query_is_logged_with_the_stages_it_spent_its_time_in(
+    harness: ReadHarness,
+) -> None:
+    """Over `query.slow_query_ms` a query is logged (`query_slow`) with its stages: here
+    the snapshot (its shard views) took the time; a fast query, or with the setting null,
+    nothing is logged."""
+
+    def slow_shards() -> list[Any]:
+        time.sleep(0.3)
+        return list(harness.writers)
+
+    reader = Reader(harness.spec, harness.table, slow_shards)
+    for slow_ms, logged in ((200, True), (5_000, False), (None, False)):
+        settings = QuerySettings(slow_query_ms=slow_ms)
+        with (
+            TestClient(create_query_app(reader, settings)) as c,
+            structlog.testing.capture_logs() as logs,
+        ):
+            r = c.post("/v1/search", json={"vector": vec(120), "k": 3})
+            assert r.status_code == 200, r.text
+        slow = [e for e in logs if e["event"] == "query_slow"]
+        assert bool(slow) is logged, (slow_ms, slow)
+        if logged:
+            (entry,) = slow
+            assert entry["log_level"] == "warning"
+            assert entry["path"] == "/v1/search"
+            assert entry["ms"] >= 300
+            assert next(iter(entry["stages"])) == "snapshot"  # the largest first
+            assert entry["stages"]["snapshot"] >= 300
+            assert "memtables" in entry["stages"]
+    reader.close()
+
+
 def test_timed_out_queries_free_their_slot_and_excess_requests_get_503(
     harness: ReadHarness,
 ) -> None:
