@@ -1,7 +1,7 @@
 """Queries during a catch-up: a writer pod's own query API against a query-only process.
 
     python -m bench.catchup [--messages N] [--budget BYTES] [--shares 1,0.5] [--serve-cpu C]
-                            [--serve-cache BYTES] [--out FILE]
+                            [--serve-cache BYTES] [--query both|each] [--out FILE]
 
 One run on tansu (memory storage): N pre-produced 384-dim vector JSON messages (~4 KB with
 ~200 chars of text) consumed from a fresh group by `lance-sink run` at its backpressure
@@ -10,7 +10,11 @@ compacting), and beside it `lance-sink serve` on the same config (no consumer: t
 and the writer's memtables by fan-out). For the whole catch-up (and `--after-s` beyond it)
 two paced clients, one per process, each send one vector, one text and one filtered vector
 query per second (k = 10; a round that overruns its second starts the next at once), and
-time every query.
+time every query. With `--query each`, one catch-up per process instead, the other not
+queried: the serve round is the topology docs/deploy.md recommends (clients query the
+serve pods; the writer answers only their fan-out requests, while with both queried its
+own queries, which read what its smaller cache does not hold from storage, take the CPU
+its fan-out answers need).
 
 One round per writer `query.ingest_share` in `--shares` (a fresh group and table each, the
 same messages): 1 never yields to queries (the writer as it was), 0.5 is the default.
@@ -149,10 +153,16 @@ def wait_listening(port: int, deadline: float) -> None:
 
 
 def catch_up(
-    bootstrap: str, topic: str, messages: int, workdir: Path, args: argparse.Namespace, share: float
+    bootstrap: str,
+    topic: str,
+    messages: int,
+    workdir: Path,
+    args: argparse.Namespace,
+    share: float,
+    queried: tuple[str, ...] = ("writer", "serve"),
 ) -> dict[str, Any]:
     """One catch-up of `topic` by a fresh group into a fresh table, the writer at `share`
-    (``query.ingest_share``), both processes queried; returns the figures."""
+    (``query.ingest_share``), the `queried` processes queried; returns the figures."""
     settings = sink_settings(
         bootstrap, topic, str(workdir / "table.lance"), args.budget, args.budget
     )
@@ -186,6 +196,7 @@ def catch_up(
         clients = {
             name: PacedQueries(query_port, seed)
             for seed, (name, (_, query_port)) in enumerate(ports.items())
+            if name in queried
         }
         for client in clients.values():
             client.start()
@@ -210,6 +221,7 @@ def catch_up(
                 for kind in ("vector", "text")
             }
             for name, (metrics_port, _) in ports.items()
+            if name in queried
         }
         fresh = histogram(ports["writer"][0], "lance_sink_query_seconds", 'kind="fresh"')
         stale = metric(ports["serve"][0], "lance_sink_query_fanout_stale_base_total")
@@ -298,6 +310,14 @@ def main() -> None:
         help="pin the query-only process to this CPU and the writer to the others, as if "
         "each had a node of its own (tansu and the clients are not pinned)",
     )
+    parser.add_argument(
+        "--query",
+        choices=("both", "each"),
+        default="both",
+        help="both: the two processes queried during one catch-up; each: one catch-up per "
+        "process, the other not queried (the topology docs/deploy.md recommends: clients "
+        "query the serve pods, the writer answers only their fan-out requests)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     lines: list[str] = []
@@ -314,16 +334,24 @@ def main() -> None:
         produce(bootstrap, topic, values)
         del values
         p99s: dict[str, float] = {}
-        for share in (float(x) for x in args.shares.split(",")):
+        rounds = [
+            (float(x), queried)
+            for x in args.shares.split(",")
+            for queried in (
+                [("writer", "serve")] if args.query == "both" else [("serve",), ("writer",)]
+            )
+        ]
+        for share, queried in rounds:
             workdir = Path(tempfile.mkdtemp(prefix="lance-sink-catchup-"))
-            figures = catch_up(bootstrap, topic, args.messages, workdir, args, share)
+            figures = catch_up(bootstrap, topic, args.messages, workdir, args, share, queried)
             seconds = figures["seconds"]
+            who = "both processes" if len(queried) == 2 else f"{queried[0]} alone"
             report(
                 f"catch-up, writer query.ingest_share = {share:g}: {args.messages:,} vector "
                 f"messages of {size / 1024:.1f} KB, budget {args.budget >> 20} MiB"
                 f"{serve_cache(args)}, "
                 f"maintenance on: {seconds:.1f} s to lag 0 ({args.messages / seconds:,.0f} "
-                f"msg/s) with both processes queried; the writer paused "
+                f"msg/s) with {who} queried; the writer paused "
                 f"{figures['paused']:.1f} s for its queries"
             )
             for name, s in figures["summaries"].items():
@@ -349,7 +377,8 @@ def main() -> None:
                     f"{'':>8}queries reading unindexed base rows from storage: vector "
                     f"{fell['vector']:.0f}, text {fell['text']:.0f} times"
                 )
-            report(fresh_line(figures["fresh"], figures["stale"]))
+            if "serve" in queried:
+                report(fresh_line(figures["fresh"], figures["stale"]))
         baseline = p99s.get("writer at 1")
         if baseline:
             for name, p99 in p99s.items():
