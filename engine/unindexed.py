@@ -548,7 +548,8 @@ class UnindexedFragments:
                 used = self._used_bytes() + elsewhere
             if used + codes > self.max_bytes:
                 continue
-            pruner = build_pruner(entry.matrix, metric, PRUNE_MIN_ROWS)
+            norms = entry.norms if metric == "cosine" else None
+            pruner = build_pruner(entry.matrix, metric, PRUNE_MIN_ROWS, norms)
             if pruner is None:
                 continue
             with self._lock:

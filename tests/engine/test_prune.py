@@ -224,3 +224,35 @@ def test_the_exact_scan_of_the_eligible_rows_is_the_oracles_top_k(
         assert eligible[rows].all()
         np.testing.assert_allclose(dist, truth[want], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(np.sort(truth[rows]), truth[want], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_a_row_too_long_for_float32_gets_no_pruner(metric: str) -> None:
+    """A finite row whose squared norm overflows float32: its unit row cannot be made in
+    float32 (before, cosine took it for a zero row, code 0, and the bound did not hold for
+    it); the fragment is scanned exactly instead."""
+    matrix = np.random.default_rng(6).standard_normal((500, DIM), dtype=np.float32)
+    matrix[5] *= np.float32(1e20)
+    assert np.isfinite(matrix).all()
+    assert build_pruner(matrix, metric, min_rows=1) is None
+
+
+@pytest.mark.parametrize("kind", ["random", "zeros"])
+def test_cosine_codes_from_given_norms_are_those_from_computed_ones(kind: str) -> None:
+    """The reader hands a fragment's row norms over (it keeps them for the exact scan); the
+    pruner is the same as when it computes them, and its codes use the whole int8 range."""
+    matrix = rows_of(kind, np.random.default_rng(8))
+    norms = np.sqrt(np.einsum("ij,ij->i", matrix, matrix)).astype(np.float32)
+    given = build_pruner(matrix, "cosine", min_rows=1, norms=norms)
+    computed = build_pruner(matrix, "cosine", min_rows=1)
+    assert given is not None
+    assert computed is not None
+    codes = given.index.reconstruct_n(0, ROWS)
+    np.testing.assert_array_equal(codes, computed.index.reconstruct_n(0, ROWS))
+    assert (given.scale, given.slack, given.max_norm) == (
+        computed.scale,
+        computed.slack,
+        computed.max_norm,
+    )
+    assert np.abs(codes).max() == CODE_MAX
+    assert given.max_norm == pytest.approx(1.0, abs=1e-6)
