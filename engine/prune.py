@@ -32,6 +32,7 @@ Matrices with non-finite values, or fewer than `PRUNE_MIN_ROWS` rows, get no pru
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import faiss
@@ -108,11 +109,13 @@ def build_pruner(
     metric: str,
     min_rows: int = PRUNE_MIN_ROWS,
     norms: np.ndarray | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> Pruner | None:
     """The `Pruner` of a (rows, dim) float32 matrix under `metric` ("l2", "cosine", "dot"),
     or None: fewer than `min_rows` rows, or non-finite or all-zero values (or, for cosine,
-    a row whose norm overflows float32). `norms`: the rows' norms, as float32
-    ``sqrt(sum(row * row))`` computes them, if the caller has them (cosine).
+    a row whose norm overflows float32), or `stop` said so before a chunk. `norms`: the
+    rows' norms, as float32 ``sqrt(sum(row * row))`` computes them, if the caller has them
+    (cosine).
 
     Two passes over the matrix, `BUILD_CHUNK_ROWS` rows at a time: the largest target
     component (the scale), then the codes. The targets are made once per chunk, in the
@@ -127,6 +130,8 @@ def build_pruner(
     largest = 0.0
     max_norm = 0.0
     for start in range(0, n, BUILD_CHUNK_ROWS):
+        if stop is not None and stop():
+            return None
         rows = matrix[start : start + BUILD_CHUNK_ROWS]
         if cosine:
             assert norms is not None
@@ -154,6 +159,8 @@ def build_pruner(
     )
     slack = 0.0
     for start in range(0, n, BUILD_CHUNK_ROWS):
+        if stop is not None and stop():
+            return None
         rows = matrix[start : start + BUILD_CHUNK_ROWS]
         if cosine:
             assert norms is not None

@@ -525,18 +525,24 @@ class UnindexedFragments:
         """Build the int8 pruner (`engine.prune`) of every cached fragment that has none
         yet, as far as the bound has room: queries then scan codes instead of vectors.
 
-        Stops as soon as a query met a base version newer than `version`: its new fragments
-        are loaded first (the next refresh), pruners after. A catch-up flushes a fragment
-        every few seconds, and building the pruners of the fragments before took most of
-        the loader's time (a third of the query-only process's CPU in bench/catchup.py), so
-        the queries met the new fragments unloaded and loaded them themselves (0.35-0.77 s
-        a query)."""
+        Stops, between pruners and within one (between its chunks), as soon as a base
+        version newer than `version` met by a query has fragments not held yet: they are
+        loaded first (the next refresh), pruners after (a stopped one from the start). A
+        catch-up flushes a fragment every few seconds, and building the pruners of the
+        fragments before took most of the loader's time (a third of the query-only
+        process's CPU in bench/catchup.py), so the queries met the new fragments unloaded
+        and loaded them themselves (0.35-0.77 s a query); a pruner being built beside
+        such a load took half the CPU the query waited for."""
         assert self.spec.vector is not None
         metric = self.spec.vector.metric
         with self._lock:
             todo = [e for k, e in self._entries.items() if k not in self._prune_tried]
+
+        def stop() -> bool:
+            return self._loader.closed or self._loads_waiting(version)
+
         for entry in todo:
-            if self._loader.closed or self._newer_than(version):
+            if stop():
                 return
             with self._lock:
                 self._prune_tried.add(entry.key)
@@ -549,8 +555,12 @@ class UnindexedFragments:
             if used + codes > self.max_bytes:
                 continue
             norms = entry.norms if metric == "cosine" else None
-            pruner = build_pruner(entry.matrix, metric, PRUNE_MIN_ROWS, norms)
+            pruner = build_pruner(entry.matrix, metric, PRUNE_MIN_ROWS, norms, stop)
             if pruner is None:
+                if stop():  # not impossible, only stopped: built again later
+                    with self._lock:
+                        self._prune_tried.discard(entry.key)
+                    return
                 continue
             with self._lock:
                 used = self._used_bytes() + elsewhere
@@ -558,10 +568,16 @@ class UnindexedFragments:
                     self._entries[entry.key] = replace(entry, pruner=pruner)
                     self.pruners += 1
 
-    def _newer_than(self, version: int) -> bool:
-        """Whether a query (or the loader) met a base version newer than `version`."""
+    def _loads_waiting(self, version: int) -> bool:
+        """Whether a base version newer than `version` (met by a query, or the loader) has
+        unindexed fragments this cache does not hold."""
         with self._lock:
-            return max(self._versions, default=version) > version
+            return any(
+                key not in self._entries
+                for met, found in self._versions.items()
+                if met > version
+                for key, _, _ in found
+            )
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the background loader (idempotent) and free the cached fragments."""

@@ -5,6 +5,7 @@ and duplicates."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import faiss
@@ -12,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from engine import prune as prune_module
 from engine.prune import CODE_MAX, build_pruner
 from engine.reads import vector as vector_module
 from engine.reads.vector import PRUNE_FETCH, fragment_knn
@@ -256,3 +258,34 @@ def test_cosine_codes_from_given_norms_are_those_from_computed_ones(kind: str) -
     )
     assert np.abs(codes).max() == CODE_MAX
     assert given.max_norm == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_a_build_stops_between_chunks_when_asked(
+    metric: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`stop` is asked before every chunk of both passes; once it says so, no pruner."""
+    monkeypatch.setattr(prune_module, "BUILD_CHUNK_ROWS", 1000)
+    matrix = rows_of("random", np.random.default_rng(9))  # 6 chunks a pass
+    asked: list[int] = []
+
+    def stop_at(n: int) -> Callable[[], bool]:
+        """A `stop` that says so from its (n + 1)th question on."""
+        asked.clear()
+
+        def stop() -> bool:
+            asked.append(1)
+            return len(asked) > n
+
+        return stop
+
+    assert build_pruner(matrix, metric, 1, None, stop_at(8)) is None
+    assert len(asked) == 9  # the first pass's six chunks, then two of the second
+    built = build_pruner(matrix, metric, 1, None, stop_at(12))
+    assert built is not None
+    assert len(asked) == 12
+    unstopped = build_pruner(matrix, metric, 1)
+    assert unstopped is not None
+    np.testing.assert_array_equal(
+        built.index.reconstruct_n(0, ROWS), unstopped.index.reconstruct_n(0, ROWS)
+    )

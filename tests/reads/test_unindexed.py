@@ -337,20 +337,33 @@ def test_pruners_give_way_to_fragments_within_the_bound(
 def test_new_fragments_are_loaded_before_the_pruners_of_older_ones(
     make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The loader stops building pruners once a query met a newer base version: it loads
-    that version's fragments first, so queries do not load them themselves."""
+    """The loader stops building pruners, the one being built included (between its
+    chunks), once a query met a newer base version with fragments it does not hold: it
+    loads them first, so queries do not load them themselves, then builds the stopped
+    pruner again."""
     h = pruned_harness(make_harness, monkeypatch, "order")
+    monkeypatch.setattr(prune, "BUILD_CHUNK_ROWS", 256)
     cache = h.reader.unindexed
     assert cache is not None
     events: list[str] = []
     build, load = unindexed_module.build_pruner, cache._load
 
     def building(*args: Any) -> Any:
-        if "prune" not in events:  # the first pruner: meanwhile a flush elsewhere, met by a query
-            append_elsewhere(h, range(7000, 9000))
-            cache._unindexed(h.table.dataset())
-        events.append("prune")
-        return build(*args)
+        matrix, metric, min_rows, norms, stop = args
+        chunks = 0
+
+        def stopping() -> bool:
+            nonlocal chunks
+            chunks += 1
+            if chunks == 3 and not events.count("prune stopped"):
+                # Within the first pruner: a flush elsewhere, met by a query.
+                append_elsewhere(h, range(7000, 9000))
+                cache._unindexed(h.table.dataset())
+            return bool(stop())
+
+        pruner = build(matrix, metric, min_rows, norms, stopping)
+        events.append("prune" if pruner is not None else "prune stopped")
+        return pruner
 
     def loading(key: Any, fragment: lance.LanceFragment) -> Any:
         events.append(f"load {fragment.count_rows()}")
@@ -360,7 +373,7 @@ def test_new_fragments_are_loaded_before_the_pruners_of_older_ones(
     monkeypatch.setattr(cache, "_load", loading)
     search(h, vectors(np.array([1]), DIM)[0])  # loads both fragments, starts the loader
     wait_for(lambda: cache.pruners == 3, "the pruners were not all built")
-    assert events[:4] == ["load 1000", "load 4000", "prune", "load 2000"]
+    assert events[:4] == ["load 1000", "load 4000", "prune stopped", "load 2000"]
     assert events.count("prune") == 3
 
 
