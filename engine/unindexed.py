@@ -699,7 +699,6 @@ class FlushedText:
         self._read_back = None if read_back is None or read_back[0].upsert else read_back
         self._unfit: set[int] = set()  # fragments a read-back found no room for
         self._pending: set[int] = set()  # lacking and not held at the last `refresh`
-        self._handing_over = 0  # appends of this process whose memtable may be adopted
         self._loading: dict[int, threading.Event] = {}  # fragments being read back
         self._held: list[HeldText] = []
         self._found: dict[tuple[int, str], list[HeldText]] = {}
@@ -729,13 +728,7 @@ class FlushedText:
         if memtable.rows != rows.num_rows:
             yield _ignore_commit  # partly flushed before
             return
-        with self._lock:
-            self._handing_over += 1
-        try:
-            yield lambda ds: self._adopt(ds, memtable, rows.num_rows)
-        finally:
-            with self._lock:
-                self._handing_over -= 1
+        yield lambda ds: self._adopt(ds, memtable, rows.num_rows)
 
     def _adopt(self, ds: lance.LanceDataset, memtable: Memtable, rows: int) -> None:
         fragments = [
@@ -850,16 +843,9 @@ class FlushedText:
             self._unfit &= lacking  # indexed since: never needed again
             skip = set().union(self._unfit, *(h.ids for h in self._held))
         wanted = lacking - skip
-        # While a flush of this process is between its commit and handing its memtable
-        # over, a fragment is read back from the second pass that finds it on (it may be
-        # that flush's); otherwise at once (another pod's flush: every fragment of
-        # `lance-sink serve`, where waiting a pass made text queries meet just-flushed
-        # fragments unheld and read them back themselves, 0.2-0.6 s a query during
-        # bench/catchup.py's catch-up).
-        with self._lock:
-            handing_over = self._handing_over > 0
-        ready = wanted & self._pending if handing_over else wanted
-        self._pending = wanted
+        # A fragment is read back from the second pass that finds it on: this process's own
+        # flush hands its memtable over right after its commit, before that.
+        ready, self._pending = wanted & self._pending, wanted
         todo = [
             f
             for f in base.get_fragments()
