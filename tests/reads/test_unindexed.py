@@ -384,6 +384,29 @@ def append_elsewhere(h: ReadHarness, offsets: range) -> None:
     lance.write_dataset(table, h.spec.uri, mode="append")
 
 
+def test_a_loaded_fragments_vectors_are_viewed_not_copied(
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fragment larger than Lance's batches (8,192 rows) is read as one batch, and the
+    entry's matrix views its vectors: nothing is copied into a new matrix (fresh memory
+    made a load 2-4x slower, and queries waited for it)."""
+    h, cache = cache_in_use(make_harness)
+    copies: list[tuple[int, int]] = []
+    pool_matrix = unindexed_module.pool_matrix
+
+    def copying(rows: int, dim: int) -> np.ndarray:
+        copies.append((rows, dim))
+        return pool_matrix(rows, dim)
+
+    monkeypatch.setattr(unindexed_module, "pool_matrix", copying)
+    append_elsewhere(h, range(3000, 13000))  # one 10,000-row fragment
+    wait_for(lambda: cache.loads == 2, "the new fragment was not loaded")
+    assert copies == []
+    got, dist = search(h, vectors(np.array([12345]), DIM)[0])
+    assert got[0] == 12345
+    assert dist[0] == pytest.approx(0, abs=1e-4)
+
+
 def test_other_fragments_load_in_the_background_and_leave_once_indexed(
     make_harness: MakeHarness,
 ) -> None:
