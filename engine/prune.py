@@ -26,7 +26,8 @@ unit query, so the bound holds for it too, if loosely: many zero rows make the s
 back to the exact scan more often); dot = 1 - inner product, bounded through
 ``|<q, t> - <q~, c> / scale^2| <= |q - q~ / scale| * max|t| + |q~ / scale| * slack``.
 
-Matrices with non-finite values, or fewer than `PRUNE_MIN_ROWS` rows, get no pruner.
+Matrices with non-finite values, rows whose squared norm overflows float32, or fewer than
+`PRUNE_MIN_ROWS` rows, get no pruner.
 """
 
 from __future__ import annotations

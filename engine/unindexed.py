@@ -575,7 +575,8 @@ class UnindexedFragments:
 
     def _loads_waiting(self, version: int) -> bool:
         """Whether a base version newer than `version` (met by a query, or the loader) has
-        unindexed fragments this cache does not hold."""
+        unindexed fragments this cache does not hold (beyond the bound too: then there is
+        no room for codes either)."""
         with self._lock:
             return any(
                 key not in self._entries
