@@ -50,7 +50,16 @@ from typing import Any
 
 import numpy as np
 
-from bench.e2e import Committed, free_port, payloads, produce, scrape, tansu
+from bench.e2e import (
+    Committed,
+    free_port,
+    histogram,
+    payloads,
+    produce,
+    quantile,
+    scrape,
+    tansu,
+)
 from bench.engine import DIM, WORDS
 from bench.memory import sink_settings, toml
 
@@ -223,7 +232,7 @@ def catch_up(
             for name, (metrics_port, _) in ports.items()
             if name in queried
         }
-        fresh = histogram(ports["writer"][0], "lance_sink_query_seconds", 'kind="fresh"')
+        fresh = histogram(scrape(ports["writer"][0]), "lance_sink_query_seconds", ',kind="fresh"')
         stale = metric(ports["serve"][0], "lance_sink_query_fanout_stale_base_total")
     finally:
         for proc in procs:
@@ -254,35 +263,21 @@ def metric(port: int, name: str) -> float:
     return 0.0
 
 
-def histogram(port: int, name: str, labels: str) -> dict[str, float]:
-    """A histogram of a process's /metrics (the series with `labels`): its count, sum, and
-    the count at or below each bucket's bound (keyed by the bound as written)."""
-    out: dict[str, float] = {}
-    for line in scrape(port).splitlines():
-        if not line.startswith(name) or labels not in line:
-            continue
-        series, value = line.rsplit(" ", 1)
-        if series.startswith(name + "_count"):
-            out["count"] = float(value)
-        elif series.startswith(name + "_sum"):
-            out["sum"] = float(value)
-        elif series.startswith(name + "_bucket"):
-            out[series.split('le="')[1].split('"')[0]] = float(value)
-    return out
-
-
-def fresh_line(fresh: dict[str, float], stale: float) -> str:
-    """What the writer's answers to serve's fan-out requests took, and how often serve ran
-    a query again because the writer had flushed past its base version."""
-    count = fresh.get("count", 0.0)
+def fresh_line(fresh: list[tuple[float, float]], stale: float) -> str:
+    """What the writer's answers to serve's fan-out requests took (`fresh`: the buckets of
+    its `query_seconds{kind="fresh"}`), and how often serve ran a query again because the
+    writer had flushed past its base version."""
+    count = fresh[-1][1] if fresh else 0.0
     if not count:
         return f"{'':>8}the writer answered no fan-out request; serve ran {stale:.0f} again"
-    over = {b: count - fresh.get(b, count) for b in ("0.25", "0.5", "1.0")}
+    at_most = dict(fresh)
+    over = {le: count - at_most.get(le, count) for le in (0.25, 0.5, 1.0)}
     return (
-        f"{'':>8}the writer answered {count:.0f} fan-out requests, mean "
-        f"{fresh.get('sum', 0.0) / count * 1000:.0f} ms, over 250 ms {over['0.25']:.0f}, "
-        f"over 500 ms {over['0.5']:.0f}, over 1 s {over['1.0']:.0f}; serve ran {stale:.0f} "
-        "queries again on a newer base (the writer had flushed past theirs)"
+        f"{'':>8}the writer answered {count:.0f} fan-out requests, p50 "
+        f"{quantile(fresh, 0.5) * 1000:.0f} ms, p99 {quantile(fresh, 0.99) * 1000:.0f} ms "
+        f"(from the buckets), over 250 ms {over[0.25]:.0f}, over 500 ms {over[0.5]:.0f}, over "
+        f"1 s {over[1.0]:.0f}; serve ran {stale:.0f} queries again on a newer base (the "
+        "writer had flushed past theirs)"
     )
 
 

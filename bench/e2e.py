@@ -301,11 +301,16 @@ def ingested(text: str) -> float:
 
 def histogram(text: str, name: str, labels: str = "") -> list[tuple[float, float]]:
     """Cumulative (le, count) buckets of a histogram from the exposition (`labels`: the
-    series' other labels as exposed after `le`, e.g. `,stage="durable"`)."""
-    pattern = rf'^{name}_bucket\{{le="([^"]+)"{re.escape(labels)}\}} (\S+)$'
-    return [
-        (float(m.group(1)), float(m.group(2))) for m in re.finditer(pattern, text, re.MULTILINE)
-    ]
+    series' other labels, e.g. `,stage="durable"`, wherever the exposition puts `le` among
+    them: it sorts them by name)."""
+    wanted = {pair for pair in labels.split(",") if pair}
+    out = []
+    for m in re.finditer(rf"^{name}_bucket\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE):
+        pairs = set(m.group(1).split(","))
+        le = [pair for pair in pairs if pair.startswith("le=")]
+        if len(le) == 1 and pairs - set(le) == wanted:
+            out.append((float(le[0][len('le="') : -1]), float(m.group(2))))
+    return out
 
 
 def quantile(buckets: list[tuple[float, float]], q: float) -> float:
