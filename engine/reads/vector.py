@@ -356,7 +356,7 @@ class VectorSearch:
         # thread after its fan-out requests went out): a fragment just flushed may have to
         # be loaded first, and the owner pods search their memtables meanwhile.
         unindexed = self.unindexed
-        cover: list[Covering] = []
+        cover: Covering | None = None
 
         def lance_rows(limit: int) -> pa.Table:
             if unindexed is not None and not indexed:
@@ -373,12 +373,13 @@ class VectorSearch:
             return found
 
         def fresh_rows(limit: int) -> list[pa.Table]:
+            nonlocal cover
             if unindexed is None:
                 return []
-            if not cover:  # the first round; an over-fetch's rounds use the same fragments
+            if cover is None:  # the first round; an over-fetch's rounds use the same fragments
                 with stage("vector_unindexed_load"):
-                    cover.append(unindexed.covering(base))
-            held, unheld = cover[0].held, cover[0].unheld
+                    cover = unindexed.covering(base)
+            held, unheld = cover.held, cover.unheld
             with stage("vector_unindexed_search"):
                 found = self._knn_fragments(held, query, limit, predicate, fetch)
             if unheld:
